@@ -1,0 +1,90 @@
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC'11)
+// and the project's canonical mapping from (seed, step, layer, role, element index) to a random word
+// (NUMERICS.md section 4). The same function runs on the host and in GPU kernels, so stochastic
+// rounding and random signs are bit-identical across backends.
+#pragma once
+
+#include "mxscope/core/config.hpp"
+
+namespace mxscope::core {
+
+struct philox_block {
+  std::uint32_t word[4];
+};
+
+namespace detail {
+inline constexpr std::uint32_t philox_m0 = 0xD2511F53U;
+inline constexpr std::uint32_t philox_m1 = 0xCD9E8D57U;
+inline constexpr std::uint32_t philox_w0 = 0x9E3779B9U;  // golden ratio
+inline constexpr std::uint32_t philox_w1 = 0xBB67AE85U;  // sqrt(3) - 1
+}  // namespace detail
+
+// One Philox4x32 evaluation with `rounds` rounds (10 is the standard and the project's choice).
+MXSCOPE_HD constexpr philox_block philox4x32(philox_block counter, std::uint32_t key0, std::uint32_t key1,
+                                             int rounds = 10) {
+  for (int round = 0; round < rounds; ++round) {
+    if (round > 0) {
+      key0 += detail::philox_w0;
+      key1 += detail::philox_w1;
+    }
+    const std::uint64_t product0 = static_cast<std::uint64_t>(detail::philox_m0) * counter.word[0];
+    const std::uint64_t product1 = static_cast<std::uint64_t>(detail::philox_m1) * counter.word[2];
+    const std::uint32_t hi0 = static_cast<std::uint32_t>(product0 >> 32);
+    const std::uint32_t lo0 = static_cast<std::uint32_t>(product0);
+    const std::uint32_t hi1 = static_cast<std::uint32_t>(product1 >> 32);
+    const std::uint32_t lo1 = static_cast<std::uint32_t>(product1);
+    counter = philox_block{{hi1 ^ counter.word[1] ^ key0, lo1, hi0 ^ counter.word[3] ^ key1, lo0}};
+  }
+  return counter;
+}
+
+// FNV-1a, 32-bit, over a NUL-terminated or sized byte string: the layer-name part of the tag.
+MXSCOPE_HD constexpr std::uint32_t fnv1a32(const char* text, std::uint64_t length) {
+  std::uint32_t hash = 2166136261U;
+  for (std::uint64_t i = 0; i < length; ++i) {
+    hash ^= static_cast<std::uint8_t>(text[i]);
+    hash *= 16777619U;
+  }
+  return hash;
+}
+
+// Roles of the random streams (NUMERICS.md section 4).
+enum class random_role : std::uint32_t { none = 0, dy = 1, x = 2, w = 3, signs = 7 };
+
+enum class seed_policy : std::uint8_t {
+  per_step,  // the true training step enters the counter: a fresh pattern every step
+  fixed,     // step 0 is used for every step: the same pattern every step
+};
+
+MXSCOPE_HD constexpr std::uint32_t policy_step(seed_policy policy, std::uint32_t step) {
+  return policy == seed_policy::fixed ? 0U : step;
+}
+
+MXSCOPE_HD constexpr std::uint32_t stream_tag(std::uint32_t layer_hash, random_role role) {
+  return layer_hash ^ static_cast<std::uint32_t>(role);
+}
+
+// A random stream: element n draws word n % 4 of philox(counter = (n/4 lo, n/4 hi, step, tag),
+// key = (seed lo, seed hi)).
+struct random_stream {
+  std::uint64_t seed = 0;
+  std::uint32_t step = 0;  // after the seed policy was applied
+  std::uint32_t tag = 0;
+
+  MXSCOPE_HD constexpr philox_block block(std::uint64_t block_index) const {
+    return philox4x32(philox_block{{static_cast<std::uint32_t>(block_index),
+                                    static_cast<std::uint32_t>(block_index >> 32), step, tag}},
+                      static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
+  }
+  MXSCOPE_HD constexpr std::uint32_t word(std::uint64_t element_index) const {
+    return block(element_index / 4).word[element_index % 4];
+  }
+};
+
+// Random123 known-answer vectors (kat_vectors, philox4x32 10), pinned at compile time.
+static_assert(philox4x32({{0, 0, 0, 0}}, 0, 0).word[0] == 0x6627e8d5U);
+static_assert(philox4x32({{0, 0, 0, 0}}, 0, 0).word[3] == 0x9b00dbd8U);
+static_assert(philox4x32({{0x243f6a88U, 0x85a308d3U, 0x13198a2eU, 0x03707344U}}, 0xa4093822U, 0x299f31d0U).word[0] ==
+              0xd16cfe09U);
+
+}  // namespace mxscope::core
