@@ -111,10 +111,11 @@ MXSCOPE_HD constexpr std::uint32_t max_finite_code(element_kind kind) {
   return 0U;
 }
 
-// Smallest exponent of a normal value (1 - bias); for int8 the exponent of its unit (-6).
+// Smallest exponent of a normal value (1 - bias); for int8 the exponent of its unit (-6). E8M0 has
+// no subnormals: its exponent field 0 is the normal value 2^-127.
 MXSCOPE_HD constexpr int min_normal_exponent(element_kind kind) {
   const auto& f = spec(kind);
-  return f.is_integer ? -f.bias : 1 - f.bias;
+  return (f.is_integer || f.specials == special_encoding::nan_ff) ? -f.bias : 1 - f.bias;
 }
 
 // Exponent of the spacing between neighbouring values below the min normal (and of int8's grid).
@@ -329,6 +330,7 @@ static_assert(min_subnormal(element_kind::fp8_e5m2) == 1.0 / 65536.0);
 static_assert(max_normal(element_kind::int8) == 127.0 / 64.0 && min_subnormal(element_kind::int8) == 1.0 / 64.0);
 static_assert(decode(element_kind::e8m0, 127) == 1.0 && decode(element_kind::e8m0, 0) == pow2(-127));
 static_assert(decode(element_kind::e8m0, 0xFE) == pow2(127));
+static_assert(min_subnormal(element_kind::e8m0) == pow2(-127) && min_normal(element_kind::e8m0) == pow2(-127));
 static_assert(max_normal(element_kind::ue4m3) == 448.0);
 static_assert(emax_elem(element_kind::fp4_e2m1) == 2 && emax_elem(element_kind::fp6_e2m3) == 2);
 static_assert(emax_elem(element_kind::fp6_e3m2) == 4 && emax_elem(element_kind::fp8_e4m3) == 8);
