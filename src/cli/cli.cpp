@@ -1,10 +1,75 @@
+// The CLI entry: builds the CLI11 application from the registered commands, parses, runs the chosen
+// command and maps failures to the exit codes of the contract (0 ok, 1 check failed, 2 bad input).
 #include "mxscope/cli/cli.hpp"
 
+#include <fmt/format.h>
+
+#include <new>
 #include <ostream>
 
+#include "commands.hpp"
+#include "mxscope/errors.hpp"
+
 namespace mxscope::cli {
-int run(int, const char* const*, std::ostream&, std::ostream& err) {
-  err << "mxscope: no command\n";
+
+namespace {
+
+using registration = void (*)(CLI::App&, command_list&);
+
+// One line per command.
+constexpr registration registrations[] = {
+    add_inspect_command,
+    add_quantize_command,
+};
+
+int execute(const command& chosen, std::ostream& out, std::ostream& err) {
+  const std::string prefix = "mxscope " + chosen.subcommand->get_name();
+  int code = 2;
+  try {
+    code = chosen.run(out, err);
+  } catch (const input_error& error) {
+    err << prefix << ": error: " << error.what() << '\n';
+    code = 2;
+  } catch (const check_failed& error) {
+    err << prefix << ": check failed: " << error.what() << '\n';
+    code = 1;
+  } catch (const std::bad_alloc&) {
+    err << prefix << ": error: out of memory\n";
+    code = 2;
+  } catch (const std::exception& error) {
+    err << prefix << ": error: " << error.what() << '\n';
+    code = 2;
+  }
+  out.flush();
+  err.flush();
+  return code;
+}
+
+}  // namespace
+
+int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"mxscope: replay captured GEMM operands under MX microscaling formats and measure the error",
+               "mxscope"};
+  app.set_version_flag("--version", fmt::format("mxscope {}", version_text()), "Print the version and git hash");
+  app.require_subcommand(1);
+  command_list commands;
+  for (const registration add : registrations) add(app, commands);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    if (error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      app.exit(error, out, err);  // --help, --help-all, --version
+      return 0;
+    }
+    err << "mxscope: usage error: " << error.what() << "\n(run 'mxscope --help' or 'mxscope COMMAND --help')\n";
+    return 2;
+  }
+  for (const auto& candidate : commands) {
+    if (candidate.subcommand->parsed()) return execute(candidate, out, err);
+  }
+  err << "mxscope: usage error: no command given\n";
   return 2;
 }
+
 }  // namespace mxscope::cli
