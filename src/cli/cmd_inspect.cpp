@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/dump.hpp"
 #include "mxscope/io/safetensors.hpp"
 
 namespace mxscope::cli {
@@ -57,12 +58,13 @@ int run_inspect(const inspect_options& options, std::ostream& out) {
   const std::filesystem::path path(options.path);
   std::error_code status_error;
   if (std::filesystem::is_directory(path, status_error)) {
-    if (std::filesystem::exists(path / "manifest.json", status_error)) {
-      throw input_error(fmt::format("{}: is a dump directory (manifest.json); inspect supports single .safetensors "
-                                    "files only so far, pass one of its entry files",
-                                    options.path));
+    if (io::is_dump_directory(path)) {
+      io::describe_dump(path, out);
+      return 0;
     }
-    throw input_error(fmt::format("{}: is a directory without manifest.json; expected a .safetensors file", options.path));
+    throw input_error(fmt::format("{}: is a directory without manifest.json; expected a .safetensors file or a dump "
+                                  "directory",
+                                  options.path));
   }
   inspect_safetensors(path, out);
   return 0;
@@ -74,7 +76,7 @@ void add_inspect_command(CLI::App& app, command_list& commands) {
   auto options = std::make_shared<inspect_options>();
   CLI::App* sub = app.add_subcommand("inspect", "List the tensors of a safetensors file: dtype, shape, range, "
                                                 "non-finite counts, metadata");
-  sub->add_option("path", options->path, "A .safetensors file")->required();
+  sub->add_option("path", options->path, "A .safetensors file or a dump directory (manifest.json)")->required();
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_inspect(*options, out); }});
 }
 
