@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/quantize_fast.hpp"
 
 namespace mxscope {
 
@@ -472,7 +473,11 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options) 
       out.scale_rows = options.axis == 1 ? input.rows : blocks;
       out.scale_cols = options.axis == 1 ? blocks : input.cols;
       out.scales.assign(static_cast<std::size_t>(out.scale_rows * out.scale_cols), 0);
-      quantize_mx(input, out);
+      if (fast_quantize_enabled() && fast_quantize_covers(options)) {
+        quantize_mx_fast_into(input, out);  // the same bits from the fp32 bit patterns (quantize_fast.hpp)
+      } else {
+        quantize_mx(input, out);
+      }
       break;
     }
     case quant_scheme::nvfp4: {

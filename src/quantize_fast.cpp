@@ -1,0 +1,998 @@
+// Fast MX quantizer (see include/mxscope/quantize_fast.hpp for what it covers and why it is exact).
+//
+// The element encode works on the fp32 bits. With |v| = S * 2^t (S the 24-bit significand with its
+// leading one restored, t the exponent of its last bit) and the block's shared exponent e:
+//   binade = max(floor(log2 |v / 2^e|), min normal exponent of the element format)
+//   ulp    = 2^(binade - mantissa_bits)            (the element format's spacing at |v / 2^e|)
+//   steps  = S * 2^(t - e) / ulp = S / 2^shift, shift = binade - mantissa_bits + e - t >= 6
+//   code   = ((binade + bias - 1) << mantissa_bits) + round(steps), then clamped to the largest
+//            finite code (a carry out of the mantissa lands in the exponent field by itself).
+// `round` looks only at the dropped bits of S, so every rounding mode is exact integer arithmetic.
+// The shared exponent comes from the bits of the block's amax the same way. The dequantized value
+// is the element's exact fp32 value times 2^e as an fp32 product, which is exact (or overflows to
+// inf) for every code and exponent, as the canonical double product rounded to fp32 is.
+//
+// The file is compiled once per SIMD target by Highway's foreach_target mechanism: the part between
+// the include guard below is shared, the HWY_NAMESPACE part is per target, and the HWY_ONCE part
+// holds the drivers and the public functions.
+
+#ifndef MXSCOPE_SRC_QUANTIZE_FAST_SHARED
+#define MXSCOPE_SRC_QUANTIZE_FAST_SHARED
+
+// SSSE3-only CPUs are rare and AVX3_DL adds nothing this code uses over AVX3: skipping both keeps
+// the compile time of this file down. The baseline target of GCC 12 (HWY_SCALAR, one lane) lacks
+// some of the operations below and uses the portable loops instead.
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_AVX3_DL)
+#endif
+
+#include "mxscope/quantize_fast.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "mxscope/errors.hpp"
+
+namespace mxscope::fast_detail {
+
+namespace core = mxscope::core;
+
+inline constexpr std::uint32_t fp32_magnitude_mask = 0x7fffffffU;
+inline constexpr std::int32_t fp32_infinity_bits = 0x7f800000;
+inline constexpr std::uint32_t fp32_quiet_nan_bits = 0x7fc00000U;  // std::numeric_limits<float>::quiet_NaN()
+// |v / 2^e| has floor(log2) = leading_biased + biased - binade_bias - e, where leading_biased is the
+// fp32 biased exponent of the significand S converted to float (127 + its leading bit position),
+// biased is v's exponent field (at least 1) and 150 = 127 + 23 is the bias of the last bit.
+inline constexpr std::int32_t binade_bias = 127 + 150;
+// Rounding shifts at or above this drop all 24 significand bits and leave less than half: they
+// round to zero under rne, rna and rtz, so the shift is clamped there.
+inline constexpr std::int32_t all_dropped_shift = 25;
+
+// The element format's constants, derived from the core format table.
+struct element_params {
+  core::element_kind kind;
+  int bits;
+  int mantissa_bits;
+  int bias;
+  int min_exponent;  // exponent of the smallest normal value
+  int emax;          // exponent of the largest power of two <= max normal
+  std::int32_t max_code;          // the largest finite magnitude code
+  std::uint32_t sign_bit;         // the sign bit of a code
+  std::uint32_t max_significand;  // max normal / 2^emax with its leading one at bit 23 (scale rule ceil)
+  double max_normal;
+  float magnitude_value[128];  // exact value of each magnitude code 0..max_code
+};
+
+inline element_params make_params(core::element_kind kind) {
+  const auto& format = core::spec(kind);
+  element_params params{};
+  params.kind = kind;
+  params.bits = format.bits;
+  params.mantissa_bits = format.mantissa_bits;
+  params.bias = format.bias;
+  params.min_exponent = core::min_normal_exponent(kind);
+  params.emax = core::emax_elem(kind);
+  params.max_code = static_cast<std::int32_t>(core::max_finite_code(kind));
+  params.sign_bit = core::sign_bit(kind);
+  params.max_normal = core::max_normal(kind);
+  params.max_significand = static_cast<std::uint32_t>(params.max_normal * core::pow2(23 - params.emax));
+  for (std::int32_t code = 0; code <= params.max_code; ++code) {
+    params.magnitude_value[code] = static_cast<float>(core::decode(kind, static_cast<std::uint32_t>(code)));
+  }
+  return params;
+}
+
+// The block's shared exponent (core::shared_exponent) computed from the bits of a finite amax >= 0.
+inline int shared_exponent_from_bits(const element_params& params, core::scale_rule rule, std::uint32_t amax_bits) {
+  if (amax_bits == 0) return core::scale_exponent_min;
+  const int biased = static_cast<int>(amax_bits >> 23);
+  int leading = 0;
+  std::uint32_t significand = 0;  // normalized: the leading one at bit 23
+  if (biased != 0) {
+    leading = biased - 127;
+    significand = (amax_bits & 0x007fffffU) | 0x00800000U;
+  } else {
+    const int top_bit = 31 - __builtin_clz(amax_bits);
+    leading = -149 + top_bit;
+    significand = amax_bits << (23 - top_bit);
+  }
+  int exponent = leading - params.emax;
+  switch (rule) {
+    case core::scale_rule::floor: break;
+    case core::scale_rule::ceil:
+      if (significand > params.max_significand) ++exponent;
+      break;
+    case core::scale_rule::even: {
+      const int dropped_bits = 23 - params.mantissa_bits;
+      const std::uint32_t kept = significand >> dropped_bits;
+      const std::uint32_t rounded = (significand + (1U << (dropped_bits - 1)) - 1U + (kept & 1U)) >> dropped_bits;
+      if (rounded >= (1U << (params.mantissa_bits + 1))) ++exponent;
+      break;
+    }
+  }
+  return std::clamp(exponent, core::scale_exponent_min, core::scale_exponent_max);
+}
+
+// 2^e as fp32 for -149 <= e <= 127 (exact; subnormal below -126).
+inline float power_of_two_float(int exponent) {
+  if (exponent >= -126) return core::bits_float(static_cast<std::uint32_t>(exponent + 127) << 23);
+  return core::bits_float(1U << (exponent + 149));
+}
+
+// What every element of a block needs from its shared exponent e.
+struct block_constants {
+  int exponent;
+  std::int32_t binade_offset;         // binade_bias + e
+  std::int32_t saturation_threshold;  // bits of max normal * 2^e: a larger |v| saturates
+  float scale_power;                  // 2^e
+};
+
+inline block_constants make_block_constants(const element_params& params, int exponent) {
+  block_constants constants{};
+  constants.exponent = exponent;
+  constants.binade_offset = binade_bias + exponent;
+  // max normal * 2^e has at most 4 significant bits and is >= 6 * 2^-127, so it is an exact fp32
+  // value unless it overflows; then no finite input saturates.
+  const double threshold = params.max_normal * core::pow2(exponent);
+  constants.saturation_threshold = threshold > static_cast<double>(FLT_MAX)
+                                       ? fp32_infinity_bits
+                                       : static_cast<std::int32_t>(core::float_bits(static_cast<float>(threshold)));
+  constants.scale_power = power_of_two_float(exponent);
+  return constants;
+}
+
+struct element_code {
+  std::uint32_t code;  // with the sign bit
+  std::uint32_t magnitude_code;
+  bool saturated;
+  bool flushed;
+};
+
+// One finite element against its block's constants: the scalar form of the SIMD lanes below.
+inline element_code encode_element(const element_params& params, core::rounding_mode mode, int sr_bits,
+                                   std::uint32_t bits, const block_constants& block, std::uint32_t random_word) {
+  const std::uint32_t magnitude = bits & fp32_magnitude_mask;
+  const std::int32_t biased = std::max(static_cast<std::int32_t>(magnitude >> 23), 1);
+  const std::uint32_t significand = magnitude - (static_cast<std::uint32_t>(biased - 1) << 23);
+  const std::int32_t leading_biased = significand == 0 ? 0 : 127 + 31 - __builtin_clz(significand);
+  const std::int32_t binade = std::max(leading_biased + biased - block.binade_offset, params.min_exponent);
+  const std::int32_t shift = binade + (block.binade_offset - 127 - params.mantissa_bits) - biased;
+  std::uint32_t steps = 0;
+  switch (mode) {
+    case core::rounding_mode::rne: {
+      const int clamped = std::min(shift, all_dropped_shift);
+      const std::uint32_t odd = (significand >> clamped) & 1U;
+      steps = (significand + (1U << (clamped - 1)) - 1U + odd) >> clamped;
+      break;
+    }
+    case core::rounding_mode::rna: {
+      const int clamped = std::min(shift, all_dropped_shift);
+      steps = (significand + (1U << (clamped - 1))) >> clamped;
+      break;
+    }
+    case core::rounding_mode::rtz: steps = significand >> std::min(shift, all_dropped_shift); break;
+    case core::rounding_mode::sr: {
+      // F = dropped / 2^shift; round up iff floor(F * 2^R) + (word >> (32 - R)) >= 2^R.
+      const int clamped = std::min(shift, 24);
+      steps = significand >> clamped;
+      const std::uint64_t dropped = significand - (steps << clamped);
+      const int scale_up = sr_bits - shift;
+      const std::uint64_t top = scale_up >= 0 ? dropped << scale_up : (-scale_up >= 32 ? 0U : dropped >> -scale_up);
+      const std::uint64_t draw = random_word >> (32 - sr_bits);
+      if (top + draw >= (std::uint64_t{1} << sr_bits)) ++steps;
+      break;
+    }
+  }
+  const std::int32_t unclamped = ((binade + params.bias - 1) << params.mantissa_bits) + static_cast<std::int32_t>(steps);
+  const std::int32_t magnitude_code = std::min(unclamped, params.max_code);
+  element_code result{};
+  result.magnitude_code = static_cast<std::uint32_t>(magnitude_code);
+  result.code = result.magnitude_code | ((bits >> 31) != 0 ? params.sign_bit : 0U);
+  result.saturated = static_cast<std::int32_t>(magnitude) > block.saturation_threshold;
+  result.flushed = magnitude_code == 0 && magnitude != 0;
+  return result;
+}
+
+inline float dequantize_element(const element_params& params, const element_code& code, const block_constants& block,
+                                std::uint32_t input_bits) {
+  const float magnitude = params.magnitude_value[code.magnitude_code] * block.scale_power;
+  return core::bits_float(core::float_bits(magnitude) | (input_bits & 0x80000000U));
+}
+
+inline void store_code(std::uint8_t* code_row, int bits, std::int64_t column, std::uint32_t code) {
+  if (bits == 4) {
+    // The even element comes first along a row and owns the byte; the odd one adds its nibble.
+    std::uint8_t& byte = code_row[column / 2];
+    byte = (column % 2 == 0) ? static_cast<std::uint8_t>(code) : static_cast<std::uint8_t>(byte | (code << 4));
+  } else {
+    code_row[column] = static_cast<std::uint8_t>(code);
+  }
+}
+
+// Random words of the canonical stream for flat indices first .. first + count - 1.
+inline void fill_random_words(const core::random_stream& stream, std::uint64_t first, std::int64_t count,
+                              std::uint32_t* words) {
+  std::int64_t i = 0;
+  while (i < count) {
+    const std::uint64_t index = first + static_cast<std::uint64_t>(i);
+    const core::philox_block block = stream.block(index / 4);
+    for (std::uint64_t lane = index % 4; lane < 4 && i < count; ++lane, ++i) words[i] = block.word[lane];
+  }
+}
+
+// Everything the per-target kernels need, shared by all rows.
+struct kernel_arguments {
+  const float* input = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  const element_params* params = nullptr;
+  core::rounding_mode rounding = core::rounding_mode::rne;
+  core::scale_rule rule = core::scale_rule::floor;
+  int sr_bits = 32;
+  core::random_stream stream;
+  int block = 32;
+  int axis = 1;
+  mx_destination destination;
+  std::int64_t code_row_bytes = 0;
+  std::int64_t scale_cols = 0;
+  // Fused rotation along axis 1 (size 0: none).
+  int rotation_size = 0;
+  const float* rotation_signs = nullptr;  // +-1 per column, or null
+  float rotation_scale = 1.0f;
+};
+
+// Per-thread working memory, sized for one row (or one block of rows for axis 0).
+struct thread_scratch {
+  std::vector<std::int32_t> binade_offset;  // per column: binade_bias + e of its block
+  std::vector<std::int32_t> threshold;      // per column: saturation threshold bits
+  std::vector<float> scale_power;           // per column: 2^e
+  std::vector<std::int32_t> nan_block;      // per column: -1 when its block holds a NaN or Inf
+  std::vector<std::int32_t> column_amax;    // axis 0: per column, amax bits of the block of rows
+  std::vector<std::uint32_t> words;         // sr: the random words of one row
+  std::vector<float> rotated_row;           // fused rotation: the rotated row
+
+  void prepare(std::int64_t cols) {
+    const auto size = static_cast<std::size_t>(cols);
+    binade_offset.resize(size);
+    threshold.resize(size);
+    scale_power.resize(size);
+    nan_block.resize(size);
+    column_amax.resize(size);
+    words.resize(size);
+    rotated_row.resize(size);
+  }
+};
+
+inline void set_lane_constants(thread_scratch& scratch, std::int64_t begin, std::int64_t end,
+                               const block_constants& constants, bool nan_block) {
+  for (std::int64_t c = begin; c < end; ++c) {
+    const auto at = static_cast<std::size_t>(c);
+    scratch.binade_offset[at] = constants.binade_offset;
+    scratch.threshold[at] = nan_block ? std::numeric_limits<std::int32_t>::max() : constants.saturation_threshold;
+    scratch.scale_power[at] = constants.scale_power;
+    scratch.nan_block[at] = nan_block ? -1 : 0;
+  }
+}
+
+inline const float* row_input(const kernel_arguments& args, const thread_scratch& scratch, std::int64_t row) {
+  return args.rotation_size != 0 ? scratch.rotated_row.data() : args.input + row * args.cols;
+}
+
+// Axis 1, any block: amax, counts and scales of each block of the row, and the per-column constants.
+inline void prepare_row_axis1(const kernel_arguments& args, const float* row, std::int64_t row_index,
+                              thread_scratch& scratch, quantize_counts& counts) {
+  const auto& params = *args.params;
+  for (std::int64_t begin = 0, b = 0; begin < args.cols; begin += args.block, ++b) {
+    const std::int64_t end = std::min(args.cols, begin + args.block);
+    std::uint32_t amax = 0;
+    for (std::int64_t c = begin; c < end; ++c) {
+      const std::uint32_t magnitude = core::float_bits(row[c]) & fp32_magnitude_mask;
+      counts.nonzero_inputs += magnitude != 0;
+      counts.nonfinite_inputs += magnitude >= static_cast<std::uint32_t>(fp32_infinity_bits);
+      amax = std::max(amax, magnitude);
+    }
+    const bool nan_block = amax >= static_cast<std::uint32_t>(fp32_infinity_bits);
+    const int exponent = nan_block ? 0 : shared_exponent_from_bits(params, args.rule, amax);
+    args.destination.scales[row_index * args.scale_cols + b] =
+        nan_block ? core::scale_nan_code : core::scale_code(exponent);
+    set_lane_constants(scratch, begin, end, make_block_constants(params, exponent), nan_block);
+  }
+}
+
+// Axis 0: the amax bits of each column over rows [first_row, last_row) and their counts.
+inline void column_statistics_scalar(const kernel_arguments& args, std::int64_t first_row, std::int64_t last_row,
+                                     std::int64_t first_column, thread_scratch& scratch, quantize_counts& counts) {
+  for (std::int64_t r = first_row; r < last_row; ++r) {
+    const float* row = args.input + r * args.cols;
+    for (std::int64_t c = first_column; c < args.cols; ++c) {
+      const std::int32_t magnitude = static_cast<std::int32_t>(core::float_bits(row[c]) & fp32_magnitude_mask);
+      counts.nonzero_inputs += magnitude != 0;
+      counts.nonfinite_inputs += magnitude >= fp32_infinity_bits;
+      auto& amax = scratch.column_amax[static_cast<std::size_t>(c)];
+      amax = std::max(amax, magnitude);
+    }
+  }
+}
+
+// Axis 0: scales and per-column constants of the block of rows `row_block` from column_amax.
+inline void prepare_columns_axis0(const kernel_arguments& args, std::int64_t row_block, thread_scratch& scratch) {
+  const auto& params = *args.params;
+  for (std::int64_t c = 0; c < args.cols; ++c) {
+    const auto amax = static_cast<std::uint32_t>(scratch.column_amax[static_cast<std::size_t>(c)]);
+    const bool nan_block = amax >= static_cast<std::uint32_t>(fp32_infinity_bits);
+    const int exponent = nan_block ? 0 : shared_exponent_from_bits(params, args.rule, amax);
+    args.destination.scales[row_block * args.cols + c] = nan_block ? core::scale_nan_code : core::scale_code(exponent);
+    set_lane_constants(scratch, c, c + 1, make_block_constants(params, exponent), nan_block);
+  }
+}
+
+// Encodes columns [begin, end) of one row with the per-column constants of the scratch.
+inline void encode_row_scalar(const kernel_arguments& args, const float* row, std::int64_t row_index,
+                              std::int64_t begin, std::int64_t end, const thread_scratch& scratch,
+                              quantize_counts& counts) {
+  const auto& params = *args.params;
+  std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
+  float* dequantized_row = args.destination.dequantized != nullptr ? args.destination.dequantized + row_index * args.cols
+                                                                   : nullptr;
+  for (std::int64_t c = begin; c < end; ++c) {
+    const auto at = static_cast<std::size_t>(c);
+    if (scratch.nan_block[at] != 0) {
+      store_code(code_row, params.bits, c, 0U);
+      if (dequantized_row != nullptr) dequantized_row[c] = core::bits_float(fp32_quiet_nan_bits);
+      continue;
+    }
+    block_constants constants{};
+    constants.exponent = scratch.binade_offset[at] - binade_bias;
+    constants.binade_offset = scratch.binade_offset[at];
+    constants.saturation_threshold = scratch.threshold[at];
+    constants.scale_power = scratch.scale_power[at];
+    const std::uint32_t bits = core::float_bits(row[c]);
+    const std::uint32_t word = args.rounding == core::rounding_mode::sr ? scratch.words[at] : 0U;
+    const element_code code = encode_element(params, args.rounding, args.sr_bits, bits, constants, word);
+    store_code(code_row, params.bits, c, code.code);
+    if (dequantized_row != nullptr) dequantized_row[c] = dequantize_element(params, code, constants, bits);
+    counts.flushed += code.flushed;
+    counts.saturated += code.saturated;
+  }
+}
+
+inline void fill_row_words(const kernel_arguments& args, std::int64_t row_index, thread_scratch& scratch) {
+  if (args.rounding != core::rounding_mode::sr) return;
+  fill_random_words(args.stream, static_cast<std::uint64_t>(row_index * args.cols), args.cols, scratch.words.data());
+}
+
+// The rotation of one row, segment by segment, with the core's canonical function.
+inline void rotate_row_scalar(const kernel_arguments& args, std::int64_t row_index, thread_scratch& scratch) {
+  const float* source = args.input + row_index * args.cols;
+  float* rotated = scratch.rotated_row.data();
+  std::copy(source, source + args.cols, rotated);
+  for (std::int64_t begin = 0; begin < args.cols; begin += args.rotation_size) {
+    core::rotate_segment(rotated + begin, args.rotation_size,
+                         args.rotation_signs != nullptr ? args.rotation_signs + begin : nullptr);
+  }
+}
+
+// The portable driver for lines [first, last): rows for axis 1, blocks of rows for axis 0.
+inline void quantize_lines_portable(const kernel_arguments& args, std::int64_t first, std::int64_t last,
+                                    thread_scratch& scratch, quantize_counts& counts) {
+  if (args.axis == 1) {
+    for (std::int64_t r = first; r < last; ++r) {
+      if (args.rotation_size != 0) rotate_row_scalar(args, r, scratch);
+      const float* row = row_input(args, scratch, r);
+      prepare_row_axis1(args, row, r, scratch, counts);
+      fill_row_words(args, r, scratch);
+      encode_row_scalar(args, row, r, 0, args.cols, scratch, counts);
+    }
+    return;
+  }
+  for (std::int64_t row_block = first; row_block < last; ++row_block) {
+    const std::int64_t first_row = row_block * args.block;
+    const std::int64_t last_row = std::min(args.rows, first_row + args.block);
+    std::fill(scratch.column_amax.begin(), scratch.column_amax.end(), 0);
+    column_statistics_scalar(args, first_row, last_row, 0, scratch, counts);
+    prepare_columns_axis0(args, row_block, scratch);
+    for (std::int64_t r = first_row; r < last_row; ++r) {
+      fill_row_words(args, r, scratch);
+      encode_row_scalar(args, args.input + r * args.cols, r, 0, args.cols, scratch, counts);
+    }
+  }
+}
+
+}  // namespace mxscope::fast_detail
+
+#endif  // MXSCOPE_SRC_QUANTIZE_FAST_SHARED
+
+// ------------------------------------------------------------------------------------------------
+// Per-target SIMD kernels.
+
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+
+#undef HWY_TARGET_INCLUDE
+// Highway re-includes this file once per target; the path is relative to the include directory.
+#define HWY_TARGET_INCLUDE "../src/quantize_fast.cpp"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace mxscope::fast_detail::HWY_NAMESPACE {
+
+#if HWY_TARGET == HWY_SCALAR
+
+void QuantizeLines(const kernel_arguments& args, std::int64_t first, std::int64_t last, thread_scratch& scratch,
+                   quantize_counts& counts) {
+  quantize_lines_portable(args, first, last, scratch, counts);
+}
+
+#else
+
+namespace hn = hwy::HWY_NAMESPACE;
+using int_tag = hn::ScalableTag<std::int32_t>;
+using float_tag = hn::Rebind<float, int_tag>;
+using int_vector = hn::Vec<int_tag>;
+using float_vector = hn::Vec<float_tag>;
+
+// The lanes' form of encode_element for rne, rna and rtz, and for sr with random words.
+// binade_offset = binade_bias + e and shift_offset = binade_offset - 127 - mantissa_bits per lane.
+// Returns the clamped magnitude codes.
+template <core::rounding_mode Mode>
+HWY_INLINE int_vector EncodeMagnitudes(int_tag di, int_vector magnitude, int_vector binade_offset,
+                                       int_vector shift_offset, const element_params& params, int sr_bits,
+                                       int_vector words) {
+  const float_tag df;
+  const int_vector one = hn::Set(di, 1);
+  const int_vector biased = hn::Max(hn::ShiftRight<23>(magnitude), one);
+  const int_vector significand = hn::Sub(magnitude, hn::ShiftLeft<23>(hn::Sub(biased, one)));
+  // The leading bit of S from its exact conversion to float (S < 2^24; S = 0 gives 0).
+  const int_vector leading_biased = hn::ShiftRight<23>(hn::BitCast(di, hn::ConvertTo(df, significand)));
+  const int_vector binade =
+      hn::Max(hn::Sub(hn::Add(leading_biased, biased), binade_offset), hn::Set(di, params.min_exponent));
+  const int_vector shift = hn::Sub(hn::Add(binade, shift_offset), biased);
+  int_vector steps;
+  if constexpr (Mode == core::rounding_mode::sr) {
+    const hn::RebindToUnsigned<int_tag> du;
+    const int_vector clamped = hn::Min(shift, hn::Set(di, 24));
+    steps = hn::operator>>(significand, clamped);
+    const int_vector dropped = hn::Sub(significand, hn::operator<<(steps, clamped));
+    const int_vector scale_up = hn::Sub(hn::Set(di, sr_bits), shift);
+    const int_vector zero = hn::Zero(di);
+    const int_vector top_shifted_up = hn::operator<<(dropped, hn::Max(scale_up, zero));
+    const int_vector top_shifted_down = hn::operator>>(dropped, hn::Min(hn::Sub(zero, scale_up), hn::Set(di, 31)));
+    const auto top = hn::BitCast(du, hn::IfThenElse(hn::Gt(scale_up, hn::Set(di, -1)), top_shifted_up, top_shifted_down));
+    // Up iff top + draw >= 2^R, i.e. top > (2^R - 1) - draw (all in 32 bits).
+    const auto draw = hn::ShiftRightSame(hn::BitCast(du, words), 32 - sr_bits);
+    const std::uint32_t all_ones = sr_bits == 32 ? 0xffffffffU : (1U << sr_bits) - 1U;
+    const auto up = hn::Gt(top, hn::Sub(hn::Set(du, all_ones), draw));
+    steps = hn::Sub(steps, hn::VecFromMask(di, hn::RebindMask(di, up)));
+  } else {
+    const int_vector clamped = hn::Min(shift, hn::Set(di, all_dropped_shift));
+    const int_vector half = hn::operator<<(one, hn::Sub(clamped, one));
+    if constexpr (Mode == core::rounding_mode::rne) {
+      const int_vector odd = hn::And(hn::operator>>(significand, clamped), one);
+      steps = hn::operator>>(hn::Add(hn::Add(significand, hn::Sub(half, one)), odd), clamped);
+    } else if constexpr (Mode == core::rounding_mode::rna) {
+      steps = hn::operator>>(hn::Add(significand, half), clamped);
+    } else {
+      steps = hn::operator>>(significand, clamped);
+    }
+  }
+  const int_vector exponent_field = hn::ShiftLeftSame(hn::Add(binade, hn::Set(di, params.bias - 1)), params.mantissa_bits);
+  return hn::Min(hn::Add(exponent_field, steps), hn::Set(di, params.max_code));
+}
+
+// The exact fp32 value of each magnitude code times 2^e, with the input's sign.
+HWY_INLINE float_vector DequantizeMagnitudes(int_tag di, int_vector magnitude_code, int_vector input_bits,
+                                             float_vector scale_power, const element_params& params) {
+  const float_tag df;
+  const int_vector one = hn::Set(di, 1);
+  const int_vector field = hn::Max(hn::ShiftRightSame(magnitude_code, params.mantissa_bits), one);
+  const int_vector integer = hn::Sub(magnitude_code, hn::ShiftLeftSame(hn::Sub(field, one), params.mantissa_bits));
+  const float_vector unit =
+      hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(field, hn::Set(di, 127 - params.bias - params.mantissa_bits))));
+  const float_vector magnitude = hn::Mul(hn::Mul(hn::ConvertTo(df, integer), unit), scale_power);
+  return hn::Or(magnitude, hn::BitCast(df, hn::And(input_bits, hn::Set(di, static_cast<std::int32_t>(0x80000000U)))));
+}
+
+// Stores the codes of 2 * Lanes consecutive elements: packed two per byte for 4-bit formats.
+HWY_INLINE void StoreCodes(int_tag di, int_vector codes_low, int_vector codes_high, int bits, std::uint8_t* destination) {
+  const hn::Rebind<std::uint8_t, int_tag> du8;
+  if (bits == 4) {
+    // Viewed as 64-bit lanes, (w | w >> 28) puts the odd element's nibble above the even one's.
+    const hn::Repartition<std::uint64_t, int_tag> du64;
+    const auto wide_low = hn::BitCast(du64, codes_low);
+    const auto wide_high = hn::BitCast(du64, codes_high);
+    const int_vector pairs_low = hn::BitCast(di, hn::Or(wide_low, hn::ShiftRight<28>(wide_low)));
+    const int_vector pairs_high = hn::BitCast(di, hn::Or(wide_high, hn::ShiftRight<28>(wide_high)));
+    hn::StoreU(hn::DemoteTo(du8, hn::ConcatEven(di, pairs_high, pairs_low)), du8, destination);
+  } else {
+    hn::StoreU(hn::DemoteTo(du8, codes_low), du8, destination);
+    hn::StoreU(hn::DemoteTo(du8, codes_high), du8, destination + hn::Lanes(di));
+  }
+}
+
+struct lane_counters {
+  int_vector flushed;
+  int_vector saturated;
+  int_vector nonzero;
+};
+
+HWY_INLINE std::int64_t SumLanes(int_tag di, int_vector counter) {
+  return static_cast<std::int64_t>(hn::GetLane(hn::SumOfLanes(di, counter)));
+}
+
+// Encodes (and dequantizes) one vector of elements; updates the counters; returns the signed codes.
+template <core::rounding_mode Mode, bool Dequantize>
+HWY_INLINE int_vector EncodeVector(int_tag di, const float* source, const std::uint32_t* words, int_vector binade_offset,
+                                   int_vector shift_offset, int_vector threshold, float_vector scale_power,
+                                   const element_params& params, int sr_bits, float* dequantized,
+                                   lane_counters& counters) {
+  const int_vector bits = hn::BitCast(di, hn::LoadU(float_tag(), source));
+  const int_vector magnitude = hn::And(bits, hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask)));
+  const int_vector random_words = Mode == core::rounding_mode::sr
+                                      ? hn::LoadU(di, reinterpret_cast<const std::int32_t*>(words))
+                                      : hn::Zero(di);
+  const int_vector code =
+      EncodeMagnitudes<Mode>(di, magnitude, binade_offset, shift_offset, params, sr_bits, random_words);
+  const int_vector zero = hn::Zero(di);
+  counters.saturated = hn::Sub(counters.saturated, hn::VecFromMask(di, hn::Gt(magnitude, threshold)));
+  counters.flushed =
+      hn::Sub(counters.flushed, hn::VecFromMask(di, hn::AndNot(hn::Eq(magnitude, zero), hn::Eq(code, zero))));
+  if constexpr (Dequantize) {
+    hn::StoreU(DequantizeMagnitudes(di, code, bits, scale_power, params), float_tag(), dequantized);
+  }
+  const hn::RebindToUnsigned<int_tag> du;
+  const int_vector sign =
+      hn::ShiftLeftSame(hn::BitCast(di, hn::ShiftRight<31>(hn::BitCast(du, bits))), params.bits - 1);
+  return hn::Or(code, sign);
+}
+
+// Axis 1 when the block is a multiple of 2 * Lanes (e.g. 32): one shared exponent per vector.
+template <core::rounding_mode Mode, bool Dequantize>
+void QuantizeRowUniformBlocks(const kernel_arguments& args, const float* row, std::int64_t row_index,
+                              thread_scratch& scratch, quantize_counts& counts) {
+  const int_tag di;
+  const float_tag df;
+  const auto& params = *args.params;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(di));
+  const int block = args.block;
+  const std::int64_t full_columns = args.cols - args.cols % block;
+  std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
+  std::uint8_t* scale_row = args.destination.scales + row_index * args.scale_cols;
+  float* dequantized_row = Dequantize ? args.destination.dequantized + row_index * args.cols : nullptr;
+  const std::int64_t code_bytes_per_block = params.bits == 4 ? block / 2 : block;
+  const int_vector magnitude_mask = hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask));
+  const int_vector zero = hn::Zero(di);
+  lane_counters counters{zero, zero, zero};
+
+  for (std::int64_t begin = 0; begin < full_columns; begin += block) {
+    const float* source = row + begin;
+    int_vector amax = zero;
+    for (std::int64_t i = 0; i < block; i += lanes) {
+      const int_vector magnitude = hn::And(hn::BitCast(di, hn::LoadU(df, source + i)), magnitude_mask);
+      amax = hn::Max(amax, magnitude);
+      counters.nonzero = hn::Sub(counters.nonzero, hn::VecFromMask(di, hn::Ne(magnitude, zero)));
+    }
+    const auto amax_bits = static_cast<std::uint32_t>(hn::GetLane(hn::MaxOfLanes(di, amax)));
+    std::uint8_t* codes = code_row + (params.bits == 4 ? begin / 2 : begin);
+    if (amax_bits >= static_cast<std::uint32_t>(fp32_infinity_bits)) {
+      for (std::int64_t i = 0; i < block; ++i) {
+        counts.nonfinite_inputs += (core::float_bits(source[i]) & fp32_magnitude_mask) >=
+                                   static_cast<std::uint32_t>(fp32_infinity_bits);
+      }
+      scale_row[begin / block] = core::scale_nan_code;
+      std::memset(codes, 0, static_cast<std::size_t>(code_bytes_per_block));
+      if constexpr (Dequantize) std::fill(dequantized_row + begin, dequantized_row + begin + block,
+                                          core::bits_float(fp32_quiet_nan_bits));
+      continue;
+    }
+    const int exponent = shared_exponent_from_bits(params, args.rule, amax_bits);
+    scale_row[begin / block] = core::scale_code(exponent);
+    const block_constants constants = make_block_constants(params, exponent);
+    const int_vector binade_offset = hn::Set(di, constants.binade_offset);
+    const int_vector shift_offset = hn::Set(di, constants.binade_offset - 127 - params.mantissa_bits);
+    const int_vector threshold = hn::Set(di, constants.saturation_threshold);
+    const float_vector scale_power = hn::Set(df, constants.scale_power);
+    const std::uint32_t* words = scratch.words.data() + begin;
+    for (std::int64_t i = 0; i < block; i += 2 * lanes) {
+      float* dequantized = Dequantize ? dequantized_row + begin + i : nullptr;
+      const int_vector low = EncodeVector<Mode, Dequantize>(di, source + i, words + i, binade_offset, shift_offset,
+                                                            threshold, scale_power, params, args.sr_bits,
+                                                            dequantized, counters);
+      const int_vector high = EncodeVector<Mode, Dequantize>(
+          di, source + i + lanes, words + i + lanes, binade_offset, shift_offset, threshold, scale_power, params,
+          args.sr_bits, Dequantize ? dequantized + lanes : nullptr, counters);
+      StoreCodes(di, low, high, params.bits, codes + (params.bits == 4 ? i / 2 : i));
+    }
+  }
+  counts.flushed += SumLanes(di, counters.flushed);
+  counts.saturated += SumLanes(di, counters.saturated);
+  counts.nonzero_inputs += SumLanes(di, counters.nonzero);
+
+  if (full_columns < args.cols) {
+    // The short last block, with the scalar kernel.
+    const std::int64_t b = full_columns / block;
+    std::uint32_t amax = 0;
+    for (std::int64_t c = full_columns; c < args.cols; ++c) {
+      const std::uint32_t magnitude = core::float_bits(row[c]) & fp32_magnitude_mask;
+      counts.nonzero_inputs += magnitude != 0;
+      counts.nonfinite_inputs += magnitude >= static_cast<std::uint32_t>(fp32_infinity_bits);
+      amax = std::max(amax, magnitude);
+    }
+    const bool nan_block = amax >= static_cast<std::uint32_t>(fp32_infinity_bits);
+    const int exponent = nan_block ? 0 : shared_exponent_from_bits(params, args.rule, amax);
+    scale_row[b] = nan_block ? core::scale_nan_code : core::scale_code(exponent);
+    set_lane_constants(scratch, full_columns, args.cols, make_block_constants(params, exponent), nan_block);
+    encode_row_scalar(args, row, row_index, full_columns, args.cols, scratch, counts);
+  }
+}
+
+// Any layout: per-column constants from the scratch (axis 0, and axis 1 with other block sizes).
+template <core::rounding_mode Mode, bool Dequantize>
+void EncodeRowWithColumnConstants(const kernel_arguments& args, const float* row, std::int64_t row_index,
+                                  const thread_scratch& scratch, quantize_counts& counts) {
+  const int_tag di;
+  const float_tag df;
+  const auto& params = *args.params;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(di));
+  const std::int64_t vector_columns = args.cols - args.cols % (2 * lanes);
+  std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
+  float* dequantized_row = Dequantize ? args.destination.dequantized + row_index * args.cols : nullptr;
+  const int_vector zero = hn::Zero(di);
+  const int_vector shift_bias = hn::Set(di, 127 + params.mantissa_bits);
+  const float_vector quiet_nan = hn::Set(df, core::bits_float(fp32_quiet_nan_bits));
+  lane_counters counters{zero, zero, zero};
+  for (std::int64_t c = 0; c < vector_columns; c += 2 * lanes) {
+    int_vector codes[2];
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t at = c + half * lanes;
+      const int_vector binade_offset = hn::LoadU(di, scratch.binade_offset.data() + at);
+      const int_vector nan_lanes = hn::LoadU(di, scratch.nan_block.data() + at);
+      lane_counters lane_counts{zero, zero, zero};
+      float* dequantized = Dequantize ? dequantized_row + at : nullptr;
+      const int_vector code = EncodeVector<Mode, Dequantize>(
+          di, row + at, scratch.words.data() + at, binade_offset, hn::Sub(binade_offset, shift_bias),
+          hn::LoadU(di, scratch.threshold.data() + at), hn::LoadU(df, scratch.scale_power.data() + at), params,
+          args.sr_bits, dequantized, lane_counts);
+      // Elements of NaN blocks: code 0, dequantized NaN, and no flushed or saturated counts.
+      const auto nan_mask = hn::MaskFromVec(nan_lanes);
+      codes[half] = hn::IfThenZeroElse(nan_mask, code);
+      counters.flushed = hn::Add(counters.flushed, hn::IfThenZeroElse(nan_mask, lane_counts.flushed));
+      counters.saturated = hn::Add(counters.saturated, lane_counts.saturated);
+      if constexpr (Dequantize) {
+        hn::StoreU(hn::IfThenElse(hn::RebindMask(df, nan_mask), quiet_nan, hn::LoadU(df, dequantized)), df,
+                   dequantized);
+      }
+    }
+    StoreCodes(di, codes[0], codes[1], params.bits, code_row + (params.bits == 4 ? c / 2 : c));
+  }
+  counts.flushed += SumLanes(di, counters.flushed);
+  counts.saturated += SumLanes(di, counters.saturated);
+  encode_row_scalar(args, row, row_index, vector_columns, args.cols, scratch, counts);
+}
+
+// Axis 0: the column amax over a block of rows, with counts.
+void ColumnStatistics(const kernel_arguments& args, std::int64_t first_row, std::int64_t last_row,
+                      thread_scratch& scratch, quantize_counts& counts) {
+  const int_tag di;
+  const float_tag df;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(di));
+  const std::int64_t vector_columns = args.cols - args.cols % lanes;
+  const int_vector zero = hn::Zero(di);
+  const int_vector magnitude_mask = hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask));
+  const int_vector below_infinity = hn::Set(di, fp32_infinity_bits - 1);
+  int_vector nonzero = zero;
+  int_vector nonfinite = zero;
+  for (std::int64_t r = first_row; r < last_row; ++r) {
+    const float* row = args.input + r * args.cols;
+    for (std::int64_t c = 0; c < vector_columns; c += lanes) {
+      const int_vector magnitude = hn::And(hn::BitCast(di, hn::LoadU(df, row + c)), magnitude_mask);
+      std::int32_t* amax = scratch.column_amax.data() + c;
+      hn::StoreU(hn::Max(hn::LoadU(di, amax), magnitude), di, amax);
+      nonzero = hn::Sub(nonzero, hn::VecFromMask(di, hn::Ne(magnitude, zero)));
+      nonfinite = hn::Sub(nonfinite, hn::VecFromMask(di, hn::Gt(magnitude, below_infinity)));
+    }
+  }
+  counts.nonzero_inputs += SumLanes(di, nonzero);
+  counts.nonfinite_inputs += SumLanes(di, nonfinite);
+  column_statistics_scalar(args, first_row, last_row, vector_columns, scratch, counts);
+}
+
+// v <- fl32(1/sqrt(b)) * H_b (s .* v) on consecutive segments of the row, in the canonical order of
+// core::fwht: the same fp32 additions on the same pairs, so the same bits.
+void RotateRow(const kernel_arguments& args, std::int64_t row_index, thread_scratch& scratch) {
+  const float_tag df;
+  const int_tag di;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  const int size = args.rotation_size;
+  if (args.cols % lanes != 0 || lanes > 16) {
+    rotate_row_scalar(args, row_index, scratch);
+    return;
+  }
+  const float* source = args.input + row_index * args.cols;
+  float* rotated = scratch.rotated_row.data();
+  const float_vector scale = hn::Set(df, args.rotation_scale);
+  const std::int64_t in_register = std::min<std::int64_t>(size, lanes);
+  const int_vector lane_index = hn::Iota(di, 0);
+  for (std::int64_t c = 0; c < args.cols; c += lanes) {
+    float_vector v = hn::LoadU(df, source + c);
+    if (args.rotation_signs != nullptr) v = hn::Mul(v, hn::LoadU(df, args.rotation_signs + c));
+    for (std::int64_t half = 1; half < in_register; half *= 2) {
+      const int_vector half_vector = hn::Set(di, static_cast<std::int32_t>(half));
+      const float_vector partner = hn::TableLookupLanes(v, hn::IndicesFromVec(df, hn::Xor(lane_index, half_vector)));
+      const auto first_of_pair = hn::RebindMask(df, hn::Eq(hn::And(lane_index, half_vector), hn::Zero(di)));
+      // First of a pair (a, c): a + c; second: a - c, where the partner holds a.
+      v = hn::IfThenElse(first_of_pair, hn::Add(v, partner), hn::Sub(partner, v));
+    }
+    if (size <= lanes) v = hn::Mul(v, scale);
+    hn::StoreU(v, df, rotated + c);
+  }
+  for (std::int64_t half = lanes; half < size; half *= 2) {
+    const bool last_stage = 2 * half == size;
+    for (std::int64_t start = 0; start < args.cols; start += 2 * half) {
+      for (std::int64_t j = start; j < start + half; j += lanes) {
+        const float_vector a = hn::LoadU(df, rotated + j);
+        const float_vector b = hn::LoadU(df, rotated + j + half);
+        float_vector sum = hn::Add(a, b);
+        float_vector difference = hn::Sub(a, b);
+        if (last_stage) {
+          sum = hn::Mul(sum, scale);
+          difference = hn::Mul(difference, scale);
+        }
+        hn::StoreU(sum, df, rotated + j);
+        hn::StoreU(difference, df, rotated + j + half);
+      }
+    }
+  }
+}
+
+template <core::rounding_mode Mode, bool Dequantize>
+void QuantizeLinesTyped(const kernel_arguments& args, std::int64_t first, std::int64_t last, thread_scratch& scratch,
+                        quantize_counts& counts) {
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(int_tag()));
+  if (args.axis == 1) {
+    const bool uniform = args.block % (2 * lanes) == 0;
+    for (std::int64_t r = first; r < last; ++r) {
+      if (args.rotation_size != 0) RotateRow(args, r, scratch);
+      const float* row = row_input(args, scratch, r);
+      fill_row_words(args, r, scratch);
+      if (uniform) {
+        QuantizeRowUniformBlocks<Mode, Dequantize>(args, row, r, scratch, counts);
+      } else {
+        prepare_row_axis1(args, row, r, scratch, counts);
+        EncodeRowWithColumnConstants<Mode, Dequantize>(args, row, r, scratch, counts);
+      }
+    }
+    return;
+  }
+  for (std::int64_t row_block = first; row_block < last; ++row_block) {
+    const std::int64_t first_row = row_block * args.block;
+    const std::int64_t last_row = std::min(args.rows, first_row + args.block);
+    std::fill(scratch.column_amax.begin(), scratch.column_amax.end(), 0);
+    ColumnStatistics(args, first_row, last_row, scratch, counts);
+    prepare_columns_axis0(args, row_block, scratch);
+    for (std::int64_t r = first_row; r < last_row; ++r) {
+      fill_row_words(args, r, scratch);
+      EncodeRowWithColumnConstants<Mode, Dequantize>(args, args.input + r * args.cols, r, scratch, counts);
+    }
+  }
+}
+
+template <bool Dequantize>
+void QuantizeLinesForMode(const kernel_arguments& args, std::int64_t first, std::int64_t last,
+                          thread_scratch& scratch, quantize_counts& counts) {
+  switch (args.rounding) {
+    case core::rounding_mode::rne: QuantizeLinesTyped<core::rounding_mode::rne, Dequantize>(args, first, last, scratch, counts); break;
+    case core::rounding_mode::rna: QuantizeLinesTyped<core::rounding_mode::rna, Dequantize>(args, first, last, scratch, counts); break;
+    case core::rounding_mode::rtz: QuantizeLinesTyped<core::rounding_mode::rtz, Dequantize>(args, first, last, scratch, counts); break;
+    case core::rounding_mode::sr: QuantizeLinesTyped<core::rounding_mode::sr, Dequantize>(args, first, last, scratch, counts); break;
+  }
+}
+
+void QuantizeLines(const kernel_arguments& args, std::int64_t first, std::int64_t last, thread_scratch& scratch,
+                   quantize_counts& counts) {
+  if (args.destination.dequantized != nullptr) {
+    QuantizeLinesForMode<true>(args, first, last, scratch, counts);
+  } else {
+    QuantizeLinesForMode<false>(args, first, last, scratch, counts);
+  }
+}
+
+#endif  // HWY_TARGET == HWY_SCALAR
+
+}  // namespace mxscope::fast_detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MXSCOPE_HAVE_HWY
+
+// ------------------------------------------------------------------------------------------------
+// Drivers and the public functions (compiled once).
+
+#if !(defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY) || HWY_ONCE
+
+namespace mxscope {
+
+namespace fast_detail {
+
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+HWY_EXPORT(QuantizeLines);
+#endif
+
+void quantize_lines(const kernel_arguments& args, std::int64_t first, std::int64_t last, thread_scratch& scratch,
+                    quantize_counts& counts) {
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+  HWY_DYNAMIC_DISPATCH(QuantizeLines)(args, first, last, scratch, counts);
+#else
+  quantize_lines_portable(args, first, last, scratch, counts);
+#endif
+}
+
+bool covered_element(core::element_kind kind) {
+  switch (kind) {
+    case core::element_kind::fp4_e2m1:
+    case core::element_kind::fp6_e2m3:
+    case core::element_kind::fp6_e3m2:
+    case core::element_kind::fp8_e4m3:
+    case core::element_kind::fp8_e5m2: return true;
+    default: return false;
+  }
+}
+
+const element_params& params_for(core::element_kind kind) {
+  static const element_params table[] = {
+      make_params(core::element_kind::fp4_e2m1), make_params(core::element_kind::fp6_e2m3),
+      make_params(core::element_kind::fp6_e3m2), make_params(core::element_kind::fp8_e4m3),
+      make_params(core::element_kind::fp8_e5m2)};
+  for (const auto& params : table) {
+    if (params.kind == kind) return params;
+  }
+  throw input_error("fast quantizer: element format not covered");
+}
+
+quantize_counts run(const kernel_arguments& args) {
+  const std::int64_t lines = args.axis == 1 ? args.rows : (args.rows + args.block - 1) / args.block;
+  quantize_counts total;
+  if (args.rows == 0 || args.cols == 0) return total;
+  std::int64_t nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
+#pragma omp parallel reduction(+ : nonzero, flushed, saturated, nonfinite)
+  {
+    thread_scratch scratch;
+    scratch.prepare(args.cols);
+    quantize_counts local;
+#pragma omp for schedule(static)
+    for (std::int64_t line = 0; line < lines; ++line) quantize_lines(args, line, line + 1, scratch, local);
+    nonzero += local.nonzero_inputs;
+    flushed += local.flushed;
+    saturated += local.saturated;
+    nonfinite += local.nonfinite_inputs;
+  }
+  total.nonzero_inputs = nonzero;
+  total.flushed = flushed;
+  total.saturated = saturated;
+  total.nonfinite_inputs = nonfinite;
+  return total;
+}
+
+kernel_arguments make_arguments(const float* input, std::int64_t rows, std::int64_t cols,
+                                const quantize_options& options, const mx_destination& destination) {
+  validate(options, rows, cols, "quantize");
+  if (!fast_quantize_covers(options)) {
+    throw input_error("quantize: the fast path does not cover these options (MX with fp4, fp6 or fp8 elements)");
+  }
+  if (destination.codes == nullptr || destination.scales == nullptr) {
+    throw input_error("quantize: the fast path needs code and scale buffers");
+  }
+  kernel_arguments args;
+  args.input = input;
+  args.rows = rows;
+  args.cols = cols;
+  args.params = &params_for(options.format.element);
+  args.rounding = options.rounding;
+  args.rule = options.rule;
+  args.sr_bits = options.sr_bits;
+  args.stream = options.stream;
+  args.block = options.block > 0 ? options.block : options.format.default_block;
+  args.axis = options.axis;
+  args.destination = destination;
+  args.code_row_bytes = args.params->bits == 4 ? (cols + 1) / 2 : cols;
+  args.scale_cols = options.axis == 1 ? (cols + args.block - 1) / args.block : cols;
+  return args;
+}
+
+std::atomic<bool>& fast_switch() {
+  static std::atomic<bool> enabled{[] {
+    const char* value = std::getenv("MXSCOPE_CANONICAL_QUANTIZE");
+    return !(value != nullptr && value[0] != '\0' && value[0] != '0');
+  }()};
+  return enabled;
+}
+
+}  // namespace fast_detail
+
+bool fast_quantize_covers(const quantize_options& options) {
+  if (options.format.scheme != quant_scheme::mx) return false;
+  if (!fast_detail::covered_element(options.format.element)) return false;
+  const int block = options.block > 0 ? options.block : options.format.default_block;
+  return block >= 1 && (options.axis == 0 || options.axis == 1) && options.sr_bits >= 1 && options.sr_bits <= 32;
+}
+
+quantize_counts quantize_mx_fast(const float* input, std::int64_t rows, std::int64_t cols,
+                                 const quantize_options& options, const mx_destination& destination) {
+  return fast_detail::run(fast_detail::make_arguments(input, rows, cols, options, destination));
+}
+
+bool fast_rotated_quantize_covers(const quantize_options& options, const rotation_options& rotation,
+                                  std::int64_t cols) {
+  return fast_quantize_covers(options) && options.axis == 1 && core::is_valid_rotation_size(rotation.size) &&
+         cols % rotation.size == 0;
+}
+
+quantize_counts quantize_mx_rotated_fast(const float* input, std::int64_t rows, std::int64_t cols,
+                                         const quantize_options& options, const rotation_options& rotation,
+                                         const mx_destination& destination) {
+  if (!fast_rotated_quantize_covers(options, rotation, cols)) {
+    throw input_error(fmt::format(
+        "quantize: the fused rotation needs axis 1 and a power-of-two rotation size in [{}, {}] dividing {}, got {}",
+        core::rotation_size_min, core::rotation_size_max, cols, rotation.size));
+  }
+  auto args = fast_detail::make_arguments(input, rows, cols, options, destination);
+  const std::vector<float> signs = rotation_signs(cols, rotation);
+  args.rotation_size = rotation.size;
+  args.rotation_signs = rotation.signs == sign_policy::none ? nullptr : signs.data();
+  args.rotation_scale = core::hadamard_scale(rotation.size);
+  return fast_detail::run(args);
+}
+
+void quantize_mx_fast_into(const matrix& input, quantized_tensor& out) {
+  const mx_destination destination{out.codes.data(), out.scales.data(), out.dequantized.data()};
+  const quantize_counts counts = quantize_mx_fast(input.data(), input.rows, input.cols, out.options, destination);
+  out.nonzero_inputs = counts.nonzero_inputs;
+  out.flushed = counts.flushed;
+  out.saturated = counts.saturated;
+  out.nonfinite_inputs = counts.nonfinite_inputs;
+}
+
+bool fast_quantize_enabled() { return fast_detail::fast_switch().load(std::memory_order_relaxed); }
+
+void set_fast_quantize_enabled(bool enabled) { fast_detail::fast_switch().store(enabled, std::memory_order_relaxed); }
+
+std::string fast_quantize_target() {
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+  const std::int64_t supported = hwy::SupportedTargets() & HWY_TARGETS;
+  return hwy::TargetName(supported & ~(supported - 1));  // the best: the lowest bit set
+#else
+  return "portable";
+#endif
+}
+
+std::vector<std::int64_t> fast_quantize_available_targets() {
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+  return hwy::SupportedAndGeneratedTargets();
+#else
+  return {};
+#endif
+}
+
+std::string fast_quantize_target_name(std::int64_t target) {
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+  return hwy::TargetName(target);
+#else
+  return target == 0 ? "portable" : "unknown";
+#endif
+}
+
+void fast_quantize_force_target(std::int64_t target) {
+#if defined(MXSCOPE_HAVE_HWY) && MXSCOPE_HAVE_HWY
+  hwy::SetSupportedTargetsForTest(target);
+#else
+  (void)target;
+#endif
+}
+
+}  // namespace mxscope
+
+#endif  // HWY_ONCE
