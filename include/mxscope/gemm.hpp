@@ -1,0 +1,148 @@
+// Emulated GEMMs of a linear layer (NUMERICS.md sections 6 and 7): each operand is rotated and
+// quantized in its captured layout, then the product is summed by an accumulation model that
+// stands for a piece of hardware.
+//
+// Operands (captured per step): x [K, n_in], dy [K, n_out], w [n_out, n_in].
+//   fprop  y  = x w^T   A = x  (blocked along n_in, axis 1),  B = w  (along n_in, axis 1)
+//   dgrad  dx = dy w    A = dy (blocked along n_out, axis 1), B = w  (along n_out, axis 0)
+//   wgrad  dw = dy^T x  A = dy (blocked along K, axis 0),     B = x  (along K, axis 0)
+// The product is computed as C = A B^T in a canonical form where both operands have the reduction
+// contiguous: A [M, R], B [N, R], C [M, N] = y [K, n_out], dx [K, n_in] or dw [n_out, n_in].
+//
+// Scales. MX operands carry one power-of-two scale per block. The other formats are summed the way
+// block-scaled hardware sums them: K is cut into blocks of the quantization block (16 for NVFP4, 32
+// when a format has none); a block's scale factor is the exact product of the two operands' block
+// scales (ue4m3 for NVFP4, 1 for fp32, bf16 and per-tensor fp8). Tensor-level scales (the fp32
+// scale of per-tensor fp8, the global decode scale of NVFP4) are applied once at the end, as the
+// fp32 epilogue of a scaled GEMM: alpha = fl32(sa * sb), out = fl32(acc * alpha). Two exceptions,
+// by their definitions: `exact` includes the tensor scales in its exact sum, and `fp32-seq`
+// multiplies the fully dequantized fp32 values (tensor scales included) and has no epilogue.
+// The two operands' blocks along K must coincide (the same block size), or the GEMM is refused.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "mxscope/core/accumulate.hpp"
+#include "mxscope/core/philox.hpp"
+#include "mxscope/quantize.hpp"
+#include "mxscope/tensor.hpp"
+
+namespace mxscope {
+
+enum class gemm_kind : std::uint8_t { fprop, dgrad, wgrad };
+std::optional<gemm_kind> parse_gemm_kind(std::string_view name);  // "fprop" | "dgrad" | "wgrad"
+std::string_view gemm_kind_name(gemm_kind kind);
+
+using core::accumulation_kind;
+using core::accumulation_model;
+using core::alignment_rounding;
+
+// "exact", "fp32-block", "fp32-group:G", "trunc-align:n,G[,rtz|rne]" (rtz by default), "fp32-seq".
+// Throws input_error naming `field` and the offending text.
+accumulation_model parse_accumulation_model(std::string_view text, std::string_view field = "accum");
+// The canonical spelling (parse_accumulation_model(accumulation_model_name(m)) == m).
+std::string accumulation_model_name(const accumulation_model& model);
+
+enum class output_rounding : std::uint8_t { fp32, bf16 };
+std::optional<output_rounding> parse_output_rounding(std::string_view name);  // "fp32" | "bf16"
+std::string_view output_rounding_name(output_rounding rounding);
+
+// How one operand of the GEMM is quantized. The GEMM kind sets quantize.axis and quantize.stream.
+struct operand_strategy {
+  quantize_options quantize;  // format (fp32 and bf16 are the unquantized baselines), block, rounding, ...
+  core::seed_policy seeds = core::seed_policy::per_step;  // stochastic rounding stream
+};
+
+// A complete way of computing one GEMM.
+struct strategy {
+  std::string name;
+  operand_strategy a;  // first operand of C = A B^T: dy for wgrad and dgrad, x for fprop
+  operand_strategy b;  // second operand: x for wgrad, w for fprop and dgrad
+  std::uint64_t seed = 0;
+  // Block Hadamard rotation along the reduction axis, the same Q (one sign vector) for both
+  // operands. Size 0: none.
+  int rotation_size = 0;
+  sign_policy rotation_signs = sign_policy::none;
+  accumulation_model accumulation;
+  output_rounding output = output_rounding::fp32;
+};
+
+// The captured tensors of one (layer, step); the GEMM kind decides which two it needs.
+struct gemm_operands {
+  const matrix* x = nullptr;
+  const matrix* dy = nullptr;
+  const matrix* w = nullptr;
+};
+
+// Where the operands come from: the layer name and the true training step enter the random streams.
+struct gemm_context {
+  std::string layer;
+  std::uint32_t step = 0;
+};
+
+// Which captured tensor plays A and B, and along which axis each is blocked.
+struct gemm_layout {
+  std::string_view a_name;
+  std::string_view b_name;
+  int a_axis;
+  int b_axis;
+  core::random_role a_role;
+  core::random_role b_role;
+};
+gemm_layout layout_of(gemm_kind kind);
+
+// How each operand fared in quantization (after rotation): the inputs of the per-operand metrics.
+struct operand_summary {
+  std::string name;  // "x", "dy" or "w"
+  int axis = 1;      // the quantization (reduction) axis in the captured layout
+  std::int64_t elements = 0;
+  std::int64_t nonzero_inputs = 0;
+  std::int64_t flushed = 0;    // nonzero inputs quantized to zero
+  std::int64_t saturated = 0;  // inputs clipped at the max normal
+  std::int64_t nonfinite_inputs = 0;
+  double signal_energy = 0.0;  // sum of v^2 over the finite inputs v (after rotation), fp64
+  double error_energy = 0.0;   // sum of (v - dequantized)^2 over the same elements, fp64
+};
+
+// `generic` forces the per-element definition of every model (slow; the oracle of the fast paths).
+enum class accumulation_path : std::uint8_t { automatic, generic };
+
+struct gemm_options {
+  accumulation_path path = accumulation_path::automatic;
+};
+
+struct product_result {
+  matrix out;       // [M, N] fp32 (values of bf16 when the output is rounded to bf16)
+  matrix64 exact;   // `exact` model only: the exact result rounded once to fp64; empty otherwise
+  std::int64_t fallback_entries = 0;  // entry-blocks the fast path handed to the exact slow step
+};
+
+struct gemm_result : product_result {
+  gemm_kind kind = gemm_kind::wgrad;
+  operand_summary a;
+  operand_summary b;
+};
+
+// The emulated product of two quantized operands, C = A B^T, where each operand's reduction axis
+// is its quantization axis (a.options.axis, b.options.axis): A is [M, R] when blocked along axis 1
+// and [R, M] when blocked along axis 0, likewise B. Hardware-produced codes can come in this way.
+// Throws input_error when the reduction lengths or the block sizes along it differ.
+product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                               output_rounding output = output_rounding::fp32, const gemm_options& options = {});
+
+// Rotates and quantizes the operands of `kind` as `chosen` says, then emulates the product.
+// Throws input_error naming the tensor and field when an operand is missing, the shapes disagree
+// (x [K, n_in], dy [K, n_out], w [n_out, n_in]), the blocks along the reduction differ or the
+// rotation does not fit.
+gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strategy& chosen, const gemm_context& context,
+                     const gemm_options& options = {});
+
+// The rotated operand A or B of `kind` in its captured layout (the input of its quantizer): for
+// tests and the reference of rotated strategies.
+matrix rotated_operand(const matrix& tensor, int axis, const strategy& chosen, const gemm_context& context,
+                       const std::string& what);
+
+}  // namespace mxscope

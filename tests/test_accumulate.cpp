@@ -1,0 +1,231 @@
+// The exact rounding steps behind the accumulation models (include/mxscope/core/accumulate.hpp),
+// against the Boost.Multiprecision fixed-point oracle of exact_oracle.hpp: scaled 128-bit integers
+// rounded to fp32 / fp64, exact sums of doubles (the 127-bit window and the long-accumulator
+// fallback, to nearest and toward zero), the trunc-align group step and the significand split.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "exact_oracle.hpp"
+#include "mxscope/core/accumulate.hpp"
+
+namespace {
+
+namespace core = mxscope::core;
+using oracle::cpp_int;
+
+std::string show_terms(double initial, const std::vector<double>& terms) {
+  std::string text = fmt::format("initial {}", oracle::show(initial));
+  for (double term : terms) text += fmt::format(", {}", oracle::show(term));
+  return text;
+}
+
+cpp_int exact_sum(double initial, const std::vector<double>& terms) {
+  cpp_int total = oracle::from_double(initial);
+  for (double term : terms) total += oracle::from_double(term);
+  return total;
+}
+
+// A random double m * 2^e with a `bits`-bit odd significand and e in [low, high].
+double random_value(std::mt19937_64& random, int bits, int low, int high) {
+  std::uniform_int_distribution<int> exponent(low, high);
+  const std::uint64_t significand = (random() >> (64 - bits)) | 1U | (std::uint64_t{1} << (bits - 1));
+  const double magnitude = std::ldexp(static_cast<double>(significand), exponent(random) - bits + 1);
+  return (random() & 1U) != 0 ? -magnitude : magnitude;
+}
+
+TEST(RoundScaledInteger, MatchesTheOracleToNearestAndTowardZero) {
+  std::mt19937_64 random(1);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int length = 1 + static_cast<int>(random() % 128);
+    core::uint128 magnitude = (static_cast<core::uint128>(random()) << 64) | random();
+    if (length < 128) magnitude &= (core::uint128{1} << length) - 1U;
+    if (trial % 7 == 0 && length > 30) {
+      // An exact tie below the fp32 precision: leading bit, then 23 random bits, then 1 and zeros.
+      magnitude >>= (length - 25);
+      magnitude = (magnitude << (length - 25)) | (core::uint128{1} << (length - 26));
+    }
+    const bool negative = (random() & 1U) != 0;
+    const int exponent = static_cast<int>(random() % 2300) - 1150 - length / 2;
+    cpp_int value = 0;
+    for (int bit = 127; bit >= 0; --bit) value = (value << 1) | static_cast<unsigned>((magnitude >> bit) & 1U);
+    if (exponent + oracle::fraction_bits < 0) continue;  // below the oracle's unit: not representable there
+    value <<= (exponent + oracle::fraction_bits);
+    if (negative) value = -value;
+    for (const bool toward_zero : {false, true}) {
+      const double got32 = core::round_scaled_integer(magnitude, negative, exponent, core::binary32, toward_zero);
+      const double expected32 = oracle::round_to(value, oracle::fp32, toward_zero);
+      ASSERT_TRUE(oracle::same(got32, expected32))
+          << "fp32 " << (toward_zero ? "rtz" : "rne") << " of " << value.str() << " * 2^" << exponent
+          << " (stored with 2^-1200 units): expected " << oracle::show(expected32) << ", got " << oracle::show(got32);
+      const double got64 = core::round_scaled_integer(magnitude, negative, exponent, core::binary64, toward_zero);
+      const double expected64 = oracle::round_to(value, oracle::fp64, toward_zero);
+      ASSERT_TRUE(oracle::same(got64, expected64))
+          << "fp64 " << (toward_zero ? "rtz" : "rne") << " of magnitude*2^" << exponent << ": expected "
+          << oracle::show(expected64) << ", got " << oracle::show(got64);
+    }
+  }
+}
+
+struct sum_case {
+  std::string name;
+  int low;   // exponent range of the terms
+  int high;
+  int bits;  // significand bits of each term
+  bool expect_window;
+};
+
+void check_sums(const sum_case& shape, int trials, std::uint64_t seed) {
+  std::mt19937_64 random(seed);
+  int window_hits = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    const int count = 1 + static_cast<int>(random() % 40);
+    std::vector<double> terms;
+    for (int i = 0; i < count; ++i) terms.push_back(random_value(random, shape.bits, shape.low, shape.high));
+    if (trial % 5 == 0 && count > 2) terms[1] = -terms[0];  // cancellation
+    if (trial % 11 == 0) terms.push_back(0.0);
+    // The accumulator is an fp32 value, as in the models.
+    const double initial = trial % 3 == 0 ? 0.0
+                                          : static_cast<double>(static_cast<float>(random_value(
+                                                random, 24, std::max(shape.low, -140), std::min(shape.high, 120))));
+    const cpp_int exact = exact_sum(initial, terms);
+    core::int128 window = 0;
+    int exponent = 0;
+    window_hits += core::window_sum(initial, terms.data(), static_cast<int>(terms.size()), window, exponent) ? 1 : 0;
+    for (const bool toward_zero : {false, true}) {
+      const double got32 = core::round_exact_sum(initial, terms.data(), static_cast<int>(terms.size()), core::binary32,
+                                                 toward_zero);
+      const double expected32 = oracle::round_to(exact, oracle::fp32, toward_zero);
+      ASSERT_TRUE(oracle::same(got32, expected32))
+          << shape.name << " fp32 " << (toward_zero ? "rtz" : "rne") << ": " << show_terms(initial, terms)
+          << "\nexpected " << oracle::show(expected32) << ", got " << oracle::show(got32);
+      const double got64 = core::round_exact_sum(initial, terms.data(), static_cast<int>(terms.size()), core::binary64,
+                                                 toward_zero);
+      const double expected64 = oracle::round_to(exact, oracle::fp64, toward_zero);
+      ASSERT_TRUE(oracle::same(got64, expected64))
+          << shape.name << " fp64 " << (toward_zero ? "rtz" : "rne") << ": " << show_terms(initial, terms)
+          << "\nexpected " << oracle::show(expected64) << ", got " << oracle::show(got64);
+    }
+    const float added = core::add_exactly_to_float(static_cast<float>(initial), terms.data(), static_cast<int>(terms.size()));
+    ASSERT_TRUE(oracle::same(added, oracle::round_to_float(exact))) << shape.name << ": " << show_terms(initial, terms);
+  }
+  // Both the window and the long-accumulator fallback must have been exercised where expected.
+  if (shape.expect_window) {
+    EXPECT_EQ(window_hits, trials) << shape.name << ": every sum should fit the 127-bit window";
+  } else {
+    EXPECT_LT(window_hits, trials / 2) << shape.name << ": most sums should need the fallback";
+  }
+}
+
+TEST(RoundExactSum, NarrowRangeUsesTheWindow) { check_sums({"narrow", -20, 20, 48, true}, 3000, 2); }
+TEST(RoundExactSum, BlockDotsOfSmallFormats) { check_sums({"small", -40, 10, 13, true}, 3000, 3); }
+TEST(RoundExactSum, WideRangeFallsBackToTheLongAccumulator) { check_sums({"wide", -600, 600, 53, false}, 2000, 4); }
+TEST(RoundExactSum, NearTheFp32UnderflowAndOverflow) {
+  check_sums({"tiny", -170, -120, 24, true}, 1500, 5);
+  check_sums({"huge", 110, 127, 24, true}, 1500, 6);
+}
+
+TEST(RoundExactSum, TiesRoundToEven) {
+  // 1 + 2^-24 is the midpoint between 1 and 1 + 2^-23: to even (1). 1 + 2^-23 + 2^-24: up.
+  const double tie_low[] = {std::ldexp(1.0, -24)};
+  EXPECT_EQ(core::add_exactly_to_float(1.0f, tie_low, 1), 1.0f);
+  const double tie_high[] = {std::ldexp(1.0, -23), std::ldexp(1.0, -24)};
+  EXPECT_EQ(core::add_exactly_to_float(1.0f, tie_high, 2), 1.0f + std::ldexp(1.0f, -22));
+  // A tie broken by a far-away sticky term (beyond any double sum of the two): rounds up.
+  const double sticky[] = {std::ldexp(1.0, -24), std::ldexp(1.0, -200)};
+  EXPECT_EQ(core::add_exactly_to_float(1.0f, sticky, 2), 1.0f + std::ldexp(1.0f, -23));
+  const double sticky_below[] = {std::ldexp(1.0, -24), -std::ldexp(1.0, -200)};
+  EXPECT_EQ(core::add_exactly_to_float(1.0f, sticky_below, 2), 1.0f);
+  // Exact cancellation gives +0, a tiny negative rest keeps its sign.
+  const double cancel[] = {-1.0};
+  EXPECT_EQ(oracle::bits_of(core::add_exactly_to_float(1.0f, cancel, 1)), 0x00000000U);
+  const double tiny[] = {-1.0, -std::ldexp(1.0, -200)};
+  EXPECT_EQ(oracle::bits_of(core::add_exactly_to_float(1.0f, tiny, 2)), 0x80000000U);
+}
+
+// Trunc-align semantics written from NUMERICS.md section 7 with the oracle's integers.
+float trunc_align_oracle(float accumulator, const std::vector<double>& products, int fraction_bits, bool toward_zero) {
+  std::vector<cpp_int> terms{oracle::from_double(accumulator)};
+  for (double product : products) terms.push_back(oracle::from_double(product));
+  bool any = false;
+  int leading = 0;
+  for (const cpp_int& term : terms) {
+    if (term == 0) continue;
+    const int exponent = oracle::leading_exponent(term);
+    leading = any ? std::max(leading, exponent) : exponent;
+    any = true;
+  }
+  if (!any) return 0.0f;
+  cpp_int total = 0;
+  for (const cpp_int& term : terms) total += oracle::truncate_toward_zero(term, leading - fraction_bits);
+  return oracle::round_to_float(total, toward_zero);
+}
+
+TEST(TruncAlignSum, MatchesTheOracle) {
+  std::mt19937_64 random(7);
+  for (const int fraction_bits : {0, 1, 3, 13, 14, 23, 24, 26, 60, 100, 110, 125, 200, 600}) {
+    for (int trial = 0; trial < 400; ++trial) {
+      const int count = 1 + static_cast<int>(random() % 64);
+      const int spread = trial % 2 == 0 ? 12 : 80;
+      std::vector<double> products;
+      for (int i = 0; i < count; ++i) products.push_back(random_value(random, 1 + static_cast<int>(random() % 16), -spread, 4));
+      if (trial % 4 == 0 && count > 1) products[1] = -products[0];
+      const float accumulator =
+          trial % 3 == 0 ? 0.0f : static_cast<float>(random_value(random, 24, -spread, spread / 2 + 4));
+      for (const auto mode : {core::alignment_rounding::rtz, core::alignment_rounding::rne}) {
+        const bool toward_zero = mode == core::alignment_rounding::rtz;
+        const float got = core::trunc_align_sum(accumulator, products.data(), count, fraction_bits, mode);
+        const float expected = trunc_align_oracle(accumulator, products, fraction_bits, toward_zero);
+        ASSERT_TRUE(oracle::same(got, expected))
+            << "trunc-align n=" << fraction_bits << (toward_zero ? " rtz" : " rne") << ": "
+            << show_terms(accumulator, products) << "\nexpected " << oracle::show(expected) << ", got "
+            << oracle::show(got);
+      }
+    }
+  }
+}
+
+TEST(TruncAlignSum, HandComputedGroup) {
+  // E = 0 (the product 1.0); n = 3 keeps multiples of 1/8: 0.40625 = 0.01101b -> 0.375,
+  // 0.0390625 = 0.0000101b -> 0, -0.40625 -> -0.375 (toward zero). 1 + 0.375 + 0 = 1.375.
+  const double products[] = {1.0, 0.40625, 0.0390625};
+  EXPECT_EQ(core::trunc_align_sum(0.0f, products, 3, 3, core::alignment_rounding::rtz), 1.375f);
+  const double negative[] = {1.0, -0.40625};
+  EXPECT_EQ(core::trunc_align_sum(0.0f, negative, 2, 3, core::alignment_rounding::rtz), 0.625f);
+  // The accumulator takes part in the alignment: E = 2 from acc = 4, n = 3 keeps multiples of 1/2:
+  // 4 + 1.0 + (0.40625 -> 0) + (0.0390625 -> 0) = 5.
+  EXPECT_EQ(core::trunc_align_sum(4.0f, products, 3, 3, core::alignment_rounding::rtz), 5.0f);
+  // n = 30 keeps every bit here; the sum 1 + 2^-24 + 2^-25 needs rounding to fp32: rtz gives 1,
+  // rne gives 1 + 2^-23.
+  const double fine[] = {std::ldexp(1.0, -24), std::ldexp(1.0, -25)};
+  EXPECT_EQ(core::trunc_align_sum(1.0f, fine, 2, 30, core::alignment_rounding::rtz), 1.0f);
+  EXPECT_EQ(core::trunc_align_sum(1.0f, fine, 2, 30, core::alignment_rounding::rne), 1.0f + std::ldexp(1.0f, -23));
+  // Nothing nonzero: +0.
+  const double zeros[] = {0.0, -0.0};
+  EXPECT_EQ(oracle::bits_of(core::trunc_align_sum(0.0f, zeros, 2, 5, core::alignment_rounding::rtz)), 0U);
+}
+
+TEST(SplitSignificand, HalvesAreExactAndShort) {
+  std::mt19937_64 random(9);
+  for (int trial = 0; trial < 5000; ++trial) {
+    const double value = random_value(random, 1 + static_cast<int>(random() % 53), -300, 300);
+    for (const int high_bits : {24, 27}) {
+      const auto split = core::split_significand(value, high_bits);
+      ASSERT_EQ(oracle::from_double(split.high) + oracle::from_double(split.low), oracle::from_double(value))
+          << oracle::show(value);
+      if (split.high != 0.0) {
+        int exponent = 0;
+        const double fraction = std::frexp(std::fabs(split.high), &exponent);
+        const double scaled = std::ldexp(fraction, high_bits);
+        ASSERT_EQ(scaled, std::floor(scaled)) << oracle::show(value) << " high part has more than " << high_bits << " bits";
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,758 @@
+// Emulated GEMMs (src/gemm.cpp) against oracles written here: element codes are decoded with the
+// tables of the OCP spec typed below, block dots are integer arithmetic on those codes, exact sums
+// use the Boost.Multiprecision fixed point of exact_oracle.hpp, fp32 rounding steps are either
+// plain fp32 additions of exactly representable values or the oracle's rounding. The library is
+// used only to produce the quantized codes (mxscope::quantize, tested elsewhere) and the rotation
+// signs, never to compute an expected value.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "exact_oracle.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/gemm.hpp"
+
+namespace {
+
+using mxscope::gemm_kind;
+using mxscope::matrix;
+using mxscope::quantized_tensor;
+using oracle::cpp_int;
+
+// ------------------------------------------------------------------------------------------------
+// Test data.
+
+// Gaussian entries; each (row, 16-column band) gets its own power-of-two magnitude drawn from
+// [low_exponent, high_exponent], so block scales vary along both axes.
+matrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed, int low_exponent = -3,
+                     int high_exponent = 3) {
+  std::mt19937_64 random(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_int_distribution<int> exponent(low_exponent, high_exponent);
+  std::vector<int> band_exponents(static_cast<std::size_t>(rows * ((cols + 15) / 16)));
+  for (int& e : band_exponents) e = exponent(random);
+  matrix out(rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const int e = band_exponents[static_cast<std::size_t>(r * ((cols + 15) / 16) + c / 16)];
+      out(r, c) = static_cast<float>(std::ldexp(normal(random), e));
+    }
+  }
+  return out;
+}
+
+// Operand data with extreme block exponents (down to the fp32 subnormals and up to 2^120), zero
+// blocks and zero rows.
+matrix extreme_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  matrix out = random_matrix(rows, cols, seed, -140, 115);
+  std::mt19937_64 random(seed + 1000);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if ((r * 7 + c / 8) % 11 == 3) out(r, c) = 0.0f;  // zero stretches
+    }
+  }
+  if (rows > 2) {
+    for (std::int64_t c = 0; c < cols; ++c) out(1, c) = 0.0f;
+  }
+  return out;
+}
+
+mxscope::operand_strategy operand(std::string_view format, int block = 0,
+                                  mxscope::core::rounding_mode rounding = mxscope::core::rounding_mode::rne) {
+  mxscope::operand_strategy out;
+  out.quantize.format = *mxscope::parse_format(format);
+  out.quantize.block = block;
+  out.quantize.rounding = rounding;
+  return out;
+}
+
+mxscope::strategy make_strategy(std::string_view format_a, std::string_view format_b, std::string_view model,
+                                int rotation = 0, mxscope::sign_policy signs = mxscope::sign_policy::none) {
+  mxscope::strategy out;
+  out.name = "test";
+  out.a = operand(format_a);
+  out.b = operand(format_b);
+  out.seed = 12345;
+  out.accumulation = mxscope::parse_accumulation_model(model);
+  out.rotation_size = rotation;
+  out.rotation_signs = signs;
+  return out;
+}
+
+struct layer_tensors {
+  matrix x;   // [K, n_in]
+  matrix dy;  // [K, n_out]
+  matrix w;   // [n_out, n_in]
+  mxscope::gemm_operands operands() const { return {&x, &dy, &w}; }
+};
+
+layer_tensors random_layer(std::int64_t k, std::int64_t n_in, std::int64_t n_out, std::uint64_t seed,
+                           bool extreme = false) {
+  if (extreme) return {extreme_matrix(k, n_in, seed), extreme_matrix(k, n_out, seed + 1), extreme_matrix(n_out, n_in, seed + 2)};
+  return {random_matrix(k, n_in, seed), random_matrix(k, n_out, seed + 1, -30, -20), random_matrix(n_out, n_in, seed + 2, -8, -4)};
+}
+
+const mxscope::gemm_context context{"layers.3.mlp.down_proj", 17};
+
+// ------------------------------------------------------------------------------------------------
+// Test-side decoding of quantized operands (OCP MX v1.0 tables, NUMERICS.md section 1 storage).
+
+// FP4 E2M1 values times two, codes 0..7 (8..15 are the negatives).
+constexpr int fp4_twice[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+
+double fp4_value(std::uint8_t code) {
+  const double magnitude = fp4_twice[code & 7U] / 2.0;
+  return (code & 8U) != 0 ? -magnitude : magnitude;
+}
+
+// FP8 E4M3 (OCP "fn") and UE4M3: S.EEEE.MMM, bias 7, subnormals at E = 0, S.1111.111 is NaN.
+double e4m3_value(std::uint8_t code) {
+  const unsigned magnitude = code & 0x7FU;
+  if (magnitude == 0x7FU) return NAN;
+  const unsigned exponent = magnitude >> 3;
+  const unsigned mantissa = magnitude & 7U;
+  const double value = exponent == 0 ? std::ldexp(mantissa, -9) : std::ldexp(8 + mantissa, static_cast<int>(exponent) - 10);
+  return (code & 0x80U) != 0 ? -value : value;
+}
+
+// The reduction-major view of a quantized operand: value(row, k) along the reduction.
+struct test_operand {
+  std::int64_t rows = 0;
+  std::int64_t depth = 0;
+  int block = 32;
+  std::function<double(std::int64_t, std::int64_t)> scaled;  // block-scaled element value, exact
+  std::function<int(std::int64_t, std::int64_t)> twice;      // fp4: 2 q (an integer)
+  std::function<int(std::int64_t, std::int64_t)> exponent;   // MX: the block's shared exponent
+  double tensor_scale = 1.0;
+};
+
+std::uint8_t packed_fp4_code(const quantized_tensor& q, std::int64_t r, std::int64_t c) {
+  const std::int64_t row_bytes = (q.cols + 1) / 2;
+  const std::uint8_t byte = q.codes[static_cast<std::size_t>(r * row_bytes + c / 2)];
+  return c % 2 == 0 ? (byte & 0x0FU) : static_cast<std::uint8_t>(byte >> 4);
+}
+
+// `axis` is the operand's quantization axis = its reduction axis (NUMERICS.md section 6).
+test_operand view_of(const quantized_tensor& q, int axis, std::string_view format) {
+  test_operand out;
+  out.rows = axis == 1 ? q.rows : q.cols;
+  out.depth = axis == 1 ? q.cols : q.rows;
+  const auto at = [axis](std::int64_t row, std::int64_t k) { return axis == 1 ? std::pair{row, k} : std::pair{k, row}; };
+  if (format == "mxfp4") {
+    out.block = q.block;
+    out.exponent = [&q, axis, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      const std::uint8_t code = axis == 1 ? q.scales[static_cast<std::size_t>(r * q.scale_cols + c / q.block)]
+                                          : q.scales[static_cast<std::size_t>((r / q.block) * q.scale_cols + c)];
+      return static_cast<int>(code) - 127;
+    };
+    out.twice = [&q, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      const std::uint8_t code = packed_fp4_code(q, r, c);
+      return (code & 8U) != 0 ? -fp4_twice[code & 7U] : fp4_twice[code & 7U];
+    };
+    out.scaled = [twice = out.twice, exponent = out.exponent](std::int64_t row, std::int64_t k) {
+      return std::ldexp(twice(row, k) / 2.0, exponent(row, k));
+    };
+  } else if (format == "nvfp4") {
+    out.block = 16;
+    out.tensor_scale = q.tensor_scale;
+    out.scaled = [&q, axis, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      const std::uint8_t scale = axis == 1 ? q.scales[static_cast<std::size_t>(r * q.scale_cols + c / 16)]
+                                           : q.scales[static_cast<std::size_t>((r / 16) * q.scale_cols + c)];
+      return fp4_value(packed_fp4_code(q, r, c)) * e4m3_value(scale);
+    };
+  } else if (format == "fp8_e4m3") {
+    out.tensor_scale = q.tensor_scale;
+    out.scaled = [&q, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      return e4m3_value(q.codes[static_cast<std::size_t>(r * q.cols + c)]);
+    };
+  } else if (format == "bf16") {
+    out.scaled = [&q, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      const auto byte = static_cast<std::size_t>(r * q.cols + c) * 2;
+      const std::uint32_t bits = (static_cast<std::uint32_t>(q.codes[byte + 1]) << 24) | (static_cast<std::uint32_t>(q.codes[byte]) << 16);
+      float value = 0.0f;
+      std::memcpy(&value, &bits, sizeof value);
+      return static_cast<double>(value);
+    };
+  } else {  // fp32: the input itself
+    out.scaled = [&q, at](std::int64_t row, std::int64_t k) {
+      const auto [r, c] = at(row, k);
+      return static_cast<double>(q.dequantized(r, c));
+    };
+  }
+  return out;
+}
+
+// The operands as run_gemm must quantize them: NUMERICS.md section 6 axes and roles, section 4
+// streams. `rotated` replaces the captured tensors when the strategy rotates.
+struct quantized_pair {
+  quantized_tensor a;
+  quantized_tensor b;
+  int a_axis;
+  int b_axis;
+};
+
+mxscope::quantize_options options_for(const mxscope::operand_strategy& chosen, int axis, std::uint64_t seed,
+                                      mxscope::core::random_role role) {
+  mxscope::quantize_options options = chosen.quantize;
+  options.axis = axis;
+  const std::uint32_t layer_hash = mxscope::core::fnv1a32(context.layer.data(), context.layer.size());
+  options.stream = {seed, context.step, layer_hash ^ static_cast<std::uint32_t>(role)};
+  return options;
+}
+
+quantized_pair quantize_like_the_spec(gemm_kind kind, const layer_tensors& layer, const mxscope::strategy& chosen) {
+  using role = mxscope::core::random_role;
+  switch (kind) {
+    case gemm_kind::fprop:
+      return {mxscope::quantize(layer.x, options_for(chosen.a, 1, chosen.seed, role::x)),
+              mxscope::quantize(layer.w, options_for(chosen.b, 1, chosen.seed, role::w)), 1, 1};
+    case gemm_kind::dgrad:
+      return {mxscope::quantize(layer.dy, options_for(chosen.a, 1, chosen.seed, role::dy)),
+              mxscope::quantize(layer.w, options_for(chosen.b, 0, chosen.seed, role::w)), 1, 0};
+    case gemm_kind::wgrad:
+      return {mxscope::quantize(layer.dy, options_for(chosen.a, 0, chosen.seed, role::dy)),
+              mxscope::quantize(layer.x, options_for(chosen.b, 0, chosen.seed, role::x)), 0, 0};
+  }
+  throw std::logic_error("kind");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Oracles.
+
+// fp32-block for MXFP4 x MXFP4, straight from NUMERICS.md section 7: acc = +0; for each K-block
+// in ascending order, the integer block dot D of the 2q codes, v = D * 2^(ea + eb - 2) (exact), and
+// acc = fl32(acc + v): a plain fp32 addition when v is an fp32 number (then the hardware addition
+// rounds the exact sum once), the oracle's rounding of the exact sum otherwise.
+float fp32_block_oracle(const test_operand& a, const test_operand& b, std::int64_t i, std::int64_t j) {
+  float accumulator = 0.0f;
+  for (std::int64_t begin = 0; begin < a.depth; begin += a.block) {
+    const std::int64_t end = std::min(a.depth, begin + a.block);
+    std::int64_t dot = 0;
+    for (std::int64_t k = begin; k < end; ++k) dot += static_cast<std::int64_t>(a.twice(i, k)) * b.twice(j, k);
+    const int exponent = a.exponent(i, begin) + b.exponent(j, begin) - 2;
+    const double value = std::ldexp(static_cast<double>(dot), exponent);
+    const float as_float = static_cast<float>(value);
+    if (!std::isfinite(accumulator)) continue;  // inf + a finite value stays inf (IEEE)
+    if (std::isfinite(as_float) && static_cast<double>(as_float) == value) {
+      accumulator = accumulator + as_float;
+    } else {
+      accumulator = oracle::round_to_float(oracle::from_double(accumulator) + oracle::from_double(value));
+    }
+  }
+  return accumulator;
+}
+
+// The exact sum of the products of the block-scaled values, times the tensor scales.
+cpp_int exact_entry(const test_operand& a, const test_operand& b, std::int64_t i, std::int64_t j) {
+  cpp_int total = 0;
+  for (std::int64_t k = 0; k < a.depth; ++k) total += oracle::product(a.scaled(i, k), b.scaled(j, k));
+  if (a.tensor_scale != 1.0 || b.tensor_scale != 1.0) {
+    const cpp_int scale = oracle::product(a.tensor_scale, b.tensor_scale);
+    const cpp_int unit = cpp_int(1) << oracle::fraction_bits;
+    const cpp_int full = total * scale;
+    EXPECT_EQ(full % unit, 0);
+    total = full / unit;
+  }
+  return total;
+}
+
+std::string where(std::string_view what, std::int64_t i, std::int64_t j) {
+  return fmt::format("{} entry ({}, {})", what, i, j);
+}
+
+void expect_same_bits(const matrix& expected, const matrix& actual, std::string_view what) {
+  ASSERT_EQ(expected.rows, actual.rows) << what;
+  ASSERT_EQ(expected.cols, actual.cols) << what;
+  int failures = 0;
+  for (std::int64_t i = 0; i < expected.rows && failures < 5; ++i) {
+    for (std::int64_t j = 0; j < expected.cols && failures < 5; ++j) {
+      if (!oracle::same(expected(i, j), actual(i, j))) {
+        ++failures;
+        ADD_FAILURE() << where(what, i, j) << ": expected " << oracle::show(expected(i, j)) << ", got "
+                      << oracle::show(actual(i, j));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Names.
+
+TEST(GemmNames, AccumulationModelsParseAndPrint) {
+  for (const std::string_view text : {"exact", "fp32-block", "fp32-group:4", "fp32-group:1", "trunc-align:13,1,rtz",
+                                      "trunc-align:200,4,rne", "fp32-seq"}) {
+    EXPECT_EQ(mxscope::accumulation_model_name(mxscope::parse_accumulation_model(text)), text);
+  }
+  const auto model = mxscope::parse_accumulation_model("trunc-align:14,2");
+  EXPECT_EQ(model.kind, mxscope::accumulation_kind::trunc_align);
+  EXPECT_EQ(model.fraction_bits, 14);
+  EXPECT_EQ(model.blocks_per_group, 2);
+  EXPECT_EQ(model.rounding, mxscope::alignment_rounding::rtz);  // the default
+  EXPECT_EQ(mxscope::parse_gemm_kind("wgrad"), gemm_kind::wgrad);
+  EXPECT_EQ(mxscope::parse_gemm_kind("forward"), std::nullopt);
+}
+
+TEST(GemmNames, BadModelStringsNameTheField) {
+  for (const std::string_view text : {"fp32-bloc", "", "fp32-group:", "fp32-group:0", "fp32-group:x", "trunc-align:5",
+                                      "trunc-align:5,2,rtn", "trunc-align:-1,2", "trunc-align:5,2,rne,1", "exact "}) {
+    try {
+      mxscope::parse_accumulation_model(text);
+      ADD_FAILURE() << "'" << text << "' was accepted";
+    } catch (const mxscope::input_error& error) {
+      EXPECT_NE(std::string(error.what()).find("accum"), std::string::npos) << error.what();
+      EXPECT_NE(std::string(error.what()).find(std::string(text)), std::string::npos) << error.what();
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp32-block against the scalar oracle, every GEMM kind, reduction lengths that are and are not
+// multiples of 32.
+
+void check_fp32_block_against_oracle(gemm_kind kind, std::int64_t k, std::int64_t n_in, std::int64_t n_out,
+                                     std::uint64_t seed, bool extreme) {
+  const layer_tensors layer = random_layer(k, n_in, n_out, seed, extreme);
+  const mxscope::strategy chosen = make_strategy("mxfp4", "mxfp4", "fp32-block");
+  const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+  const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
+  const test_operand a = view_of(pair.a, pair.a_axis, "mxfp4");
+  const test_operand b = view_of(pair.b, pair.b_axis, "mxfp4");
+  ASSERT_EQ(result.out.rows, a.rows);
+  ASSERT_EQ(result.out.cols, b.rows);
+  int failures = 0;
+  for (std::int64_t i = 0; i < a.rows && failures < 5; ++i) {
+    for (std::int64_t j = 0; j < b.rows && failures < 5; ++j) {
+      const float expected = fp32_block_oracle(a, b, i, j);
+      if (!oracle::same(expected, result.out(i, j))) {
+        ++failures;
+        ADD_FAILURE() << mxscope::gemm_kind_name(kind) << " K=" << k << " n_in=" << n_in << " n_out=" << n_out
+                      << (extreme ? " (extreme exponents) " : " ") << where("fp32-block mxfp4", i, j) << ": expected "
+                      << oracle::show(expected) << ", got " << oracle::show(result.out(i, j));
+      }
+    }
+  }
+}
+
+TEST(Fp32Block, MatchesTheScalarOracleForEveryKind) {
+  check_fp32_block_against_oracle(gemm_kind::wgrad, 256, 40, 24, 1, false);
+  check_fp32_block_against_oracle(gemm_kind::fprop, 24, 128, 40, 2, false);
+  check_fp32_block_against_oracle(gemm_kind::dgrad, 24, 40, 96, 3, false);
+}
+
+TEST(Fp32Block, ReductionLengthsThatAreNotMultiplesOf32) {
+  for (const std::int64_t k : {100, 33, 1}) check_fp32_block_against_oracle(gemm_kind::wgrad, k, 20, 12, 10 + k, false);
+  check_fp32_block_against_oracle(gemm_kind::fprop, 7, 100, 9, 20, false);
+  check_fp32_block_against_oracle(gemm_kind::dgrad, 7, 9, 33, 21, false);
+}
+
+TEST(Fp32Block, ExtremeScaleExponents) {
+  check_fp32_block_against_oracle(gemm_kind::wgrad, 160, 24, 20, 30, true);
+  check_fp32_block_against_oracle(gemm_kind::fprop, 20, 96, 24, 31, true);
+}
+
+// ------------------------------------------------------------------------------------------------
+// exact against Boost.Multiprecision, for MX, NVFP4 (tensor scales), per-tensor fp8, bf16, fp32.
+
+void check_exact(gemm_kind kind, std::string_view format, std::int64_t k, std::int64_t n_in, std::int64_t n_out,
+                 std::uint64_t seed) {
+  const layer_tensors layer = random_layer(k, n_in, n_out, seed);
+  const mxscope::strategy chosen = make_strategy(format, format, "exact");
+  const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+  const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
+  const test_operand a = view_of(pair.a, pair.a_axis, format);
+  const test_operand b = view_of(pair.b, pair.b_axis, format);
+  ASSERT_EQ(result.exact.rows, a.rows);
+  ASSERT_EQ(result.exact.cols, b.rows);
+  int failures = 0;
+  for (std::int64_t i = 0; i < a.rows && failures < 5; ++i) {
+    for (std::int64_t j = 0; j < b.rows && failures < 5; ++j) {
+      const cpp_int exact = exact_entry(a, b, i, j);
+      const float expected32 = oracle::round_to_float(exact);
+      const double expected64 = oracle::round_to_double(exact);
+      if (!oracle::same(expected32, result.out(i, j)) || !oracle::same(expected64, result.exact(i, j))) {
+        ++failures;
+        ADD_FAILURE() << mxscope::gemm_kind_name(kind) << " " << format << " " << where("exact", i, j) << ": expected "
+                      << oracle::show(expected32) << " / " << oracle::show(expected64) << ", got "
+                      << oracle::show(result.out(i, j)) << " / " << oracle::show(result.exact(i, j));
+      }
+    }
+  }
+}
+
+TEST(Exact, MatchesBoostMultiprecision) {
+  check_exact(gemm_kind::wgrad, "mxfp4", 96, 12, 10, 40);
+  check_exact(gemm_kind::fprop, "nvfp4", 10, 80, 12, 41);
+  check_exact(gemm_kind::dgrad, "fp8_e4m3", 10, 12, 70, 42);
+  check_exact(gemm_kind::wgrad, "bf16", 50, 9, 7, 43);
+  check_exact(gemm_kind::fprop, "fp32", 6, 45, 8, 44);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Relations between models.
+
+void check_models_equal(std::string_view format, std::string_view left, std::string_view right, gemm_kind kind,
+                        std::uint64_t seed) {
+  const layer_tensors layer = random_layer(200, 24, 20, seed);
+  const auto first = mxscope::run_gemm(kind, layer.operands(), make_strategy(format, format, left), context);
+  const auto second = mxscope::run_gemm(kind, layer.operands(), make_strategy(format, format, right), context);
+  expect_same_bits(first.out, second.out, fmt::format("{} {} vs {}", format, left, right));
+}
+
+TEST(Models, TruncAlignWithManyBitsIsFp32Group) {
+  for (const std::string_view format : {"mxfp4", "mxfp8_e4m3", "nvfp4", "bf16"}) {
+    check_models_equal(format, "trunc-align:200,1,rne", "fp32-block", gemm_kind::wgrad, 50);
+    check_models_equal(format, "trunc-align:200,2,rne", "fp32-group:2", gemm_kind::fprop, 51);
+    check_models_equal(format, "trunc-align:200,4,rne", "fp32-group:4", gemm_kind::dgrad, 52);
+  }
+}
+
+TEST(Models, Fp32GroupOfOneIsFp32Block) {
+  for (const std::string_view format : {"mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "mxint8", "nvfp4", "fp8_e5m2", "fp32"}) {
+    check_models_equal(format, "fp32-group:1", "fp32-block", gemm_kind::wgrad, 60);
+  }
+}
+
+TEST(Models, TruncAlignWithFewBitsLosesAccuracy) {
+  // Not an identity: keeping 4 bits below the leading exponent must change most entries.
+  const layer_tensors layer = random_layer(128, 16, 16, 70);
+  const auto coarse = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "trunc-align:4,1"), context);
+  const auto exact = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "exact"), context);
+  int differing = 0;
+  for (std::int64_t i = 0; i < coarse.out.size(); ++i) differing += coarse.out.values[i] != exact.out.values[i];
+  EXPECT_GT(differing, coarse.out.size() / 2);
+}
+
+TEST(TruncAlign, HandComputedGemm) {
+  // fprop with unquantized operands: x [2, 33], w [1, 33], y = x w^T. Row 0 products: 1, 0.40625,
+  // 0.0390625 in block 0 and 0.1875 (k = 32) in block 1; row 1 the same with 4 instead of 1.
+  matrix x(2, 33, 0.0f);
+  matrix w(1, 33, 0.0f);
+  x(0, 0) = x(0, 1) = x(0, 2) = x(0, 32) = 1.0f;
+  x(1, 0) = 4.0f;
+  x(1, 1) = x(1, 2) = x(1, 32) = 1.0f;
+  w(0, 0) = 1.0f;
+  w(0, 1) = 0.40625f;
+  w(0, 2) = 0.0390625f;
+  w(0, 32) = 0.1875f;
+  const mxscope::gemm_operands operands{&x, nullptr, &w};
+  const auto run = [&](std::string_view model) {
+    return mxscope::run_gemm(gemm_kind::fprop, operands, make_strategy("fp32", "fp32", model), context).out;
+  };
+  // n = 3, G = 1. Row 0, group 0: E = 0, keep multiples of 1/8: 1 + 0.375 + 0 = 1.375; group 1:
+  // acc 1.375 (E = 0) and 0.1875 -> 0.125: 1.5. Row 1, group 0: E = 2, multiples of 1/2:
+  // 4 + 0 + 0 = 4; group 1: 4 and 0.1875 -> 0: 4.
+  const matrix coarse = run("trunc-align:3,1,rtz");
+  EXPECT_EQ(coarse(0, 0), 1.5f);
+  EXPECT_EQ(coarse(1, 0), 4.0f);
+  // G = 2: one group of all products: row 0: 1 + 0.375 + 0 + 0.125 = 1.5; row 1: 4.
+  const matrix grouped = run("trunc-align:3,2,rtz");
+  EXPECT_EQ(grouped(0, 0), 1.5f);
+  EXPECT_EQ(grouped(1, 0), 4.0f);
+  // fp32-block keeps everything: 1.4453125 + 0.1875 and 4.4453125 + 0.1875.
+  const matrix block = run("fp32-block");
+  EXPECT_EQ(block(0, 0), 1.6328125f);
+  EXPECT_EQ(block(1, 0), 4.6328125f);
+}
+
+TEST(Fp32Seq, IsSequentialFusedMultiplyAdd) {
+  const layer_tensors layer = random_layer(150, 20, 18, 80);
+  for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop, gemm_kind::dgrad}) {
+    const mxscope::strategy chosen = make_strategy("mxfp4", "mxfp4", "fp32-seq");
+    const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+    const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
+    const test_operand a = view_of(pair.a, pair.a_axis, "mxfp4");
+    const test_operand b = view_of(pair.b, pair.b_axis, "mxfp4");
+    matrix expected(a.rows, b.rows);
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      for (std::int64_t j = 0; j < b.rows; ++j) {
+        float accumulator = 0.0f;
+        for (std::int64_t k = 0; k < a.depth; ++k) {
+          // Dequantized to fp32 (exact for these magnitudes), then one fused multiply-add.
+          accumulator = std::fma(static_cast<float>(a.scaled(i, k)), static_cast<float>(b.scaled(j, k)), accumulator);
+        }
+        expected(i, j) = accumulator;
+      }
+    }
+    expect_same_bits(expected, result.out, fmt::format("fp32-seq {}", mxscope::gemm_kind_name(kind)));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shapes and axes of the three GEMMs against a naive fp64 GEMM of the dequantized operands.
+
+TEST(Kinds, ShapesAndAxesAgreeWithANaiveGemm) {
+  const std::int64_t k = 70, n_in = 50, n_out = 36;
+  const layer_tensors layer = random_layer(k, n_in, n_out, 90);
+  for (const gemm_kind kind : {gemm_kind::fprop, gemm_kind::dgrad, gemm_kind::wgrad}) {
+    const mxscope::strategy chosen = make_strategy("mxfp8_e4m3", "mxfp6_e2m3", "fp32-block");
+    const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+    // Dequantize the operands in their captured layouts, then multiply as the layer does.
+    const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
+    const matrix& first = pair.a.dequantized;
+    const matrix& second = pair.b.dequantized;
+    std::int64_t rows = 0, cols = 0, depth = 0;
+    std::function<double(std::int64_t, std::int64_t, std::int64_t)> term;
+    switch (kind) {
+      case gemm_kind::fprop:  // y[t, o] = sum_i x[t, i] w[o, i]
+        rows = k, cols = n_out, depth = n_in;
+        term = [&](std::int64_t t, std::int64_t o, std::int64_t i) { return double(first(t, i)) * second(o, i); };
+        break;
+      case gemm_kind::dgrad:  // dx[t, i] = sum_o dy[t, o] w[o, i]
+        rows = k, cols = n_in, depth = n_out;
+        term = [&](std::int64_t t, std::int64_t i, std::int64_t o) { return double(first(t, o)) * second(o, i); };
+        break;
+      case gemm_kind::wgrad:  // dw[o, i] = sum_t dy[t, o] x[t, i]
+        rows = n_out, cols = n_in, depth = k;
+        term = [&](std::int64_t o, std::int64_t i, std::int64_t t) { return double(first(t, o)) * second(t, i); };
+        break;
+    }
+    ASSERT_EQ(result.out.rows, rows) << mxscope::gemm_kind_name(kind);
+    ASSERT_EQ(result.out.cols, cols) << mxscope::gemm_kind_name(kind);
+    // fp32-block rounds once per block: |error| <= gamma_(blocks) * sum |terms| (plus the fp64
+    // reference's own, far smaller, error).
+    const double blocks = std::ceil(depth / 32.0);
+    const double gamma = blocks * std::ldexp(1.0, -24) / (1.0 - blocks * std::ldexp(1.0, -24));
+    int failures = 0;
+    for (std::int64_t r = 0; r < rows && failures < 5; ++r) {
+      for (std::int64_t c = 0; c < cols && failures < 5; ++c) {
+        double sum = 0.0, magnitude = 0.0;
+        for (std::int64_t d = 0; d < depth; ++d) {
+          sum += term(r, c, d);
+          magnitude += std::fabs(term(r, c, d));
+        }
+        const double bound = gamma * magnitude * 1.001 + depth * std::ldexp(magnitude, -52);
+        if (!(std::fabs(result.out(r, c) - sum) <= bound)) {
+          ++failures;
+          ADD_FAILURE() << mxscope::gemm_kind_name(kind) << " " << where("vs naive fp64", r, c) << ": naive " << sum
+                        << ", got " << oracle::show(result.out(r, c)) << ", bound " << bound;
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Rotations.
+
+// NUMERICS.md section 5 written out: signs, then the unnormalized FWHT in canonical order, then
+// the fp32 scale fl32(1/sqrt(b)), all in fp32.
+void rotate_like_the_spec(matrix& values, int axis, int size, const std::vector<float>& signs) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(size)));
+  const std::int64_t lines = axis == 1 ? values.rows : values.cols;
+  const std::int64_t length = axis == 1 ? values.cols : values.rows;
+  for (std::int64_t line = 0; line < lines; ++line) {
+    for (std::int64_t begin = 0; begin < length; begin += size) {
+      std::vector<float> v(static_cast<std::size_t>(size));
+      auto element = [&](std::int64_t i) -> float& { return axis == 1 ? values(line, begin + i) : values(begin + i, line); };
+      for (int i = 0; i < size; ++i) v[i] = element(i) * signs[static_cast<std::size_t>(begin + i)];
+      for (int half = 1; half < size; half *= 2) {
+        for (int j = 0; j < size; ++j) {
+          if (j % (2 * half) < half) {
+            const float p = v[j], q = v[j + half];
+            v[j] = p + q;
+            v[j + half] = p - q;
+          }
+        }
+      }
+      for (int i = 0; i < size; ++i) element(i) = v[i] * scale;
+    }
+  }
+}
+
+std::vector<float> signs_for(std::int64_t length, const mxscope::strategy& chosen) {
+  mxscope::rotation_options options;
+  options.size = chosen.rotation_size;
+  options.signs = chosen.rotation_signs;
+  options.seed = chosen.seed;
+  options.step = context.step;
+  options.layer_hash = mxscope::core::fnv1a32(context.layer.data(), context.layer.size());
+  return mxscope::rotation_signs(length, options);
+}
+
+TEST(Rotation, BothOperandsShareOneRotationAlongTheReduction) {
+  // fp32-block of MXFP4 operands rotated by the spec's FWHT (the same signs for both) must equal
+  // run_gemm with the rotation, bit for bit: rotation before quantization, along the reduction.
+  const std::int64_t k = 128, n_in = 64, n_out = 32;
+  const layer_tensors layer = random_layer(k, n_in, n_out, 100);
+  for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop, gemm_kind::dgrad}) {
+    const mxscope::strategy chosen =
+        make_strategy("mxfp4", "mxfp4", "fp32-block", 32, mxscope::sign_policy::per_step);
+    const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+    layer_tensors rotated = layer;
+    switch (kind) {
+      case gemm_kind::fprop:
+        rotate_like_the_spec(rotated.x, 1, 32, signs_for(n_in, chosen));
+        rotate_like_the_spec(rotated.w, 1, 32, signs_for(n_in, chosen));
+        break;
+      case gemm_kind::dgrad:
+        rotate_like_the_spec(rotated.dy, 1, 32, signs_for(n_out, chosen));
+        rotate_like_the_spec(rotated.w, 0, 32, signs_for(n_out, chosen));
+        break;
+      case gemm_kind::wgrad:
+        rotate_like_the_spec(rotated.dy, 0, 32, signs_for(k, chosen));
+        rotate_like_the_spec(rotated.x, 0, 32, signs_for(k, chosen));
+        break;
+    }
+    const quantized_pair pair = quantize_like_the_spec(kind, rotated, chosen);
+    const test_operand a = view_of(pair.a, pair.a_axis, "mxfp4");
+    const test_operand b = view_of(pair.b, pair.b_axis, "mxfp4");
+    matrix expected(a.rows, b.rows);
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      for (std::int64_t j = 0; j < b.rows; ++j) expected(i, j) = fp32_block_oracle(a, b, i, j);
+    }
+    expect_same_bits(expected, result.out, fmt::format("rotated {}", mxscope::gemm_kind_name(kind)));
+  }
+}
+
+TEST(Rotation, ExactProductIsInvariantUpToTheRotationsRounding) {
+  // With unquantized fp32 operands and exact accumulation, rotating both operands by the same Q
+  // changes the result only through the fp32 rounding of the rotation itself. Each FWHT stage is
+  // an exact sqrt(2)-scaled orthogonal map followed by one rounding per element (relative error
+  // <= u), so after log2(b) stages and the scale multiply (whose constant fl32(1/sqrt b) carries
+  // another u) the rotated vector q^ satisfies ||q^ - Q v|| <= gamma ||v||, gamma = (1+u)^(L+2) - 1.
+  // Then |q^_a . q^_b - a . b| <= (2 gamma + gamma^2) ||a|| ||b|| per entry (Cauchy-Schwarz over
+  // the segments), and each result is rounded once to fp32 (relative u).
+  const layer_tensors layer = random_layer(256, 6, 5, 110);
+  const double u = std::ldexp(1.0, -24);
+  for (const int size : {16, 64, 256}) {
+    const auto plain = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("fp32", "fp32", "exact"), context);
+    const auto rotated = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(),
+                                           make_strategy("fp32", "fp32", "exact", size, mxscope::sign_policy::fixed), context);
+    const int stages = static_cast<int>(std::log2(size));
+    const double gamma = std::pow(1.0 + u, stages + 2) - 1.0;
+    int differing = 0;
+    for (std::int64_t o = 0; o < 5; ++o) {
+      for (std::int64_t i = 0; i < 6; ++i) {
+        double norm_dy = 0.0, norm_x = 0.0;
+        for (std::int64_t t = 0; t < 256; ++t) {
+          norm_dy += double(layer.dy(t, o)) * layer.dy(t, o);
+          norm_x += double(layer.x(t, i)) * layer.x(t, i);
+        }
+        const double r1 = plain.out(o, i), r2 = rotated.out(o, i);
+        const double bound = (2 * gamma + gamma * gamma) * std::sqrt(norm_dy) * std::sqrt(norm_x) + u * (std::fabs(r1) + std::fabs(r2));
+        EXPECT_LE(std::fabs(r1 - r2), bound) << "hadamard:" << size << " " << where("dw", o, i);
+        differing += r1 != r2;
+      }
+    }
+    EXPECT_GT(differing, 0) << "hadamard:" << size << ": the rotation changed nothing; was it applied?";
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fast path against the generic (definition) path, and thread counts.
+
+TEST(FastPath, IsBitIdenticalToTheGenericPath) {
+  struct pairing {
+    std::string_view a, b;
+  };
+  const pairing pairings[] = {{"mxfp4", "mxfp4"},         {"mxfp6_e2m3", "mxfp6_e3m2"}, {"mxint8", "mxfp4"},
+                              {"mxfp8_e4m3", "mxfp8_e4m3"}, {"mxfp8_e5m2", "mxfp4"},     {"nvfp4", "nvfp4"},
+                              {"fp8_e4m3", "fp8_e4m3"},     {"fp8_e4m3", "mxfp4"}};
+  for (const bool extreme : {false, true}) {
+    const layer_tensors layer = random_layer(100, 40, 36, extreme ? 120 : 121, extreme);
+    for (const auto& [format_a, format_b] : pairings) {
+      for (const std::string_view model : {"fp32-block", "fp32-group:3", "exact"}) {
+        for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
+          const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
+          const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+          const auto generic = mxscope::run_gemm(kind, layer.operands(), chosen, context, {mxscope::accumulation_path::generic});
+          const std::string what = fmt::format("{} x {} {} {}{}", format_a, format_b, model, mxscope::gemm_kind_name(kind),
+                                               extreme ? " extreme" : "");
+          expect_same_bits(generic.out, fast.out, what);
+          if (model == "exact") {
+            for (std::int64_t i = 0; i < fast.exact.size(); ++i) {
+              ASSERT_TRUE(oracle::same(generic.exact.values[i], fast.exact.values[i])) << what << " fp64 entry " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+  // The extreme data must have sent some MXFP4 entries through the exact per-entry step.
+  const layer_tensors layer = random_layer(100, 40, 36, 120, true);
+  const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "fp32-block"), context);
+  EXPECT_GT(fast.fallback_entries, 0);
+}
+
+TEST(FastPath, NanBlocksPropagate) {
+  layer_tensors layer = random_layer(64, 8, 8, 130);
+  layer.dy(5, 3) = NAN;  // wgrad: dy's block (tokens 0..31, column 3) becomes a NaN block
+  const auto result = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "fp32-block"), context);
+  for (std::int64_t i = 0; i < 8; ++i) {
+    for (std::int64_t o = 0; o < 8; ++o) {
+      EXPECT_EQ(std::isnan(result.out(o, i)), o == 3) << where("dw", o, i);
+    }
+  }
+}
+
+TEST(Threads, ResultsDoNotDependOnTheThreadCount) {
+  const layer_tensors layer = random_layer(130, 70, 66, 140, true);
+  const int saved = omp_get_max_threads();
+  for (const std::string_view model : {"fp32-block", "fp32-group:4", "exact", "trunc-align:13,2", "fp32-seq"}) {
+    for (const std::string_view format : {"mxfp4", "bf16"}) {
+      const mxscope::strategy chosen = make_strategy(format, format, model);
+      omp_set_num_threads(1);
+      const auto one = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context);
+      omp_set_num_threads(2);
+      const auto two = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context);
+      expect_same_bits(one.out, two.out, fmt::format("{} {} threads 1 vs 2", format, model));
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bad inputs.
+
+template <class Action>
+void expect_input_error(Action&& action, std::string_view needle, std::string_view what) {
+  try {
+    action();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const mxscope::input_error& error) {
+    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos)
+        << what << ": message does not name '" << needle << "': " << error.what();
+  }
+}
+
+TEST(BadInputs, AreInputErrorsNamingTheField) {
+  const layer_tensors layer = random_layer(64, 16, 32, 150);
+  // Blocks along K differ: MXFP4 (32) against NVFP4 (16).
+  expect_input_error(
+      [&] { mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "nvfp4", "fp32-block"), context); },
+      "block", "block mismatch");
+  // Shapes: x [K, n_in], dy [K, n_out], w [n_out, n_in].
+  const matrix x(4, 8), w(3, 7), dy(5, 3), w_dgrad(6, 3);
+  expect_input_error([&] { mxscope::run_gemm(gemm_kind::fprop, {&x, nullptr, &w}, make_strategy("mxfp4", "mxfp4", "exact"), context); },
+                     "on n_in", "fprop shapes");
+  expect_input_error([&] { mxscope::run_gemm(gemm_kind::wgrad, {&x, &dy, nullptr}, make_strategy("mxfp4", "mxfp4", "exact"), context); },
+                     "on K", "wgrad shapes");
+  expect_input_error(
+      [&] { mxscope::run_gemm(gemm_kind::dgrad, {nullptr, &dy, &w_dgrad}, make_strategy("mxfp4", "mxfp4", "exact"), context); },
+      "on n_out", "dgrad shapes");
+  // Missing operand.
+  expect_input_error([&] { mxscope::run_gemm(gemm_kind::fprop, {&x, &dy, nullptr}, make_strategy("mxfp4", "mxfp4", "exact"), context); },
+                     "'w'", "missing w");
+  // A rotation that does not divide the reduction length (K = 64 here, n_out = 32 for dgrad).
+  expect_input_error(
+      [&] {
+        mxscope::run_gemm(gemm_kind::dgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "exact", 64, mxscope::sign_policy::none),
+                          context);
+      },
+      "rotation", "rotation size");
+  // Unknown model string.
+  expect_input_error([] { mxscope::parse_accumulation_model("fp64-block"); }, "accum", "unknown model");
+}
+
+}  // namespace
