@@ -1,0 +1,324 @@
+#include "mxscope/analysis.hpp"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include "mxscope/errors.hpp"
+
+namespace mxscope {
+
+namespace {
+
+// Keys that set how one operand is quantized; at strategy or GEMM level they apply to both.
+const std::set<std::string, std::less<>> operand_keys = {"format", "block", "rounding", "scale_rule", "sr_bits",
+                                                         "seed_policy"};
+// Keys that set the GEMM as a whole.
+const std::set<std::string, std::less<>> gemm_keys = {"rotation", "signs", "seed", "accumulation", "output"};
+
+class located_error_factory {
+ public:
+  explicit located_error_factory(std::string path) : path_(std::move(path)) {}
+  input_error at(const toml::node& node, const std::string& message) const {
+    const auto& where = node.source().begin;
+    return input_error(fmt::format("{}:{}:{}: {}", path_, where.line, where.column, message));
+  }
+  input_error at_file(const std::string& message) const { return input_error(fmt::format("{}: {}", path_, message)); }
+
+ private:
+  std::string path_;
+};
+
+std::string expect_string(const toml::node& node, std::string_view key, const located_error_factory& errors) {
+  if (const auto* value = node.as_string()) return value->get();
+  throw errors.at(node, fmt::format("key '{}' must be a string", key));
+}
+
+std::int64_t expect_integer(const toml::node& node, std::string_view key, const located_error_factory& errors) {
+  if (const auto* value = node.as_integer()) return value->get();
+  throw errors.at(node, fmt::format("key '{}' must be an integer", key));
+}
+
+double expect_number(const toml::node& node, std::string_view key, const located_error_factory& errors) {
+  if (const auto* value = node.as_floating_point()) return value->get();
+  if (const auto* value = node.as_integer()) return static_cast<double>(value->get());
+  throw errors.at(node, fmt::format("key '{}' must be a number", key));
+}
+
+bool expect_bool(const toml::node& node, std::string_view key, const located_error_factory& errors) {
+  if (const auto* value = node.as_boolean()) return value->get();
+  throw errors.at(node, fmt::format("key '{}' must be true or false", key));
+}
+
+void apply_operand_key(std::string_view key, const toml::node& node, operand_strategy& operand,
+                       const located_error_factory& errors) {
+  if (key == "format") {
+    const std::string text = expect_string(node, key, errors);
+    const auto format = parse_format(text);
+    if (!format) {
+      throw errors.at(node, fmt::format("key 'format': unknown format '{}' (mxfp4 mxfp6_e2m3 mxfp6_e3m2 mxfp8_e4m3 "
+                                        "mxfp8_e5m2 mxint8 nvfp4 fp8_e4m3 fp8_e5m2 bf16 fp32)",
+                                        text));
+    }
+    operand.quantize.format = *format;
+  } else if (key == "block") {
+    const std::int64_t block = expect_integer(node, key, errors);
+    if (block < 1 || block > (1 << 20)) throw errors.at(node, fmt::format("key 'block': {} is not in 1..{}", block, 1 << 20));
+    operand.quantize.block = static_cast<int>(block);
+  } else if (key == "rounding") {
+    const std::string text = expect_string(node, key, errors);
+    const auto mode = parse_rounding(text);
+    if (!mode) throw errors.at(node, fmt::format("key 'rounding': unknown mode '{}' (rne rna rtz sr)", text));
+    operand.quantize.rounding = *mode;
+  } else if (key == "scale_rule") {
+    const std::string text = expect_string(node, key, errors);
+    const auto rule = parse_scale_rule(text);
+    if (!rule) throw errors.at(node, fmt::format("key 'scale_rule': unknown rule '{}' (floor ceil even)", text));
+    operand.quantize.rule = *rule;
+  } else if (key == "sr_bits") {
+    const std::int64_t bits = expect_integer(node, key, errors);
+    if (bits < 1 || bits > 32) throw errors.at(node, fmt::format("key 'sr_bits': {} is not in 1..32", bits));
+    operand.quantize.sr_bits = static_cast<int>(bits);
+  } else if (key == "seed_policy") {
+    const std::string text = expect_string(node, key, errors);
+    if (text == "per-step") {
+      operand.seeds = core::seed_policy::per_step;
+    } else if (text == "fixed") {
+      operand.seeds = core::seed_policy::fixed;
+    } else {
+      throw errors.at(node, fmt::format("key 'seed_policy': unknown policy '{}' (per-step fixed)", text));
+    }
+  }
+}
+
+void apply_gemm_key(std::string_view key, const toml::node& node, strategy& target,
+                    const located_error_factory& errors) {
+  if (key == "rotation") {
+    const std::string text = expect_string(node, key, errors);
+    if (text == "none") {
+      target.rotation_size = 0;
+      return;
+    }
+    constexpr std::string_view prefix = "hadamard:";
+    int size = 0;
+    if (text.rfind(prefix, 0) == 0) {
+      try {
+        std::size_t used = 0;
+        size = std::stoi(text.substr(prefix.size()), &used);
+        if (used != text.size() - prefix.size()) size = 0;
+      } catch (const std::exception&) {
+        size = 0;
+      }
+    }
+    if (!core::is_valid_rotation_size(size)) {
+      throw errors.at(node, fmt::format("key 'rotation': '{}' is not 'none' or 'hadamard:B' with B a power of two in "
+                                        "[2, 4096]",
+                                        text));
+    }
+    target.rotation_size = size;
+  } else if (key == "signs") {
+    const std::string text = expect_string(node, key, errors);
+    const auto policy = parse_sign_policy(text);
+    if (!policy) throw errors.at(node, fmt::format("key 'signs': unknown policy '{}' (none fixed per-step)", text));
+    target.rotation_signs = *policy;
+  } else if (key == "seed") {
+    const std::int64_t seed = expect_integer(node, key, errors);
+    if (seed < 0) throw errors.at(node, fmt::format("key 'seed': {} is negative", seed));
+    target.seed = static_cast<std::uint64_t>(seed);
+  } else if (key == "accumulation") {
+    const std::string text = expect_string(node, key, errors);
+    try {
+      target.accumulation = parse_accumulation_model(text, "accumulation");
+    } catch (const input_error& error) {
+      throw errors.at(node, error.what());
+    }
+  } else if (key == "output") {
+    const std::string text = expect_string(node, key, errors);
+    const auto output = parse_output_rounding(text);
+    if (!output) throw errors.at(node, fmt::format("key 'output': unknown output rounding '{}' (fp32 bf16)", text));
+    target.output = *output;
+  }
+}
+
+enum class level { strategy_top, gemm, operand };
+
+// Applies one settings table to `target`. Per-GEMM sub-tables are skipped here (the caller applies
+// them afterwards, so they override the strategy's top level whatever their order in the file).
+void apply_table(const toml::table& table, strategy& target, level where, const located_error_factory& errors,
+                 bool allow_name) {
+  for (const auto& [key_node, node] : table) {
+    const std::string_view key = key_node.str();
+    if (allow_name && (key == "name" || key == "description")) continue;
+    if (operand_keys.contains(key)) {
+      apply_operand_key(key, node, target.a, errors);
+      apply_operand_key(key, node, target.b, errors);
+      continue;
+    }
+    if (gemm_keys.contains(key)) {
+      if (where == level::operand) {
+        throw errors.at(node, fmt::format("key '{}' applies to the whole GEMM, not to one operand", key));
+      }
+      apply_gemm_key(key, node, target, errors);
+      continue;
+    }
+    if (key == "a" || key == "b") {
+      if (where == level::operand) throw errors.at(node, fmt::format("unknown key '{}' in an operand table", key));
+      const auto* operand_table = node.as_table();
+      if (operand_table == nullptr) throw errors.at(node, fmt::format("key '{}' must be a table", key));
+      for (const auto& [operand_key, operand_node] : *operand_table) {
+        const std::string_view name = operand_key.str();
+        if (!operand_keys.contains(name)) {
+          throw errors.at(operand_node, fmt::format("unknown key '{}' in operand table '{}' (allowed: format block "
+                                                    "rounding scale_rule sr_bits seed_policy)",
+                                                    name, key));
+        }
+        apply_operand_key(name, operand_node, key == "a" ? target.a : target.b, errors);
+      }
+      continue;
+    }
+    if (where == level::strategy_top && parse_gemm_kind(key)) {
+      if (node.as_table() == nullptr) throw errors.at(node, fmt::format("key '{}' must be a table", key));
+      continue;
+    }
+    throw errors.at(node, fmt::format("unknown key '{}'", key));
+  }
+}
+
+strategy resolve(const toml::table* defaults, const toml::table& table, gemm_kind kind,
+                 const located_error_factory& errors) {
+  strategy resolved;
+  resolved.a.quantize.format = *parse_format("fp32");
+  resolved.b.quantize.format = *parse_format("fp32");
+  resolved.accumulation = parse_accumulation_model("fp32-block");
+  if (defaults != nullptr) apply_table(*defaults, resolved, level::strategy_top, errors, false);
+  apply_table(table, resolved, level::strategy_top, errors, true);
+  if (const auto* per_gemm = table[gemm_kind_name(kind)].as_table()) {
+    apply_table(*per_gemm, resolved, level::gemm, errors, false);
+  }
+  return resolved;
+}
+
+}  // namespace
+
+analysis parse_analysis(const std::string& text, const std::string& path) {
+  const located_error_factory errors(path);
+  toml::table root;
+  try {
+    root = toml::parse(text, path);
+  } catch (const toml::parse_error& error) {
+    const auto& where = error.source().begin;
+    throw input_error(fmt::format("{}:{}:{}: {}", path, where.line, where.column, error.description()));
+  }
+  analysis result;
+  result.path = path;
+  result.text = text;
+  const toml::table* defaults = nullptr;
+  const toml::array* strategies = nullptr;
+  for (const auto& [key_node, node] : root) {
+    const std::string_view key = key_node.str();
+    if (key == "name") {
+      result.name = expect_string(node, key, errors);
+    } else if (key == "description") {
+      result.description = expect_string(node, key, errors);
+    } else if (key == "gemms") {
+      const auto* list = node.as_array();
+      if (list == nullptr || list->empty()) throw errors.at(node, "key 'gemms' must be a non-empty array of strings");
+      result.gemms.clear();
+      for (const auto& item : *list) {
+        const std::string name = expect_string(item, "gemms", errors);
+        const auto kind = parse_gemm_kind(name);
+        if (!kind) throw errors.at(item, fmt::format("key 'gemms': unknown GEMM '{}' (fprop dgrad wgrad)", name));
+        for (gemm_kind seen : result.gemms) {
+          if (seen == *kind) throw errors.at(item, fmt::format("key 'gemms': '{}' listed twice", name));
+        }
+        result.gemms.push_back(*kind);
+      }
+    } else if (key == "reference") {
+      const std::string name = expect_string(node, key, errors);
+      const auto kind = parse_reference_kind(name);
+      if (!kind) throw errors.at(node, fmt::format("key 'reference': unknown reference '{}' (exact fp64)", name));
+      result.reference = *kind;
+    } else if (key == "attribute") {
+      result.attribute = expect_bool(node, key, errors);
+    } else if (key == "optimizer") {
+      const auto* table = node.as_table();
+      if (table == nullptr) throw errors.at(node, "key 'optimizer' must be a table");
+      for (const auto& [option_key, option_node] : *table) {
+        const std::string_view option = option_key.str();
+        const double value = expect_number(option_node, option, errors);
+        const bool in_unit_interval = value >= 0.0 && value < 1.0;
+        if (option == "sgd_momentum" && in_unit_interval) {
+          result.optimizer.sgd_momentum = value;
+        } else if (option == "adamw_beta1" && in_unit_interval) {
+          result.optimizer.adamw_beta1 = value;
+        } else if (option == "adamw_beta2" && in_unit_interval) {
+          result.optimizer.adamw_beta2 = value;
+        } else if (option == "adamw_eps" && value > 0.0) {
+          result.optimizer.adamw_eps = value;
+        } else if (option == "sgd_momentum" || option == "adamw_beta1" || option == "adamw_beta2" ||
+                   option == "adamw_eps") {
+          throw errors.at(option_node, fmt::format("key '{}': value {} is out of range", option, value));
+        } else {
+          throw errors.at(option_node, fmt::format("unknown key '{}' in [optimizer] (sgd_momentum adamw_beta1 "
+                                                   "adamw_beta2 adamw_eps)",
+                                                   option));
+        }
+      }
+    } else if (key == "defaults") {
+      defaults = node.as_table();
+      if (defaults == nullptr) throw errors.at(node, "key 'defaults' must be a table");
+      for (const auto& [default_key, default_node] : *defaults) {
+        if (parse_gemm_kind(default_key.str())) {
+          throw errors.at(default_node, "per-GEMM tables belong in a [[strategy]], not in [defaults]");
+        }
+      }
+    } else if (key == "strategy") {
+      strategies = node.as_array();
+      if (strategies == nullptr) throw errors.at(node, "key 'strategy' must be an array of tables ([[strategy]])");
+    } else {
+      throw errors.at(node, fmt::format("unknown key '{}' (name description gemms reference attribute optimizer "
+                                        "defaults strategy)",
+                                        key));
+    }
+  }
+  if (strategies == nullptr || strategies->empty()) throw errors.at_file("no [[strategy]] tables");
+  std::set<std::string> names;
+  for (const auto& item : *strategies) {
+    const auto* table = item.as_table();
+    if (table == nullptr) throw errors.at(item, "each strategy must be a table ([[strategy]])");
+    const auto* name_node = table->get("name");
+    if (name_node == nullptr) throw errors.at(item, "strategy without a 'name'");
+    analysis_strategy parsed;
+    parsed.name = expect_string(*name_node, "name", errors);
+    if (parsed.name.empty() || parsed.name.find_first_of(",\"\n\r") != std::string::npos) {
+      throw errors.at(*name_node, fmt::format("key 'name': '{}' must be non-empty, without commas, quotes or newlines",
+                                              parsed.name));
+    }
+    if (!names.insert(parsed.name).second) {
+      throw errors.at(*name_node, fmt::format("key 'name': strategy '{}' is defined twice", parsed.name));
+    }
+    for (gemm_kind kind : {gemm_kind::fprop, gemm_kind::dgrad, gemm_kind::wgrad}) {
+      strategy resolved = resolve(defaults, *table, kind, errors);
+      resolved.name = parsed.name;
+      if (resolved.rotation_size == 0 && resolved.rotation_signs != sign_policy::none) {
+        throw errors.at(item, fmt::format("strategy '{}': 'signs' is set but there is no 'rotation'", parsed.name));
+      }
+      parsed.per_gemm[static_cast<int>(kind)] = resolved;
+    }
+    result.strategies.push_back(std::move(parsed));
+  }
+  return result;
+}
+
+analysis load_analysis(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw input_error(fmt::format("{}: cannot open the analysis file", path));
+  std::ostringstream text;
+  text << file.rdbuf();
+  return parse_analysis(text.str(), path);
+}
+
+}  // namespace mxscope

@@ -1,0 +1,59 @@
+// mxscope replay DUMP --analysis A.toml --out RUN [--device cpu|gpu] [--threads N] [--resume]
+//                [--layers RE] [--steps LIST] [--attribute]
+#include <unistd.h>
+
+#include <iostream>
+#include <ostream>
+
+#include "commands.hpp"
+#include "mxscope/replay.hpp"
+
+namespace mxscope::cli {
+
+void add_replay_command(CLI::App& app, command_list& commands) {
+  auto options = std::make_shared<replay_options>();
+  auto dump = std::make_shared<std::string>();
+  auto analysis_path = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  auto layers = std::make_shared<std::string>();
+  auto steps = std::make_shared<std::string>();
+  CLI::App* command = app.add_subcommand(
+      "replay", "Replay every (layer, step) of a dump under an analysis's strategies; write steps.csv, "
+                "accumulation.csv and summary.json");
+  command->add_option("dump", *dump, "Dump directory (holding manifest.json)")->required();
+  command->add_option("--analysis", *analysis_path, "Analysis file (TOML), e.g. analyses/wgrad-ablation.toml")
+      ->required();
+  command->add_option("--out", *out, "Run directory to create (or to finish, with --resume)")->required();
+  command->add_option("--device", options->device, "cpu (default) or gpu")->default_val("cpu");
+  command->add_option("--threads", options->threads, "Worker threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  command->add_flag("--resume", options->resume, "Finish an interrupted run in --out, keeping its finished layers");
+  CLI::Option* layers_option =
+      command->add_option("--layers", *layers, "Only layers whose whole name matches this regular expression");
+  CLI::Option* steps_option = command->add_option("--steps", *steps, "Only these steps, e.g. 3,5-9,12");
+  command->add_flag("--attribute", options->attribute,
+                    "Also attribute the error to flushed, clipped and rounded elements of each operand");
+  commands.push_back({command, [=](std::ostream& out_stream, std::ostream& err) {
+                        replay_options chosen = *options;
+                        chosen.dump = *dump;
+                        chosen.analysis_path = *analysis_path;
+                        chosen.out = *out;
+                        if (layers_option->count() > 0) chosen.layers = *layers;
+                        if (steps_option->count() > 0) chosen.steps = *steps;
+                        chosen.progress = isatty(STDERR_FILENO) != 0 && &err == &std::cerr;
+                        const replay_outcome outcome = run_replay(chosen, err);
+                        if (outcome.complete) {
+                          out_stream << "replay: " << outcome.entries << " entries replayed";
+                          if (outcome.layers_resumed > 0) out_stream << ", " << outcome.layers_resumed << " layers kept from the interrupted run";
+                          out_stream << "\nreplay: wrote " << (chosen.out / "steps.csv").string() << ", "
+                                     << (chosen.out / "accumulation.csv").string() << ", "
+                                     << (chosen.out / "summary.json").string() << "\n";
+                          return 0;
+                        }
+                        out_stream << "replay: stopped with " << outcome.layers_done
+                                   << " layers done; finish with --resume\n";
+                        return 0;
+                      }});
+}
+
+}  // namespace mxscope::cli

@@ -1,0 +1,786 @@
+#include "mxscope/replay.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <Eigen/Core>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "mxscope/analysis.hpp"
+#include "mxscope/compare.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/gemm.hpp"
+#include "mxscope/io/atomic_file.hpp"
+#include "mxscope/io/dump.hpp"
+#include "mxscope/io/sha256.hpp"
+#include "mxscope/reference.hpp"
+#include "mxscope/version.hpp"
+
+namespace mxscope {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+using clock_type = std::chrono::steady_clock;
+
+constexpr const char* steps_header =
+    "layer,gemm,strategy,step,t,rel_err,cosine,bias,orth_err,max_abs_err,ulp_max,ulp_mean,ulp_exact_frac,"
+    "quant_err,accum_err,a_role,b_role,a_underflow_frac,b_underflow_frac,a_saturate_frac,b_saturate_frac,"
+    "a_snr_db,b_snr_db,attr_a_flush,attr_a_clip,attr_a_round,attr_b_flush,attr_b_clip,attr_b_round\n";
+constexpr const char* accumulation_header =
+    "layer,gemm,strategy,T,step,acc_err,coherence,alpha,lag1_corr,structural_share,sgd_upd_err,sgd_disp_err,"
+    "adamw_upd_err,adamw_disp_err\n";
+
+// The per-step metrics that summary.json averages, in CSV order (names as in steps.csv).
+constexpr const char* step_metric_names[] = {"rel_err",          "cosine",           "bias",
+                                             "orth_err",         "max_abs_err",      "ulp_max",
+                                             "ulp_mean",         "ulp_exact_frac",   "quant_err",
+                                             "accum_err",        "a_underflow_frac", "b_underflow_frac",
+                                             "a_saturate_frac",  "b_saturate_frac",  "a_snr_db",
+                                             "b_snr_db",         "attr_a_flush",     "attr_a_clip",
+                                             "attr_a_round",     "attr_b_flush",     "attr_b_clip",
+                                             "attr_b_round"};
+constexpr int step_metric_count = sizeof(step_metric_names) / sizeof(step_metric_names[0]);
+
+std::string number(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return fmt::format("{:.17g}", value);
+}
+
+json json_number(double value) {
+  if (std::isfinite(value)) return json(value);
+  return json(number(value));  // JSON has no NaN or infinity: write them as strings
+}
+
+double ratio(double numerator, double denominator) {
+  if (denominator == 0.0) return numerator == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return numerator / denominator;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise helpers over matrix64 with canonical reductions.
+
+double squared_norm(const matrix64& m) {
+  return canonical_sum(m.size(), [&](std::int64_t i) {
+    const double v = m.values[static_cast<std::size_t>(i)];
+    return v * v;
+  });
+}
+
+double dot(const matrix64& a, const matrix64& b) {
+  return canonical_sum(a.size(), [&](std::int64_t i) {
+    return a.values[static_cast<std::size_t>(i)] * b.values[static_cast<std::size_t>(i)];
+  });
+}
+
+double difference_norm(const matrix64& a, const matrix64& b) {
+  return std::sqrt(canonical_sum(a.size(), [&](std::int64_t i) {
+    const double d = a.values[static_cast<std::size_t>(i)] - b.values[static_cast<std::size_t>(i)];
+    return d * d;
+  }));
+}
+
+matrix64 widen(const matrix& m) {
+  matrix64 out(m.rows, m.cols);
+  for (std::size_t i = 0; i < m.values.size(); ++i) out.values[i] = static_cast<double>(m.values[i]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer replay states (docs/metrics.md): open loop, from zero state.
+
+struct sgd_state {
+  matrix64 momentum;
+  matrix64 displacement;  // sum of the update directions
+  void step(const matrix64& gradient, double beta) {
+    if (momentum.size() == 0) {
+      momentum = matrix64(gradient.rows, gradient.cols);
+      displacement = matrix64(gradient.rows, gradient.cols);
+    }
+    for (std::size_t i = 0; i < gradient.values.size(); ++i) {
+      momentum.values[i] = beta * momentum.values[i] + gradient.values[i];
+      displacement.values[i] += momentum.values[i];
+    }
+  }
+  const matrix64& update() const { return momentum; }
+};
+
+struct adamw_state {
+  matrix64 first;
+  matrix64 second;
+  matrix64 direction;
+  matrix64 displacement;
+  void step(const matrix64& gradient, const optimizer_settings& settings, std::int64_t t) {
+    if (first.size() == 0) {
+      first = matrix64(gradient.rows, gradient.cols);
+      second = matrix64(gradient.rows, gradient.cols);
+      direction = matrix64(gradient.rows, gradient.cols);
+      displacement = matrix64(gradient.rows, gradient.cols);
+    }
+    const double beta1 = settings.adamw_beta1;
+    const double beta2 = settings.adamw_beta2;
+    const double correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
+    const double correction2 = 1.0 - std::pow(beta2, static_cast<double>(t));
+    for (std::size_t i = 0; i < gradient.values.size(); ++i) {
+      const double g = gradient.values[i];
+      first.values[i] = beta1 * first.values[i] + (1.0 - beta1) * g;
+      second.values[i] = beta2 * second.values[i] + (1.0 - beta2) * g * g;
+      const double mean = first.values[i] / correction1;
+      const double variance = second.values[i] / correction2;
+      direction.values[i] = mean / (std::sqrt(variance) + settings.adamw_eps);
+      displacement.values[i] += direction.values[i];
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Cross-step accumulators of one (layer, gemm, strategy) unit.
+
+struct unit_state {
+  std::string strategy_name;
+  const strategy* chosen = nullptr;
+  matrix64 error_sum;       // sum_t E_t
+  matrix64 previous_error;  // E_{t-1}
+  double error_energy_sum = 0.0;  // sum_t ||E_t||^2
+  double lag1_cosine_sum = 0.0;
+  std::vector<double> error_sum_norms;  // ||sum_{t<=s} E_t|| for s = 1..T
+  sgd_state sgd;
+  adamw_state adamw;
+  std::vector<std::array<double, step_metric_count>> step_metrics;  // per step, for the summary
+};
+
+// The state shared by every strategy of one (layer, gemm): the reference side.
+struct gemm_state {
+  gemm_kind kind;
+  matrix64 reference_sum;  // sum_t G_t
+  sgd_state sgd;
+  adamw_state adamw;
+  std::vector<unit_state> units;
+};
+
+// Least-squares slope of log(norms[s-1]) against log(s), s = 1..T; NaN for T < 2 or a zero norm.
+double growth_exponent(const std::vector<double>& norms) {
+  const std::size_t count = norms.size();
+  if (count < 2) return std::numeric_limits<double>::quiet_NaN();
+  double mean_x = 0.0, mean_y = 0.0;
+  for (std::size_t s = 0; s < count; ++s) {
+    if (!(norms[s] > 0.0) || !std::isfinite(norms[s])) return std::numeric_limits<double>::quiet_NaN();
+    mean_x += std::log(static_cast<double>(s + 1));
+    mean_y += std::log(norms[s]);
+  }
+  mean_x /= static_cast<double>(count);
+  mean_y /= static_cast<double>(count);
+  double covariance = 0.0, variance = 0.0;
+  for (std::size_t s = 0; s < count; ++s) {
+    const double dx = std::log(static_cast<double>(s + 1)) - mean_x;
+    covariance += dx * (std::log(norms[s]) - mean_y);
+    variance += dx * dx;
+  }
+  return covariance / variance;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operands in the canonical orientation of the reference: A [M, R], B [N, R], C = A B^T.
+
+struct canonical_operands {
+  matrix a;
+  matrix b;
+};
+
+canonical_operands orient(gemm_kind kind, const matrix& a_captured, const matrix& b_captured) {
+  const gemm_layout layout = layout_of(kind);
+  canonical_operands out;
+  out.a = layout.a_axis == 1 ? a_captured : transposed(a_captured);
+  out.b = layout.b_axis == 1 ? b_captured : transposed(b_captured);
+  return out;
+}
+
+const matrix& captured(const io::dump_entry& entry, std::string_view name) {
+  if (name == "x") return entry.x;
+  if (name == "dy") return entry.dy;
+  return *entry.w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attribution (--attribute): split each operand's quantization error dv = deq(q(v)) - v into flush
+// (nonzero input quantized to zero), clip (input beyond the largest value its block can hold) and
+// round (the rest), and measure ||dA_kind B^T|| and ||A dB_kind^T|| relative to ||G||, in the
+// rotated basis, with plain fp64 products (a diagnostic, not an exact quantity).
+
+struct error_split {
+  matrix flush, clip, round;  // canonical orientation [rows, R]
+};
+
+error_split split_error(const matrix& rotated, const quantized_tensor& q, int axis) {
+  // Largest magnitude representable in each element's block.
+  const auto& options = q.options;
+  const auto limit = [&](std::int64_t r, std::int64_t c) -> double {
+    switch (options.format.scheme) {
+      case quant_scheme::mx: {
+        const std::uint8_t scale = axis == 1 ? q.scales[static_cast<std::size_t>(r * q.scale_cols + c / q.block)]
+                                             : q.scales[static_cast<std::size_t>((r / q.block) * q.scale_cols + c)];
+        if (scale == core::scale_nan_code) return std::numeric_limits<double>::infinity();
+        return core::max_normal(options.format.element) * core::pow2(core::scale_exponent(scale));
+      }
+      case quant_scheme::nvfp4: {
+        const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (axis == 0 ? 16 : 1);
+        const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (axis == 1 ? 16 : 1);
+        const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile_rows) * q.scale_cols + c / tile_cols)];
+        return 6.0 * core::decode(core::element_kind::ue4m3, scale) * static_cast<double>(q.tensor_scale);
+      }
+      case quant_scheme::per_tensor:
+        return core::max_normal(options.format.element) * static_cast<double>(q.tensor_scale);
+      default: return std::numeric_limits<double>::infinity();
+    }
+  };
+  matrix flush(rotated.rows, rotated.cols), clip(rotated.rows, rotated.cols), round(rotated.rows, rotated.cols);
+  for (std::int64_t r = 0; r < rotated.rows; ++r) {
+    for (std::int64_t c = 0; c < rotated.cols; ++c) {
+      const float v = rotated(r, c);
+      const float d = q.dequantized(r, c);
+      const float delta = d - v;
+      if (v != 0.0f && d == 0.0f) {
+        flush(r, c) = delta;
+      } else if (std::fabs(static_cast<double>(v)) > limit(r, c)) {
+        clip(r, c) = delta;
+      } else {
+        round(r, c) = delta;
+      }
+    }
+  }
+  error_split out;
+  out.flush = axis == 1 ? std::move(flush) : transposed(flush);
+  out.clip = axis == 1 ? std::move(clip) : transposed(clip);
+  out.round = axis == 1 ? std::move(round) : transposed(round);
+  return out;
+}
+
+double product_norm(const matrix& left, const matrix& right) {
+  using dense = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const dense l = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+                      left.data(), left.rows, left.cols)
+                      .cast<double>();
+  const dense r = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+                      right.data(), right.rows, right.cols)
+                      .cast<double>();
+  const dense product = l * r.transpose();
+  matrix64 wrapped(product.rows(), product.cols());
+  std::copy(product.data(), product.data() + product.size(), wrapped.values.begin());
+  return std::sqrt(squared_norm(wrapped));
+}
+
+std::array<double, 6> attribution(gemm_kind kind, const io::dump_entry& entry, const strategy& chosen,
+                                  double reference_norm) {
+  const gemm_layout layout = layout_of(kind);
+  const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
+  std::array<double, 6> out{};
+  matrix rotated[2];
+  error_split splits[2];
+  const operand_strategy* operands[2] = {&chosen.a, &chosen.b};
+  const std::string_view names[2] = {layout.a_name, layout.b_name};
+  const int axes[2] = {layout.a_axis, layout.b_axis};
+  const core::random_role roles[2] = {layout.a_role, layout.b_role};
+  for (int side = 0; side < 2; ++side) {
+    const matrix& tensor = captured(entry, names[side]);
+    rotated[side] = rotated_operand(tensor, axes[side], chosen, context, std::string(names[side]));
+    quantize_options options = operands[side]->quantize;
+    options.axis = axes[side];
+    options.stream = core::random_stream{
+        chosen.seed, core::policy_step(operands[side]->seeds, context.step),
+        core::stream_tag(core::fnv1a32(context.layer.data(), context.layer.size()), roles[side])};
+    const quantized_tensor q = quantize(rotated[side], options);
+    splits[side] = split_error(rotated[side], q, axes[side]);
+    if (axes[side] == 0) rotated[side] = transposed(rotated[side]);
+  }
+  const matrix* parts_a[3] = {&splits[0].flush, &splits[0].clip, &splits[0].round};
+  const matrix* parts_b[3] = {&splits[1].flush, &splits[1].clip, &splits[1].round};
+  for (int k = 0; k < 3; ++k) {
+    out[static_cast<std::size_t>(k)] = ratio(product_norm(*parts_a[k], rotated[1]), reference_norm);
+    out[static_cast<std::size_t>(3 + k)] = ratio(product_norm(rotated[0], *parts_b[k]), reference_norm);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run identity: what must match for --resume to reuse fragments.
+
+std::string run_key(const analysis& parsed, const io::dump_reader& dump, const replay_options& options,
+                    bool attribute) {
+  json key;
+  key["analysis_sha256"] = io::sha256_hex(parsed.text);
+  key["manifest_sha256"] = io::sha256_file(dump.directory() / "manifest.json");
+  key["layers"] = options.layers.value_or("");
+  key["steps"] = options.steps.value_or("");
+  key["attribute"] = attribute;
+  key["mxscope"] = version_string;
+  return key.dump(2) + "\n";
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::ostringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+std::string fragment_stem(std::size_t index, const std::string& layer) {
+  std::string safe;
+  for (char c : layer) safe += (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-') ? c : '_';
+  if (safe.size() > 80) safe.resize(80);
+  return fmt::format("{:05d}-{}", index, safe);
+}
+
+struct layer_plan {
+  std::string name;
+  std::vector<const io::dump_entry_info*> entries;
+};
+
+}  // namespace
+
+std::vector<std::int64_t> parse_step_list(const std::string& text, const std::string& what) {
+  std::set<std::int64_t> steps;
+  std::stringstream stream(text);
+  std::string item;
+  const auto parse_int = [&](const std::string& s) {
+    std::size_t used = 0;
+    std::int64_t value = -1;
+    try {
+      value = std::stoll(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != s.size() || s.empty() || value < 0) {
+      throw input_error(fmt::format("{}: '{}' is not a step list such as '3,5-9,12'", what, text));
+    }
+    return value;
+  };
+  while (std::getline(stream, item, ',')) {
+    const auto dash = item.find('-');
+    if (dash == std::string::npos) {
+      steps.insert(parse_int(item));
+    } else {
+      const std::int64_t first = parse_int(item.substr(0, dash));
+      const std::int64_t last = parse_int(item.substr(dash + 1));
+      if (last < first || last - first > 10'000'000) {
+        throw input_error(fmt::format("{}: range '{}' is empty or too long", what, item));
+      }
+      for (std::int64_t s = first; s <= last; ++s) steps.insert(s);
+    }
+  }
+  if (steps.empty()) throw input_error(fmt::format("{}: empty step list", what));
+  return {steps.begin(), steps.end()};
+}
+
+replay_outcome run_replay(const replay_options& options, std::ostream& log) {
+  const auto started = clock_type::now();
+  if (options.device != "cpu") {
+    throw input_error(fmt::format("--device: '{}' is not available in this build (this binary has the cpu backend)",
+                                  options.device));
+  }
+#ifdef _OPENMP
+  if (options.threads > 0) omp_set_num_threads(options.threads);
+  const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+#else
+  const int threads = 1;
+#endif
+  const analysis parsed = load_analysis(options.analysis_path.string());
+  const bool attribute = parsed.attribute || options.attribute;
+  const io::dump_reader dump(options.dump);
+
+  // Select the entries.
+  std::optional<std::regex> layer_filter;
+  if (options.layers) {
+    try {
+      layer_filter.emplace(*options.layers, std::regex::ECMAScript);
+    } catch (const std::regex_error& error) {
+      throw input_error(fmt::format("--layers: '{}' is not a valid regular expression: {}", *options.layers, error.what()));
+    }
+  }
+  std::optional<std::set<std::int64_t>> step_filter;
+  if (options.steps) {
+    const auto list = parse_step_list(*options.steps, "--steps");
+    step_filter.emplace(list.begin(), list.end());
+  }
+  std::vector<layer_plan> plan;
+  for (const auto& entry : dump.entries()) {
+    if (layer_filter && !std::regex_match(entry.layer, *layer_filter)) continue;
+    if (step_filter && !step_filter->contains(entry.step)) continue;
+    if (plan.empty() || plan.back().name != entry.layer) plan.push_back({entry.layer, {}});
+    plan.back().entries.push_back(&entry);
+  }
+  if (plan.empty()) {
+    throw input_error(fmt::format("{}: no entries match --layers '{}' and --steps '{}'", options.dump.string(),
+                                  options.layers.value_or(".*"), options.steps.value_or("all")));
+  }
+  for (gemm_kind kind : parsed.gemms) {
+    if (kind == gemm_kind::wgrad) continue;
+    for (const auto& layer : plan) {
+      for (const auto* entry : layer.entries) {
+        if (!entry->w_type) {
+          throw input_error(fmt::format("{}: tensor 'w' is missing, but analysis {} asks for {} (which needs w)",
+                                        entry->file.string(), parsed.path, gemm_kind_name(kind)));
+        }
+      }
+    }
+  }
+
+  // Every strategy's rotation must divide every reduction length: checked before any work starts.
+  for (gemm_kind kind : parsed.gemms) {
+    for (const auto& s : parsed.strategies) {
+      const strategy& chosen = s.for_gemm(kind);
+      if (chosen.rotation_size == 0) continue;
+      for (const auto& layer : plan) {
+        for (const auto* entry : layer.entries) {
+          const std::int64_t reduction = kind == gemm_kind::wgrad   ? entry->tokens
+                                         : kind == gemm_kind::fprop ? entry->in_features
+                                                                    : entry->out_features;
+          if (reduction % chosen.rotation_size != 0) {
+            throw input_error(fmt::format(
+                "{}: strategy '{}': rotation hadamard:{} does not divide the {} reduction length {} of layer '{}' "
+                "(entry {})",
+                parsed.path, s.name, chosen.rotation_size, gemm_kind_name(kind), reduction, entry->layer,
+                entry->file.string()));
+          }
+        }
+      }
+    }
+  }
+
+  // The run directory and its identity.
+  namespace fs = std::filesystem;
+  const fs::path partial = options.out / ".partial";
+  const std::string key = run_key(parsed, dump, options, attribute);
+  if (options.resume && fs::exists(options.out / "steps.csv") && !fs::exists(partial / "run-key.json")) {
+    replay_outcome finished;
+    finished.complete = true;
+    log << "replay: " << options.out.string() << " already holds a finished run; nothing to resume\n";
+    return finished;
+  }
+  if (fs::exists(options.out / "steps.csv") && !options.resume) {
+    throw input_error(fmt::format("{}: the run directory already holds a finished run; use --resume or another --out",
+                                  options.out.string()));
+  }
+  if (fs::exists(partial / "run-key.json")) {
+    if (!options.resume) {
+      throw input_error(fmt::format("{}: an interrupted run is in this directory; finish it with --resume or use "
+                                    "another --out",
+                                    options.out.string()));
+    }
+    if (read_text(partial / "run-key.json") != key) {
+      throw input_error(fmt::format("{}: --resume: the interrupted run used another analysis, dump or filter (see {})",
+                                    options.out.string(), (partial / "run-key.json").string()));
+    }
+  }
+  std::error_code ignored;
+  fs::create_directories(partial, ignored);
+  // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage.
+  for (const fs::path& directory : {options.out, partial}) {
+    for (const auto& item : fs::directory_iterator(directory, ignored)) {
+      if (item.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(item.path(), ignored);
+    }
+  }
+  if (!fs::is_directory(partial)) {
+    throw input_error(fmt::format("{}: cannot create the run directory", options.out.string()));
+  }
+  if (!fs::exists(partial / "run-key.json")) io::write_file_atomically(partial / "run-key.json", key);
+
+  std::int64_t total_entries = 0;
+  for (const auto& layer : plan) total_entries += static_cast<std::int64_t>(layer.entries.size());
+  replay_outcome outcome;
+  std::int64_t entries_seen = 0;
+  double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
+  const auto seconds_since = [](clock_type::time_point from) {
+    return std::chrono::duration<double>(clock_type::now() - from).count();
+  };
+
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    const auto& layer = plan[layer_index];
+    const std::string stem = fragment_stem(layer_index, layer.name);
+    if (fs::exists(partial / (stem + ".done"))) {
+      ++outcome.layers_resumed;
+      entries_seen += static_cast<std::int64_t>(layer.entries.size());
+      continue;
+    }
+    if (options.stop_after_layers > 0 && outcome.layers_done >= options.stop_after_layers) break;
+
+    std::vector<gemm_state> gemms;
+    for (gemm_kind kind : parsed.gemms) {
+      gemm_state state{kind, {}, {}, {}, {}};
+      for (const auto& s : parsed.strategies) {
+        unit_state unit;
+        unit.strategy_name = s.name;
+        unit.chosen = &s.for_gemm(kind);
+        state.units.push_back(std::move(unit));
+      }
+      gemms.push_back(std::move(state));
+    }
+    std::string steps_rows;
+    std::string accumulation_rows;
+    io::dump_read_options read_options;
+    read_options.read_weight = std::any_of(parsed.gemms.begin(), parsed.gemms.end(),
+                                           [](gemm_kind k) { return k != gemm_kind::wgrad; });
+    read_options.read_weight_gradient = false;
+    read_options.read_quantized = false;
+
+    std::int64_t t = 0;
+    for (const auto* info : layer.entries) {
+      ++t;
+      auto mark = clock_type::now();
+      const io::dump_entry entry = dump.read(*info, read_options);
+      if (!entry.all_finite()) {
+        throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
+                                      info->file.string(), entry.nonfinite_summary()));
+      }
+      seconds_read += seconds_since(mark);
+      const gemm_operands operands{&entry.x, &entry.dy, entry.w ? &*entry.w : nullptr};
+      const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
+      for (auto& state : gemms) {
+        const gemm_layout layout = layout_of(state.kind);
+        mark = clock_type::now();
+        const canonical_operands canonical =
+            orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
+        const reference_result reference = reference_gemm(canonical.a, canonical.b, parsed.reference);
+        const matrix64& g = reference.fp64;
+        const double reference_norm = std::sqrt(squared_norm(g));
+        if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
+        for (std::size_t i = 0; i < g.values.size(); ++i) state.reference_sum.values[i] += g.values[i];
+        state.sgd.step(g, parsed.optimizer.sgd_momentum);
+        state.adamw.step(g, parsed.optimizer, t);
+        const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
+        const double sgd_update_norm = std::sqrt(squared_norm(state.sgd.update()));
+        const double sgd_displacement_norm = std::sqrt(squared_norm(state.sgd.displacement));
+        const double adamw_update_norm = std::sqrt(squared_norm(state.adamw.direction));
+        const double adamw_displacement_norm = std::sqrt(squared_norm(state.adamw.displacement));
+        seconds_reference += seconds_since(mark);
+
+        mark = clock_type::now();
+        for (auto& unit : state.units) {
+          const strategy& chosen = *unit.chosen;
+          const gemm_result result = run_gemm(state.kind, operands, chosen, context);
+          const comparison metrics = compare(result.out, g, reference.fp32);
+          // The same quantized operands under the exact model separate quantization from accumulation.
+          matrix64 exact_result;
+          if (chosen.accumulation.kind == accumulation_kind::exact && result.exact.size() != 0) {
+            exact_result = result.exact;
+          } else {
+            strategy exact_strategy = chosen;
+            exact_strategy.accumulation = parse_accumulation_model("exact");
+            exact_strategy.output = output_rounding::fp32;
+            exact_result = run_gemm(state.kind, operands, exact_strategy, context).exact;
+          }
+          const matrix64 estimate = widen(result.out);
+          const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
+          const double accum_err = ratio(difference_norm(estimate, exact_result), reference_norm);
+          std::array<double, 6> attributed;
+          attributed.fill(std::numeric_limits<double>::quiet_NaN());
+          if (attribute) attributed = attribution(state.kind, entry, chosen, reference_norm);
+
+          const auto underflow = [](const operand_summary& s) {
+            return s.nonzero_inputs == 0 ? 0.0
+                                         : static_cast<double>(s.flushed) / static_cast<double>(s.nonzero_inputs);
+          };
+          const auto saturate = [](const operand_summary& s) {
+            return s.elements == 0 ? 0.0 : static_cast<double>(s.saturated) / static_cast<double>(s.elements);
+          };
+          const auto snr = [](const operand_summary& s) {
+            if (s.error_energy == 0.0) return std::numeric_limits<double>::infinity();
+            return 10.0 * std::log10(s.signal_energy / s.error_energy);
+          };
+          const double ulp_exact_fraction =
+              metrics.ulp.compared == 0 ? 0.0
+                                        : static_cast<double>(metrics.ulp.histogram[0]) /
+                                              static_cast<double>(metrics.ulp.compared);
+          const std::array<double, step_metric_count> values = {
+              metrics.rel_err,          metrics.cosine,
+              metrics.bias,             metrics.orth_err,
+              metrics.max_abs_err,      static_cast<double>(metrics.ulp.max),
+              metrics.ulp.mean,         ulp_exact_fraction,
+              quant_err,                accum_err,
+              underflow(result.a),      underflow(result.b),
+              saturate(result.a),       saturate(result.b),
+              snr(result.a),            snr(result.b),
+              attributed[0],            attributed[1],
+              attributed[2],            attributed[3],
+              attributed[4],            attributed[5]};
+          unit.step_metrics.push_back(values);
+          steps_rows += fmt::format("{},{},{},{},{}", layer.name, gemm_kind_name(state.kind), unit.strategy_name,
+                                    entry.info.step, t);
+          for (int m = 0; m < step_metric_count; ++m) {
+            steps_rows += ',';
+            steps_rows += number(values[static_cast<std::size_t>(m)]);
+            if (m == 9) steps_rows += fmt::format(",{},{}", layout.a_name, layout.b_name);
+          }
+          steps_rows += '\n';
+
+          // Cross-step accumulators.
+          matrix64 error(g.rows, g.cols);
+          for (std::size_t i = 0; i < g.values.size(); ++i) error.values[i] = estimate.values[i] - g.values[i];
+          if (unit.error_sum.size() == 0) unit.error_sum = matrix64(g.rows, g.cols);
+          for (std::size_t i = 0; i < g.values.size(); ++i) unit.error_sum.values[i] += error.values[i];
+          const double error_energy = squared_norm(error);
+          unit.error_energy_sum += error_energy;
+          if (t > 1) {
+            const double norms = std::sqrt(squared_norm(unit.previous_error) * error_energy);
+            unit.lag1_cosine_sum += norms == 0.0 ? 0.0 : dot(unit.previous_error, error) / norms;
+          }
+          const double error_sum_norm = std::sqrt(squared_norm(unit.error_sum));
+          unit.error_sum_norms.push_back(error_sum_norm);
+          unit.sgd.step(estimate, parsed.optimizer.sgd_momentum);
+          unit.adamw.step(estimate, parsed.optimizer, t);
+          const double nan = std::numeric_limits<double>::quiet_NaN();
+          const double acc_err = ratio(error_sum_norm, reference_sum_norm);
+          const double coherence = ratio(error_sum_norm, std::sqrt(unit.error_energy_sum));
+          const double alpha = growth_exponent(unit.error_sum_norms);
+          const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
+          const double structural =
+              ratio(error_sum_norm * error_sum_norm, static_cast<double>(t) * unit.error_energy_sum);
+          const double sgd_upd_err = ratio(difference_norm(unit.sgd.update(), state.sgd.update()), sgd_update_norm);
+          const double sgd_disp_err =
+              ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement), sgd_displacement_norm);
+          const double adamw_upd_err =
+              ratio(difference_norm(unit.adamw.direction, state.adamw.direction), adamw_update_norm);
+          const double adamw_disp_err =
+              ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement), adamw_displacement_norm);
+          accumulation_rows += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", layer.name,
+                                           gemm_kind_name(state.kind), unit.strategy_name, t, entry.info.step,
+                                           number(acc_err), number(coherence), number(alpha), number(lag1),
+                                           number(structural), number(sgd_upd_err), number(sgd_disp_err),
+                                           number(adamw_upd_err), number(adamw_disp_err));
+          unit.previous_error = std::move(error);
+        }
+        seconds_strategies += seconds_since(mark);
+      }
+      ++entries_seen;
+      ++outcome.entries;
+      if (options.progress) {
+        const double elapsed = seconds_since(started);
+        const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
+        const double remaining = static_cast<double>(total_entries - entries_seen) / std::max(rate, 1e-9);
+        log << fmt::format("\rreplay: {}/{} entries  {:.2f} entries/s  ETA {:.0f} s   ", entries_seen, total_entries,
+                           rate, remaining)
+            << std::flush;
+      }
+    }
+
+    // The layer's summary fragment: per (gemm, strategy) unit, mean and last of each per-step metric
+    // and the final cross-step values (taken from the last accumulation row's inputs).
+    json units = json::array();
+    bool consecutive = true;
+    for (std::size_t i = 1; i < layer.entries.size(); ++i) {
+      consecutive = consecutive && layer.entries[i]->step == layer.entries[i - 1]->step + 1;
+    }
+    for (const auto& state : gemms) {
+      for (const auto& unit : state.units) {
+        json record;
+        record["layer"] = layer.name;
+        record["gemm"] = gemm_kind_name(state.kind);
+        record["strategy"] = unit.strategy_name;
+        record["steps"] = unit.step_metrics.size();
+        record["consecutive"] = consecutive;
+        json mean = json::object(), last = json::object();
+        for (int m = 0; m < step_metric_count; ++m) {
+          double sum = 0.0;
+          for (const auto& row : unit.step_metrics) sum += row[static_cast<std::size_t>(m)];
+          mean[step_metric_names[m]] = json_number(sum / static_cast<double>(unit.step_metrics.size()));
+          last[step_metric_names[m]] = json_number(unit.step_metrics.back()[static_cast<std::size_t>(m)]);
+        }
+        record["mean"] = mean;
+        record["last"] = last;
+        const double error_sum_norm = unit.error_sum_norms.back();
+        const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
+        const double total_steps = static_cast<double>(unit.step_metrics.size());
+        record["alpha"] = json_number(growth_exponent(unit.error_sum_norms));
+        record["acc_err"] = json_number(ratio(error_sum_norm, reference_sum_norm));
+        record["coherence"] = json_number(ratio(error_sum_norm, std::sqrt(unit.error_energy_sum)));
+        record["structural_share"] =
+            json_number(ratio(error_sum_norm * error_sum_norm, total_steps * unit.error_energy_sum));
+        record["sgd_disp_err"] = json_number(ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement),
+                                                   std::sqrt(squared_norm(state.sgd.displacement))));
+        record["adamw_disp_err"] =
+            json_number(ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement),
+                              std::sqrt(squared_norm(state.adamw.displacement))));
+        units.push_back(record);
+      }
+    }
+    io::write_file_atomically(partial / (stem + ".steps.csv"), steps_rows);
+    io::write_file_atomically(partial / (stem + ".accumulation.csv"), accumulation_rows);
+    io::write_file_atomically(partial / (stem + ".summary.json"), units.dump(2) + "\n");
+    io::write_file_atomically(partial / (stem + ".done"), "done\n");
+    ++outcome.layers_done;
+  }
+  if (options.progress) log << "\n";
+
+  // Every layer done? Then assemble the final files in layer order.
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    if (!fs::exists(partial / (fragment_stem(layer_index, plan[layer_index].name) + ".done"))) return outcome;
+  }
+  std::string steps_csv = steps_header;
+  std::string accumulation_csv = accumulation_header;
+  json units = json::array();
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    const std::string stem = fragment_stem(layer_index, plan[layer_index].name);
+    steps_csv += read_text(partial / (stem + ".steps.csv"));
+    accumulation_csv += read_text(partial / (stem + ".accumulation.csv"));
+    for (auto& record : json::parse(read_text(partial / (stem + ".summary.json")))) units.push_back(record);
+  }
+  json summary;
+  json provenance;
+  provenance["tool"] = "mxscope";
+  provenance["version"] = version_string;
+  provenance["git_hash"] = git_hash;
+  provenance["analysis_file"] = parsed.path;
+  provenance["analysis_text"] = parsed.text;
+  provenance["dump"] = options.dump.string();
+  json source;
+  source["hardware"] = dump.source().hardware;
+  source["framework"] = dump.source().framework;
+  source["recipe"] = dump.source().recipe;
+  source["model"] = dump.source().model;
+  source["notes"] = dump.source().notes;
+  provenance["dump_source"] = source;
+  json inputs = json::object();
+  inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
+  for (const auto& layer : plan) {
+    for (const auto* entry : layer.entries) inputs[entry->relative_file] = io::sha256_file(entry->file);
+  }
+  provenance["input_sha256"] = inputs;
+  provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};
+  provenance["reference"] = reference_kind_name(parsed.reference);
+  provenance["attribute"] = attribute;
+  provenance["environment"] = "run.json (device, threads and wall times differ between runs and are kept there)";
+  summary["provenance"] = provenance;
+  summary["units"] = units;
+
+  json run;
+  run["device"] = options.device;
+  run["threads"] = threads;
+  run["resumed_layers"] = outcome.layers_resumed;
+  run["entries_replayed_in_last_process"] = outcome.entries;
+  run["seconds"] = {{"total", seconds_since(started)},
+                    {"read", seconds_read},
+                    {"reference", seconds_reference},
+                    {"strategies", seconds_strategies}};
+
+  io::write_file_atomically(options.out / "steps.csv", steps_csv);
+  io::write_file_atomically(options.out / "accumulation.csv", accumulation_csv);
+  io::write_file_atomically(options.out / "summary.json", summary.dump(2) + "\n");
+  io::write_file_atomically(options.out / "run.json", run.dump(2) + "\n");
+  fs::remove_all(partial, ignored);
+  outcome.complete = true;
+  return outcome;
+}
+
+}  // namespace mxscope

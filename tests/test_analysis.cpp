@@ -1,0 +1,116 @@
+// Analysis files: the shipped analyses parse into the strategies they describe, and every kind of
+// mistake is reported with file:line:column and the offending key.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "mxscope/analysis.hpp"
+#include "mxscope/errors.hpp"
+
+namespace {
+
+using mxscope::gemm_kind;
+
+std::string error_of(const std::string& text) {
+  try {
+    mxscope::parse_analysis(text, "bad.toml");
+  } catch (const mxscope::input_error& error) {
+    return error.what();
+  }
+  return "(no error)";
+}
+
+const mxscope::analysis_strategy& find(const mxscope::analysis& parsed, const std::string& name) {
+  for (const auto& s : parsed.strategies) {
+    if (s.name == name) return s;
+  }
+  throw std::runtime_error("no strategy " + name);
+}
+
+TEST(Analysis, ShippedWgradAblationHasTheStudysStrategies) {
+  const auto parsed = mxscope::load_analysis(std::string(MXSCOPE_SOURCE_DIR) + "/analyses/wgrad-ablation.toml");
+  ASSERT_EQ(parsed.gemms.size(), 1u);
+  EXPECT_EQ(parsed.gemms[0], gemm_kind::wgrad);
+  EXPECT_EQ(parsed.reference, mxscope::reference_kind::exact);
+  for (const char* name : {"bf16", "fp8-e4m3-tensor", "mxfp8-e4m3", "mxfp4-rne", "mxfp4-sr", "mxfp4-rht16", "mxfp4-h16",
+                           "mxfp4-rht16-fixed", "mxfp4-sr-fixed", "mxfp4-h32", "mxfp4-h64", "mxfp4-h128", "nvfp4",
+                           "mxfp4-ceil", "mxfp4-even"}) {
+    SCOPED_TRACE(name);
+    EXPECT_NO_THROW(find(parsed, name));
+  }
+  const auto& h16 = find(parsed, "mxfp4-h16").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(h16.rotation_size, 16);
+  EXPECT_EQ(h16.rotation_signs, mxscope::sign_policy::none);
+  EXPECT_EQ(mxscope::format_name(h16.a.quantize.format), "mxfp4");
+  EXPECT_EQ(mxscope::accumulation_model_name(h16.accumulation), "fp32-block");
+  EXPECT_EQ(h16.seed, 20241129u);
+  const auto& rht = find(parsed, "mxfp4-rht16").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(rht.rotation_signs, mxscope::sign_policy::per_step);
+  const auto& sr_fixed = find(parsed, "mxfp4-sr-fixed").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(sr_fixed.a.quantize.rounding, mxscope::core::rounding_mode::sr);
+  EXPECT_EQ(sr_fixed.a.seeds, mxscope::core::seed_policy::fixed);
+  EXPECT_EQ(sr_fixed.b.seeds, mxscope::core::seed_policy::fixed);
+  const auto& hybrid = find(parsed, "fp8-hybrid-tensor").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(mxscope::format_name(hybrid.a.quantize.format), "fp8_e5m2");
+  EXPECT_EQ(mxscope::format_name(hybrid.b.quantize.format), "fp8_e4m3");
+  EXPECT_EQ(find(parsed, "mxfp4-ceil").for_gemm(gemm_kind::wgrad).a.quantize.rule, mxscope::core::scale_rule::ceil);
+}
+
+TEST(Analysis, PerGemmTablesOverrideTheStrategyAndDefaults) {
+  const auto parsed = mxscope::load_analysis(std::string(MXSCOPE_SOURCE_DIR) + "/analyses/gemm-progression.toml");
+  ASSERT_EQ(parsed.gemms.size(), 3u);
+  const auto& fprop_only = find(parsed, "mxfp4-fprop");
+  EXPECT_EQ(mxscope::format_name(fprop_only.for_gemm(gemm_kind::fprop).a.quantize.format), "mxfp4");
+  EXPECT_EQ(mxscope::format_name(fprop_only.for_gemm(gemm_kind::fprop).b.quantize.format), "mxfp4");
+  EXPECT_EQ(mxscope::format_name(fprop_only.for_gemm(gemm_kind::dgrad).a.quantize.format), "bf16");
+  EXPECT_EQ(mxscope::format_name(fprop_only.for_gemm(gemm_kind::wgrad).b.quantize.format), "bf16");
+  const auto& final_recipe = find(parsed, "mxfp4-all-wgrad-h16");
+  EXPECT_EQ(final_recipe.for_gemm(gemm_kind::wgrad).rotation_size, 16);
+  EXPECT_EQ(final_recipe.for_gemm(gemm_kind::fprop).rotation_size, 0);
+}
+
+TEST(Analysis, ShippedAccumulationModelsCoverEveryModel) {
+  const auto parsed = mxscope::load_analysis(std::string(MXSCOPE_SOURCE_DIR) + "/analyses/accumulation-models.toml");
+  std::string models;
+  for (const auto& s : parsed.strategies) models += mxscope::accumulation_model_name(s.for_gemm(gemm_kind::wgrad).accumulation) + " ";
+  for (const char* model : {"exact", "fp32-block", "fp32-group:2", "fp32-group:4", "trunc-align:13,4,rtz", "fp32-seq"}) {
+    EXPECT_NE(models.find(model), std::string::npos) << model << " missing from: " << models;
+  }
+}
+
+struct bad_case {
+  const char* text;
+  const char* expected_location;  // "bad.toml:LINE:"
+  const char* expected_words;     // what the message must name
+};
+
+TEST(Analysis, MistakesNameFileLineAndKey) {
+  const bad_case cases[] = {
+      {"[[strategy]]\nname = \"a\"\nformat = \"mxfp5\"\n", "bad.toml:3:", "mxfp5"},
+      {"[[strategy]]\nname = \"a\"\nformat = \"mxfp4\"\ncolour = 1\n", "bad.toml:4:", "unknown key 'colour'"},
+      {"gemms = [\"wgrad\", \"xgrad\"]\n[[strategy]]\nname = \"a\"\n", "bad.toml:1:", "xgrad"},
+      {"[[strategy]]\nname = \"a\"\nrotation = \"hadamard:12\"\n", "bad.toml:3:", "hadamard:12"},
+      {"[[strategy]]\nname = \"a\"\nrounding = \"nearest\"\n", "bad.toml:3:", "nearest"},
+      {"[[strategy]]\nname = \"a\"\nblock = \"32\"\n", "bad.toml:3:", "'block' must be an integer"},
+      {"[[strategy]]\nname = \"a\"\nsr_bits = 40\n", "bad.toml:3:", "sr_bits"},
+      {"[[strategy]]\nname = \"a\"\naccumulation = \"fp32-group:0\"\n", "bad.toml:3:", "fp32-group:0"},
+      {"[[strategy]]\nname = \"a\"\n[[strategy]]\nname = \"a\"\n", "bad.toml:4:", "defined twice"},
+      {"[[strategy]]\nname = \"a\"\na = { rotation = \"hadamard:16\" }\n", "bad.toml:3:", "rotation"},
+      {"[optimizer]\nadamw_beta2 = 1.5\n[[strategy]]\nname = \"a\"\n", "bad.toml:2:", "adamw_beta2"},
+      {"reference = \"fp16\"\n[[strategy]]\nname = \"a\"\n", "bad.toml:1:", "fp16"},
+      {"[[strategy]]\nname = \"a\"\nsigns = \"fixed\"\n", "bad.toml:1:", "no 'rotation'"},
+      {"[[strategy]]\nname = \"a\"\nformat = \"mxfp4\"\nformat = \"bf16\"\n", "bad.toml:4:", ""},
+      {"name = \"x\"\n", "bad.toml:", "no [[strategy]]"},
+  };
+  for (const auto& c : cases) {
+    const std::string message = error_of(c.text);
+    EXPECT_NE(message.find(c.expected_location), std::string::npos) << "input:\n" << c.text << "message: " << message;
+    EXPECT_NE(message.find(c.expected_words), std::string::npos) << "input:\n" << c.text << "message: " << message;
+  }
+}
+
+TEST(Analysis, MissingFileIsAnInputError) {
+  EXPECT_THROW(mxscope::load_analysis("/nonexistent/analysis.toml"), mxscope::input_error);
+}
+
+}  // namespace

@@ -1,0 +1,407 @@
+// Replay on synthetic dumps built in the test, where the truth is known: a strategy whose error is
+// the same every step must show coherence sqrt(T) and alpha 1; independent errors must average
+// out (alpha near 0.5); bias, cosine and the optimizer replays are recomputed here from their
+// definitions; results do not depend on thread count or on interruption.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mxscope/analysis.hpp"
+#include "mxscope/cli/cli.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/gemm.hpp"
+#include "mxscope/io/safetensors.hpp"
+#include "mxscope/reference.hpp"
+#include "mxscope/replay.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path fresh_directory(const std::string& name) {
+  const fs::path path = fs::temp_directory_path() / ("mxscope-test-replay-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(path);
+  fs::create_directories(path);
+  return path;
+}
+
+// Random operands with a realistic spread of magnitudes (log-normal), so that MXFP4 flushes and clips.
+mxscope::matrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  mxscope::matrix out(rows, cols);
+  for (auto& v : out.values) v = static_cast<float>(normal(generator) * std::exp(normal(generator)));
+  return out;
+}
+
+// Writes a dump of `steps` entries per layer. With `same_operands`, every step holds the same x and dy.
+void write_dump(const fs::path& directory, const std::vector<std::string>& layers, int steps, bool same_operands,
+                std::int64_t tokens = 64, std::int64_t n_in = 32, std::int64_t n_out = 16) {
+  fs::create_directories(directory);
+  nlohmann::json manifest;
+  manifest["format"] = "mxscope-dump";
+  manifest["version"] = 1;
+  manifest["source"] = {{"hardware", "synthetic"},
+                        {"framework", "test_replay"},
+                        {"recipe", "none"},
+                        {"model", "none"},
+                        {"notes", "generated in the test"}};
+  manifest["entries"] = nlohmann::json::array();
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    for (int step = 1; step <= steps; ++step) {
+      const std::uint64_t seed = 1000 * (l + 1) + static_cast<std::uint64_t>(same_operands ? 0 : step);
+      mxscope::io::safetensors_writer writer;
+      writer.add_matrix("x", random_matrix(tokens, n_in, seed));
+      writer.add_matrix("dy", random_matrix(tokens, n_out, seed + 500));
+      writer.add_matrix("w", random_matrix(n_out, n_in, seed + 900));
+      const std::string file = "l" + std::to_string(l) + "_s" + std::to_string(step) + ".safetensors";
+      writer.write(directory / file);
+      manifest["entries"].push_back({{"step", step}, {"layer", layers[l]}, {"file", file}});
+    }
+  }
+  std::ofstream(directory / "manifest.json") << manifest.dump(2);
+}
+
+void write_text(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
+
+std::string read_text(const fs::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::ostringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// A CSV as rows of column -> text.
+std::vector<std::map<std::string, std::string>> read_csv(const fs::path& path) {
+  std::ifstream file(path);
+  std::string line;
+  std::getline(file, line);
+  std::vector<std::string> header;
+  std::stringstream header_stream(line);
+  for (std::string cell; std::getline(header_stream, cell, ',');) header.push_back(cell);
+  std::vector<std::map<std::string, std::string>> rows;
+  while (std::getline(file, line)) {
+    std::stringstream row_stream(line);
+    std::map<std::string, std::string> row;
+    std::size_t column = 0;
+    for (std::string cell; std::getline(row_stream, cell, ',');) row[header.at(column++)] = cell;
+    EXPECT_EQ(column, header.size()) << path << ": " << line;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+double value(const std::map<std::string, std::string>& row, const std::string& column) {
+  return std::stod(row.at(column));
+}
+
+const char* analysis_text = R"(
+name = "synthetic"
+gemms = ["wgrad"]
+[defaults]
+seed = 7
+accumulation = "fp32-block"
+[[strategy]]
+name = "rne"
+format = "mxfp4"
+[[strategy]]
+name = "sr-per-step"
+format = "mxfp4"
+rounding = "sr"
+seed_policy = "per-step"
+[[strategy]]
+name = "sr-ceil-per-step"
+format = "mxfp4"
+rounding = "sr"
+scale_rule = "ceil"
+seed_policy = "per-step"
+[[strategy]]
+name = "sr-fixed"
+format = "mxfp4"
+rounding = "sr"
+seed_policy = "fixed"
+[[strategy]]
+name = "h16"
+format = "mxfp4"
+rotation = "hadamard:16"
+)";
+
+mxscope::replay_outcome replay(const fs::path& dump, const fs::path& analysis, const fs::path& out, int threads = 0,
+                               bool resume = false, int stop_after = 0) {
+  mxscope::replay_options options;
+  options.dump = dump;
+  options.analysis_path = analysis;
+  options.out = out;
+  options.threads = threads;
+  options.resume = resume;
+  options.stop_after_layers = stop_after;
+  std::ostringstream log;
+  return mxscope::run_replay(options, log);
+}
+
+std::map<std::string, std::string> final_row(const std::vector<std::map<std::string, std::string>>& rows,
+                                             const std::string& layer, const std::string& strategy) {
+  std::map<std::string, std::string> last;
+  for (const auto& row : rows) {
+    if (row.at("layer") == layer && row.at("strategy") == strategy) last = row;
+  }
+  return last;
+}
+
+TEST(Replay, IdenticalErrorEveryStepIsCoherentAndRandomErrorsAverageOut) {
+  const fs::path root = fresh_directory("coherence");
+  write_dump(root / "dump", {"layer.a"}, 64, /*same_operands=*/true);
+  write_text(root / "a.toml", analysis_text);
+  const auto outcome = replay(root / "dump", root / "a.toml", root / "run");
+  ASSERT_TRUE(outcome.complete);
+  const auto rows = read_csv(root / "run" / "accumulation.csv");
+  const double steps = 64.0;
+  for (const char* deterministic : {"rne", "sr-fixed", "h16"}) {
+    SCOPED_TRACE(deterministic);
+    const auto row = final_row(rows, "layer.a", deterministic);
+    ASSERT_EQ(row.at("T"), "64");
+    EXPECT_NEAR(value(row, "coherence"), std::sqrt(steps), 1e-9 * std::sqrt(steps));
+    EXPECT_NEAR(value(row, "alpha"), 1.0, 1e-9);
+    EXPECT_NEAR(value(row, "structural_share"), 1.0, 1e-9);
+    EXPECT_NEAR(value(row, "lag1_corr"), 1.0, 1e-9);
+  }
+  // Stochastic rounding with a fresh pattern every step and a scale rule that never clips: every
+  // element's error is an independent, zero-mean draw (sr_bits = 32 is unbiased), so the error sum
+  // is a random walk. With T = 64 the fitted slope has a spread of about 0.1 around 0.5.
+  const auto random_row = final_row(rows, "layer.a", "sr-ceil-per-step");
+  EXPECT_NEAR(value(random_row, "alpha"), 0.5, 0.2);
+  EXPECT_LT(value(random_row, "coherence"), 2.5);
+  EXPECT_LT(value(random_row, "structural_share"), 0.1);
+  EXPECT_LT(std::fabs(value(random_row, "lag1_corr")), 0.15);
+  // The ordering the study reports: errors that average out accumulate less than coherent ones.
+  EXPECT_LT(value(random_row, "acc_err"), value(final_row(rows, "layer.a", "rne"), "acc_err"));
+  // With the OCP floor rule, stochastic rounding cannot undo clipping: the clipped elements give
+  // the same error every step, a structural component that fresh random draws do not remove.
+  const auto clipped_row = final_row(rows, "layer.a", "sr-per-step");
+  EXPECT_GT(value(clipped_row, "structural_share"), value(random_row, "structural_share"));
+  EXPECT_GT(value(clipped_row, "alpha"), value(random_row, "alpha"));
+  fs::remove_all(root);
+}
+
+// bias, cosine, rel_err and the optimizer replays recomputed from their definitions, with the
+// strategy's results and the reference taken from the GEMM and reference APIs (tested on their own).
+TEST(Replay, MetricsAndOptimizerReplayMatchADirectRecomputation) {
+  const fs::path root = fresh_directory("definitions");
+  const int steps = 6;
+  write_dump(root / "dump", {"layer.b"}, steps, /*same_operands=*/false, 64, 32, 16);
+  write_text(root / "a.toml", analysis_text);
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "run").complete);
+  const auto step_rows = read_csv(root / "run" / "steps.csv");
+  const auto accumulation_rows = read_csv(root / "run" / "accumulation.csv");
+  const auto parsed = mxscope::parse_analysis(analysis_text, "a.toml");
+  const mxscope::strategy& chosen = parsed.strategies[1].for_gemm(mxscope::gemm_kind::wgrad);  // sr-per-step
+  ASSERT_EQ(chosen.name, "sr-per-step");
+
+  const std::size_t count = 16 * 32;
+  std::vector<long double> sgd_m(count), sgd_m_hat(count), sgd_sum(count), sgd_sum_hat(count);
+  std::vector<long double> m(count), v(count), m_hat(count), v_hat(count), adam_sum(count), adam_sum_hat(count);
+  std::vector<long double> u(count), u_hat(count);
+  for (int step = 1; step <= steps; ++step) {
+    mxscope::io::safetensors_reader reader(root / "dump" / ("l0_s" + std::to_string(step) + ".safetensors"));
+    const mxscope::matrix x = reader.read_matrix("x");
+    const mxscope::matrix dy = reader.read_matrix("dy");
+    const mxscope::gemm_result result =
+        mxscope::run_gemm(mxscope::gemm_kind::wgrad, {&x, &dy, nullptr}, chosen, {"layer.b", static_cast<std::uint32_t>(step)});
+    const auto reference = mxscope::reference_gemm(mxscope::transposed(dy), mxscope::transposed(x),
+                                                   mxscope::reference_kind::exact);
+    long double ee = 0, gg = 0, hh = 0, eg = 0, hg = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      const long double g = reference.fp64.values[i];
+      const long double h = result.out.values[i];
+      ee += (h - g) * (h - g);
+      gg += g * g;
+      hh += h * h;
+      eg += (h - g) * g;
+      hg += h * g;
+    }
+    std::map<std::string, std::string> row;
+    for (const auto& candidate : step_rows) {
+      if (candidate.at("strategy") == "sr-per-step" && candidate.at("step") == std::to_string(step)) row = candidate;
+    }
+    ASSERT_FALSE(row.empty());
+    EXPECT_NEAR(value(row, "rel_err"), static_cast<double>(std::sqrt(ee / gg)), 1e-12);
+    EXPECT_NEAR(value(row, "cosine"), static_cast<double>(hg / std::sqrt(hh * gg)), 1e-12);
+    EXPECT_NEAR(value(row, "bias"), static_cast<double>(eg / gg), 1e-12);
+    const long double bias = eg / gg;
+    long double orth = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      const long double g = reference.fp64.values[i];
+      const long double e = result.out.values[i] - g;
+      orth += (e - bias * g) * (e - bias * g);
+    }
+    EXPECT_NEAR(value(row, "orth_err"), static_cast<double>(std::sqrt(orth / gg)), 1e-12);
+
+    // Optimizer replays, written from docs/metrics.md.
+    const long double beta1 = 0.9L, beta2 = 0.95L, eps = 1e-8L;
+    for (std::size_t i = 0; i < count; ++i) {
+      const long double g = reference.fp64.values[i];
+      const long double h = result.out.values[i];
+      sgd_m[i] = 0.9L * sgd_m[i] + g;
+      sgd_m_hat[i] = 0.9L * sgd_m_hat[i] + h;
+      sgd_sum[i] += sgd_m[i];
+      sgd_sum_hat[i] += sgd_m_hat[i];
+      m[i] = beta1 * m[i] + (1 - beta1) * g;
+      v[i] = beta2 * v[i] + (1 - beta2) * g * g;
+      m_hat[i] = beta1 * m_hat[i] + (1 - beta1) * h;
+      v_hat[i] = beta2 * v_hat[i] + (1 - beta2) * h * h;
+      const long double c1 = 1 - std::pow(beta1, step), c2 = 1 - std::pow(beta2, step);
+      u[i] = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps);
+      u_hat[i] = (m_hat[i] / c1) / (std::sqrt(v_hat[i] / c2) + eps);
+      adam_sum[i] += u[i];
+      adam_sum_hat[i] += u_hat[i];
+    }
+    const auto relative = [&](const std::vector<long double>& estimate, const std::vector<long double>& truth) {
+      long double num = 0, den = 0;
+      for (std::size_t i = 0; i < count; ++i) {
+        num += (estimate[i] - truth[i]) * (estimate[i] - truth[i]);
+        den += truth[i] * truth[i];
+      }
+      return static_cast<double>(std::sqrt(num / den));
+    };
+    std::map<std::string, std::string> acc_row;
+    for (const auto& candidate : accumulation_rows) {
+      if (candidate.at("strategy") == "sr-per-step" && candidate.at("T") == std::to_string(step)) acc_row = candidate;
+    }
+    ASSERT_FALSE(acc_row.empty());
+    EXPECT_NEAR(value(acc_row, "sgd_upd_err"), relative(sgd_m_hat, sgd_m), 1e-10);
+    EXPECT_NEAR(value(acc_row, "sgd_disp_err"), relative(sgd_sum_hat, sgd_sum), 1e-10);
+    EXPECT_NEAR(value(acc_row, "adamw_upd_err"), relative(u_hat, u), 1e-9);
+    EXPECT_NEAR(value(acc_row, "adamw_disp_err"), relative(adam_sum_hat, adam_sum), 1e-9);
+  }
+  fs::remove_all(root);
+}
+
+TEST(Replay, BytesDoNotDependOnThreadsOrInterruption) {
+  const fs::path root = fresh_directory("determinism");
+  write_dump(root / "dump", {"layer.a", "layer.b", "layer.c"}, 5, /*same_operands=*/false);
+  write_text(root / "a.toml", analysis_text);
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "one", 1).complete);
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "two", 2).complete);
+  // Interrupted after one layer, then resumed (in a different thread count).
+  const auto first = replay(root / "dump", root / "a.toml", root / "resumed", 2, false, 1);
+  EXPECT_FALSE(first.complete);
+  EXPECT_FALSE(fs::exists(root / "resumed" / "steps.csv"));
+  // Without --resume the interrupted run is refused rather than overwritten.
+  EXPECT_THROW(replay(root / "dump", root / "a.toml", root / "resumed", 1), mxscope::input_error);
+  const auto second = replay(root / "dump", root / "a.toml", root / "resumed", 1, true);
+  EXPECT_TRUE(second.complete);
+  EXPECT_EQ(second.layers_resumed, 1);
+  for (const char* file : {"steps.csv", "accumulation.csv", "summary.json"}) {
+    SCOPED_TRACE(file);
+    const std::string reference = read_text(root / "one" / file);
+    EXPECT_FALSE(reference.empty());
+    EXPECT_EQ(reference, read_text(root / "two" / file));
+    EXPECT_EQ(reference, read_text(root / "resumed" / file));
+  }
+  EXPECT_FALSE(fs::exists(root / "resumed" / ".partial"));
+  fs::remove_all(root);
+}
+
+// A real kill -9 of the CLI in the middle of a run, then --resume: the same final bytes.
+TEST(Replay, KillNineThenResumeGivesTheSameBytes) {
+  const fs::path root = fresh_directory("kill");
+  write_dump(root / "dump", {"layer.a", "layer.b", "layer.c", "layer.d"}, 8, /*same_operands=*/false, 128, 64, 32);
+  write_text(root / "a.toml", analysis_text);
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "clean").complete);
+
+  const std::string dump = (root / "dump").string(), analysis = (root / "a.toml").string(),
+                    out = (root / "killed").string();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    execl(MXSCOPE_CLI_PATH, MXSCOPE_CLI_PATH, "replay", dump.c_str(), "--analysis", analysis.c_str(), "--out",
+          out.c_str(), "--threads", "1", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Kill it as soon as the first layer is checkpointed (or when it is about to finish).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool killed_midway = false;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (fs::exists(root / "killed" / ".partial" / "00000-layer.a.done")) {
+      killed_midway = !fs::exists(root / "killed" / "steps.csv");
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(killed_midway) << "the run finished before it could be killed; the test proves less";
+  const auto resumed = replay(root / "dump", root / "a.toml", root / "killed", 2, true);
+  EXPECT_TRUE(resumed.complete);
+  for (const char* file : {"steps.csv", "accumulation.csv", "summary.json"}) {
+    SCOPED_TRACE(file);
+    EXPECT_EQ(read_text(root / "clean" / file), read_text(root / "killed" / file));
+  }
+  for (const auto& item : fs::directory_iterator(root / "killed")) {
+    EXPECT_EQ(item.path().filename().string().find(".tmp."), std::string::npos) << item.path();
+  }
+  fs::remove_all(root);
+}
+
+TEST(Replay, BadInputsAreRefusedBeforeAnyOutput) {
+  const fs::path root = fresh_directory("bad");
+  write_dump(root / "dump", {"layer.a"}, 2, true, 48, 32, 16);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"h32\"\nformat = \"mxfp4\"\nrotation = \"hadamard:32\"\n");
+  std::ostringstream out, err;
+  const std::string dump = (root / "dump").string(), analysis = (root / "a.toml").string(),
+                    run = (root / "run").string();
+  const char* argv[] = {"mxscope", "replay", dump.c_str(), "--analysis", analysis.c_str(), "--out", run.c_str()};
+  EXPECT_EQ(mxscope::cli::run(7, argv, out, err), 2);
+  EXPECT_NE(err.str().find("strategy 'h32'"), std::string::npos) << err.str();
+  EXPECT_NE(err.str().find("48"), std::string::npos) << err.str();
+  EXPECT_FALSE(fs::exists(root / "run" / "steps.csv"));
+
+  write_text(root / "b.toml", "[[strategy]]\nname = \"x\"\nformat = \"mxfp4\"\nblok = 32\n");
+  const std::string bad_analysis = (root / "b.toml").string();
+  const char* argv_b[] = {"mxscope", "replay", dump.c_str(), "--analysis", bad_analysis.c_str(), "--out", run.c_str()};
+  std::ostringstream err_b;
+  EXPECT_EQ(mxscope::cli::run(7, argv_b, out, err_b), 2);
+  EXPECT_NE(err_b.str().find("b.toml:4:"), std::string::npos) << err_b.str();
+
+  write_text(root / "c.toml", "gemms = [\"fprop\"]\n[[strategy]]\nname = \"x\"\nformat = \"mxfp4\"\n");
+  write_dump(root / "nodw", {"layer.a"}, 1, true);
+  // Remove w from the entry: fprop needs it.
+  {
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("x", random_matrix(64, 32, 1));
+    writer.add_matrix("dy", random_matrix(64, 16, 2));
+    writer.write(root / "nodw" / "l0_s1.safetensors");
+  }
+  const std::string nodw = (root / "nodw").string(), c = (root / "c.toml").string();
+  const char* argv_c[] = {"mxscope", "replay", nodw.c_str(), "--analysis", c.c_str(), "--out", run.c_str()};
+  std::ostringstream err_c;
+  EXPECT_EQ(mxscope::cli::run(7, argv_c, out, err_c), 2);
+  EXPECT_NE(err_c.str().find("'w' is missing"), std::string::npos) << err_c.str();
+  fs::remove_all(root);
+}
+
+TEST(Replay, StepListsParse) {
+  EXPECT_EQ(mxscope::parse_step_list("3,5-7,12", "--steps"), (std::vector<std::int64_t>{3, 5, 6, 7, 12}));
+  EXPECT_THROW(mxscope::parse_step_list("3,a", "--steps"), mxscope::input_error);
+  EXPECT_THROW(mxscope::parse_step_list("7-5", "--steps"), mxscope::input_error);
+}
+
+}  // namespace
