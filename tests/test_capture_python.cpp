@@ -450,34 +450,37 @@ python_runner::temporary_directory* CapturePython::scratch_ = nullptr;
 std::vector<job>* CapturePython::jobs_ = nullptr;
 python_outputs* CapturePython::outputs_ = nullptr;
 
-TEST_F(CapturePython, Mxfp4RoundToNearestEvenMatchesBitForBit) {
-  check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 && j.rounding == "rne" &&
-                                       j.scale_rule == "floor" && j.block == 32; },
-             12);
-}
-
-TEST_F(CapturePython, Mxfp4StochasticRoundingUsesTheSamePhiloxStream) {
-  check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 && j.rounding == "sr"; }, 20);
-}
-
-TEST_F(CapturePython, OtherRoundingModesScaleRulesAndBlockSizesMatch) {
-  check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 &&
-                                       (j.rounding == "rna" || j.rounding == "rtz" || j.scale_rule != "floor" ||
-                                        j.block != 32); },
-             24);
-}
-
-TEST_F(CapturePython, OtherMxElementFormatsMatch) {
-  check_jobs([](const job& j) { return j.format != "mxfp4"; }, 16);
-}
-
-TEST_F(CapturePython, HadamardRotationsMatchForEverySignPolicy) {
-  check_jobs([](const job& j) { return j.rotation != 0; }, 33);
-}
-
-// The comparisons above are only meaningful if stochastic rounding really draws random words: on the
-// tie inputs it must round some ties up and some down, unlike round-to-nearest-even.
-TEST_F(CapturePython, StochasticRoundingDiffersFromNearestOnTies) {
+// One test per Python run: ctest starts every test in its own process, and each process would
+// otherwise run the interpreter again.
+TEST_F(CapturePython, PythonQuantizerMatchesTheCppQuantizerBitForBit) {
+  {
+    SCOPED_TRACE("Mxfp4RoundToNearestEvenMatchesBitForBit");
+    check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 && j.rounding == "rne" &&
+                                         j.scale_rule == "floor" && j.block == 32; },
+               12);
+  }
+  {
+    SCOPED_TRACE("Mxfp4StochasticRoundingUsesTheSamePhiloxStream");
+    check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 && j.rounding == "sr"; }, 20);
+  }
+  {
+    SCOPED_TRACE("OtherRoundingModesScaleRulesAndBlockSizesMatch");
+    check_jobs([](const job& j) { return j.format == "mxfp4" && j.rotation == 0 &&
+                                         (j.rounding == "rna" || j.rounding == "rtz" || j.scale_rule != "floor" ||
+                                          j.block != 32); },
+               24);
+  }
+  {
+    SCOPED_TRACE("OtherMxElementFormatsMatch");
+    check_jobs([](const job& j) { return j.format != "mxfp4"; }, 16);
+  }
+  {
+    SCOPED_TRACE("HadamardRotationsMatchForEverySignPolicy");
+    check_jobs([](const job& j) { return j.rotation != 0; }, 33);
+  }
+  // The comparisons above are only meaningful if stochastic rounding really draws random words: on the
+  // tie inputs it must round some ties up and some down, unlike round-to-nearest-even.
+  SCOPED_TRACE("StochasticRoundingDiffersFromNearestOnTies");
   const auto& jobs = *jobs_;
   std::size_t nearest = jobs.size(), stochastic = jobs.size();
   for (std::size_t i = 0; i < jobs.size(); ++i) {

@@ -77,6 +77,8 @@ double check_gradient(const matrix& dw, const matrix& dy, const matrix& x, doubl
 // ------------------------------------------------------------------------------------------------
 // Dumps written by the capture hook.
 
+using dump_locator = std::function<fs::path(const char*)>;
+
 class DumpFromCapture : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -107,7 +109,7 @@ class DumpFromCapture : public ::testing::Test {
 python_runner::temporary_directory* DumpFromCapture::scratch_ = nullptr;
 std::string* DumpFromCapture::failure_ = nullptr;
 
-TEST_F(DumpFromCapture, Fp32GradientAccumulationConcatenatesMicroBatchesSoDwEqualsDyTransposeX) {
+void check_fp32_gradient_accumulation(const dump_locator& dump) {
   const dump_reader reader(dump("fp32_accumulation"));
   EXPECT_EQ(reader.source().recipe, "fp32 (no autocast, TF32 off)");
   EXPECT_NE(reader.source().extra_json.find("\"grad_accum\":2"), std::string::npos) << reader.source().extra_json;
@@ -133,7 +135,7 @@ TEST_F(DumpFromCapture, Fp32GradientAccumulationConcatenatesMicroBatchesSoDwEqua
                                                                         {"layers.1.mlp.down_proj", 2}}));
 }
 
-TEST_F(DumpFromCapture, Bf16AutocastStoresTheBf16OperandsAndTheFp32Gradient) {
+void check_bf16_autocast(const dump_locator& dump) {
   const dump_reader reader(dump("bf16_autocast"));
   ASSERT_EQ(reader.entries().size(), 4U);
   reader.for_each([&](const dump_entry& entry) {
@@ -151,7 +153,7 @@ TEST_F(DumpFromCapture, Bf16AutocastStoresTheBf16OperandsAndTheFp32Gradient) {
   });
 }
 
-TEST_F(DumpFromCapture, QuantizedWgradOperandsReproduceFromTheirRecipeAndGiveTheGradient) {
+void check_quantized_wgrad_operands(const dump_locator& dump) {
   const dump_reader reader(dump("mxfp4_wgrad"));
   ASSERT_EQ(reader.entries().size(), 4U);
   reader.for_each([&](const dump_entry& entry) {
@@ -207,7 +209,7 @@ TEST_F(DumpFromCapture, QuantizedWgradOperandsReproduceFromTheirRecipeAndGiveThe
   });
 }
 
-TEST_F(DumpFromCapture, AKilledRunLeavesAConsistentDumpAndRepeatedCallsArePaired) {
+void check_killed_run(const dump_locator& dump) {
   const dump_reader reader(dump("interrupted"));
   ASSERT_EQ(reader.entries().size(), 4U);  // steps 1 and 2 of layers "0" and "2"; step 3 never ran
   for (const auto& entry : reader.entries()) EXPECT_LE(entry.step, 2) << entry.layer;
@@ -223,7 +225,7 @@ TEST_F(DumpFromCapture, AKilledRunLeavesAConsistentDumpAndRepeatedCallsArePaired
   });
 }
 
-TEST_F(DumpFromCapture, InspectListsEveryTensorOfEveryEntry) {
+void check_inspect_lists_every_tensor(const dump_locator& dump) {
   const std::string path = dump("mxfp4_wgrad").string();
   const char* argv[] = {"mxscope", "inspect", path.c_str()};
   std::ostringstream out, err;
@@ -259,6 +261,32 @@ TEST_F(DumpFromCapture, InspectListsEveryTensorOfEveryEntry) {
     }
   }
   EXPECT_NE(out.str().find("quantized operands 8"), std::string::npos) << out.str();
+}
+
+// One test per Python run: ctest starts every test in its own process, and each process would
+// otherwise run the capture again.
+TEST_F(DumpFromCapture, CapturedDumpsAreValidAndTheirGradientsMatchTheirOperands) {
+  const auto dump = [](const char* name) { return DumpFromCapture::dump(name); };
+  {
+    SCOPED_TRACE("fp32 recipe, 2 micro-batches concatenated along K: dw == dy^T x");
+    check_fp32_gradient_accumulation(dump);
+  }
+  {
+    SCOPED_TRACE("bf16 autocast: bf16 operands, fp32 master weight and gradient");
+    check_bf16_autocast(dump);
+  }
+  {
+    SCOPED_TRACE("MXFP4 wgrad: stored codes reproduce from the recipe and give dw");
+    check_quantized_wgrad_operands(dump);
+  }
+  {
+    SCOPED_TRACE("killed run: consistent manifest; a module called twice is paired call by call");
+    check_killed_run(dump);
+  }
+  {
+    SCOPED_TRACE("mxscope inspect lists every tensor of every entry");
+    check_inspect_lists_every_tensor(dump);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ the bit manipulation; no float8 or float4 dtypes.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -224,14 +225,18 @@ _check_philox_known_answers()
 SIGN_POLICIES = ("none", "fixed", "per-step")
 
 
-def hadamard_scale(size: int) -> torch.Tensor:
-    """fl32(1/sqrt(b)) for b = 2^k, as a 0-dim fp32 tensor (core::hadamard_scale)."""
+def hadamard_scale(size: int) -> float:
+    """fl32(1/sqrt(b)) for b = 2^k (core::hadamard_scale), returned as a Python float that holds the
+    fp32 value exactly: 2^-(k/2) for even k, else 2^-((k-1)/2) * fl32(1/sqrt 2) (0x3F3504F3), a power
+    of two times an fp32 value. Multiplying an fp32 tensor by it gives fl32(v * scale) whether the
+    backend converts the scalar to fp32 first (exact) or multiplies in fp64 and rounds once (the
+    fp64 product of two fp32 values is exact)."""
     log2_size = size.bit_length() - 1
-    power = torch.tensor(2.0 ** -(log2_size // 2), dtype=torch.float32)
+    power = 2.0 ** -(log2_size // 2)
     if log2_size % 2 == 0:
         return power
-    inverse_sqrt2 = torch.tensor([0x3F3504F3], dtype=torch.int32).view(torch.float32)[0]
-    return power * inverse_sqrt2  # a power of two times an fp32: exact
+    inverse_sqrt2 = struct.unpack("<f", struct.pack("<I", 0x3F3504F3))[0]
+    return power * inverse_sqrt2
 
 
 def rotation_signs(length: int, seed: int, step: int, layer: str, policy: str, device=None) -> Optional[torch.Tensor]:
@@ -243,7 +248,7 @@ def rotation_signs(length: int, seed: int, step: int, layer: str, policy: str, d
         raise ValueError(f"unknown sign policy {policy!r}; expected one of {SIGN_POLICIES}")
     stream_step = 0 if policy == "fixed" else step
     words = random_words(length, seed, stream_step, stream_tag(layer, ROLE_SIGNS), device=device)
-    return torch.where((words & 1) == 1, torch.tensor(-1.0, device=device), torch.tensor(1.0, device=device)).float()
+    return (1 - 2 * (words & 1)).float()  # bit 0 set -> -1.0, else +1.0
 
 
 def _fwht_last_dim(values: torch.Tensor) -> torch.Tensor:
@@ -278,7 +283,7 @@ def rotate(values: torch.Tensor, axis: int, size: int, signs: Optional[torch.Ten
     if signs is not None:
         rotated = rotated * signs.to(device=rotated.device, dtype=torch.float32).reshape(1, length)
     segments = rotated.reshape(lines, length // size, size)
-    segments = _fwht_last_dim(segments) * hadamard_scale(size).to(rotated.device)
+    segments = _fwht_last_dim(segments) * hadamard_scale(size)
     rotated = segments.reshape(lines, length)
     if axis == 0:
         rotated = rotated.t()
@@ -308,7 +313,10 @@ class MxQuantized:
     dequantized: torch.Tensor  # fp32, the input's shape
     codes: torch.Tensor        # uint8 [rows, ceil(cols/2)] for 4-bit elements (2i in the low nibble), else [rows, cols]
     scales: torch.Tensor       # uint8 e8m0 codes: [rows, ceil(cols/block)] (axis 1) or [ceil(rows/block), cols] (axis 0)
-    nonfinite_inputs: int = 0
+
+    def nonfinite_blocks(self) -> int:
+        """Blocks whose scale is NaN (their input held NaN or Inf); synchronizes a GPU."""
+        return int((self.scales == SCALE_NAN_CODE).sum().item())
 
 
 def _shared_exponent(element: ElementFormat, rule: str, amax: torch.Tensor) -> torch.Tensor:
@@ -381,11 +389,18 @@ def _encode_elements(element: ElementFormat, scaled: torch.Tensor, negative: tor
     return code | (negative.long() * element.sign_bit)
 
 
+_DECODE_TABLES: Dict[tuple, torch.Tensor] = {}
+
+
 def _decode_table(element: ElementFormat, device) -> torch.Tensor:
-    """fp64 value of every code (sign included): finite codes only ever come out of the encoder."""
-    magnitudes = [element.decode_magnitude(c) for c in range(element.sign_bit)]
-    values = magnitudes + [-m for m in magnitudes]
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    """fp64 value of every code (sign included): finite codes only ever come out of the encoder.
+    Cached per device, so the host-to-device copy (which synchronizes) happens once."""
+    key = (element.name, str(device))
+    if key not in _DECODE_TABLES:
+        magnitudes = [element.decode_magnitude(c) for c in range(element.sign_bit)]
+        values = magnitudes + [-m for m in magnitudes]
+        _DECODE_TABLES[key] = torch.tensor(values, dtype=torch.float64, device=device)
+    return _DECODE_TABLES[key]
 
 
 def quantize_mx(values: torch.Tensor, axis: int = 1, block: int = 32, format_name: str = "mxfp4",
@@ -460,9 +475,9 @@ def quantize_mx(values: torch.Tensor, axis: int = 1, block: int = 32, format_nam
         if cols % 2:
             codes = torch.cat((codes, torch.zeros((rows, 1), dtype=codes.dtype, device=device)), dim=1)
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    # (No .item() anywhere on this path: a GPU training step never waits for the quantizer.)
     return MxQuantized(dequantized=dequantized.contiguous(), codes=codes.to(torch.uint8).contiguous(),
-                       scales=scale_codes.to(torch.uint8).contiguous(),
-                       nonfinite_inputs=int((~torch.isfinite(source)).sum().item()))
+                       scales=scale_codes.to(torch.uint8).contiguous())
 
 
 # ------------------------------------------------------------------------------------------------
