@@ -24,6 +24,11 @@
 
 #include "mxscope/errors.hpp"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MXSCOPE_GEMM_X86 1
+#endif
+
 namespace mxscope {
 
 namespace core_ns = mxscope::core;
@@ -167,8 +172,9 @@ struct canonical_operand {
   std::int64_t depth = 0;
   int block = 32;           // K-block size of the accumulation
   std::int64_t blocks = 0;  // blocks per row
-  // Element values without any scale, exact (fp32, bf16 and fp8 values can be inf or NaN).
-  std::vector<double> elements;  // [rows, depth]
+  // Element values without any scale, exact in fp32 (every value of the small formats, bf16 and
+  // fp32 is an fp32 number; fp32, bf16 and fp8 values can be inf or NaN).
+  std::vector<float> elements;  // [rows, depth]
   // Exact block scale factors; NaN for a NaN block. 1 for formats without block scales.
   std::vector<double> block_scales;  // [rows, blocks]
   float tensor_scale = 1.0f;
@@ -180,10 +186,12 @@ struct canonical_operand {
   std::int64_t scale_mantissa_max = 1;
   std::vector<std::int32_t> scale_exponents;  // [rows, blocks] (nan_block_exponent for NaN blocks)
   std::vector<std::int32_t> scale_mantissas;  // [rows, blocks]
-  matrix dequantized;                         // [rows, depth] fp32 dequantized values (fp32-seq)
+  matrix dequantized;                         // [rows, depth] fp32 dequantized values (fp32-seq only)
 
+  // The block-scaled element: exact in a double (a short significand times a scale whose product
+  // stays within the double range).
   double scaled(std::int64_t row, std::int64_t k) const {
-    return elements[static_cast<std::size_t>(row * depth + k)] *
+    return static_cast<double>(elements[static_cast<std::size_t>(row * depth + k)]) *
            block_scales[static_cast<std::size_t>(row * blocks + k / block)];
   }
 };
@@ -213,52 +221,79 @@ std::string describe(const quantized_tensor& q) {
 }
 
 // Builds the canonical form of a quantized tensor whose reduction axis is its quantization axis.
-canonical_operand make_canonical(const quantized_tensor& q, int block) {
+// Elements are visited in tiles of the captured layout, so an axis-0 operand is transposed with
+// both the reads and the writes staying within a few cache lines per row.
+canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep_dequantized) {
   canonical_operand out;
   const bool along_rows = q.options.axis == 1;
   out.rows = along_rows ? q.rows : q.cols;
   out.depth = along_rows ? q.cols : q.rows;
   out.block = block;
   out.blocks = (out.depth + block - 1) / block;
-  out.elements.assign(static_cast<std::size_t>(out.rows * out.depth), 0.0);
+  out.elements.assign(static_cast<std::size_t>(out.rows * out.depth), 0.0f);
   out.block_scales.assign(static_cast<std::size_t>(out.rows * out.blocks), 1.0);
   out.scale_exponents.assign(static_cast<std::size_t>(out.rows * out.blocks), 0);
   out.scale_mantissas.assign(static_cast<std::size_t>(out.rows * out.blocks), 1);
-  out.dequantized = matrix(out.rows, out.depth);
+  if (keep_dequantized) out.dequantized = matrix(out.rows, out.depth);
   out.tensor_scale = 1.0f;
 
   const auto scheme = q.options.format.scheme;
   const element_kind kind = q.options.format.element;
   const bool integer_format = scheme == quant_scheme::mx || scheme == quant_scheme::nvfp4 || scheme == quant_scheme::per_tensor;
+  float decoded[256] = {};
   if (integer_format) {
     // Every finite element value of the small formats is a multiple of the subnormal spacing.
     out.fraction_bits = -core_ns::subnormal_ulp_exponent(kind);
     out.integer_max = static_cast<std::int64_t>(core_ns::max_normal(kind) * core_ns::pow2(out.fraction_bits));
+    const int codes = 1 << core_ns::spec(kind).bits;
+    for (int code = 0; code < codes; ++code) decoded[code] = static_cast<float>(core_ns::decode(kind, static_cast<std::uint32_t>(code)));
   }
   if (scheme == quant_scheme::nvfp4 || scheme == quant_scheme::per_tensor) out.tensor_scale = q.tensor_scale;
 
+  const auto element_at = [&](std::int64_t r, std::int64_t c) -> float {
+    switch (scheme) {
+      case quant_scheme::none: return q.dequantized(r, c);
+      case quant_scheme::bf16: {
+        const auto at = static_cast<std::size_t>(r * q.cols + c) * 2;
+        return core_ns::bf16_to_float(static_cast<std::uint16_t>(q.codes[at] | (q.codes[at + 1] << 8)));
+      }
+      case quant_scheme::mx:
+      case quant_scheme::nvfp4:
+      case quant_scheme::per_tensor: return decoded[code_at(q, r, c)];
+    }
+    return 0.0f;
+  };
+
+  constexpr std::int64_t tile = 64;
+  const std::int64_t row_tiles = (out.rows + tile - 1) / tile;
+  const std::int64_t depth_tiles = (out.depth + tile - 1) / tile;
   bool all_finite = true;
 #pragma omp parallel for schedule(static) reduction(&& : all_finite)
-  for (std::int64_t row = 0; row < out.rows; ++row) {
-    for (std::int64_t k = 0; k < out.depth; ++k) {
+  for (std::int64_t tile_index = 0; tile_index < row_tiles * depth_tiles; ++tile_index) {
+    const std::int64_t row_begin = (tile_index / depth_tiles) * tile;
+    const std::int64_t k_begin = (tile_index % depth_tiles) * tile;
+    const std::int64_t row_end = std::min(out.rows, row_begin + tile);
+    const std::int64_t k_end = std::min(out.depth, k_begin + tile);
+    const auto visit = [&](std::int64_t row, std::int64_t k) {
       const std::int64_t r = along_rows ? row : k;
       const std::int64_t c = along_rows ? k : row;
-      double value = 0.0;
-      switch (scheme) {
-        case quant_scheme::none: value = q.dequantized(r, c); break;
-        case quant_scheme::bf16: {
-          const auto at = static_cast<std::size_t>(r * q.cols + c) * 2;
-          value = core_ns::bf16_to_float(static_cast<std::uint16_t>(q.codes[at] | (q.codes[at + 1] << 8)));
-          break;
-        }
-        case quant_scheme::mx:
-        case quant_scheme::nvfp4:
-        case quant_scheme::per_tensor: value = core_ns::decode(kind, code_at(q, r, c)); break;
-      }
+      const float value = element_at(r, c);
       all_finite = all_finite && std::isfinite(value);
       out.elements[static_cast<std::size_t>(row * out.depth + k)] = value;
-      out.dequantized(row, k) = q.dequantized(r, c);
+      if (keep_dequantized) out.dequantized(row, k) = q.dequantized(r, c);
+    };
+    if (along_rows) {
+      for (std::int64_t row = row_begin; row < row_end; ++row) {
+        for (std::int64_t k = k_begin; k < k_end; ++k) visit(row, k);
+      }
+    } else {
+      for (std::int64_t k = k_begin; k < k_end; ++k) {
+        for (std::int64_t row = row_begin; row < row_end; ++row) visit(row, k);
+      }
     }
+  }
+#pragma omp parallel for schedule(static)
+  for (std::int64_t row = 0; row < out.rows; ++row) {
     for (std::int64_t b = 0; b < out.blocks; ++b) {
       const std::int64_t k = b * block;  // the block's first element along the reduction
       const std::int64_t r = along_rows ? row : k;
@@ -445,67 +480,116 @@ void generic_product(const canonical_operand& a, const canonical_operand& b, con
 
 // ------------------------------------------------------------------------------------------------
 // fp32-seq: one fused multiply-add per product, ascending K, on the fp32 dequantized values.
-// The panel kernel is compiled twice, for the baseline target and for AVX2+FMA; both compute
-// fmaf exactly (a fused operation has one correctly rounded result), so they agree bit for bit.
+// The micro kernel exists twice, as a portable scalar loop and with AVX2+FMA vectors (chosen at
+// run time); both compute fmaf exactly (a fused operation has one correctly rounded result), so
+// they agree bit for bit.
 
-constexpr int seq_panel_rows = 8;
-constexpr int seq_panel_width = 256;
+// B is packed into panels of 16 columns, [panel, k, 16], so that a micro tile of 4 rows x 16
+// columns reads one contiguous 64-byte row of its panel per k; its 8 vector accumulators stay in
+// registers for the whole reduction, in ascending k.
 
-__attribute__((always_inline)) inline void sequential_fma_panel_body(const float* a_rows, std::int64_t depth, int rows,
-                                                                     const float* b_transposed, std::int64_t b_stride,
-                                                                     int width, float* accumulators) {
-  for (std::int64_t k = 0; k < depth; ++k) {
-    const float* b_row = b_transposed + k * b_stride;
-    for (int r = 0; r < rows; ++r) {
-      const float a_value = a_rows[r * depth + k];
-      float* accumulator_row = accumulators + r * seq_panel_width;
-      for (int j = 0; j < width; ++j) accumulator_row[j] = __builtin_fmaf(a_value, b_row[j], accumulator_row[j]);
+constexpr int seq_rows = 4;
+constexpr int seq_width = 16;
+
+std::vector<float> pack_panels(const matrix& b, std::int64_t panels) {
+  std::vector<float> packed(static_cast<std::size_t>(panels * b.cols * seq_width), 0.0f);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t panel = 0; panel < panels; ++panel) {
+    for (int lane = 0; lane < seq_width; ++lane) {
+      const std::int64_t column = panel * seq_width + lane;
+      if (column >= b.rows) continue;
+      for (std::int64_t k = 0; k < b.cols; ++k) {
+        packed[static_cast<std::size_t>((panel * b.cols + k) * seq_width + lane)] = b(column, k);
+      }
+    }
+  }
+  return packed;
+}
+
+// One micro tile: out[r][j] = fma chain over k of a[r][k] * panel[k][j], r < rows.
+void sequential_fma_tile_baseline(const float* a_rows, std::int64_t depth, int rows, const float* panel, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < seq_width; ++j) {
+      float accumulator = 0.0f;
+      for (std::int64_t k = 0; k < depth; ++k) {
+        accumulator = __builtin_fmaf(a_rows[r * depth + k], panel[k * seq_width + j], accumulator);
+      }
+      out[r * seq_width + j] = accumulator;
     }
   }
 }
 
-__attribute__((target("avx2,fma"))) void sequential_fma_panel_avx2(const float* a_rows, std::int64_t depth, int rows,
-                                                                    const float* b_transposed, std::int64_t b_stride,
-                                                                    int width, float* accumulators) {
-  sequential_fma_panel_body(a_rows, depth, rows, b_transposed, b_stride, width, accumulators);
-}
-
-void sequential_fma_panel_baseline(const float* a_rows, std::int64_t depth, int rows, const float* b_transposed,
-                                   std::int64_t b_stride, int width, float* accumulators) {
-  sequential_fma_panel_body(a_rows, depth, rows, b_transposed, b_stride, width, accumulators);
+#if MXSCOPE_GEMM_X86
+__attribute__((target("avx2,fma"))) void sequential_fma_tile_avx2(const float* a_rows, std::int64_t depth, int rows,
+                                                                   const float* panel, float* out) {
+  if (rows < seq_rows) {
+    sequential_fma_tile_baseline(a_rows, depth, rows, panel, out);
+    return;
+  }
+  __m256 low[seq_rows];
+  __m256 high[seq_rows];
+  for (int r = 0; r < seq_rows; ++r) {
+    low[r] = _mm256_setzero_ps();
+    high[r] = _mm256_setzero_ps();
+  }
+  for (std::int64_t k = 0; k < depth; ++k) {
+    const __m256 b_low = _mm256_loadu_ps(panel + k * seq_width);
+    const __m256 b_high = _mm256_loadu_ps(panel + k * seq_width + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < seq_rows; ++r) {
+      const __m256 a_value = _mm256_set1_ps(a_rows[r * depth + k]);
+      low[r] = _mm256_fmadd_ps(a_value, b_low, low[r]);
+      high[r] = _mm256_fmadd_ps(a_value, b_high, high[r]);
+    }
+  }
+  for (int r = 0; r < seq_rows; ++r) {
+    _mm256_storeu_ps(out + r * seq_width, low[r]);
+    _mm256_storeu_ps(out + r * seq_width + 8, high[r]);
+  }
 }
 
 bool cpu_has_avx2_fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
+#else
+bool cpu_has_avx2_fma() { return false; }
+void sequential_fma_tile_avx2(const float* a_rows, std::int64_t depth, int rows, const float* panel, float* out) {
+  sequential_fma_tile_baseline(a_rows, depth, rows, panel, out);
+}
+#endif
 
-void sequential_fma_product(const canonical_operand& a, const canonical_operand& b, matrix& out) {
+void sequential_fma_product(const canonical_operand& a, const canonical_operand& b, matrix& out, bool vector_kernels) {
   const std::int64_t depth = a.depth;
-  const matrix b_transposed = transposed(b.dequantized);  // [depth, N]
   const std::int64_t n = b.rows;
-  const std::int64_t row_panels = (a.rows + seq_panel_rows - 1) / seq_panel_rows;
-  const std::int64_t col_panels = (n + seq_panel_width - 1) / seq_panel_width;
-  const bool vector_unit = cpu_has_avx2_fma();
-#pragma omp parallel
-  {
-    std::vector<float> accumulators(static_cast<std::size_t>(seq_panel_rows * seq_panel_width));
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t panel = 0; panel < row_panels * col_panels; ++panel) {
-      const std::int64_t i0 = (panel / col_panels) * seq_panel_rows;
-      const std::int64_t j0 = (panel % col_panels) * seq_panel_width;
-      const int rows = static_cast<int>(std::min<std::int64_t>(seq_panel_rows, a.rows - i0));
-      const int width = static_cast<int>(std::min<std::int64_t>(seq_panel_width, n - j0));
-      std::fill(accumulators.begin(), accumulators.end(), 0.0f);
-      const float* a_rows = a.dequantized.data() + i0 * depth;
-      const float* b_columns = b_transposed.data() + j0;
-      if (vector_unit) {
-        sequential_fma_panel_avx2(a_rows, depth, rows, b_columns, n, width, accumulators.data());
-      } else {
-        sequential_fma_panel_baseline(a_rows, depth, rows, b_columns, n, width, accumulators.data());
-      }
-      for (int r = 0; r < rows; ++r) {
-        for (int j = 0; j < width; ++j) out(i0 + r, j0 + j) = accumulators[static_cast<std::size_t>(r * seq_panel_width + j)];
+  const std::int64_t panels = (n + seq_width - 1) / seq_width;
+  const std::vector<float> packed = pack_panels(b.dequantized, panels);
+  const bool vector_unit = vector_kernels && cpu_has_avx2_fma();
+  // A task: 64 rows of A against 4 panels (a panel is 256 KiB at K = 4096 and stays in L2).
+  constexpr std::int64_t task_rows = 64;
+  constexpr std::int64_t task_panels = 4;
+  const std::int64_t row_tasks = (a.rows + task_rows - 1) / task_rows;
+  const std::int64_t panel_tasks = (panels + task_panels - 1) / task_panels;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
+    const std::int64_t row_begin = (task / panel_tasks) * task_rows;
+    const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
+    const std::int64_t row_end = std::min(a.rows, row_begin + task_rows);
+    const std::int64_t panel_end = std::min(panels, panel_begin + task_panels);
+    float tile[seq_rows * seq_width];
+    for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+      const float* panel_data = packed.data() + panel * depth * seq_width;
+      for (std::int64_t row = row_begin; row < row_end; row += seq_rows) {
+        const int rows = static_cast<int>(std::min<std::int64_t>(seq_rows, row_end - row));
+        const float* a_rows = a.dequantized.data() + row * depth;
+        if (vector_unit) {
+          sequential_fma_tile_avx2(a_rows, depth, rows, panel_data, tile);
+        } else {
+          sequential_fma_tile_baseline(a_rows, depth, rows, panel_data, tile);
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int j = 0; j < seq_width && panel * seq_width + j < n; ++j) out(row + r, panel * seq_width + j) = tile[r * seq_width + j];
+        }
       }
     }
   }
@@ -568,7 +652,8 @@ template <class T>
 std::vector<T> integer_values(const canonical_operand& operand) {
   std::vector<T> values(operand.elements.size());
   const double scale = core_ns::pow2(operand.fraction_bits);
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<T>(operand.elements[i] * scale);
+  // Exact: a power-of-two scaling of a value with a short significand.
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<T>(static_cast<double>(operand.elements[i]) * scale);
   return values;
 }
 
@@ -592,6 +677,7 @@ struct fast_context {
   // B's scale data transposed to [blocks, N] so that a row of a tile reads it contiguously.
   std::vector<std::int32_t> b_exponents;
   std::vector<std::int32_t> b_mantissas;
+  bool vector_kernels = true;
 };
 
 constexpr std::int64_t tile_rows_block = 64;
@@ -648,6 +734,359 @@ std::int64_t fp32_block_tile_float(const fast_context& context, const float* a_v
     }
   }
   return fallbacks;
+}
+
+// ------------------------------------------------------------------------------------------------
+// fp32-block with an AVX2 integer kernel (x86-64 with AVX2, chosen at run time).
+//
+// Same arithmetic as fp32_block_tile_float, in registers: the integer element values fit int16
+// (|2q| <= 12 for fp4, |8q| <= 60, |16q| <= 448, |64q| <= 127), vpmaddwd forms a0*b0 + a1*b1 in
+// int32 exactly, and the int32 sums of a block stay below 2^bound_bits <= 2^24, so the block dot D
+// is exact and its conversion to fp32 too. acc + D * 2^k is then the fp32 step proven above, with
+// the same per-row range check and the same exact per-entry step outside it. A micro tile of
+// 4 output rows x 8 columns keeps its accumulators in registers for the whole reduction, blocks in
+// ascending order, so each entry sees exactly the sequence of roundings of the definition.
+
+constexpr int micro_rows = 4;
+constexpr int panel_width = 8;
+
+struct packed_int16_operands {
+  std::int64_t padded_rows = 0;   // A rows rounded up to micro_rows
+  std::int64_t panels = 0;        // B columns in groups of panel_width
+  std::int64_t padded_depth = 0;  // blocks * block
+  std::vector<std::int16_t> a;    // [padded_rows, padded_depth]
+  std::vector<std::int16_t> b;    // [panels, padded_depth / 2, panel_width, 2]: k-pairs interleaved
+  std::vector<std::int32_t> a_exponents;  // [padded_rows, blocks]
+  std::vector<std::int32_t> b_exponents;  // [panels, blocks, panel_width]
+};
+
+// The int16 kernels cover MX-style operands (power-of-two block scales, no tensor scales) whose
+// integer element values fit int16, with block dots below 2^24 and blocks of even length.
+constexpr int max_kernel_group = 16;
+
+bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
+                          const accumulation_model& model) {
+  const bool model_fits = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact ||
+                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group <= max_kernel_group);
+  return model_fits && plan.power_of_two_scales && a.block % 2 == 0 && a.integer_max <= 32767 &&
+         b.integer_max <= 32767 && plan.bound_bits <= 24 && a.tensor_scale == 1.0f && b.tensor_scale == 1.0f;
+}
+
+packed_int16_operands pack_int16(const canonical_operand& a, const canonical_operand& b) {
+  packed_int16_operands packed;
+  packed.padded_rows = (a.rows + micro_rows - 1) / micro_rows * micro_rows;
+  packed.panels = (b.rows + panel_width - 1) / panel_width;
+  packed.padded_depth = a.blocks * a.block;
+  const std::int64_t pairs = packed.padded_depth / 2;
+  packed.a.assign(static_cast<std::size_t>(packed.padded_rows * packed.padded_depth), 0);
+  packed.b.assign(static_cast<std::size_t>(packed.panels * packed.padded_depth * panel_width), 0);
+  packed.a_exponents.assign(static_cast<std::size_t>(packed.padded_rows * a.blocks), 0);
+  packed.b_exponents.assign(static_cast<std::size_t>(packed.panels * a.blocks * panel_width), 0);
+  const double a_scale = core_ns::pow2(a.fraction_bits);
+  const double b_scale = core_ns::pow2(b.fraction_bits);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t row = 0; row < a.rows; ++row) {
+    for (std::int64_t k = 0; k < a.depth; ++k) {
+      packed.a[static_cast<std::size_t>(row * packed.padded_depth + k)] =
+          static_cast<std::int16_t>(static_cast<double>(a.elements[static_cast<std::size_t>(row * a.depth + k)]) * a_scale);
+    }
+    for (std::int64_t block = 0; block < a.blocks; ++block) {
+      packed.a_exponents[static_cast<std::size_t>(row * a.blocks + block)] =
+          a.scale_exponents[static_cast<std::size_t>(row * a.blocks + block)];
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (std::int64_t panel = 0; panel < packed.panels; ++panel) {
+    for (int lane = 0; lane < panel_width; ++lane) {
+      const std::int64_t column = panel * panel_width + lane;
+      if (column >= b.rows) continue;
+      for (std::int64_t k = 0; k < b.depth; ++k) {
+        const auto at = static_cast<std::size_t>(((panel * pairs + k / 2) * panel_width + lane) * 2 + k % 2);
+        packed.b[at] = static_cast<std::int16_t>(
+            static_cast<double>(b.elements[static_cast<std::size_t>(column * b.depth + k)]) * b_scale);
+      }
+      for (std::int64_t block = 0; block < b.blocks; ++block) {
+        packed.b_exponents[static_cast<std::size_t>((panel * a.blocks + block) * panel_width + lane)] =
+            b.scale_exponents[static_cast<std::size_t>(column * b.blocks + block)];
+      }
+    }
+  }
+  return packed;
+}
+
+// The exact block dot of a packed entry (scalar): the slow step of the exact model's kernel.
+std::int64_t packed_block_dot(const packed_int16_operands& packed, std::int64_t row, std::int64_t column, std::int64_t block,
+                              int block_length) {
+  const std::int64_t pairs = packed.padded_depth / 2;
+  const std::int64_t panel = column / panel_width;
+  const std::int64_t lane = column % panel_width;
+  std::int64_t dot = 0;
+  for (std::int64_t k = block * block_length; k < (block + 1) * block_length; ++k) {
+    const std::int16_t a_value = packed.a[static_cast<std::size_t>(row * packed.padded_depth + k)];
+    const std::int16_t b_value =
+        packed.b[static_cast<std::size_t>(((panel * pairs + k / 2) * panel_width + lane) * 2 + k % 2)];
+    dot += static_cast<std::int64_t>(a_value) * b_value;
+  }
+  return dot;
+}
+
+#if MXSCOPE_GEMM_X86
+// The exact int32 block dots of a micro tile for one K-block (exact: see above).
+__attribute__((target("avx2"), always_inline)) inline void micro_tile_block_dots(const std::int16_t* a_block,
+                                                                                 std::int64_t padded_depth,
+                                                                                 const std::int16_t* b_block, int pairs,
+                                                                                 __m256i* dots) {
+  for (int r = 0; r < micro_rows; ++r) dots[r] = _mm256_setzero_si256();
+  for (int pair = 0; pair < pairs; ++pair) {
+    const __m256i b_pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_block + pair * 2 * panel_width));
+#pragma GCC unroll 4
+    for (int r = 0; r < micro_rows; ++r) {
+      std::int32_t a_pair = 0;
+      std::memcpy(&a_pair, a_block + r * padded_depth + 2 * pair, sizeof a_pair);
+      dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_set1_epi32(a_pair), b_pairs));
+    }
+  }
+}
+
+__attribute__((target("avx2"))) std::int64_t fp32_block_micro_tile_avx2(
+    const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
+    const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int highest_k, float* out) {
+  __m256 accumulators[micro_rows];
+  for (int r = 0; r < micro_rows; ++r) accumulators[r] = _mm256_setzero_ps();
+  const __m256i lowest = _mm256_set1_epi32(-126);
+  const __m256i highest = _mm256_set1_epi32(highest_k);
+  const __m256i bias = _mm256_set1_epi32(127);
+  std::int64_t fallbacks = 0;
+  for (std::int64_t index = 0; index < blocks; ++index) {
+    __m256i dots[micro_rows];
+    micro_tile_block_dots(a_rows + index * block, padded_depth, b_panel + index * block * panel_width, block / 2, dots);
+    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_exponents + index * panel_width));
+#pragma GCC unroll 4
+    for (int r = 0; r < micro_rows; ++r) {
+      const std::int32_t a_exponent = a_exponents[r * blocks + index];
+      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(lowest, k), _mm256_cmpgt_epi32(k, highest));
+      if (_mm256_testz_si256(outside, outside)) {
+        const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, bias), 23));
+        accumulators[r] = _mm256_add_ps(accumulators[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), power));
+      } else {
+        alignas(32) float values[panel_width];
+        alignas(32) std::int32_t block_dots[panel_width];
+        _mm256_store_ps(values, accumulators[r]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block_dots), dots[r]);
+        for (int j = 0; j < panel_width; ++j) {
+          values[j] = add_exact_value(values[j], scaled_block_dot(block_dots[j], a_exponent, 1,
+                                                                  b_exponents[index * panel_width + j], 1, fraction_total));
+        }
+        accumulators[r] = _mm256_load_ps(values);
+        fallbacks += panel_width;
+      }
+    }
+  }
+  for (int r = 0; r < micro_rows; ++r) _mm256_storeu_ps(out + r * panel_width, accumulators[r]);
+  return fallbacks;
+}
+
+// fp32-group:G and exact on a micro tile. Each scaled block dot c = D * 2^k is formed exactly in
+// a double (D < 2^24, |k| < 1000). Group sums (and, for exact, the whole sum) are accumulated in
+// fp64 with two_sum: when every error term is zero the fp64 sum IS the exact sum, and then
+// - fp32-group: acc + g is formed the same way; when exact, converting it to fp32 rounds the
+//   exact value once (RNE): fl32(acc + g). Lanes where any step was inexact redo the group with
+//   core::add_exactly_to_float on the stored terms.
+// - exact: the fp64 sum is the exact result rounded to fp64 (it is exact), its fp32 conversion the
+//   exact result rounded once to fp32. Inexact lanes are marked for an exact recomputation.
+// Lanes whose block is a NaN block (its exponent is the far-away marker) end as NaN.
+constexpr int tile_entries = micro_rows * panel_width;
+
+struct grouped_tile_state {
+  alignas(32) float accumulators[tile_entries];
+  alignas(32) double sums[tile_entries];
+  alignas(32) double inexact[tile_entries];  // nonzero bits: some step of the current sum was inexact
+  alignas(32) std::int32_t nan_lanes[tile_entries];
+  alignas(32) double terms[max_kernel_group][tile_entries];
+};
+
+__attribute__((target("avx2"))) void grouped_micro_tile_avx2(
+    const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
+    const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int group, float* out32,
+    double* out64, std::uint8_t* redo) {
+  grouped_tile_state state;
+  for (int e = 0; e < tile_entries; ++e) {
+    state.accumulators[e] = 0.0f;
+    state.sums[e] = 0.0;
+    state.inexact[e] = 0.0;
+    state.nan_lanes[e] = 0;
+  }
+  const bool is_exact = group == 0;
+  const __m256i far = _mm256_set1_epi32(1000);
+  const __m256i near = _mm256_set1_epi32(-1000);
+  const __m256i exponent_bias = _mm256_set1_epi64x(1023);
+  const __m256d zero = _mm256_setzero_pd();
+  int in_group = 0;
+  for (std::int64_t index = 0; index < blocks; ++index) {
+    __m256i dots[micro_rows];
+    micro_tile_block_dots(a_rows + index * block, padded_depth, b_panel + index * block * panel_width, block / 2, dots);
+    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_exponents + index * panel_width));
+    double* terms = state.terms[is_exact ? 0 : in_group];
+    for (int r = 0; r < micro_rows; ++r) {
+      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponents[r * blocks + index] - fraction_total));
+      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, far), _mm256_cmpgt_epi32(near, k));
+      __m256i* nan_lanes = reinterpret_cast<__m256i*>(state.nan_lanes + r * panel_width);
+      _mm256_store_si256(nan_lanes, _mm256_or_si256(_mm256_load_si256(nan_lanes), outside));
+      const __m256i safe_k = _mm256_andnot_si256(outside, k);
+      for (int half = 0; half < 2; ++half) {
+        const __m128i k4 = half == 0 ? _mm256_castsi256_si128(safe_k) : _mm256_extracti128_si256(safe_k, 1);
+        const __m128i d4 = half == 0 ? _mm256_castsi256_si128(dots[r]) : _mm256_extracti128_si256(dots[r], 1);
+        const __m256d power =
+            _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), exponent_bias), 52));
+        const __m256d contribution = _mm256_mul_pd(_mm256_cvtepi32_pd(d4), power);
+        const int at = r * panel_width + half * 4;
+        _mm256_store_pd(terms + at, contribution);
+        // two_sum(sum, contribution): the error term is zero exactly when the sum is exact.
+        const __m256d sum = _mm256_load_pd(state.sums + at);
+        const __m256d total = _mm256_add_pd(sum, contribution);
+        const __m256d contribution_part = _mm256_sub_pd(total, sum);
+        const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, contribution_part)),
+                                            _mm256_sub_pd(contribution, contribution_part));
+        _mm256_store_pd(state.sums + at, total);
+        _mm256_store_pd(state.inexact + at,
+                        _mm256_or_pd(_mm256_load_pd(state.inexact + at), _mm256_cmp_pd(error, zero, _CMP_NEQ_UQ)));
+      }
+    }
+    if (is_exact) continue;
+    ++in_group;
+    if (in_group < group && index + 1 < blocks) continue;
+    // Close the group: acc = fl32(acc + g).
+    for (int at = 0; at < tile_entries; at += 4) {
+      const __m256d accumulator = _mm256_cvtps_pd(_mm_load_ps(state.accumulators + at));
+      const __m256d group_sum = _mm256_load_pd(state.sums + at);
+      const __m256d total = _mm256_add_pd(accumulator, group_sum);
+      const __m256d group_part = _mm256_sub_pd(total, accumulator);
+      const __m256d error = _mm256_add_pd(_mm256_sub_pd(accumulator, _mm256_sub_pd(total, group_part)),
+                                          _mm256_sub_pd(group_sum, group_part));
+      const __m256d inexact = _mm256_or_pd(_mm256_load_pd(state.inexact + at), _mm256_cmp_pd(error, zero, _CMP_NEQ_UQ));
+      const float previous[4] = {state.accumulators[at], state.accumulators[at + 1], state.accumulators[at + 2],
+                                 state.accumulators[at + 3]};
+      _mm_store_ps(state.accumulators + at, _mm256_cvtpd_ps(total));
+      const int slow_lanes = _mm256_movemask_pd(inexact);
+      if (slow_lanes == 0) continue;
+      for (int lane = 0; lane < 4; ++lane) {
+        if ((slow_lanes & (1 << lane)) == 0) continue;
+        const int entry = at + lane;
+        const float old = previous[lane];
+        if (!std::isfinite(old)) {
+          state.accumulators[entry] = old;  // inf + finite terms stays inf (IEEE)
+          continue;
+        }
+        double lane_terms[max_kernel_group];
+        for (int g = 0; g < in_group; ++g) lane_terms[g] = state.terms[g][entry];
+        state.accumulators[entry] = core_ns::add_exactly_to_float(old, lane_terms, in_group);
+      }
+    }
+    for (int e = 0; e < tile_entries; ++e) {
+      state.sums[e] = 0.0;
+      state.inexact[e] = 0.0;
+    }
+    in_group = 0;
+  }
+  for (int e = 0; e < tile_entries; ++e) {
+    const bool nan = state.nan_lanes[e] != 0;
+    if (is_exact) {
+      std::uint64_t inexact_bits = 0;
+      std::memcpy(&inexact_bits, &state.inexact[e], sizeof inexact_bits);
+      redo[e] = !nan && inexact_bits != 0;
+      out64[e] = nan ? std::numeric_limits<double>::quiet_NaN() : state.sums[e];
+      out32[e] = static_cast<float>(out64[e]);
+    } else {
+      out32[e] = nan ? std::numeric_limits<float>::quiet_NaN() : state.accumulators[e];
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+// Runs the int16 kernels over all micro tiles; false when this CPU has no AVX2.
+bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks) {
+#if MXSCOPE_GEMM_X86
+  if (!cpu_has_avx2()) return false;
+  const canonical_operand& a = *context.a;
+  const canonical_operand& b = *context.b;
+  const packed_int16_operands packed = pack_int16(a, b);
+  const accumulation_model& model = context.model;
+  const bool is_exact = model.kind == accumulation_kind::exact;
+  const bool float_kernel = model.kind == accumulation_kind::fp32_block ||
+                            (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
+  const int group = is_exact ? 0 : model.blocks_per_group;
+  // A task: 64 rows of A (16 micro tiles, 512 KiB of int16 at K = 4096, kept in L2) against 8
+  // panels of B; each panel is streamed once per micro tile.
+  constexpr std::int64_t task_rows = 64;
+  constexpr std::int64_t task_panels = 8;
+  const std::int64_t row_tasks = (packed.padded_rows + task_rows - 1) / task_rows;
+  const std::int64_t panel_tasks = (packed.panels + task_panels - 1) / task_panels;
+  const int highest_k = 128 - context.plan.bound_bits;
+  std::int64_t total = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
+  for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
+    const std::int64_t row_begin = (task / panel_tasks) * task_rows;
+    const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
+    const std::int64_t row_end = std::min(packed.padded_rows, row_begin + task_rows);
+    const std::int64_t panel_end = std::min(packed.panels, panel_begin + task_panels);
+    alignas(32) float tile32[tile_entries];
+    alignas(32) double tile64[tile_entries];
+    std::uint8_t redo[tile_entries] = {};
+    for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+      for (std::int64_t row = row_begin; row < row_end; row += micro_rows) {
+        const std::int16_t* a_rows = packed.a.data() + row * packed.padded_depth;
+        const std::int16_t* b_panel = packed.b.data() + panel * packed.padded_depth * panel_width;
+        const std::int32_t* a_exponents = packed.a_exponents.data() + row * a.blocks;
+        const std::int32_t* b_exponents = packed.b_exponents.data() + panel * a.blocks * panel_width;
+        if (float_kernel) {
+          total += fp32_block_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks,
+                                              a.block, context.plan.fraction_total, highest_k, tile32);
+        } else {
+          grouped_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks, a.block,
+                                  context.plan.fraction_total, group, tile32, tile64, redo);
+        }
+        for (int r = 0; r < micro_rows && row + r < a.rows; ++r) {
+          for (int j = 0; j < panel_width && panel * panel_width + j < b.rows; ++j) {
+            const int e = r * panel_width + j;
+            const std::int64_t column = panel * panel_width + j;
+            if (!is_exact) {
+              out(row + r, column) = epilogue(tile32[e], context.alpha);
+              continue;
+            }
+            if (redo[e] != 0) {
+              // The fp64 sum was not exact for this entry: sum the scaled block dots exactly.
+              core_ns::long_accumulator exact_total;
+              for (std::int64_t index = 0; index < a.blocks; ++index) {
+                exact_total.add(scaled_block_dot(static_cast<double>(packed_block_dot(packed, row + r, column, index, a.block)),
+                                                 a_exponents[r * a.blocks + index], 1,
+                                                 b_exponents[index * panel_width + j], 1, context.plan.fraction_total));
+              }
+              tile32[e] = exact_total.round_to_float();
+              tile64[e] = exact_total.round_to_double();
+              ++total;
+            }
+            out(row + r, column) = tile32[e];
+            if (exact != nullptr) (*exact)(row + r, column) = tile64[e];
+          }
+        }
+      }
+    }
+  }
+  fallbacks += total;
+  return true;
+#else
+  (void)context;
+  (void)out;
+  (void)exact;
+  (void)fallbacks;
+  return false;
+#endif
 }
 
 // The general tile: block dots in T, scaled block dots as exact doubles, then the model.
@@ -754,6 +1193,10 @@ template <class T>
 std::int64_t fast_product(fast_context& context, matrix& out, matrix64* exact) {
   const canonical_operand& a = *context.a;
   const canonical_operand& b = *context.b;
+  if (context.vector_kernels && int16_kernel_applies(a, b, context.plan, context.model)) {
+    std::int64_t fallbacks = 0;
+    if (int16_kernel_product(context, out, exact, fallbacks)) return fallbacks;
+  }
   const std::vector<T> a_values = integer_values<T>(a);
   const std::vector<T> b_values = integer_values<T>(b);
   const std::int64_t n = b.rows;
@@ -861,8 +1304,9 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                                   core_ns::trunc_align_fraction_bits_max, model.fraction_bits));
   }
   const int block = common_block(a, b, what, a_name, b_name);
-  const canonical_operand left = make_canonical(a, block);
-  const canonical_operand right = make_canonical(b, block);
+  const bool keep_dequantized = model.kind == accumulation_kind::fp32_seq;
+  const canonical_operand left = make_canonical(a, block, keep_dequantized);
+  const canonical_operand right = make_canonical(b, block, keep_dequantized);
 
   product_result result;
   result.out = matrix(left.rows, right.rows);
@@ -874,12 +1318,19 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   const float alpha = left.tensor_scale * right.tensor_scale;
 
   if (model.kind == accumulation_kind::fp32_seq) {
-    sequential_fma_product(left, right, result.out);
+    sequential_fma_product(left, right, result.out, options.vector_kernels);
   } else {
     const auto plan = options.path == accumulation_path::automatic ? plan_fast_path(left, right, model) : std::nullopt;
     if (plan && left.rows > 0 && right.rows > 0) {
-      fast_context context{&left, &right, *plan, model, alpha, make_scale_product(left.tensor_scale, right.tensor_scale),
-                           {}, {}};
+      fast_context context{&left,
+                           &right,
+                           *plan,
+                           model,
+                           alpha,
+                           make_scale_product(left.tensor_scale, right.tensor_scale),
+                           {},
+                           {},
+                           options.vector_kernels};
       result.fallback_entries =
           plan->use_float ? fast_product<float>(context, result.out, exact) : fast_product<double>(context, result.out, exact);
     } else {

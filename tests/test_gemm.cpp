@@ -470,6 +470,7 @@ TEST(Fp32Seq, IsSequentialFusedMultiplyAdd) {
   for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop, gemm_kind::dgrad}) {
     const mxscope::strategy chosen = make_strategy("mxfp4", "mxfp4", "fp32-seq");
     const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+    const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context, {mxscope::accumulation_path::automatic, false});
     const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
     const test_operand a = view_of(pair.a, pair.a_axis, "mxfp4");
     const test_operand b = view_of(pair.b, pair.b_axis, "mxfp4");
@@ -485,6 +486,7 @@ TEST(Fp32Seq, IsSequentialFusedMultiplyAdd) {
       }
     }
     expect_same_bits(expected, result.out, fmt::format("fp32-seq {}", mxscope::gemm_kind_name(kind)));
+    expect_same_bits(expected, portable.out, fmt::format("fp32-seq {} (portable kernels)", mxscope::gemm_kind_name(kind)));
   }
 }
 
@@ -666,10 +668,13 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
         for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
           const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
           const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+          const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context,
+                                                  {mxscope::accumulation_path::automatic, false});
           const auto generic = mxscope::run_gemm(kind, layer.operands(), chosen, context, {mxscope::accumulation_path::generic});
           const std::string what = fmt::format("{} x {} {} {}{}", format_a, format_b, model, mxscope::gemm_kind_name(kind),
                                                extreme ? " extreme" : "");
           expect_same_bits(generic.out, fast.out, what);
+          expect_same_bits(generic.out, portable.out, what + " (portable kernels)");
           if (model == "exact") {
             for (std::int64_t i = 0; i < fast.exact.size(); ++i) {
               ASSERT_TRUE(oracle::same(generic.exact.values[i], fast.exact.values[i])) << what << " fp64 entry " << i;
@@ -679,10 +684,14 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
       }
     }
   }
-  // The extreme data must have sent some MXFP4 entries through the exact per-entry step.
+  // The extreme data must have sent some MXFP4 entries through the exact per-entry step, in both
+  // the SIMD and the portable kernel.
   const layer_tensors layer = random_layer(100, 40, 36, 120, true);
-  const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "fp32-block"), context);
-  EXPECT_GT(fast.fallback_entries, 0);
+  for (const bool vector_kernels : {true, false}) {
+    const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "fp32-block"),
+                                        context, {mxscope::accumulation_path::automatic, vector_kernels});
+    EXPECT_GT(fast.fallback_entries, 0) << "vector kernels " << vector_kernels;
+  }
 }
 
 TEST(FastPath, NanBlocksPropagate) {

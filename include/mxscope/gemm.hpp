@@ -112,6 +112,9 @@ enum class accumulation_path : std::uint8_t { automatic, generic };
 
 struct gemm_options {
   accumulation_path path = accumulation_path::automatic;
+  // Use the SIMD kernels this CPU offers (AVX2 on x86-64) where they apply; false keeps the
+  // portable kernels. The results are identical either way.
+  bool vector_kernels = true;
 };
 
 struct product_result {
