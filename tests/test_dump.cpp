@@ -501,6 +501,13 @@ TEST_F(HandBuiltDump, EntryFilesMustBeRelativeInsideAndPresent) {
   manifest_ = original;
   manifest_["entries"][2]["file"] = "b.layer";
   expect_rejected({manifest, "entries[2]", "'file'", "not a regular file"});
+  // A link inside the dump that leads to a file outside it.
+  python_runner::temporary_directory outside("dump-outside");
+  write_entry(outside.path() / "elsewhere.safetensors", entry_spec{});
+  fs::create_symlink(outside.path() / "elsewhere.safetensors", directory_.path() / "link.safetensors");
+  manifest_ = original;
+  manifest_["entries"][1]["file"] = "link.safetensors";
+  expect_rejected({manifest, "entries[1]", "'file'", "outside the dump directory"});
 }
 
 TEST_F(HandBuiltDump, DuplicateStepAndLayerIsRejected) {

@@ -486,6 +486,16 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
       fail_entry(manifest, index, "file",
                  fmt::format("'{}' does not exist or is not a regular file", printable_name(info.file.string())));
     }
+    // A symbolic link may not lead out of the dump either.
+    const fs::path resolved_directory = fs::weakly_canonical(directory, error);
+    const fs::path resolved_file = fs::weakly_canonical(info.file, error);
+    const auto mismatch = std::mismatch(resolved_directory.begin(), resolved_directory.end(), resolved_file.begin(),
+                                        resolved_file.end());
+    if (error || mismatch.first != resolved_directory.end()) {
+      fail_entry(manifest, index, "file",
+                 fmt::format("'{}' resolves to '{}', outside the dump directory", printable_name(info.relative_file),
+                             printable_name(resolved_file.string())));
+    }
     const auto [where, inserted] = seen.emplace(std::pair{info.layer, info.step}, index);
     if (!inserted) {
       fail_entry(manifest, index, "step",
