@@ -565,6 +565,20 @@ TEST(SafetensorsWriter, RejectsInconsistentTensors) {
   expect_input_error([&] { writer.add("__metadata__", dtype::u8, {0}, {}); }, {"reserved"}, "reserved name");
   writer.add("w", dtype::u8, {1}, {1});
   expect_input_error([&] { writer.add("w", dtype::u8, {1}, {1}); }, {"tensor 'w'", "twice"}, "duplicate");
+  expect_input_error([&] { writer.add("big", dtype::u8, {std::int64_t{1} << 62, 8}, {}); }, {"tensor 'big'", "overflows"},
+                     "2^62 x 8 elements");
+}
+
+// Whatever the reader accepts, the writer can write back: an empty tensor whose other extents would
+// overflow when multiplied is empty for both.
+TEST(SafetensorsWriter, EmptyTensorWithHugeExtentsRoundTrips) {
+  const std::vector<std::int64_t> shape = {std::int64_t{1} << 62, std::int64_t{1} << 62, 0};
+  safetensors_writer writer;
+  writer.add("empty", dtype::f32, shape, {});
+  const auto reader = safetensors_reader::from_bytes("empty.safetensors", writer.serialize());
+  ASSERT_NE(reader.find("empty"), nullptr);
+  EXPECT_EQ(reader.find("empty")->shape, shape);
+  EXPECT_EQ(reader.find("empty")->element_count, 0U);
 }
 
 // ---------------------------------------------------------------------------------------------

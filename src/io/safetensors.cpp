@@ -597,10 +597,15 @@ void safetensors_writer::add(std::string name, dtype type, std::vector<std::int6
   if (name.empty()) throw input_error("safetensors writer: tensor names must not be empty");
   if (name == "__metadata__") throw input_error(fmt::format("{}: the name is reserved for metadata", what));
   if (tensors_.count(name) != 0) throw input_error(fmt::format("{}: added twice", what));
-  std::uint64_t count = 1;
+  bool has_zero = false;
   for (const std::int64_t extent : shape) {
     if (extent < 0) throw input_error(fmt::format("{}: field 'shape': negative extent in {}", what, shape_text(shape)));
-    if (__builtin_mul_overflow(count, static_cast<std::uint64_t>(extent), &count)) {
+    has_zero = has_zero || extent == 0;
+  }
+  // The reader's rule: a zero extent makes the tensor empty whatever the other extents are.
+  std::uint64_t count = has_zero ? 0 : 1;
+  for (std::size_t i = 0; !has_zero && i < shape.size(); ++i) {
+    if (__builtin_mul_overflow(count, static_cast<std::uint64_t>(shape[i]), &count)) {
       throw input_error(fmt::format("{}: field 'shape': element count overflows", what));
     }
   }
