@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mxscope/errors.hpp"
@@ -281,6 +282,43 @@ TEST(SafetensorsReader, ChunkedReadsConcatenateToTheTensor) {
     const std::uint64_t per_chunk = std::max<std::uint64_t>(1, chunk_bytes / 4);
     EXPECT_EQ(calls, (1000 + per_chunk - 1) / per_chunk) << "chunk_bytes " << chunk_bytes;
   }
+}
+
+TEST(SafetensorsReader, FileThatShrinksAfterOpeningGivesAClearError) {
+  temporary_directory directory;
+  const fs::path path = directory.path() / "shrinking.safetensors";
+  const std::string header = R"({"v":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})";
+  write_raw(path, make_file(header, std::string(16, '\2')));
+  const safetensors_reader reader(path);
+  fs::resize_file(path, 8 + header.size() + 6);
+  expect_input_error([&] { (void)reader.read_tensor("v"); }, {path.string(), "short read"}, "file cut after opening");
+}
+
+TEST(SafetensorsReader, ConcurrentReadsThroughOneReaderAgree) {
+  temporary_directory directory;
+  std::string header = "{";
+  std::string data;
+  for (int t = 0; t < 8; ++t) {
+    if (t > 0) header += ",";
+    header += fmt::format(R"("t{}":{{"dtype":"U8","shape":[4096],"data_offsets":[{},{}]}})", t, data.size(), data.size() + 4096);
+    data += std::string(4096, static_cast<char>('a' + t));
+  }
+  header += "}";
+  write_raw(directory.path() / "many.safetensors", make_file(header, data));
+  const safetensors_reader reader(directory.path() / "many.safetensors");
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int worker = 0; worker < 4; ++worker) {
+    threads.emplace_back([&, worker] {
+      for (int round = 0; round < 50; ++round) {
+        const int t = (worker + round) % 8;
+        const auto bytes = reader.read_tensor(fmt::format("t{}", t));
+        if (bytes != std::vector<std::uint8_t>(4096, static_cast<std::uint8_t>('a' + t))) ++wrong;
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(wrong.load(), 0);
 }
 
 TEST(SafetensorsReader, StatisticsCountNonFiniteAndSkipThemInRanges) {

@@ -1,14 +1,19 @@
 #include "mxscope/io/safetensors.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <system_error>
 
 #include "mxscope/core/formats.hpp"
 #include "mxscope/errors.hpp"
@@ -148,6 +153,16 @@ std::string printable_name(std::string_view name, std::size_t max_shown) {
 // ------------------------------------------------------------------------------------------------
 // Reader.
 
+struct safetensors_reader::file_handle {
+  int descriptor = -1;
+  explicit file_handle(int opened) : descriptor(opened) {}
+  file_handle(const file_handle&) = delete;
+  file_handle& operator=(const file_handle&) = delete;
+  ~file_handle() {
+    if (descriptor >= 0) ::close(descriptor);
+  }
+};
+
 safetensors_reader::safetensors_reader(safetensors_reader&&) noexcept = default;
 safetensors_reader& safetensors_reader::operator=(safetensors_reader&&) noexcept = default;
 safetensors_reader::~safetensors_reader() = default;
@@ -165,12 +180,16 @@ safetensors_reader::safetensors_reader(const std::filesystem::path& path) {
   if (!std::filesystem::is_regular_file(status)) {
     throw input_error(fmt::format("{}: is not a regular file", label_));
   }
-  file_ = std::make_unique<std::ifstream>(path, std::ios::binary);
-  if (!*file_) throw input_error(fmt::format("{}: cannot open for reading", label_));
-  file_->seekg(0, std::ios::end);
-  const std::streamoff end = file_->tellg();
-  if (end < 0) throw input_error(fmt::format("{}: cannot determine the file size", label_));
-  file_size_ = static_cast<std::uint64_t>(end);
+  const int descriptor = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (descriptor < 0) {
+    throw input_error(fmt::format("{}: cannot open for reading: {}", label_, std::generic_category().message(errno)));
+  }
+  file_ = std::make_unique<file_handle>(descriptor);
+  struct stat file_status {};
+  if (::fstat(descriptor, &file_status) != 0 || file_status.st_size < 0) {
+    throw input_error(fmt::format("{}: cannot determine the file size", label_));
+  }
+  file_size_ = static_cast<std::uint64_t>(file_status.st_size);
 
   if (file_size_ < 8) {
     fail_file(label_, "header length", fmt::format("the file has {} bytes, fewer than the 8-byte header length", file_size_));
@@ -377,12 +396,21 @@ void safetensors_reader::read_at(std::uint64_t file_offset, std::uint64_t size, 
     std::memcpy(destination, memory_.data() + file_offset, static_cast<std::size_t>(size));
     return;
   }
-  file_->clear();
-  file_->seekg(static_cast<std::streamoff>(file_offset));
-  file_->read(reinterpret_cast<char*>(destination), static_cast<std::streamsize>(size));
-  if (static_cast<std::uint64_t>(file_->gcount()) != size) {
-    throw input_error(fmt::format("{}: short read: {} of {} bytes at offset {} (was the file truncated?)", label_,
-                                  file_->gcount(), size, file_offset));
+  std::uint64_t done = 0;
+  while (done < size) {
+    const std::uint64_t chunk = std::min<std::uint64_t>(size - done, std::uint64_t{1} << 30);
+    const ssize_t got = ::pread(file_->descriptor, destination + done, static_cast<std::size_t>(chunk),
+                                static_cast<off_t>(file_offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      throw input_error(fmt::format("{}: read of {} bytes at offset {} failed: {}", label_, size, file_offset,
+                                    std::generic_category().message(errno)));
+    }
+    if (got == 0) {
+      throw input_error(fmt::format("{}: short read: {} of {} bytes at offset {} (was the file truncated?)", label_,
+                                    done, size, file_offset));
+    }
+    done += static_cast<std::uint64_t>(got);
   }
 }
 

@@ -6,12 +6,12 @@
 //
 // The reader trusts nothing in the file: every field is checked before it is used (docs/cli.md,
 // "Input validation"), and every failure is an input_error whose message names the file, the tensor
-// and the field. Tensor bytes stay on disk until read_tensor / read_matrix asks for them.
+// and the field. Tensor bytes stay on disk until read_tensor / read_matrix asks for them; the read
+// functions may be called from several threads at once.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -118,8 +118,10 @@ class safetensors_reader {
   std::uint64_t data_size_ = 0;
   std::vector<tensor_info> tensors_;
   std::map<std::string, std::string> metadata_;
-  // Exactly one source: an open file or an in-memory image.
-  std::unique_ptr<std::ifstream> file_;
+  // Exactly one source: an open file or an in-memory image. Files are read with pread, which keeps
+  // no position, so concurrent reads through one reader are safe.
+  struct file_handle;
+  std::unique_ptr<file_handle> file_;
   std::string memory_;
 };
 
