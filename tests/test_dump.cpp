@@ -289,6 +289,43 @@ TEST_F(DumpFromCapture, CapturedDumpsAreValidAndTheirGradientsMatchTheirOperands
   }
 }
 
+// The shipped sample was captured on an H200 with PyTorch 2.x on CUDA: its stored Wgrad codes must be
+// exactly what the C++ quantizer makes of the stored operands (the fake quantizer is bit-identical on
+// the GPU too), and dw must be the fp32 product of the decoded operands.
+TEST(ShippedSample, GpuQuantizedOperandsReproduceBitForBitAndGiveTheGradient) {
+  const fs::path sample = fs::path(MXSCOPE_SOURCE_DIR) / "data/sample";
+  const dump_reader reader(sample);
+  ASSERT_GE(reader.entries().size(), 30U);
+  EXPECT_EQ(reader.layers(), (std::vector<std::string>{"layers.1.attn.o_proj", "layers.2.mlp.down_proj"}));
+  std::size_t operands = 0;
+  reader.for_each([&](const dump_entry& entry) {
+    const std::string what = fmt::format("{} step {}", entry.info.layer, entry.info.step);
+    EXPECT_TRUE(entry.all_finite()) << what << ": " << entry.nonfinite_summary();
+    ASSERT_EQ(entry.quantized.size(), 2U) << what;
+    for (const auto& operand : entry.quantized) {
+      SCOPED_TRACE(what + ": " + operand.recipe.describe());
+      matrix rotated = operand.recipe.tensor == "dy" ? entry.dy : entry.x;
+      mxscope::rotate(rotated, operand.recipe.axis, operand.recipe.rotation(), what);
+      const auto expected = mxscope::quantize(rotated, operand.recipe.quantize());
+      std::size_t differing_codes = 0, differing_scales = 0;
+      for (std::size_t i = 0; i < expected.codes.size(); ++i) differing_codes += expected.codes[i] != operand.tensor.codes[i];
+      for (std::size_t i = 0; i < expected.scales.size(); ++i) {
+        differing_scales += expected.scales[i] != operand.tensor.scales[i];
+      }
+      EXPECT_EQ(differing_codes, 0U) << "of " << expected.codes.size() << " code bytes";
+      EXPECT_EQ(differing_scales, 0U) << "of " << expected.scales.size() << " scales";
+      ++operands;
+    }
+    const auto& dy = entry.quantized[0].recipe.tensor == "dy" ? entry.quantized[0] : entry.quantized[1];
+    const auto& x = entry.quantized[0].recipe.tensor == "x" ? entry.quantized[0] : entry.quantized[1];
+    ASSERT_TRUE(entry.dw) << what;
+    const double frobenius = check_gradient(*entry.dw, dy.tensor.dequantized, x.tensor.dequantized,
+                                            (static_cast<double>(entry.info.tokens) + 4) * fp32_unit_roundoff, what);
+    EXPECT_LT(frobenius, 1e-5) << what;
+  });
+  EXPECT_EQ(operands, 2 * reader.entries().size());
+}
+
 // ------------------------------------------------------------------------------------------------
 // Dumps built by hand.
 
