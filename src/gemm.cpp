@@ -619,10 +619,7 @@ int bits_of(std::int64_t value) { return core_ns::bit_length(static_cast<core_ns
 
 std::optional<fast_plan> plan_fast_path(const canonical_operand& a, const canonical_operand& b,
                                         const accumulation_model& model) {
-  if (model.kind != accumulation_kind::exact && model.kind != accumulation_kind::fp32_block &&
-      model.kind != accumulation_kind::fp32_group) {
-    return std::nullopt;
-  }
+  if (model.kind == accumulation_kind::fp32_seq) return std::nullopt;
   if (!a.integer_elements || !b.integer_elements) return std::nullopt;
   fast_plan plan;
   plan.bound_bits = bits_of(a.block) + bits_of(a.integer_max) + bits_of(b.integer_max);
@@ -766,8 +763,11 @@ constexpr int max_kernel_group = 16;
 
 bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
                           const accumulation_model& model) {
+  const int trunc_align_terms_bits = bits_of(static_cast<std::int64_t>(a.block) * model.blocks_per_group + 1);
   const bool model_fits = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact ||
-                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group <= max_kernel_group);
+                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group <= max_kernel_group) ||
+                          (model.kind == accumulation_kind::trunc_align &&
+                           model.fraction_bits + 1 + trunc_align_terms_bits <= 62);
   return model_fits && plan.power_of_two_scales && a.block % 2 == 0 && a.integer_max <= 32767 &&
          b.integer_max <= 32767 && plan.bound_bits <= 24 && a.tensor_scale == 1.0f && b.tensor_scale == 1.0f;
 }
@@ -1003,6 +1003,150 @@ __attribute__((target("avx2"))) void grouped_micro_tile_avx2(
   }
 }
 
+// Truncates 8 int32 products toward zero by per-lane shifts (right, then left: one of them is 0)
+// and adds them to two int64 sums of 4 lanes each.
+__attribute__((target("avx2"), always_inline)) inline void add_truncated_products(
+    __m256i products, __m256i left_low, __m256i left_high, __m256i right_low, __m256i right_high, __m256i& sum_low,
+    __m256i& sum_high) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i magnitude = _mm256_abs_epi32(products);
+  const __m256i negative = _mm256_cmpgt_epi32(zero, products);
+  const __m256i low_sign = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(negative));
+  const __m256i high_sign = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(negative, 1));
+  __m256i low = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(magnitude));
+  __m256i high = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(magnitude, 1));
+  low = _mm256_sllv_epi64(_mm256_srlv_epi64(low, right_low), left_low);
+  high = _mm256_sllv_epi64(_mm256_srlv_epi64(high, right_high), left_high);
+  // (v xor s) - s negates v where s is all ones.
+  sum_low = _mm256_add_epi64(sum_low, _mm256_sub_epi64(_mm256_xor_si256(low, low_sign), low_sign));
+  sum_high = _mm256_add_epi64(sum_high, _mm256_sub_epi64(_mm256_xor_si256(high, high_sign), high_sign));
+}
+
+// trunc-align on a micro tile. Each product P * 2^k_b (P = IA * IB, the integer product of one
+// pair of elements, k_b = ea + eb - fa - fb) is formed exactly: vpmaddwd of (a, 0) or (0, a)
+// against the interleaved pairs of B gives a single product per int32 lane. Per group:
+// 1. the leading exponent E of each lane is the largest of floor(log2 |acc|) and, per block,
+//    floor(log2 max |P|) + k_b (one maximum per block replaces one logarithm per product);
+// 2. every term is truncated toward zero to a multiple of 2^(E - n): in units of 2^(E - n) that is
+//    |P| shifted right by E - n - k_b (or left by its negative) with the sign put back, done in
+//    int64 lanes with per-lane shifts (a right shift of 64 or more gives 0, as truncation does);
+//    every truncated term is below 2^(n + 1), so with n + 1 + bits(terms) <= 62 the int64 sum is exact;
+// 3. the exact sum times 2^(E - n) is rounded to fp32 by core::round_scaled_integer (rtz or rne).
+// This is core::trunc_align_sum term for term; lanes of a NaN block end as NaN, and a lane whose
+// accumulator is no longer finite keeps it.
+__attribute__((target("avx2"))) void trunc_align_micro_tile_avx2(
+    const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
+    const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int group, int fraction_bits,
+    bool toward_zero, float* out) {
+  constexpr int lanes = panel_width;
+  constexpr int none = -100000;  // the leading exponent of a lane without nonzero terms
+  float accumulators[micro_rows][lanes] = {};
+  bool nan_lanes[micro_rows][lanes] = {};
+  alignas(32) std::int32_t maxima[lanes];
+  alignas(32) std::int64_t sums[lanes];
+  std::vector<std::int32_t> leading_of_block(static_cast<std::size_t>(group) * micro_rows * lanes);
+  std::vector<std::int32_t> k_of_block(static_cast<std::size_t>(group) * micro_rows * lanes);
+  const int pairs = block / 2;
+  const __m256i zero = _mm256_setzero_si256();
+  for (std::int64_t group_begin = 0; group_begin < blocks; group_begin += group) {
+    const std::int64_t group_end = std::min<std::int64_t>(blocks, group_begin + group);
+    // Pass 1: per block and lane, floor(log2 max |P|) + k_b.
+    for (std::int64_t index = group_begin; index < group_end; ++index) {
+      const std::int16_t* a_block = a_rows + index * block;
+      const std::int16_t* b_block = b_panel + index * block * lanes;
+      for (int r = 0; r < micro_rows; ++r) {
+        __m256i largest = zero;
+        for (int pair = 0; pair < pairs; ++pair) {
+          const __m256i b_pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_block + pair * 2 * lanes));
+          const auto first = static_cast<std::uint16_t>(a_block[r * padded_depth + 2 * pair]);
+          const auto second = static_cast<std::uint16_t>(a_block[r * padded_depth + 2 * pair + 1]);
+          const __m256i even = _mm256_madd_epi16(_mm256_set1_epi32(static_cast<std::int32_t>(first)), b_pairs);
+          const __m256i odd = _mm256_madd_epi16(_mm256_set1_epi32(static_cast<std::int32_t>(std::uint32_t{second} << 16)), b_pairs);
+          largest = _mm256_max_epi32(largest, _mm256_max_epi32(_mm256_abs_epi32(even), _mm256_abs_epi32(odd)));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(maxima), largest);
+        const std::int32_t a_exponent = a_exponents[r * blocks + index];
+        for (int lane = 0; lane < lanes; ++lane) {
+          const auto at = static_cast<std::size_t>(((index - group_begin) * micro_rows + r) * lanes + lane);
+          const std::int32_t k = a_exponent + b_exponents[index * lanes + lane] - fraction_total;
+          k_of_block[at] = k;
+          if (k > 1000 || k < -1000) nan_lanes[r][lane] = true;  // a NaN block
+          leading_of_block[at] = maxima[lane] == 0 ? none : 31 - __builtin_clz(static_cast<std::uint32_t>(maxima[lane])) + k;
+        }
+      }
+    }
+    for (int r = 0; r < micro_rows; ++r) {
+      // The leading exponent and the unit of each lane, and the truncated accumulator.
+      std::int32_t units[lanes];
+      bool active[lanes];
+      for (int lane = 0; lane < lanes; ++lane) {
+        const float accumulator = accumulators[r][lane];
+        active[lane] = !nan_lanes[r][lane] && std::isfinite(accumulator);
+        int leading = accumulator != 0.0f ? core_ns::floor_log2(std::fabs(accumulator)) : none;
+        for (std::int64_t index = group_begin; index < group_end; ++index) {
+          leading = std::max(leading, leading_of_block[static_cast<std::size_t>(((index - group_begin) * micro_rows + r) * lanes + lane)]);
+        }
+        units[lane] = leading - fraction_bits;
+        if (leading == none) {
+          // Nothing nonzero in the group: the sum is exactly zero, +0.
+          if (active[lane]) accumulators[r][lane] = 0.0f;
+          active[lane] = false;
+        }
+        sums[lane] = 0;
+        if (active[lane] && accumulator != 0.0f) {
+          const auto parts = core_ns::decompose(static_cast<double>(accumulator));
+          const int shift = parts.exponent - units[lane];
+          const std::int64_t magnitude = shift >= 0 ? static_cast<std::int64_t>(parts.significand << shift)
+                                                    : (-shift >= 64 ? 0 : static_cast<std::int64_t>(parts.significand >> -shift));
+          sums[lane] = parts.negative ? -magnitude : magnitude;
+        }
+      }
+      __m256i sum_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums));
+      __m256i sum_high = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + 4));
+      const __m256i unit = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units));
+      // Pass 2: the truncated products, summed exactly.
+      for (std::int64_t index = group_begin; index < group_end; ++index) {
+        const std::int16_t* a_block = a_rows + index * block;
+        const std::int16_t* b_block = b_panel + index * block * lanes;
+        const __m256i k = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(k_of_block.data() + ((index - group_begin) * micro_rows + r) * lanes));
+        const __m256i shift = _mm256_sub_epi32(k, unit);  // left when positive, right when negative
+        const __m256i left = _mm256_max_epi32(shift, zero);
+        const __m256i right = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
+        const __m256i left_low = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(left));
+        const __m256i left_high = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(left, 1));
+        const __m256i right_low = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(right));
+        const __m256i right_high = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(right, 1));
+        for (int pair = 0; pair < pairs; ++pair) {
+          const __m256i b_pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_block + pair * 2 * lanes));
+          const auto first = static_cast<std::uint16_t>(a_block[r * padded_depth + 2 * pair]);
+          const auto second = static_cast<std::uint16_t>(a_block[r * padded_depth + 2 * pair + 1]);
+          add_truncated_products(_mm256_madd_epi16(_mm256_set1_epi32(static_cast<std::int32_t>(first)), b_pairs), left_low,
+                                 left_high, right_low, right_high, sum_low, sum_high);
+          add_truncated_products(
+              _mm256_madd_epi16(_mm256_set1_epi32(static_cast<std::int32_t>(std::uint32_t{second} << 16)), b_pairs),
+              left_low, left_high, right_low, right_high, sum_low, sum_high);
+        }
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum_low);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 4), sum_high);
+      for (int lane = 0; lane < lanes; ++lane) {
+        if (!active[lane]) continue;
+        const std::int64_t sum = sums[lane];
+        const bool negative = sum < 0;
+        const auto magnitude = static_cast<core_ns::uint128>(negative ? -static_cast<std::uint64_t>(sum) : static_cast<std::uint64_t>(sum));
+        accumulators[r][lane] =
+            static_cast<float>(core_ns::round_scaled_integer(magnitude, negative, units[lane], core_ns::binary32, toward_zero));
+      }
+    }
+  }
+  for (int r = 0; r < micro_rows; ++r) {
+    for (int lane = 0; lane < lanes; ++lane) {
+      out[r * lanes + lane] = nan_lanes[r][lane] ? std::numeric_limits<float>::quiet_NaN() : accumulators[r][lane];
+    }
+  }
+}
+
 bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2");
   return has;
@@ -1020,6 +1164,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
   const bool is_exact = model.kind == accumulation_kind::exact;
   const bool float_kernel = model.kind == accumulation_kind::fp32_block ||
                             (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
+  const bool trunc_align = model.kind == accumulation_kind::trunc_align;
   const int group = is_exact ? 0 : model.blocks_per_group;
   // A task: 64 rows of A (16 micro tiles, 512 KiB of int16 at K = 4096, kept in L2) against 8
   // panels of B; each panel is streamed once per micro tile.
@@ -1047,6 +1192,10 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
         if (float_kernel) {
           total += fp32_block_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks,
                                               a.block, context.plan.fraction_total, highest_k, tile32);
+        } else if (trunc_align) {
+          trunc_align_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks, a.block,
+                                      context.plan.fraction_total, model.blocks_per_group, model.fraction_bits,
+                                      model.rounding == alignment_rounding::rtz, tile32);
         } else {
           grouped_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks, a.block,
                                   context.plan.fraction_total, group, tile32, tile64, redo);
@@ -1193,10 +1342,6 @@ template <class T>
 std::int64_t fast_product(fast_context& context, matrix& out, matrix64* exact) {
   const canonical_operand& a = *context.a;
   const canonical_operand& b = *context.b;
-  if (context.vector_kernels && int16_kernel_applies(a, b, context.plan, context.model)) {
-    std::int64_t fallbacks = 0;
-    if (int16_kernel_product(context, out, exact, fallbacks)) return fallbacks;
-  }
   const std::vector<T> a_values = integer_values<T>(a);
   const std::vector<T> b_values = integer_values<T>(b);
   const std::int64_t n = b.rows;
@@ -1321,6 +1466,7 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     sequential_fma_product(left, right, result.out, options.vector_kernels);
   } else {
     const auto plan = options.path == accumulation_path::automatic ? plan_fast_path(left, right, model) : std::nullopt;
+    bool done = false;
     if (plan && left.rows > 0 && right.rows > 0) {
       fast_context context{&left,
                            &right,
@@ -1331,11 +1477,17 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                            {},
                            {},
                            options.vector_kernels};
-      result.fallback_entries =
-          plan->use_float ? fast_product<float>(context, result.out, exact) : fast_product<double>(context, result.out, exact);
-    } else {
-      generic_product(left, right, model, alpha, result.out, exact);
+      if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) {
+        done = int16_kernel_product(context, result.out, exact, result.fallback_entries);
+      }
+      // trunc-align has no portable fast path: its products are aligned one by one.
+      if (!done && model.kind != accumulation_kind::trunc_align) {
+        result.fallback_entries = plan->use_float ? fast_product<float>(context, result.out, exact)
+                                                  : fast_product<double>(context, result.out, exact);
+        done = true;
+      }
     }
+    if (!done) generic_product(left, right, model, alpha, result.out, exact);
   }
   if (output == output_rounding::bf16) {
     for (float& value : result.out.values) value = round_output(value, output);

@@ -417,6 +417,16 @@ TEST(Models, TruncAlignWithManyBitsIsFp32Group) {
   }
 }
 
+TEST(Models, TruncAlignKernelWithoutTruncationIsFp32Group) {
+  // n = 40 keeps every bit of these operands (their block exponents differ by far less than 40
+  // within a group and an accumulator), and it is small enough for the integer trunc-align kernel:
+  // two independent fast paths must agree.
+  for (const std::string_view format : {"mxfp4", "mxfp6_e2m3", "mxint8"}) {
+    check_models_equal(format, "trunc-align:40,1,rne", "fp32-block", gemm_kind::wgrad, 53);
+    check_models_equal(format, "trunc-align:40,4,rne", "fp32-group:4", gemm_kind::fprop, 54);
+  }
+}
+
 TEST(Models, Fp32GroupOfOneIsFp32Block) {
   for (const std::string_view format : {"mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "mxint8", "nvfp4", "fp8_e5m2", "fp32"}) {
     check_models_equal(format, "fp32-group:1", "fp32-block", gemm_kind::wgrad, 60);
@@ -662,9 +672,14 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
                               {"mxfp8_e4m3", "mxfp8_e4m3"}, {"mxfp8_e5m2", "mxfp4"},     {"nvfp4", "nvfp4"},
                               {"fp8_e4m3", "fp8_e4m3"},     {"fp8_e4m3", "mxfp4"}};
   for (const bool extreme : {false, true}) {
-    const layer_tensors layer = random_layer(100, 40, 36, extreme ? 120 : 121, extreme);
+    const layer_tensors layer = random_layer(100, 36, 28, extreme ? 120 : 121, extreme);
     for (const auto& [format_a, format_b] : pairings) {
-      for (const std::string_view model : {"fp32-block", "fp32-group:3", "exact"}) {
+      // trunc-align has a fast path only for operands whose integer values fit int16 (fp4, fp6, int8).
+      const bool small_integers = format_a.substr(0, 5) != "mxfp8" && format_a.substr(0, 3) != "fp8" &&
+                                  format_a != "nvfp4" && format_b.substr(0, 5) != "mxfp8" && format_b != "nvfp4";
+      for (const std::string_view model :
+           {"fp32-block", "fp32-group:3", "exact", "trunc-align:14,1", "trunc-align:9,3,rne", "trunc-align:30,2"}) {
+        if (model.starts_with("trunc-align") && !small_integers) continue;
         for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
           const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
           const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
