@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfenv>
 #include <cfloat>
 #include <cstdlib>
 #include <cstring>
@@ -66,6 +67,7 @@ struct element_params {
   std::uint32_t sign_bit;         // the sign bit of a code
   std::uint32_t max_significand;  // max normal / 2^emax with its leading one at bit 23 (scale rule ceil)
   double max_normal;
+  std::uint32_t max_normal_bits;  // fp32 bits of the max normal
   float magnitude_value[128];  // exact value of each magnitude code 0..max_code
 };
 
@@ -81,6 +83,7 @@ inline element_params make_params(core::element_kind kind) {
   params.max_code = static_cast<std::int32_t>(core::max_finite_code(kind));
   params.sign_bit = core::sign_bit(kind);
   params.max_normal = core::max_normal(kind);
+  params.max_normal_bits = core::float_bits(static_cast<float>(params.max_normal));
   params.max_significand = static_cast<std::uint32_t>(params.max_normal * core::pow2(23 - params.emax));
   for (std::int32_t code = 0; code <= params.max_code; ++code) {
     params.magnitude_value[code] = static_cast<float>(core::decode(kind, static_cast<std::uint32_t>(code)));
@@ -125,25 +128,28 @@ inline float power_of_two_float(int exponent) {
   return core::bits_float(1U << (exponent + 149));
 }
 
-// What every element of a block needs from its shared exponent e.
+// What every element of a block needs from its shared exponent e (-127 <= e <= 127).
 struct block_constants {
   int exponent;
   std::int32_t binade_offset;         // binade_bias + e
   std::int32_t saturation_threshold;  // bits of max normal * 2^e: a larger |v| saturates
   float scale_power;                  // 2^e
+  float inverse_scale;                // 2^-e (e = 127 cannot occur: it needs amax >= 2^(127 + emax))
 };
 
 inline block_constants make_block_constants(const element_params& params, int exponent) {
   block_constants constants{};
   constants.exponent = exponent;
   constants.binade_offset = binade_bias + exponent;
-  // max normal * 2^e has at most 4 significant bits and is >= 6 * 2^-127, so it is an exact fp32
-  // value unless it overflows; then no finite input saturates.
-  const double threshold = params.max_normal * core::pow2(exponent);
-  constants.saturation_threshold = threshold > static_cast<double>(FLT_MAX)
-                                       ? fp32_infinity_bits
-                                       : static_cast<std::int32_t>(core::float_bits(static_cast<float>(threshold)));
+  // max normal * 2^e has few significant bits and its exponent is at least emax - 127 >= -125, so
+  // it is the max normal's bits with e added to the exponent field, unless that overflows; then
+  // no finite input saturates.
+  constants.saturation_threshold =
+      127 + params.emax + exponent >= 255
+          ? fp32_infinity_bits
+          : static_cast<std::int32_t>(params.max_normal_bits + static_cast<std::uint32_t>(exponent * (1 << 23)));
   constants.scale_power = power_of_two_float(exponent);
+  constants.inverse_scale = power_of_two_float(std::min(-exponent, 127));
   return constants;
 }
 
@@ -252,6 +258,7 @@ struct thread_scratch {
   std::vector<std::int32_t> binade_offset;  // per column: binade_bias + e of its block
   std::vector<std::int32_t> threshold;      // per column: saturation threshold bits
   std::vector<float> scale_power;           // per column: 2^e
+  std::vector<float> inverse_scale;         // per column: 2^-e
   std::vector<std::int32_t> nan_block;      // per column: -1 when its block holds a NaN or Inf
   std::vector<std::int32_t> column_amax;    // axis 0: per column, amax bits of the block of rows
   std::vector<std::uint32_t> words;         // sr: the random words of one row
@@ -262,6 +269,7 @@ struct thread_scratch {
     binade_offset.resize(size);
     threshold.resize(size);
     scale_power.resize(size);
+    inverse_scale.resize(size);
     nan_block.resize(size);
     column_amax.resize(size);
     words.resize(size);
@@ -276,6 +284,7 @@ inline void set_lane_constants(thread_scratch& scratch, std::int64_t begin, std:
     scratch.binade_offset[at] = constants.binade_offset;
     scratch.threshold[at] = nan_block ? std::numeric_limits<std::int32_t>::max() : constants.saturation_threshold;
     scratch.scale_power[at] = constants.scale_power;
+    scratch.inverse_scale[at] = constants.inverse_scale;
     scratch.nan_block[at] = nan_block ? -1 : 0;
   }
 }
@@ -437,15 +446,16 @@ using float_tag = hn::Rebind<float, int_tag>;
 using int_vector = hn::Vec<int_tag>;
 using float_vector = hn::Vec<float_tag>;
 
-// The lanes' form of encode_element for rne, rna and rtz, and for sr with random words.
-// binade_offset = binade_bias + e and shift_offset = binade_offset - 127 - mantissa_bits per lane.
-// Returns the clamped magnitude codes.
-template <core::rounding_mode Mode>
-HWY_INLINE int_vector EncodeMagnitudes(int_tag di, int_vector magnitude, int_vector binade_offset,
-                                       int_vector shift_offset, const element_params& params, int sr_bits,
-                                       int_vector words) {
+// Stochastic rounding in lanes: the integer form of encode_element (sr branch), which needs the
+// exact dropped bits. binade_offset = binade_bias + e, shift_offset = binade_offset - 127 -
+// mantissa_bits. Returns the clamped magnitude codes.
+HWY_INLINE int_vector EncodeMagnitudesStochastic(int_tag di, int_vector magnitude, int_vector binade_offset,
+                                                 int_vector shift_offset, const element_params& params, int sr_bits,
+                                                 int_vector words) {
   const float_tag df;
+  const hn::RebindToUnsigned<int_tag> du;
   const int_vector one = hn::Set(di, 1);
+  const int_vector zero = hn::Zero(di);
   const int_vector biased = hn::Max(hn::ShiftRight<23>(magnitude), one);
   const int_vector significand = hn::Sub(magnitude, hn::ShiftLeft<23>(hn::Sub(biased, one)));
   // The leading bit of S from its exact conversion to float (S < 2^24; S = 0 gives 0).
@@ -453,35 +463,55 @@ HWY_INLINE int_vector EncodeMagnitudes(int_tag di, int_vector magnitude, int_vec
   const int_vector binade =
       hn::Max(hn::Sub(hn::Add(leading_biased, biased), binade_offset), hn::Set(di, params.min_exponent));
   const int_vector shift = hn::Sub(hn::Add(binade, shift_offset), biased);
+  const int_vector clamped = hn::Min(shift, hn::Set(di, 24));
+  int_vector steps = hn::operator>>(significand, clamped);
+  const int_vector dropped = hn::Sub(significand, hn::operator<<(steps, clamped));
+  // floor(F * 2^R) with F = dropped / 2^shift, then up iff it plus the draw reaches 2^R, i.e.
+  // top > (2^R - 1) - draw (compared unsigned, all in 32 bits).
+  const int_vector scale_up = hn::Sub(hn::Set(di, sr_bits), shift);
+  const int_vector top_shifted_up = hn::operator<<(dropped, hn::Max(scale_up, zero));
+  const int_vector top_shifted_down = hn::operator>>(dropped, hn::Min(hn::Sub(zero, scale_up), hn::Set(di, 31)));
+  const auto top = hn::BitCast(du, hn::IfThenElse(hn::Gt(scale_up, hn::Set(di, -1)), top_shifted_up, top_shifted_down));
+  const auto draw = hn::ShiftRightSame(hn::BitCast(du, words), 32 - sr_bits);
+  const std::uint32_t all_ones = sr_bits == 32 ? 0xffffffffU : (1U << sr_bits) - 1U;
+  const auto up = hn::Gt(top, hn::Sub(hn::Set(du, all_ones), draw));
+  steps = hn::Sub(steps, hn::VecFromMask(di, hn::RebindMask(di, up)));
+  const int_vector exponent_field =
+      hn::ShiftLeftSame(hn::Add(binade, hn::Set(di, params.bias - 1)), params.mantissa_bits);
+  return hn::Min(hn::Add(exponent_field, steps), hn::Set(di, params.max_code));
+}
+
+// rne, rna and rtz in lanes. |v| * 2^-e is an exact fp32 product: the block's scaled values stay
+// below 2^(emax + 1), and a product below the fp32 normal range (where it could round) is far
+// below half the element format's smallest subnormal, so it gives code 0 exactly as the exact
+// value would. Then units = |v / 2^e| / ulp is exact too (a power-of-two scaling below
+// 2^(mantissa_bits + 1)), and the conversion to an integer rounds it: cvtps2dq under
+// round-to-nearest-even (the driver sets that mode), truncation for rtz, and a comparison of the
+// exact fraction with 1/2 for rna.
+template <core::rounding_mode Mode>
+HWY_INLINE int_vector EncodeMagnitudes(int_tag di, int_vector magnitude, float_vector inverse_scale,
+                                       const element_params& params) {
+  const float_tag df;
+  const float_vector scaled = hn::Mul(hn::BitCast(df, magnitude), inverse_scale);
+  const int_vector binade_biased =
+      hn::Max(hn::ShiftRight<23>(hn::BitCast(di, scaled)), hn::Set(di, params.min_exponent + 127));
+  // 2^-(binade - mantissa_bits) as fp32: biased exponent 127 - (binade_biased - 127) + mantissa_bits.
+  const float_vector inverse_ulp =
+      hn::BitCast(df, hn::ShiftLeft<23>(hn::Sub(hn::Set(di, 254 + params.mantissa_bits), binade_biased)));
+  const float_vector units = hn::Mul(scaled, inverse_ulp);
   int_vector steps;
-  if constexpr (Mode == core::rounding_mode::sr) {
-    const hn::RebindToUnsigned<int_tag> du;
-    const int_vector clamped = hn::Min(shift, hn::Set(di, 24));
-    steps = hn::operator>>(significand, clamped);
-    const int_vector dropped = hn::Sub(significand, hn::operator<<(steps, clamped));
-    const int_vector scale_up = hn::Sub(hn::Set(di, sr_bits), shift);
-    const int_vector zero = hn::Zero(di);
-    const int_vector top_shifted_up = hn::operator<<(dropped, hn::Max(scale_up, zero));
-    const int_vector top_shifted_down = hn::operator>>(dropped, hn::Min(hn::Sub(zero, scale_up), hn::Set(di, 31)));
-    const auto top = hn::BitCast(du, hn::IfThenElse(hn::Gt(scale_up, hn::Set(di, -1)), top_shifted_up, top_shifted_down));
-    // Up iff top + draw >= 2^R, i.e. top > (2^R - 1) - draw (all in 32 bits).
-    const auto draw = hn::ShiftRightSame(hn::BitCast(du, words), 32 - sr_bits);
-    const std::uint32_t all_ones = sr_bits == 32 ? 0xffffffffU : (1U << sr_bits) - 1U;
-    const auto up = hn::Gt(top, hn::Sub(hn::Set(du, all_ones), draw));
-    steps = hn::Sub(steps, hn::VecFromMask(di, hn::RebindMask(di, up)));
+  if constexpr (Mode == core::rounding_mode::rne) {
+    steps = hn::NearestInt(units);
+  } else if constexpr (Mode == core::rounding_mode::rtz) {
+    steps = hn::ConvertTo(di, units);
   } else {
-    const int_vector clamped = hn::Min(shift, hn::Set(di, all_dropped_shift));
-    const int_vector half = hn::operator<<(one, hn::Sub(clamped, one));
-    if constexpr (Mode == core::rounding_mode::rne) {
-      const int_vector odd = hn::And(hn::operator>>(significand, clamped), one);
-      steps = hn::operator>>(hn::Add(hn::Add(significand, hn::Sub(half, one)), odd), clamped);
-    } else if constexpr (Mode == core::rounding_mode::rna) {
-      steps = hn::operator>>(hn::Add(significand, half), clamped);
-    } else {
-      steps = hn::operator>>(significand, clamped);
-    }
+    const int_vector truncated = hn::ConvertTo(di, units);
+    const float_vector fraction = hn::Sub(units, hn::ConvertTo(df, truncated));
+    steps = hn::Sub(truncated, hn::VecFromMask(di, hn::RebindMask(di, hn::Ge(fraction, hn::Set(df, 0.5f)))));
   }
-  const int_vector exponent_field = hn::ShiftLeftSame(hn::Add(binade, hn::Set(di, params.bias - 1)), params.mantissa_bits);
+  // code = ((binade + bias - 1) << mantissa_bits) + steps, binade = binade_biased - 127.
+  const int_vector exponent_field = hn::Sub(hn::ShiftLeftSame(binade_biased, params.mantissa_bits),
+                                            hn::Set(di, (128 - params.bias) << params.mantissa_bits));
   return hn::Min(hn::Add(exponent_field, steps), hn::Set(di, params.max_code));
 }
 
@@ -515,43 +545,52 @@ HWY_INLINE void StoreCodes(int_tag di, int_vector codes_low, int_vector codes_hi
   }
 }
 
-struct lane_counters {
-  int_vector flushed;
-  int_vector saturated;
-  int_vector nonzero;
-};
-
 HWY_INLINE std::int64_t SumLanes(int_tag di, int_vector counter) {
   return static_cast<std::int64_t>(hn::GetLane(hn::SumOfLanes(di, counter)));
 }
 
-// Encodes (and dequantizes) one vector of elements; updates the counters; returns the signed codes.
+// The constants of one vector's lanes.
+struct lane_constants {
+  int_vector binade_offset;  // sr only
+  int_vector threshold;
+  float_vector scale_power;
+  float_vector inverse_scale;
+};
+
+// Encodes (and dequantizes) one vector of elements, counts the saturated ones, and returns the
+// magnitude codes in `magnitude_code` and the signed codes.
 template <core::rounding_mode Mode, bool Dequantize>
-HWY_INLINE int_vector EncodeVector(int_tag di, const float* source, const std::uint32_t* words, int_vector binade_offset,
-                                   int_vector shift_offset, int_vector threshold, float_vector scale_power,
-                                   const element_params& params, int sr_bits, float* dequantized,
-                                   lane_counters& counters) {
+HWY_INLINE int_vector EncodeVector(int_tag di, const float* source, const std::uint32_t* words,
+                                   const lane_constants& constants, const element_params& params, int sr_bits,
+                                   float* dequantized, int_vector& magnitude, int_vector& magnitude_code,
+                                   std::int64_t& saturated) {
   const int_vector bits = hn::BitCast(di, hn::LoadU(float_tag(), source));
-  const int_vector magnitude = hn::And(bits, hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask)));
-  const int_vector random_words = Mode == core::rounding_mode::sr
-                                      ? hn::LoadU(di, reinterpret_cast<const std::int32_t*>(words))
-                                      : hn::Zero(di);
-  const int_vector code =
-      EncodeMagnitudes<Mode>(di, magnitude, binade_offset, shift_offset, params, sr_bits, random_words);
-  const int_vector zero = hn::Zero(di);
-  counters.saturated = hn::Sub(counters.saturated, hn::VecFromMask(di, hn::Gt(magnitude, threshold)));
-  counters.flushed =
-      hn::Sub(counters.flushed, hn::VecFromMask(di, hn::AndNot(hn::Eq(magnitude, zero), hn::Eq(code, zero))));
-  if constexpr (Dequantize) {
-    hn::StoreU(DequantizeMagnitudes(di, code, bits, scale_power, params), float_tag(), dequantized);
+  magnitude = hn::And(bits, hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask)));
+  if constexpr (Mode == core::rounding_mode::sr) {
+    const int_vector random_words = hn::LoadU(di, reinterpret_cast<const std::int32_t*>(words));
+    magnitude_code = EncodeMagnitudesStochastic(
+        di, magnitude, constants.binade_offset,
+        hn::Sub(constants.binade_offset, hn::Set(di, 127 + params.mantissa_bits)), params, sr_bits, random_words);
+  } else {
+    (void)words;
+    (void)sr_bits;
+    magnitude_code = EncodeMagnitudes<Mode>(di, magnitude, constants.inverse_scale, params);
   }
+  saturated += static_cast<std::int64_t>(hn::CountTrue(di, hn::Gt(magnitude, constants.threshold)));
+  if constexpr (Dequantize) {
+    hn::StoreU(DequantizeMagnitudes(di, magnitude_code, bits, constants.scale_power, params), float_tag(),
+               dequantized);
+  }
+  // The sign bit of v moved to the code's sign position.
   const hn::RebindToUnsigned<int_tag> du;
-  const int_vector sign =
-      hn::ShiftLeftSame(hn::BitCast(di, hn::ShiftRight<31>(hn::BitCast(du, bits))), params.bits - 1);
-  return hn::Or(code, sign);
+  const int_vector sign = hn::BitCast(di, hn::ShiftRightSame(hn::BitCast(du, bits), 32 - params.bits));
+  return hn::OrAnd(magnitude_code, sign, hn::Set(di, static_cast<std::int32_t>(params.sign_bit)));
 }
 
 // Axis 1 when the block is a multiple of 2 * Lanes (e.g. 32): one shared exponent per vector.
+// Three passes over the row keep the per-block scalar work out of the vector loops' dependency
+// chains: block amax (the row is then in L1), block constants, encode. Flushed elements are
+// counted as zero codes minus zero inputs (a zero input always gives a zero code).
 template <core::rounding_mode Mode, bool Dequantize>
 void QuantizeRowUniformBlocks(const kernel_arguments& args, const float* row, std::int64_t row_index,
                               thread_scratch& scratch, quantize_counts& counts) {
@@ -560,62 +599,88 @@ void QuantizeRowUniformBlocks(const kernel_arguments& args, const float* row, st
   const auto& params = *args.params;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(di));
   const int block = args.block;
-  const std::int64_t full_columns = args.cols - args.cols % block;
+  const std::int64_t full_blocks = args.cols / block;
+  const std::int64_t full_columns = full_blocks * block;
   std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
   std::uint8_t* scale_row = args.destination.scales + row_index * args.scale_cols;
   float* dequantized_row = Dequantize ? args.destination.dequantized + row_index * args.cols : nullptr;
   const std::int64_t code_bytes_per_block = params.bits == 4 ? block / 2 : block;
   const int_vector magnitude_mask = hn::Set(di, static_cast<std::int32_t>(fp32_magnitude_mask));
   const int_vector zero = hn::Zero(di);
-  lane_counters counters{zero, zero, zero};
+  std::int32_t* block_amax = scratch.column_amax.data();
 
-  for (std::int64_t begin = 0; begin < full_columns; begin += block) {
-    const float* source = row + begin;
+  // Pass 1: amax bits of each block, and the zero inputs.
+  std::int64_t zero_inputs = 0;
+  for (std::int64_t b = 0; b < full_blocks; ++b) {
+    const float* source = row + b * block;
     int_vector amax = zero;
     for (std::int64_t i = 0; i < block; i += lanes) {
       const int_vector magnitude = hn::And(hn::BitCast(di, hn::LoadU(df, source + i)), magnitude_mask);
       amax = hn::Max(amax, magnitude);
-      counters.nonzero = hn::Sub(counters.nonzero, hn::VecFromMask(di, hn::Ne(magnitude, zero)));
+      zero_inputs += static_cast<std::int64_t>(hn::CountTrue(di, hn::Eq(magnitude, zero)));
     }
-    const auto amax_bits = static_cast<std::uint32_t>(hn::GetLane(hn::MaxOfLanes(di, amax)));
+    block_amax[b] = hn::GetLane(hn::MaxOfLanes(di, amax));
+  }
+
+  // Pass 2: scales and constants per block.
+  for (std::int64_t b = 0; b < full_blocks; ++b) {
+    const auto amax_bits = static_cast<std::uint32_t>(block_amax[b]);
+    const bool nan_block = amax_bits >= static_cast<std::uint32_t>(fp32_infinity_bits);
+    const int exponent = nan_block ? 0 : shared_exponent_from_bits(params, args.rule, amax_bits);
+    scale_row[b] = nan_block ? core::scale_nan_code : core::scale_code(exponent);
+    const block_constants constants = make_block_constants(params, exponent);
+    const auto at = static_cast<std::size_t>(b);
+    scratch.binade_offset[at] = constants.binade_offset;
+    scratch.threshold[at] = constants.saturation_threshold;
+    scratch.scale_power[at] = constants.scale_power;
+    scratch.inverse_scale[at] = constants.inverse_scale;
+    scratch.nan_block[at] = nan_block ? -1 : 0;
+  }
+
+  // Pass 3: encode.
+  std::int64_t zero_codes = 0;  // over blocks without NaN or Inf
+  std::int64_t zero_inputs_of_nan_blocks = 0;
+  std::int64_t saturated = 0;
+  for (std::int64_t b = 0; b < full_blocks; ++b) {
+    const std::int64_t begin = b * block;
+    const float* source = row + begin;
     std::uint8_t* codes = code_row + (params.bits == 4 ? begin / 2 : begin);
-    if (amax_bits >= static_cast<std::uint32_t>(fp32_infinity_bits)) {
+    const auto at = static_cast<std::size_t>(b);
+    if (scratch.nan_block[at] != 0) {
       for (std::int64_t i = 0; i < block; ++i) {
-        counts.nonfinite_inputs += (core::float_bits(source[i]) & fp32_magnitude_mask) >=
-                                   static_cast<std::uint32_t>(fp32_infinity_bits);
+        const std::uint32_t magnitude = core::float_bits(source[i]) & fp32_magnitude_mask;
+        counts.nonfinite_inputs += magnitude >= static_cast<std::uint32_t>(fp32_infinity_bits);
+        zero_inputs_of_nan_blocks += magnitude == 0;
       }
-      scale_row[begin / block] = core::scale_nan_code;
       std::memset(codes, 0, static_cast<std::size_t>(code_bytes_per_block));
-      if constexpr (Dequantize) std::fill(dequantized_row + begin, dequantized_row + begin + block,
-                                          core::bits_float(fp32_quiet_nan_bits));
+      if constexpr (Dequantize) {
+        std::fill(dequantized_row + begin, dequantized_row + begin + block, core::bits_float(fp32_quiet_nan_bits));
+      }
       continue;
     }
-    const int exponent = shared_exponent_from_bits(params, args.rule, amax_bits);
-    scale_row[begin / block] = core::scale_code(exponent);
-    const block_constants constants = make_block_constants(params, exponent);
-    const int_vector binade_offset = hn::Set(di, constants.binade_offset);
-    const int_vector shift_offset = hn::Set(di, constants.binade_offset - 127 - params.mantissa_bits);
-    const int_vector threshold = hn::Set(di, constants.saturation_threshold);
-    const float_vector scale_power = hn::Set(df, constants.scale_power);
+    const lane_constants constants{hn::Set(di, scratch.binade_offset[at]), hn::Set(di, scratch.threshold[at]),
+                                   hn::Set(df, scratch.scale_power[at]), hn::Set(df, scratch.inverse_scale[at])};
     const std::uint32_t* words = scratch.words.data() + begin;
     for (std::int64_t i = 0; i < block; i += 2 * lanes) {
       float* dequantized = Dequantize ? dequantized_row + begin + i : nullptr;
-      const int_vector low = EncodeVector<Mode, Dequantize>(di, source + i, words + i, binade_offset, shift_offset,
-                                                            threshold, scale_power, params, args.sr_bits,
-                                                            dequantized, counters);
-      const int_vector high = EncodeVector<Mode, Dequantize>(
-          di, source + i + lanes, words + i + lanes, binade_offset, shift_offset, threshold, scale_power, params,
-          args.sr_bits, Dequantize ? dequantized + lanes : nullptr, counters);
+      int_vector magnitude, magnitude_code;
+      const int_vector low = EncodeVector<Mode, Dequantize>(di, source + i, words + i, constants, params, args.sr_bits,
+                                                            dequantized, magnitude, magnitude_code, saturated);
+      zero_codes += static_cast<std::int64_t>(hn::CountTrue(di, hn::Eq(magnitude_code, zero)));
+      const int_vector high =
+          EncodeVector<Mode, Dequantize>(di, source + i + lanes, words + i + lanes, constants, params, args.sr_bits,
+                                         Dequantize ? dequantized + lanes : nullptr, magnitude, magnitude_code,
+                                         saturated);
+      zero_codes += static_cast<std::int64_t>(hn::CountTrue(di, hn::Eq(magnitude_code, zero)));
       StoreCodes(di, low, high, params.bits, codes + (params.bits == 4 ? i / 2 : i));
     }
   }
-  counts.flushed += SumLanes(di, counters.flushed);
-  counts.saturated += SumLanes(di, counters.saturated);
-  counts.nonzero_inputs += SumLanes(di, counters.nonzero);
+  counts.nonzero_inputs += full_columns - zero_inputs;
+  counts.flushed += zero_codes - (zero_inputs - zero_inputs_of_nan_blocks);
+  counts.saturated += saturated;
 
   if (full_columns < args.cols) {
     // The short last block, with the scalar kernel.
-    const std::int64_t b = full_columns / block;
     std::uint32_t amax = 0;
     for (std::int64_t c = full_columns; c < args.cols; ++c) {
       const std::uint32_t magnitude = core::float_bits(row[c]) & fp32_magnitude_mask;
@@ -625,7 +690,7 @@ void QuantizeRowUniformBlocks(const kernel_arguments& args, const float* row, st
     }
     const bool nan_block = amax >= static_cast<std::uint32_t>(fp32_infinity_bits);
     const int exponent = nan_block ? 0 : shared_exponent_from_bits(params, args.rule, amax);
-    scale_row[b] = nan_block ? core::scale_nan_code : core::scale_code(exponent);
+    scale_row[full_blocks] = nan_block ? core::scale_nan_code : core::scale_code(exponent);
     set_lane_constants(scratch, full_columns, args.cols, make_block_constants(params, exponent), nan_block);
     encode_row_scalar(args, row, row_index, full_columns, args.cols, scratch, counts);
   }
@@ -643,26 +708,27 @@ void EncodeRowWithColumnConstants(const kernel_arguments& args, const float* row
   std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
   float* dequantized_row = Dequantize ? args.destination.dequantized + row_index * args.cols : nullptr;
   const int_vector zero = hn::Zero(di);
-  const int_vector shift_bias = hn::Set(di, 127 + params.mantissa_bits);
   const float_vector quiet_nan = hn::Set(df, core::bits_float(fp32_quiet_nan_bits));
-  lane_counters counters{zero, zero, zero};
+  int_vector flushed = zero;
+  std::int64_t saturated = 0;
   for (std::int64_t c = 0; c < vector_columns; c += 2 * lanes) {
     int_vector codes[2];
     for (int half = 0; half < 2; ++half) {
       const std::int64_t at = c + half * lanes;
-      const int_vector binade_offset = hn::LoadU(di, scratch.binade_offset.data() + at);
-      const int_vector nan_lanes = hn::LoadU(di, scratch.nan_block.data() + at);
-      lane_counters lane_counts{zero, zero, zero};
+      const lane_constants constants{
+          hn::LoadU(di, scratch.binade_offset.data() + at), hn::LoadU(di, scratch.threshold.data() + at),
+          hn::LoadU(df, scratch.scale_power.data() + at), hn::LoadU(df, scratch.inverse_scale.data() + at)};
       float* dequantized = Dequantize ? dequantized_row + at : nullptr;
-      const int_vector code = EncodeVector<Mode, Dequantize>(
-          di, row + at, scratch.words.data() + at, binade_offset, hn::Sub(binade_offset, shift_bias),
-          hn::LoadU(di, scratch.threshold.data() + at), hn::LoadU(df, scratch.scale_power.data() + at), params,
-          args.sr_bits, dequantized, lane_counts);
-      // Elements of NaN blocks: code 0, dequantized NaN, and no flushed or saturated counts.
-      const auto nan_mask = hn::MaskFromVec(nan_lanes);
+      int_vector magnitude, magnitude_code;
+      const int_vector code = EncodeVector<Mode, Dequantize>(di, row + at, scratch.words.data() + at, constants,
+                                                             params, args.sr_bits, dequantized, magnitude,
+                                                             magnitude_code, saturated);
+      // Elements of NaN blocks: code 0, dequantized NaN, not flushed (their thresholds are
+      // INT32_MAX, so they were not counted as saturated either).
+      const auto nan_mask = hn::MaskFromVec(hn::LoadU(di, scratch.nan_block.data() + at));
       codes[half] = hn::IfThenZeroElse(nan_mask, code);
-      counters.flushed = hn::Add(counters.flushed, hn::IfThenZeroElse(nan_mask, lane_counts.flushed));
-      counters.saturated = hn::Add(counters.saturated, lane_counts.saturated);
+      const auto flushed_mask = hn::AndNot(hn::Eq(magnitude, zero), hn::Eq(magnitude_code, zero));
+      flushed = hn::Sub(flushed, hn::VecFromMask(di, hn::AndNot(nan_mask, flushed_mask)));
       if constexpr (Dequantize) {
         hn::StoreU(hn::IfThenElse(hn::RebindMask(df, nan_mask), quiet_nan, hn::LoadU(df, dequantized)), df,
                    dequantized);
@@ -670,8 +736,8 @@ void EncodeRowWithColumnConstants(const kernel_arguments& args, const float* row
     }
     StoreCodes(di, codes[0], codes[1], params.bits, code_row + (params.bits == 4 ? c / 2 : c));
   }
-  counts.flushed += SumLanes(di, counters.flushed);
-  counts.saturated += SumLanes(di, counters.saturated);
+  counts.flushed += SumLanes(di, flushed);
+  counts.saturated += saturated;
   encode_row_scalar(args, row, row_index, vector_columns, args.cols, scratch, counts);
 }
 
@@ -717,17 +783,28 @@ void RotateRow(const kernel_arguments& args, std::int64_t row_index, thread_scra
   float* rotated = scratch.rotated_row.data();
   const float_vector scale = hn::Set(df, args.rotation_scale);
   const std::int64_t in_register = std::min<std::int64_t>(size, lanes);
+  // Stages with pair distance h < Lanes work inside a vector: the partner lane is lane ^ h, and
+  // (a, c) -> (a + c, a - c) becomes partner + v * (+1 or -1). v * (+-1) is exact, so the fused
+  // multiply-add rounds exactly what fl32(a + c) and fl32(a - c) round.
   const int_vector lane_index = hn::Iota(di, 0);
+  const auto partner_indices = [&](std::int64_t half) {
+    return hn::IndicesFromVec(df, hn::Xor(lane_index, hn::Set(di, static_cast<std::int32_t>(half < lanes ? half : 0))));
+  };
+  const auto pair_signs = [&](std::int64_t half) {
+    const auto second_of_pair = hn::RebindMask(
+        df, hn::Ne(hn::And(lane_index, hn::Set(di, static_cast<std::int32_t>(half))), hn::Zero(di)));
+    return hn::IfThenElse(second_of_pair, hn::Set(df, -1.0f), hn::Set(df, 1.0f));
+  };
+  const auto indices_1 = partner_indices(1), indices_2 = partner_indices(2), indices_4 = partner_indices(4),
+             indices_8 = partner_indices(8);
+  const float_vector signs_1 = pair_signs(1), signs_2 = pair_signs(2), signs_4 = pair_signs(4), signs_8 = pair_signs(8);
   for (std::int64_t c = 0; c < args.cols; c += lanes) {
     float_vector v = hn::LoadU(df, source + c);
     if (args.rotation_signs != nullptr) v = hn::Mul(v, hn::LoadU(df, args.rotation_signs + c));
-    for (std::int64_t half = 1; half < in_register; half *= 2) {
-      const int_vector half_vector = hn::Set(di, static_cast<std::int32_t>(half));
-      const float_vector partner = hn::TableLookupLanes(v, hn::IndicesFromVec(df, hn::Xor(lane_index, half_vector)));
-      const auto first_of_pair = hn::RebindMask(df, hn::Eq(hn::And(lane_index, half_vector), hn::Zero(di)));
-      // First of a pair (a, c): a + c; second: a - c, where the partner holds a.
-      v = hn::IfThenElse(first_of_pair, hn::Add(v, partner), hn::Sub(partner, v));
-    }
+    if (in_register > 1) v = hn::MulAdd(v, signs_1, hn::TableLookupLanes(v, indices_1));
+    if (in_register > 2) v = hn::MulAdd(v, signs_2, hn::TableLookupLanes(v, indices_2));
+    if (in_register > 4) v = hn::MulAdd(v, signs_4, hn::TableLookupLanes(v, indices_4));
+    if (in_register > 8) v = hn::MulAdd(v, signs_8, hn::TableLookupLanes(v, indices_8));
     if (size <= lanes) v = hn::Mul(v, scale);
     hn::StoreU(v, df, rotated + c);
   }
@@ -860,11 +937,16 @@ quantize_counts run(const kernel_arguments& args) {
   std::int64_t nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
 #pragma omp parallel reduction(+ : nonzero, flushed, saturated, nonfinite)
   {
+    // The vector kernels round with the fp32 to int32 conversion, which follows the thread's
+    // rounding mode: make it round-to-nearest-even for the duration, whatever the caller set.
+    const int caller_rounding = std::fegetround();
+    if (caller_rounding != FE_TONEAREST) std::fesetround(FE_TONEAREST);
     thread_scratch scratch;
     scratch.prepare(args.cols);
     quantize_counts local;
 #pragma omp for schedule(static)
     for (std::int64_t line = 0; line < lines; ++line) quantize_lines(args, line, line + 1, scratch, local);
+    if (caller_rounding != FE_TONEAREST) std::fesetround(caller_rounding);
     nonzero += local.nonzero_inputs;
     flushed += local.flushed;
     saturated += local.saturated;

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cfenv>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -480,7 +481,7 @@ TEST(FastQuantizeMatchesCanonical, QuantizeDispatchesToTheFastPathWithTheSameBit
 TEST(FastQuantizeMatchesCanonical, FusedRotationEqualsRotateThenQuantize) {
   for_each_target([&] {
     std::uint32_t seed = 3000;
-    for (const int size : {16, 2, 32, 64}) {
+    for (const int size : {16, 2, 4, 8, 32, 64}) {
       for (const auto signs : {mxscope::sign_policy::none, mxscope::sign_policy::per_step}) {
         for (const element_kind element : {element_kind::fp4_e2m1, element_kind::fp8_e5m2}) {
           for (const rounding_mode mode : {rounding_mode::rne, rounding_mode::sr}) {
@@ -512,6 +513,28 @@ TEST(FastQuantizeMatchesCanonical, FusedRotationEqualsRotateThenQuantize) {
       }
     }
   });
+}
+
+// The vector kernels round through the fp32 to int32 conversion, which follows the FPU rounding
+// mode; the fast path sets round-to-nearest-even for itself, so the caller's mode must not matter.
+// (The data stays clear of fp32 overflow, where the canonical path's own double to float
+// conversion depends on the mode.)
+TEST(FastQuantizeMatchesCanonical, CallersFpuRoundingModeDoesNotMatter) {
+  std::uint32_t seed = 7000;
+  for (const int mode : {FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO}) {
+    ASSERT_EQ(std::fesetround(mode), 0);
+    for (const element_kind element : {element_kind::fp4_e2m1, element_kind::fp8_e4m3}) {
+      for (const rounding_mode rounding : {rounding_mode::rne, rounding_mode::rna, rounding_mode::rtz}) {
+        const matrix input = tie_tensor(element, 8, 128, 32, seed);
+        check(input, mx_options(element, 32, 1, rounding, scale_rule::floor),
+              fmt::format("ties seed {} under FPU rounding mode {}", seed, mode));
+        ++seed;
+      }
+    }
+    EXPECT_EQ(std::fegetround(), mode) << "the caller's rounding mode is restored";
+    std::fesetround(FE_TONEAREST);
+    if (::testing::Test::HasFailure()) return;
+  }
 }
 
 TEST(FastQuantizeOptions, UncoveredAndInvalidOptionsAreRejected) {
