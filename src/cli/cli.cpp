@@ -20,6 +20,7 @@ using registration = void (*)(CLI::App&, command_list&);
 constexpr registration registrations[] = {
     add_inspect_command,
     add_quantize_command,
+    add_gemm_command,
 };
 
 int execute(const command& chosen, std::ostream& out, std::ostream& err) {

@@ -1,0 +1,351 @@
+// mxscope gemm: one emulated GEMM of a linear layer (fprop, dgrad or wgrad) from the operands in a
+// safetensors file, compared with a reference GEMM of the unquantized operands. Writes "out" (the
+// emulated result, fp32) and "ref" (the reference, fp64) with the full recipe in the metadata, and
+// prints the comparison as a table or as JSON.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+
+#include "commands.hpp"
+#include "mxscope/compare.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/gemm.hpp"
+#include "mxscope/io/safetensors.hpp"
+#include "mxscope/reference.hpp"
+
+namespace mxscope::cli {
+
+namespace {
+
+struct gemm_command_options {
+  std::string input;
+  std::string output;
+  std::string gemm;
+  std::string accumulation;
+  std::string reference = "exact";
+  std::string output_rounding = "fp32";
+  std::string format_a;
+  std::string format_b;
+  std::int64_t certify = 0;
+  bool json = false;
+  strategy_flags strategy;
+};
+
+// The formats a GEMM operand accepts: the quantization formats of the CLI contract plus fp32
+// (the operand as captured, no quantization).
+bool known_gemm_format(std::string_view name) {
+  return name == "fp32" || (parse_format(name).has_value());
+}
+
+// Resolves the shared strategy flags for one operand whose format is `format` (named by `flag`).
+cli::strategy resolve_operand(const strategy_flags& flags, const std::string& format, std::string_view flag) {
+  if (!known_gemm_format(format)) {
+    throw input_error(fmt::format(
+        "{}: unknown format '{}' (expected one of: mxfp4 mxfp6_e2m3 mxfp6_e3m2 mxfp8_e4m3 mxfp8_e5m2 mxint8 nvfp4 "
+        "fp8_e4m3 fp8_e5m2 bf16 fp32)",
+        flag, format));
+  }
+  strategy_flags operand_flags = flags;
+  // fp32 is no quantization: the remaining flags are checked as for bf16 (which ignores --block).
+  operand_flags.format = format == "fp32" ? "bf16" : format;
+  cli::strategy resolved = resolve_strategy(operand_flags);
+  if (format == "fp32") resolved.quantize.format = *parse_format("fp32");
+  return resolved;
+}
+
+// The quantization block of an operand (0 for formats without blocks).
+int block_of(const quantize_options& options) {
+  const quant_scheme scheme = options.format.scheme;
+  if (scheme != quant_scheme::mx && scheme != quant_scheme::nvfp4) return 0;
+  return options.block != 0 ? options.block : options.format.default_block;
+}
+
+std::vector<std::uint8_t> bytes_of(const matrix64& values) {
+  std::vector<std::uint8_t> bytes(values.values.size() * sizeof(double));
+  std::memcpy(bytes.data(), values.values.data(), bytes.size());
+  return bytes;
+}
+
+// The unquantized operands in the orientation of the emulated product: A [M, K], B [N, K].
+struct canonical_pair {
+  matrix a;
+  matrix b;
+};
+
+canonical_pair canonical_operands(gemm_kind kind, const matrix& a_captured, const matrix& b_captured) {
+  const gemm_layout layout = layout_of(kind);
+  return {layout.a_axis == 1 ? a_captured : transposed(a_captured),
+          layout.b_axis == 1 ? b_captured : transposed(b_captured)};
+}
+
+// JSON has no inf or NaN: those become null.
+nlohmann::ordered_json number(double value) {
+  if (!std::isfinite(value)) return nullptr;
+  return value;
+}
+
+double fraction(std::int64_t part, std::int64_t whole) {
+  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
+double snr_db(const operand_summary& summary) {
+  if (summary.error_energy == 0.0) return std::numeric_limits<double>::infinity();
+  return 10.0 * std::log10(summary.signal_energy / summary.error_energy);
+}
+
+nlohmann::ordered_json operand_json(const operand_summary& summary, const std::string& format) {
+  nlohmann::ordered_json json;
+  json["tensor"] = summary.name;
+  json["format"] = format;
+  json["axis"] = summary.axis;
+  json["elements"] = summary.elements;
+  json["nonzero"] = summary.nonzero_inputs;
+  json["flushed"] = summary.flushed;
+  json["saturated"] = summary.saturated;
+  json["nonfinite"] = summary.nonfinite_inputs;
+  json["underflow_frac"] = fraction(summary.flushed, summary.nonzero_inputs);
+  json["saturate_frac"] = fraction(summary.saturated, summary.nonzero_inputs);
+  json["snr_db"] = number(snr_db(summary));
+  return json;
+}
+
+int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
+  // Every flag is checked before any file is touched.
+  const auto kind = parse_gemm_kind(options.gemm);
+  if (!kind) throw input_error(fmt::format("--gemm: unknown GEMM '{}' (expected fprop, dgrad or wgrad)", options.gemm));
+  const accumulation_model model = parse_accumulation_model(options.accumulation, "--accum");
+  const auto reference_kind = parse_reference_kind(options.reference);
+  if (!reference_kind) {
+    throw input_error(fmt::format("--reference: unknown reference '{}' (expected exact or fp64)", options.reference));
+  }
+  const auto output_rounding = parse_output_rounding(options.output_rounding);
+  if (!output_rounding) {
+    throw input_error(fmt::format("--output: unknown output rounding '{}' (expected fp32 or bf16)", options.output_rounding));
+  }
+  if (options.certify < 0) throw input_error(fmt::format("--certify: must be >= 0, got {}", options.certify));
+  const std::string format_a = !options.format_a.empty() ? options.format_a : options.strategy.format;
+  const std::string format_b = !options.format_b.empty() ? options.format_b : options.strategy.format;
+  if (format_a.empty() || format_b.empty()) {
+    throw input_error("--format: required (or give both --format-a and --format-b)");
+  }
+  const cli::strategy resolved_a =
+      resolve_operand(options.strategy, format_a, options.format_a.empty() ? "--format" : "--format-a");
+  const cli::strategy resolved_b =
+      resolve_operand(options.strategy, format_b, options.format_b.empty() ? "--format" : "--format-b");
+
+  mxscope::strategy chosen;
+  chosen.name = "cli";
+  chosen.a.quantize = resolved_a.quantize;
+  chosen.a.seeds = resolved_a.seed_policy;
+  chosen.b.quantize = resolved_b.quantize;
+  chosen.b.seeds = resolved_b.seed_policy;
+  chosen.seed = options.strategy.seed;
+  chosen.rotation_size = resolved_a.rotation.size;
+  chosen.rotation_signs = resolved_a.rotation.signs;
+  chosen.accumulation = model;
+  chosen.output = *output_rounding;
+  const gemm_context context{options.strategy.layer, options.strategy.step};
+
+  // Operands: only the two the GEMM needs are read.
+  const io::safetensors_reader reader(options.input);
+  const gemm_layout layout = layout_of(*kind);
+  std::optional<matrix> x, dy, w;
+  for (const std::string_view name : {layout.a_name, layout.b_name}) {
+    if (reader.find(name) == nullptr) {
+      throw input_error(fmt::format("{}: tensor '{}' is missing ({} needs {} and {}; the file holds: {})", reader.label(),
+                                    name, options.gemm, layout.a_name, layout.b_name, fmt::join(reader.names(), ", ")));
+    }
+    matrix values = reader.read_matrix(name);
+    if (name == "x") x = std::move(values);
+    if (name == "dy") dy = std::move(values);
+    if (name == "w") w = std::move(values);
+  }
+  const gemm_operands operands{x ? &*x : nullptr, dy ? &*dy : nullptr, w ? &*w : nullptr};
+  const gemm_result result = run_gemm(*kind, operands, chosen, context);
+
+  const matrix& a_captured = *(layout.a_name == "x" ? operands.x : operands.dy);
+  const matrix& b_captured = *(layout.b_name == "x" ? operands.x : operands.w);
+  const canonical_pair canonical = canonical_operands(*kind, a_captured, b_captured);
+  const reference_result reference = reference_gemm(canonical.a, canonical.b, *reference_kind);
+  std::optional<certification> certified;
+  if (options.certify > 0) certified = certify(canonical.a, canonical.b, reference, options.certify, chosen.seed);
+  const comparison metrics = compare(result.out, reference.fp64, reference.fp32);
+
+  // Output file: the emulated result, the reference and the recipe.
+  io::safetensors_writer writer;
+  writer.add_matrix("out", result.out);
+  writer.add("ref", io::dtype::f64, {reference.fp64.rows, reference.fp64.cols}, bytes_of(reference.fp64));
+  if (model.kind == accumulation_kind::exact) {
+    writer.add("out_fp64", io::dtype::f64, {result.exact.rows, result.exact.cols}, bytes_of(result.exact));
+  }
+  writer.set_metadata("gemm", std::string(gemm_kind_name(*kind)));
+  writer.set_metadata("format_a", format_a);
+  writer.set_metadata("format_b", format_b);
+  writer.set_metadata("operand_a", std::string(layout.a_name));
+  writer.set_metadata("operand_b", std::string(layout.b_name));
+  writer.set_metadata("block_a", std::to_string(block_of(chosen.a.quantize)));
+  writer.set_metadata("block_b", std::to_string(block_of(chosen.b.quantize)));
+  writer.set_metadata("accum", accumulation_model_name(model));
+  writer.set_metadata("output", std::string(output_rounding_name(*output_rounding)));
+  writer.set_metadata("reference", std::string(reference_kind_name(*reference_kind)));
+  writer.set_metadata("rounding", std::string(rounding_name(chosen.a.quantize.rounding)));
+  writer.set_metadata("scale_rule", std::string(scale_rule_name(chosen.a.quantize.rule)));
+  writer.set_metadata("rotation", resolved_a.rotation_text);
+  writer.set_metadata("signs", std::string(sign_policy_name(chosen.rotation_signs)));
+  writer.set_metadata("seed", std::to_string(options.strategy.seed));
+  writer.set_metadata("step", std::to_string(options.strategy.step));
+  writer.set_metadata("sr_bits", std::to_string(chosen.a.quantize.sr_bits));
+  writer.set_metadata("layer", options.strategy.layer);
+  writer.set_metadata("seed_policy", options.strategy.seed_policy);
+  writer.set_metadata("mxscope_version", version_text());
+  writer.set_metadata("source_file", reader.label());
+  writer.set_metadata("out_layout", fmt::format("{} [{}, {}] = A B^T with A = {} and B = {} in the orientation of "
+                                                "docs/numerics.md (Accumulation models)",
+                                                gemm_kind_name(*kind), result.out.rows, result.out.cols,
+                                                layout.a_name, layout.b_name));
+  writer.write(options.output);
+
+  const std::int64_t reduction = canonical.a.cols;
+  const double exact_fraction =
+      metrics.ulp.compared > 0 ? static_cast<double>(metrics.ulp.histogram[0]) / static_cast<double>(metrics.ulp.compared) : 0.0;
+  if (options.json) {
+    nlohmann::ordered_json json;
+    json["gemm"] = gemm_kind_name(*kind);
+    json["input"] = reader.label();
+    json["output"] = options.output;
+    json["rows"] = result.out.rows;
+    json["cols"] = result.out.cols;
+    json["reduction"] = reduction;
+    nlohmann::ordered_json recipe;
+    recipe["format_a"] = format_a;
+    recipe["format_b"] = format_b;
+    recipe["rounding"] = rounding_name(chosen.a.quantize.rounding);
+    recipe["scale_rule"] = scale_rule_name(chosen.a.quantize.rule);
+    recipe["rotation"] = resolved_a.rotation_text;
+    recipe["signs"] = sign_policy_name(chosen.rotation_signs);
+    recipe["seed"] = options.strategy.seed;
+    recipe["step"] = options.strategy.step;
+    recipe["sr_bits"] = chosen.a.quantize.sr_bits;
+    recipe["layer"] = options.strategy.layer;
+    recipe["seed_policy"] = options.strategy.seed_policy;
+    recipe["accum"] = accumulation_model_name(model);
+    recipe["output"] = output_rounding_name(*output_rounding);
+    json["strategy"] = recipe;
+    nlohmann::ordered_json reference_json;
+    reference_json["kind"] = reference_kind_name(*reference_kind);
+    reference_json["error_bound"] = number(reference.error_bound);
+    reference_json["certified_entries"] = reference.stats.certified_entries;
+    reference_json["fallback_entries"] = reference.stats.fallback_entries;
+    reference_json["nonfinite_entries"] = reference.stats.nonfinite_entries;
+    json["reference"] = reference_json;
+    nlohmann::ordered_json metrics_json;
+    metrics_json["rel_err"] = number(metrics.rel_err);
+    metrics_json["cosine"] = number(metrics.cosine);
+    metrics_json["bias"] = number(metrics.bias);
+    metrics_json["orth_err"] = number(metrics.orth_err);
+    metrics_json["max_abs_err"] = number(metrics.max_abs_err);
+    metrics_json["error_norm"] = number(metrics.error_norm);
+    metrics_json["reference_norm"] = number(metrics.reference_norm);
+    metrics_json["estimate_norm"] = number(metrics.estimate_norm);
+    metrics_json["zero_reference"] = metrics.zero_reference;
+    metrics_json["nonfinite_estimate"] = metrics.nonfinite_estimate;
+    nlohmann::ordered_json ulp;
+    ulp["max"] = metrics.ulp.max;
+    ulp["mean"] = number(metrics.ulp.mean);
+    ulp["exact_frac"] = exact_fraction;
+    ulp["compared"] = metrics.ulp.compared;
+    ulp["nan_pairs"] = metrics.ulp.nan_pairs;
+    ulp["histogram"] = metrics.ulp.histogram;
+    metrics_json["ulp"] = ulp;
+    json["metrics"] = metrics_json;
+    json["operands"] = {{"a", operand_json(result.a, format_a)}, {"b", operand_json(result.b, format_b)}};
+    if (certified) {
+      nlohmann::ordered_json certification_json;
+      certification_json["entries_checked"] = certified->entries_checked;
+      certification_json["max_ulp_fp64"] = certified->max_ulp_fp64;
+      certification_json["max_ulp_fp32"] = certified->max_ulp_fp32;
+      certification_json["max_abs_error"] = number(certified->max_abs_error);
+      certification_json["bound_violations"] = certified->bound_violations;
+      certification_json["max_bound_ratio"] = number(certified->max_bound_ratio);
+      certification_json["passed"] = certified->passed;
+      json["certification"] = certification_json;
+    }
+    json["fast_path_fallback_entries"] = result.fallback_entries;
+    out << json.dump(2) << '\n';
+  } else {
+    out << fmt::format("gemm {} -> {}: [{}, {}] = {} ({}) x {} ({}), K = {}, accum {}, output {}, reference {}\n",
+                       gemm_kind_name(*kind), options.output, result.out.rows, result.out.cols, layout.a_name, format_a,
+                       layout.b_name, format_b, reduction, accumulation_model_name(model),
+                       output_rounding_name(*output_rounding), reference_kind_name(*reference_kind));
+    const auto row = [&out](std::string_view name, const std::string& value) { out << fmt::format("{:<20} {}\n", name, value); };
+    const auto real = [](double value) { return fmt::format("{:.9g}", value); };
+    row("metric", "value");
+    row("rel_err", real(metrics.rel_err));
+    row("cosine", real(metrics.cosine));
+    row("bias", real(metrics.bias));
+    row("orth_err", real(metrics.orth_err));
+    row("max_abs_err", real(metrics.max_abs_err));
+    row("ulp_max", std::to_string(metrics.ulp.max));
+    row("ulp_mean", real(metrics.ulp.mean));
+    row("ulp_exact_frac", real(exact_fraction));
+    row("nonfinite_out", std::to_string(metrics.nonfinite_estimate));
+    for (const auto& [summary, format] : {std::pair{&result.a, format_a}, std::pair{&result.b, format_b}}) {
+      const std::string prefix = fmt::format("{}.", summary->name);
+      row(prefix + "underflow_frac", real(fraction(summary->flushed, summary->nonzero_inputs)));
+      row(prefix + "saturate_frac", real(fraction(summary->saturated, summary->nonzero_inputs)));
+      row(prefix + "snr_db", fmt::format("{:.6f}", snr_db(*summary)));
+    }
+    row("reference_bound", real(reference.error_bound));
+    if (certified) {
+      row("certified_entries", std::to_string(certified->entries_checked));
+      row("certify_ulp_fp64", std::to_string(certified->max_ulp_fp64));
+      row("certify_ulp_fp32", std::to_string(certified->max_ulp_fp32));
+      row("certify_passed", certified->passed ? "yes" : "no");
+    }
+  }
+  if (certified && !certified->passed) {
+    throw check_failed(fmt::format("--certify: the {} reference disagrees with the exact recomputation of {} entries "
+                                   "(max {} fp64 ulps, {} fp32 ulps, {} bound violations)",
+                                   reference_kind_name(*reference_kind), certified->entries_checked,
+                                   certified->max_ulp_fp64, certified->max_ulp_fp32, certified->bound_violations));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_gemm_command(CLI::App& app, command_list& commands) {
+  auto options = std::make_shared<gemm_command_options>();
+  CLI::App* sub = app.add_subcommand(
+      "gemm", "Emulate one GEMM of a linear layer (fprop, dgrad, wgrad) under a strategy and compare it with a reference");
+  sub->add_option("--gemm", options->gemm, "Which GEMM: fprop (y = x w^T), dgrad (dx = dy w), wgrad (dw = dy^T x)")
+      ->required();
+  sub->add_option("--in", options->input, "Input safetensors file holding x [K, n_in], dy [K, n_out], w [n_out, n_in]")
+      ->required();
+  add_strategy_flags(*sub, options->strategy, /*format_required=*/false);
+  sub->add_option("--format-a", options->format_a,
+                  "Format of the first operand (x for fprop, dy for dgrad and wgrad); overrides --format");
+  sub->add_option("--format-b", options->format_b,
+                  "Format of the second operand (w for fprop and dgrad, x for wgrad); overrides --format");
+  sub->add_option("--accum", options->accumulation,
+                  "Accumulation model: exact, fp32-block, fp32-group:G, trunc-align:n,G[,rtz|rne], fp32-seq")
+      ->required();
+  sub->add_option("--reference", options->reference, "Reference GEMM of the unquantized operands: exact or fp64")
+      ->capture_default_str();
+  sub->add_option("--certify", options->certify,
+                  "Recompute N random reference entries with Boost.Multiprecision and report the largest deviation")
+      ->capture_default_str();
+  sub->add_option("--output", options->output_rounding, "Output rounding: fp32 or bf16")->capture_default_str();
+  sub->add_option("--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
+      ->required();
+  sub->add_flag("--json", options->json, "Print the comparison as JSON instead of a table");
+  commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_gemm_command(*options, out); }});
+}
+
+}  // namespace mxscope::cli
