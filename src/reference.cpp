@@ -10,10 +10,12 @@
 //     normal fp64 range. So fl(A * B) = p_k and S is a multiple of 2^-298 below 2^320 in magnitude.
 //
 // (2) Error-free split on a running sum biased by a power of two. Let Kp be the padded length (K
-//     rounded up to a multiple of 8; pad terms are 0), alpha_i > max_k |A[i,k]| and
-//     beta_j > max_k |B[j,k]| powers of two, and sigma = 2^c alpha_i beta_j with 2^c >= 4 Kp, so
-//     sum_k |p_k| <= Kp max |p_k| <= sigma / 4. Each vector lane keeps a running value tau, starting
-//     at sigma, and for each of its products computes
+//     rounded up to a multiple of 8; pad terms are 0) and sigma a power of two with
+//     sum_k |p_k| <= sigma / 4: sigma = 4 * 2^(N_a + N_b) with ||A[i,:]||_2 <= 2^N_a and
+//     ||B[j,:]||_2 <= 2^N_b (Cauchy-Schwarz), or 4 * 2^(E_a + E_b + ceil(log2 Kp)) with
+//     max |A[i,:]| < 2^E_a and max |B[j,:]| < 2^E_b, whichever is smaller. (N comes from the fp64 sum
+//     of the exact squares, enlarged by 1% to cover its rounding, K u <= 2^-10.) Each vector lane
+//     keeps a running value tau, starting at sigma, and for each of its products computes
 //         tau' = fl(tau + p_k),  q_k = fl(tau' - tau),  r_k = fl(p_k - q_k),  tau = tau'.
 //     Claim: tau = sigma + (the q's so far) stays in [3 sigma / 4 - e, 5 sigma / 4 + e] with
 //     e = Kp u sigma (induction, using |q_k| <= |p_k| + u sigma below). In that range fp64 spacing is
@@ -33,9 +35,18 @@
 //         |L - sum r_k| <= gamma_d sum |r_k| <= 2 d u * Kp u sigma  (gamma_d = d u / (1 - d u)),
 //     and the bound used is the power of two 2^(ceil(log2(2 d)) + ceil(log2(Kp)) - 106) sigma, at
 //     least 2^-400: neither the bound nor sigma underflows.
+//     Exact case: every product is a multiple of 2^(g_a + g_b), where 2^g_a is the lowest set bit
+//     among the elements of A[i,:] (likewise g_b), and every q_k of u sigma; so every r_k and every
+//     partial sum of them is a multiple of 2^g, g = min(g_a + g_b, log2(u sigma)), of magnitude at
+//     most Kp u sigma. If Kp u sigma <= 2^(g + 53), every partial sum is representable, every
+//     addition of L is exact, and the bound is 0 (typical for fp32 data of moderate dynamic range,
+//     always for bf16/fp16-valued data at moderate K).
 //
-// (5) Certification. (hi, lo) = two_sum(H, L) is exact, so |S - (hi + lo)| <= bound. hi = fl(hi +
-//     lo) is the candidate fp64 result. With h_up = half the gap from |hi| to the next larger double
+// (5) Certification. (hi, lo) = two_sum(H, L) is exact, so |S - (hi + lo)| <= bound. If the bound
+//     is 0, hi + lo = S: hi = fl(H + L) is the correctly rounded fp64 value, and fp32 is the round-
+//     to-odd value of hi + lo rounded to fp32, which equals S rounded to fp32 (53 >= 24 + 2, Boldo
+//     and Melquiond), ties and exact zeros included. Otherwise hi = fl(hi + lo) is the candidate
+//     fp64 result. With h_up = half the gap from |hi| to the next larger double
 //     and h_down = half the gap to the next smaller one (h_down = h_up / 2 when |hi| is a power of
 //     two), every real in the open interval (|hi| - h_down, |hi| + h_up) rounds to hi. In that
 //     orientation (lo negated when hi < 0) we accept when
@@ -93,28 +104,54 @@ std::string_view reference_kind_name(reference_kind kind) {
 
 namespace {
 
-// Per row of an operand: an exponent E with max |x| < 2^E, whether the row is all zeros, and
-// whether it holds an inf or NaN.
+// Per row of an operand (step (2) of the argument): max_exponent E with max |x| < 2^E, norm_exponent
+// N with ||x||_2 <= 2^N, finest_exponent g with every element a multiple of 2^g, whether the row is
+// all zeros and whether it holds an inf or NaN.
 struct row_profile {
-  int exponent = 0;
+  int max_exponent = 0;
+  int norm_exponent = 0;
+  int finest_exponent = 0;
   bool all_zero = true;
   bool nonfinite = false;
 };
+
+// The exponent of the lowest set bit of a finite nonzero fp32 value.
+int lowest_bit_exponent(float value) {
+  const std::uint32_t bits = core::float_bits(value);
+  const int field = static_cast<int>((bits >> 23) & 0xffU);
+  std::uint32_t mantissa = bits & 0x7fffffU;
+  if (field == 0) return -149 + __builtin_ctz(mantissa);
+  mantissa |= 0x800000U;
+  return field - 150 + __builtin_ctz(mantissa);
+}
 
 std::vector<row_profile> profile_rows(const matrix& m) {
   std::vector<row_profile> profiles(static_cast<std::size_t>(m.rows));
   for (std::int64_t r = 0; r < m.rows; ++r) {
     const float* row = m.data() + r * m.cols;
     float largest = 0.0f;
+    double squares = 0.0;  // each square is exact in fp64 (48 bits, no underflow)
+    int finest = 1 << 20;
     row_profile profile;
     for (std::int64_t k = 0; k < m.cols; ++k) {
-      const float magnitude = std::fabs(row[k]);
-      if (!std::isfinite(magnitude)) profile.nonfinite = true;
-      else if (magnitude > largest) largest = magnitude;
+      const float value = row[k];
+      if (!std::isfinite(value)) {
+        profile.nonfinite = true;
+        continue;
+      }
+      if (value == 0.0f) continue;
+      largest = std::max(largest, std::fabs(value));
+      squares += static_cast<double>(value) * static_cast<double>(value);
+      finest = std::min(finest, lowest_bit_exponent(value));
     }
     if (largest > 0.0f) {
       profile.all_zero = false;
-      profile.exponent = core::floor_log2(static_cast<double>(largest)) + 1;
+      profile.max_exponent = core::floor_log2(static_cast<double>(largest)) + 1;
+      // The computed sum of K non-negative terms is at least (1 - gamma_K) times the exact one and
+      // K u <= 2^-10, so 1.01 times it bounds ||x||^2 from above; t < 2^e gives ||x|| < 2^ceil(e/2).
+      const int squares_exponent = core::floor_log2(squares * 1.01) + 1;
+      profile.norm_exponent = (squares_exponent + 1) >> 1;  // ceil(e / 2), arithmetic shift
+      profile.finest_exponent = finest;
     }
     profiles[static_cast<std::size_t>(r)] = profile;
   }
@@ -161,6 +198,13 @@ bool certify_rounding(double high, double low, double bound, rounded_pair& out) 
   if (core::float_bits(lower) != core::float_bits(upper)) return false;
   out = {x.sum, lower};
   return true;
+}
+
+// Step (5) when the bound is 0: high + low is S itself. fp64 rounds it in the hardware addition;
+// fp32 goes through round-to-odd so that it rounds S, not the fp64 value.
+rounded_pair exact_rounding(double high, double low) {
+  const core::sum_and_error x = core::two_sum(high, low);
+  return {x.sum, static_cast<float>(core::round_to_odd_sum(x.sum, x.error))};
 }
 
 // Step (6): the long accumulator, exact for any finite inputs.
@@ -291,10 +335,26 @@ struct exact_setup {
   std::int64_t padded_k = 0;
   std::vector<row_profile> a_rows;
   std::vector<row_profile> b_rows;
-  int sigma_shift = 0;  // c in step (2): 2^c >= 4 Kp
-  int bound_shift = 0;  // bound = 2^bound_shift sigma, step (4)
+  int padded_k_exponent = 0;  // ceil(log2(Kp))
+  int bound_shift = 0;        // bound = 2^bound_shift sigma, step (4)
   tile_kernel kernel = nullptr;
 };
+
+// log2 of sigma for entry (i, j), step (2): the smaller of the two upper bounds on 4 sum |p_k|,
+// 4 ||a|| ||b|| (Cauchy-Schwarz) and 4 Kp max|a| max|b|.
+int sigma_exponent(const exact_setup& setup, const row_profile& a, const row_profile& b) {
+  return std::min(a.norm_exponent + b.norm_exponent + 2, a.max_exponent + b.max_exponent + setup.padded_k_exponent + 2);
+}
+
+// Step (4): 0 when the low-part sum is provably exact, else the a-priori bound.
+double low_part_bound(const exact_setup& setup, const row_profile& a, const row_profile& b) {
+  const int sigma = sigma_exponent(setup, a, b);
+  // Every r_k and every partial sum of them is a multiple of 2^g, g = min(g_a + g_b, log2(u sigma)),
+  // of magnitude <= Kp u sigma; when that is <= 2^(g + 53) every partial sum is representable.
+  const int grid = std::min(a.finest_exponent + b.finest_exponent, sigma - 53);
+  if (setup.padded_k_exponent + sigma - 53 <= grid + 53) return 0.0;
+  return core::pow2(sigma + setup.bound_shift);
+}
 
 struct block_outcome {
   std::int64_t certified = 0;
@@ -334,8 +394,9 @@ void exact_block(const exact_setup& setup, std::int64_t i0, std::int64_t i1, ref
       for (int r = 0; r < tile_rows; ++r) {
         const std::int64_t local = tile * tile_rows + r;
         rows[r] = local < block_rows ? a_block.data() + local * padded_k : zero_row.data();
-        const int a_exponent = local < block_rows ? setup.a_rows[static_cast<std::size_t>(i0 + local)].exponent : 0;
-        sigma[r] = core::pow2(a_exponent + b_profile.exponent + setup.sigma_shift);
+        sigma[r] = local < block_rows
+                       ? core::pow2(sigma_exponent(setup, setup.a_rows[static_cast<std::size_t>(i0 + local)], b_profile))
+                       : 1.0;
       }
       setup.kernel(rows, b_row.data(), padded_k, sigma, high, low);
       for (int r = 0; r < tile_rows; ++r) {
@@ -358,9 +419,12 @@ void exact_block(const exact_setup& setup, std::int64_t i0, std::int64_t i1, ref
           ++outcome.certified;
           continue;
         }
-        const double bound = core::pow2(a_profile.exponent + b_profile.exponent + setup.sigma_shift + setup.bound_shift);
+        const double bound = low_part_bound(setup, a_profile, b_profile);
         rounded_pair rounded{};
-        if (certify_rounding(high[r], low[r], bound, rounded)) {
+        if (bound == 0.0) {
+          rounded = exact_rounding(high[r], low[r]);
+          ++outcome.certified;
+        } else if (certify_rounding(high[r], low[r], bound, rounded)) {
           ++outcome.certified;
         } else {
           rounded = exact_entry(a_source, b_source, k_count);
@@ -390,12 +454,12 @@ void exact_reference(const matrix& a, const matrix& b, reference_result& out) {
   setup.padded_k = (a.cols + padding_lanes - 1) / padding_lanes * padding_lanes;
   setup.a_rows = profile_rows(a);
   setup.b_rows = profile_rows(b);
-  setup.sigma_shift = ceil_log2(std::max<std::int64_t>(4 * setup.padded_k, 1));
+  setup.padded_k_exponent = ceil_log2(std::max<std::int64_t>(setup.padded_k, 1));
   const kernel_choice choice = select_kernel();
   setup.kernel = choice.kernel;
   out.stats.vector_lanes = choice.lanes;
   const std::int64_t depth = setup.padded_k / choice.lanes + choice.lanes + 1;
-  setup.bound_shift = ceil_log2(2 * depth) + ceil_log2(std::max<std::int64_t>(setup.padded_k, 1)) - 106;
+  setup.bound_shift = ceil_log2(2 * depth) + setup.padded_k_exponent - 106;
 
   const std::int64_t m = a.rows;
   // Rows per block: keep the block's padded doubles near 512 KiB (cache), a multiple of the tile.
