@@ -827,6 +827,63 @@ void RotateRow(const kernel_arguments& args, std::int64_t row_index, thread_scra
   }
 }
 
+// Philox4x32-10 (core/philox.hpp) for Lanes consecutive counters at once, one counter word per
+// vector, then the words stored in stream order: element n gets word n % 4 of block n / 4.
+HWY_INLINE void MultiplyWide(hn::RebindToUnsigned<int_tag> du, hn::Vec<hn::RebindToUnsigned<int_tag>> a,
+                             std::uint32_t multiplier, hn::Vec<hn::RebindToUnsigned<int_tag>>& high,
+                             hn::Vec<hn::RebindToUnsigned<int_tag>>& low) {
+  const hn::Repartition<std::uint64_t, int_tag> du64;
+  const auto factor = hn::Set(du, multiplier);
+  const auto even = hn::MulEven(a, factor);  // 64-bit products of the even lanes
+  const auto odd = hn::MulEven(hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(du64, a))), factor);
+  low = hn::OddEven(hn::BitCast(du, hn::ShiftLeft<32>(odd)), hn::BitCast(du, even));
+  high = hn::OddEven(hn::BitCast(du, odd), hn::BitCast(du, hn::ShiftRight<32>(even)));
+}
+
+void FillRandomWords(const core::random_stream& stream, std::uint64_t first, std::int64_t count,
+                     std::uint32_t* words) {
+  const hn::RebindToUnsigned<int_tag> du;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(du));
+  // Up to the next multiple of 4 (a Philox block boundary) with the scalar generator.
+  std::int64_t i = std::min<std::int64_t>(count, static_cast<std::int64_t>((4 - first % 4) % 4));
+  fill_random_words(stream, first, i, words);
+  const auto step = hn::Set(du, stream.step);
+  const auto tag = hn::Set(du, stream.tag);
+  const auto lane_index = hn::Iota(du, 0);
+  for (; count - i >= 4 * lanes; i += 4 * lanes) {
+    const std::uint64_t block = (first + static_cast<std::uint64_t>(i)) / 4;
+    const auto block_low = hn::Set(du, static_cast<std::uint32_t>(block));
+    auto c0 = hn::Add(block_low, lane_index);
+    // Lanes whose low counter word wrapped carry into the high word.
+    auto c1 = hn::Sub(hn::Set(du, static_cast<std::uint32_t>(block >> 32)),
+                      hn::VecFromMask(du, hn::Gt(block_low, c0)));
+    auto c2 = step;
+    auto c3 = tag;
+    std::uint32_t key0 = static_cast<std::uint32_t>(stream.seed);
+    std::uint32_t key1 = static_cast<std::uint32_t>(stream.seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      if (round > 0) {
+        key0 += core::detail::philox_w0;
+        key1 += core::detail::philox_w1;
+      }
+      hn::Vec<decltype(du)> high0, low0, high1, low1;
+      MultiplyWide(du, c0, core::detail::philox_m0, high0, low0);
+      MultiplyWide(du, c2, core::detail::philox_m1, high1, low1);
+      c0 = hn::Xor(hn::Xor(high1, c1), hn::Set(du, key0));
+      c1 = low1;
+      c2 = hn::Xor(hn::Xor(high0, c3), hn::Set(du, key1));
+      c3 = low0;
+    }
+    hn::StoreInterleaved4(c0, c1, c2, c3, du, words + i);
+  }
+  fill_random_words(stream, first + static_cast<std::uint64_t>(i), count - i, words + i);
+}
+
+void FillRowWords(const kernel_arguments& args, std::int64_t row_index, thread_scratch& scratch) {
+  if (args.rounding != core::rounding_mode::sr) return;
+  FillRandomWords(args.stream, static_cast<std::uint64_t>(row_index * args.cols), args.cols, scratch.words.data());
+}
+
 template <core::rounding_mode Mode, bool Dequantize>
 void QuantizeLinesTyped(const kernel_arguments& args, std::int64_t first, std::int64_t last, thread_scratch& scratch,
                         quantize_counts& counts) {
@@ -836,7 +893,7 @@ void QuantizeLinesTyped(const kernel_arguments& args, std::int64_t first, std::i
     for (std::int64_t r = first; r < last; ++r) {
       if (args.rotation_size != 0) RotateRow(args, r, scratch);
       const float* row = row_input(args, scratch, r);
-      fill_row_words(args, r, scratch);
+      FillRowWords(args, r, scratch);
       if (uniform) {
         QuantizeRowUniformBlocks<Mode, Dequantize>(args, row, r, scratch, counts);
       } else {
@@ -853,7 +910,7 @@ void QuantizeLinesTyped(const kernel_arguments& args, std::int64_t first, std::i
     ColumnStatistics(args, first_row, last_row, scratch, counts);
     prepare_columns_axis0(args, row_block, scratch);
     for (std::int64_t r = first_row; r < last_row; ++r) {
-      fill_row_words(args, r, scratch);
+      FillRowWords(args, r, scratch);
       EncodeRowWithColumnConstants<Mode, Dequantize>(args, args.input + r * args.cols, r, scratch, counts);
     }
   }
