@@ -1,18 +1,21 @@
 // Fast MX quantizer (see include/mxscope/quantize_fast.hpp for what it covers and why it is exact).
 //
-// The element encode works on the fp32 bits. With |v| = S * 2^t (S the 24-bit significand with its
-// leading one restored, t the exponent of its last bit) and the block's shared exponent e:
+// Scalar form (tails, odd block sizes, stochastic rounding, builds without Highway). With
+// |v| = S * 2^t (S the 24-bit significand with its leading one restored, t the exponent of its
+// last bit) and the block's shared exponent e:
 //   binade = max(floor(log2 |v / 2^e|), min normal exponent of the element format)
 //   ulp    = 2^(binade - mantissa_bits)            (the element format's spacing at |v / 2^e|)
 //   steps  = S * 2^(t - e) / ulp = S / 2^shift, shift = binade - mantissa_bits + e - t >= 6
 //   code   = ((binade + bias - 1) << mantissa_bits) + round(steps), then clamped to the largest
 //            finite code (a carry out of the mantissa lands in the exponent field by itself).
 // `round` looks only at the dropped bits of S, so every rounding mode is exact integer arithmetic.
-// The shared exponent comes from the bits of the block's amax the same way. The dequantized value
-// is the element's exact fp32 value times 2^e as an fp32 product, which is exact (or overflows to
-// inf) for every code and exponent, as the canonical double product rounded to fp32 is.
+// Vector form for rne, rna and rtz: |v| * 2^-e and the value in ulps are exact fp32 products
+// (EncodeMagnitudes below says why), and the fp32 to int32 conversion does the rounding.
+// The shared exponent comes from the bits of the block's amax. The dequantized value is the
+// element's exact fp32 value times 2^e as an fp32 product, which is exact (or overflows to inf)
+// for every code and exponent, as the canonical double product rounded to fp32 is.
 //
-// The file is compiled once per SIMD target by Highway's foreach_target mechanism: the part between
+// The file is compiled once per SIMD target by Highway's foreach_target mechanism: the part inside
 // the include guard below is shared, the HWY_NAMESPACE part is per target, and the HWY_ONCE part
 // holds the drivers and the public functions.
 

@@ -1,12 +1,15 @@
 // Fast CPU path for MX block quantization: the same bits as the canonical quantizer of
-// src/quantize.cpp (NUMERICS.md section 2), computed on the fp32 bit patterns with integer
-// arithmetic and SIMD (Highway, dispatched at run time to the best instruction set of the CPU).
+// src/quantize.cpp (NUMERICS.md section 2), computed from the fp32 bit patterns with SIMD (Highway,
+// dispatched at run time to the best instruction set of the CPU) instead of one double at a time.
 //
 // Why it is exact: a block's scale is a power of two, so v / 2^e only subtracts e from the exponent
-// of v; the element's rounding is then a shift of v's 24-bit significand with the dropped bits
-// deciding the direction (rne, rna, rtz, or against a random word for sr). No floating-point
-// division or conversion through double takes part, and every lane computes what the canonical
-// scalar path computes in double precision.
+// of v, and the element's rounding only looks at the bits of v's significand below the element
+// format's last place. The shared exponent is read from the bits of the block's amax. For rne, rna
+// and rtz the lanes scale by 2^-e and by the inverse ulp with fp32 products that are exact, and let
+// the fp32 to int32 conversion round (under round-to-nearest, which the driver sets for its threads
+// whatever the caller's mode); stochastic rounding compares the dropped significand bits with the
+// canonical Philox word as integers. Nothing rounds twice, so every lane computes what the canonical
+// path computes in double precision.
 //
 // Covered: quant_scheme::mx with fp4_e2m1, fp6_e2m3, fp6_e3m2, fp8_e4m3 and fp8_e5m2 elements, every
 // rounding mode (rne, rna, rtz, sr with any sr_bits), every scale rule, both axes, any block size
