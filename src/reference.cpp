@@ -127,6 +127,9 @@ int lowest_bit_exponent(float value) {
 
 std::vector<row_profile> profile_rows(const matrix& m) {
   std::vector<row_profile> profiles(static_cast<std::size_t>(m.rows));
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
   for (std::int64_t r = 0; r < m.rows; ++r) {
     const float* row = m.data() + r * m.cols;
     float largest = 0.0f;
