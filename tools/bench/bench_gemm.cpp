@@ -80,8 +80,8 @@ BENCHMARK_CAPTURE(BM_Emulated, fp32-block, "fp32-block")->Unit(benchmark::kMilli
 BENCHMARK_CAPTURE(BM_Emulated, fp32-group:4, "fp32-group:4")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Emulated, exact, "exact")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Emulated, fp32-seq, "fp32-seq")->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14,1, "trunc-align:14,1")->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14,4,rne, "trunc-align:14,4,rne")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14:1, "trunc-align:14,1")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14:4:rne, "trunc-align:14,4,rne")->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Rotation-free MXFP4 strategy end to end: quantize both operands, then fp32-block.
 void BM_RunGemm(benchmark::State& state) {
