@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/reference.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -163,6 +164,11 @@ namespace {
 // ------------------------------------------------------------------------------------------------
 // Canonical operands: [rows, depth] with the reduction (depth) contiguous.
 
+// Work below these sizes runs on one thread: on a busy machine the fork and barrier of a parallel
+// region cost more than such a loop. (Results never depend on the thread count.)
+constexpr std::int64_t parallel_elements = std::int64_t{1} << 18;  // element loops
+constexpr std::int64_t parallel_products = std::int64_t{1} << 22;  // GEMMs, counted in products
+
 // Marks the scale exponent of a NaN block (its scale code is the NaN code). Far outside every
 // exponent range the fast path accepts, so such blocks always take the per-entry step.
 constexpr std::int32_t nan_block_exponent = 1 << 20;
@@ -181,6 +187,7 @@ struct canonical_operand {
   // Integer view for the fast path: element * 2^fraction_bits is an integer of magnitude at most
   // integer_max, and block scale = scale_mantissa * 2^scale_exponent with an integer mantissa.
   bool integer_elements = false;
+  bool finite = true;  // no inf or NaN element
   int fraction_bits = 0;
   std::int64_t integer_max = 0;
   std::int64_t scale_mantissa_max = 1;
@@ -268,7 +275,7 @@ canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep
   const std::int64_t row_tiles = (out.rows + tile - 1) / tile;
   const std::int64_t depth_tiles = (out.depth + tile - 1) / tile;
   bool all_finite = true;
-#pragma omp parallel for schedule(static) reduction(&& : all_finite)
+#pragma omp parallel for schedule(static) reduction(&& : all_finite) if (out.rows * out.depth >= parallel_elements)
   for (std::int64_t tile_index = 0; tile_index < row_tiles * depth_tiles; ++tile_index) {
     const std::int64_t row_begin = (tile_index / depth_tiles) * tile;
     const std::int64_t k_begin = (tile_index % depth_tiles) * tile;
@@ -292,7 +299,7 @@ canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep
       }
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (out.rows * out.blocks * 64 >= parallel_elements)
   for (std::int64_t row = 0; row < out.rows; ++row) {
     for (std::int64_t b = 0; b < out.blocks; ++b) {
       const std::int64_t k = b * block;  // the block's first element along the reduction
@@ -332,6 +339,7 @@ canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep
   // An operand with inf or NaN elements (possible for fp32, bf16 and per-tensor fp8) takes the
   // generic path, whose per-product arithmetic gives those values their IEEE meaning.
   out.integer_elements = integer_format && all_finite;
+  out.finite = all_finite;
   for (const std::int32_t mantissa : out.scale_mantissas) {
     out.scale_mantissa_max = std::max<std::int64_t>(out.scale_mantissa_max, mantissa);
   }
@@ -460,7 +468,7 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
 void generic_product(const canonical_operand& a, const canonical_operand& b, const accumulation_model& model,
                      float alpha, matrix& out, matrix64* exact) {
   const tensor_scale_product scale = make_scale_product(a.tensor_scale, b.tensor_scale);
-#pragma omp parallel
+#pragma omp parallel if (a.rows * b.rows * a.depth >= parallel_products / 16)
   {
     std::vector<double> products;
 #pragma omp for schedule(dynamic, 1)
@@ -493,7 +501,7 @@ constexpr int seq_width = 16;
 
 std::vector<float> pack_panels(const matrix& b, std::int64_t panels) {
   std::vector<float> packed(static_cast<std::size_t>(panels * b.cols * seq_width), 0.0f);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (b.rows * b.cols >= parallel_elements)
   for (std::int64_t panel = 0; panel < panels; ++panel) {
     for (int lane = 0; lane < seq_width; ++lane) {
       const std::int64_t column = panel * seq_width + lane;
@@ -570,7 +578,7 @@ void sequential_fma_product(const canonical_operand& a, const canonical_operand&
   constexpr std::int64_t task_panels = 4;
   const std::int64_t row_tasks = (a.rows + task_rows - 1) / task_rows;
   const std::int64_t panel_tasks = (panels + task_panels - 1) / task_panels;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (a.rows * n * depth >= parallel_products)
   for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
     const std::int64_t row_begin = (task / panel_tasks) * task_rows;
     const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
@@ -634,9 +642,11 @@ std::optional<fast_plan> plan_fast_path(const canonical_operand& a, const canoni
 template <class T>
 using row_major_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// D[rows x cols] = A[m0 .. m0+rows, k0 .. k0+length] * B[n0 .. n0+cols, same]^T, integers, exact.
+// D[rows x cols] = A[m0 .. m0+rows, k0 .. k0+length] * B[n0 .. n0+cols, same]^T. Exact because the
+// callers only pass operands whose partial sums are all representable in T, whatever the order
+// (integers below 2^24 in fp32 or 2^53 in fp64; short floats of a bounded exponent spread).
 template <class T>
-void integer_block_products(const T* a, const T* b, std::int64_t depth, std::int64_t m0, std::int64_t rows,
+void exact_block_products(const T* a, const T* b, std::int64_t depth, std::int64_t m0, std::int64_t rows,
                             std::int64_t n0, std::int64_t cols, std::int64_t k0, std::int64_t length, T* out) {
   using strided = Eigen::Map<const row_major_matrix<T>, 0, Eigen::OuterStride<>>;
   const strided a_block(a + m0 * depth + k0, rows, length, Eigen::OuterStride<>(depth));
@@ -700,7 +710,7 @@ std::int64_t fp32_block_tile_float(const fast_context& context, const float* a_v
   for (std::int64_t block = 0; block < a.blocks; ++block) {
     const std::int64_t k0 = block * a.block;
     const std::int64_t length = std::min<std::int64_t>(a.block, a.depth - k0);
-    integer_block_products(a_values, b_values, a.depth, m0, rows, n0, cols, k0, length, dots.data());
+    exact_block_products(a_values, b_values, a.depth, m0, rows, n0, cols, k0, length, dots.data());
     const std::int32_t* b_exponents = context.b_exponents.data() + block * n + n0;
     std::int32_t b_lowest = std::numeric_limits<std::int32_t>::max();
     std::int32_t b_highest = std::numeric_limits<std::int32_t>::min();
@@ -784,7 +794,7 @@ packed_int16_operands pack_int16(const canonical_operand& a, const canonical_ope
   packed.b_exponents.assign(static_cast<std::size_t>(packed.panels * a.blocks * panel_width), 0);
   const double a_scale = core_ns::pow2(a.fraction_bits);
   const double b_scale = core_ns::pow2(b.fraction_bits);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (a.rows * a.depth >= parallel_elements)
   for (std::int64_t row = 0; row < a.rows; ++row) {
     for (std::int64_t k = 0; k < a.depth; ++k) {
       packed.a[static_cast<std::size_t>(row * packed.padded_depth + k)] =
@@ -795,7 +805,7 @@ packed_int16_operands pack_int16(const canonical_operand& a, const canonical_ope
           a.scale_exponents[static_cast<std::size_t>(row * a.blocks + block)];
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (b.rows * b.depth >= parallel_elements)
   for (std::int64_t panel = 0; panel < packed.panels; ++panel) {
     for (int lane = 0; lane < panel_width; ++lane) {
       const std::int64_t column = panel * panel_width + lane;
@@ -1174,7 +1184,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
   const std::int64_t panel_tasks = (packed.panels + task_panels - 1) / task_panels;
   const int highest_k = 128 - context.plan.bound_bits;
   std::int64_t total = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : total) if (a.rows * b.rows * a.depth >= parallel_products)
   for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
     const std::int64_t row_begin = (task / panel_tasks) * task_rows;
     const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
@@ -1266,7 +1276,7 @@ std::int64_t general_tile(const fast_context& context, const T* a_values, const 
     for (std::int64_t block = group_begin; block < group_end; ++block) {
       const std::int64_t k0 = block * a.block;
       const std::int64_t length = std::min<std::int64_t>(a.block, a.depth - k0);
-      integer_block_products(a_values, b_values, a.depth, m0, rows, n0, cols, k0, length, dots.data());
+      exact_block_products(a_values, b_values, a.depth, m0, rows, n0, cols, k0, length, dots.data());
       const std::int32_t* b_exponents = context.b_exponents.data() + block * n + n0;
       const std::int32_t* b_mantissas = context.b_mantissas.data() + block * n + n0;
       double* slot = contributions.data() + (block - group_begin) * entries;
@@ -1365,7 +1375,7 @@ std::int64_t fast_product(fast_context& context, matrix& out, matrix64* exact) {
   const std::int64_t group = context.model.kind == accumulation_kind::fp32_group ? context.model.blocks_per_group : 1;
   std::int64_t fallbacks = 0;
 
-#pragma omp parallel reduction(+ : fallbacks)
+#pragma omp parallel reduction(+ : fallbacks) if (a.rows * n * a.depth >= parallel_products)
   {
     std::vector<T> dots(static_cast<std::size_t>(tile_rows * tile_cols));
     std::vector<float> accumulators(static_cast<std::size_t>(tile_rows * tile_cols));
@@ -1408,6 +1418,142 @@ std::int64_t fast_product(fast_context& context, matrix& out, matrix64* exact) {
 }
 
 // ------------------------------------------------------------------------------------------------
+
+// ------------------------------------------------------------------------------------------------
+// Unquantized operands (fp32, bf16).
+//
+// exact: the exact sum of the products of fp32 values rounded once to fp32 and fp64 is precisely
+// what the exact reference computes (reference.hpp: correctly rounded results, +0 for an exact
+// zero, the IEEE sum where a row holds inf or NaN), so the model is delegated to it.
+//
+// fp32-block and fp32-group with bf16-like operands: each value is a multiple of 2^(e - s + 1)
+// where e = floor(log2 |v|) and s is its significand width (8 for bf16, 24 for fp32). Within a
+// block let lo and hi be the smallest and largest e of an operand's nonzero values. Every product
+// is then a multiple of 2^(lo_a + lo_b - s_a - s_b + 2) and below 2^(hi_a + hi_b + 2), so every
+// partial sum of the block's n products (in any order) is a multiple of that unit below
+// 2^(hi_a + hi_b + 2 + bits(n)): exact in fp64 whenever
+//     (hi_a - lo_a) + (hi_b - lo_b) <= 53 - bits(n) - s_a - s_b.
+// An fp64 GEMM per K-block then yields the exact block dots, and the model applies to them as on
+// the integer path. Entries with a block beyond that budget are recomputed by the definition.
+
+bool is_unquantized(const quantized_tensor& q) {
+  return q.options.format.scheme == quant_scheme::none || q.options.format.scheme == quant_scheme::bf16;
+}
+
+int significand_bits(const quantized_tensor& q) { return q.options.format.scheme == quant_scheme::bf16 ? 8 : 24; }
+
+matrix as_matrix(const canonical_operand& operand) {
+  matrix values(operand.rows, operand.depth);
+  values.values = operand.elements;
+  return values;
+}
+
+// Exponent spread (hi - lo) of the nonzero values of each (row, block); -1 for an all-zero block.
+std::vector<std::int32_t> block_spreads(const canonical_operand& operand) {
+  std::vector<std::int32_t> spreads(static_cast<std::size_t>(operand.rows * operand.blocks), -1);
+#pragma omp parallel for schedule(static) if (operand.rows * operand.depth >= parallel_elements)
+  for (std::int64_t row = 0; row < operand.rows; ++row) {
+    for (std::int64_t block = 0; block < operand.blocks; ++block) {
+      int lowest = std::numeric_limits<int>::max();
+      int highest = std::numeric_limits<int>::min();
+      const std::int64_t end = std::min(operand.depth, (block + 1) * operand.block);
+      for (std::int64_t k = block * operand.block; k < end; ++k) {
+        const float value = operand.elements[static_cast<std::size_t>(row * operand.depth + k)];
+        if (value == 0.0f) continue;
+        const int exponent = core_ns::floor_log2(std::fabs(value));
+        lowest = std::min(lowest, exponent);
+        highest = std::max(highest, exponent);
+      }
+      if (highest != std::numeric_limits<int>::min()) {
+        spreads[static_cast<std::size_t>(row * operand.blocks + block)] = highest - lowest;
+      }
+    }
+  }
+  return spreads;
+}
+
+std::int64_t short_float_product(const canonical_operand& a, const canonical_operand& b, int budget,
+                                 const accumulation_model& model, matrix& out) {
+  const std::vector<double> a_values(a.elements.begin(), a.elements.end());
+  const std::vector<double> b_values(b.elements.begin(), b.elements.end());
+  const std::vector<std::int32_t> a_spreads = block_spreads(a);
+  const std::vector<std::int32_t> b_spreads = block_spreads(b);
+  const std::int64_t n = b.rows;
+  const std::int64_t group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
+  const std::int64_t row_tiles = (a.rows + tile_rows_block - 1) / tile_rows_block;
+  const std::int64_t col_tiles = (n + tile_cols_block - 1) / tile_cols_block;
+  const tensor_scale_product unit_scale = make_scale_product(1.0f, 1.0f);
+  std::int64_t redone = 0;
+#pragma omp parallel reduction(+ : redone) if (a.rows * n * a.depth >= parallel_products)
+  {
+    const std::int64_t entries_per_tile = tile_rows_block * tile_cols_block;
+    std::vector<double> dots(static_cast<std::size_t>(entries_per_tile));
+    std::vector<double> contributions(static_cast<std::size_t>(std::min(group, std::max<std::int64_t>(a.blocks, 1)) *
+                                                               entries_per_tile));
+    std::vector<float> accumulators(static_cast<std::size_t>(entries_per_tile));
+    std::vector<std::uint8_t> redo(static_cast<std::size_t>(entries_per_tile));
+    std::vector<double> products;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t tile = 0; tile < row_tiles * col_tiles; ++tile) {
+      const std::int64_t m0 = (tile / col_tiles) * tile_rows_block;
+      const std::int64_t n0 = (tile % col_tiles) * tile_cols_block;
+      const std::int64_t rows = std::min(tile_rows_block, a.rows - m0);
+      const std::int64_t cols = std::min(tile_cols_block, n - n0);
+      const std::int64_t entries = rows * cols;
+      std::fill(accumulators.begin(), accumulators.begin() + entries, 0.0f);
+      std::fill(redo.begin(), redo.begin() + entries, std::uint8_t{0});
+      for (std::int64_t group_begin = 0; group_begin < a.blocks; group_begin += group) {
+        const std::int64_t group_end = std::min(a.blocks, group_begin + group);
+        for (std::int64_t block = group_begin; block < group_end; ++block) {
+          const std::int64_t k0 = block * a.block;
+          const std::int64_t length = std::min<std::int64_t>(a.block, a.depth - k0);
+          exact_block_products(a_values.data(), b_values.data(), a.depth, m0, rows, n0, cols, k0, length, dots.data());
+          double* slot = contributions.data() + (block - group_begin) * entries;
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::int32_t a_spread = a_spreads[static_cast<std::size_t>((m0 + r) * a.blocks + block)];
+            for (std::int64_t j = 0; j < cols; ++j) {
+              const std::int32_t b_spread = b_spreads[static_cast<std::size_t>((n0 + j) * b.blocks + block)];
+              const auto e = static_cast<std::size_t>(r * cols + j);
+              if (a_spread >= 0 && b_spread >= 0 && a_spread + b_spread > budget) redo[e] = 1;
+              slot[e] = dots[e] + 0.0;  // exact (or redone); +0.0 maps -0 to +0
+            }
+          }
+        }
+        const std::int64_t count = group_end - group_begin;
+        double terms[64];
+        std::vector<double> wide_terms;
+        for (std::int64_t e = 0; e < entries; ++e) {
+          if (redo[static_cast<std::size_t>(e)] != 0) continue;
+          float& accumulator = accumulators[static_cast<std::size_t>(e)];
+          if (count == 1) {
+            accumulator = add_exact_value(accumulator, contributions[static_cast<std::size_t>(e)]);
+            continue;
+          }
+          double* gathered = terms;
+          if (count > 64) {
+            wide_terms.resize(static_cast<std::size_t>(count));
+            gathered = wide_terms.data();
+          }
+          for (std::int64_t g = 0; g < count; ++g) gathered[g] = contributions[static_cast<std::size_t>(g * entries + e)];
+          if (!std::isfinite(accumulator)) continue;  // inf + finite terms stays inf
+          accumulator = core_ns::add_exactly_to_float(accumulator, gathered, static_cast<int>(count));
+        }
+      }
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t j = 0; j < cols; ++j) {
+          const auto e = static_cast<std::size_t>(r * cols + j);
+          if (redo[e] != 0) {
+            out(m0 + r, n0 + j) = generic_entry(a, b, m0 + r, n0 + j, model, unit_scale, products).value;
+            ++redone;
+          } else {
+            out(m0 + r, n0 + j) = accumulators[e];
+          }
+        }
+      }
+    }
+  }
+  return redone;
+}
 
 int common_block(const quantized_tensor& a, const quantized_tensor& b, std::string_view what, std::string_view a_name,
                  std::string_view b_name) {
@@ -1465,9 +1611,23 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   if (model.kind == accumulation_kind::fp32_seq) {
     sequential_fma_product(left, right, result.out, options.vector_kernels);
   } else {
-    const auto plan = options.path == accumulation_path::automatic ? plan_fast_path(left, right, model) : std::nullopt;
+    const bool automatic = options.path == accumulation_path::automatic;
+    const auto plan = automatic ? plan_fast_path(left, right, model) : std::nullopt;
     bool done = false;
-    if (plan && left.rows > 0 && right.rows > 0) {
+    const bool unquantized = is_unquantized(a) && is_unquantized(b);
+    if (automatic && unquantized && model.kind == accumulation_kind::exact && left.depth > 0) {
+      reference_result reference = reference_gemm(as_matrix(left), as_matrix(right), reference_kind::exact);
+      result.out = std::move(reference.fp32);
+      result.exact = std::move(reference.fp64);
+      done = true;
+    }
+    const int short_float_budget = 53 - bits_of(block) - significand_bits(a) - significand_bits(b);
+    if (!done && automatic && unquantized && left.finite && right.finite && short_float_budget >= 0 &&
+        (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group)) {
+      result.fallback_entries = short_float_product(left, right, short_float_budget, model, result.out);
+      done = true;
+    }
+    if (!done && plan && left.rows > 0 && right.rows > 0) {
       fast_context context{&left,
                            &right,
                            *plan,
