@@ -1,0 +1,499 @@
+// Hardware conformance (src/conform.cpp, mxscope conform) on synthetic hardware whose behaviour the
+// test decides:
+// - GEMM outputs produced by a known accumulation model (the library's generic per-entry
+//   definition, proven against Boost.Multiprecision oracles in test_gemm) must be identified by the
+//   fit: the fitted model reproduces 100% and the generating model is among the tied ones.
+//   Outputs with a few corrupted bits must be reported as such, with exactly those entries listed.
+// - Hardware codes produced with a flipped tie rule or the ceil scale rule must be identified by the
+//   quantizer fit; the mismatch counts are checked against midpoints and block maxima the test
+//   places itself, with the fp4 value table typed from the OCP spec.
+// - The shipped H200 capture (data/conformance/h200) reproduces under its documented model.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mxscope/cli/cli.hpp"
+#include "mxscope/conform.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/io/safetensors.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using mxscope::matrix;
+using mxscope::quantized_tensor;
+namespace conform = mxscope::conform;
+
+// The synthetic cases are tiny: one thread avoids the cost of waking a thread team for each of the
+// few hundred products a fit runs (results do not depend on the thread count).
+const bool single_thread = [] {
+  omp_set_num_threads(1);
+  return true;
+}();
+
+std::uint32_t bits_of(float value) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+float from_bits(std::uint32_t bits) {
+  float value = 0.0f;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+fs::path scratch_directory(const std::string& name) {
+  const fs::path directory = fs::temp_directory_path() / ("mxscope_test_conform_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(directory);
+  fs::create_directories(directory);
+  return directory;
+}
+
+struct cli_result {
+  int code = 0;
+  std::string out;
+  std::string err;
+};
+
+cli_result run_cli(std::vector<std::string> arguments) {
+  arguments.insert(arguments.begin(), "mxscope");
+  std::vector<const char*> argv;
+  for (const auto& argument : arguments) argv.push_back(argument.c_str());
+  std::ostringstream out;
+  std::ostringstream err;
+  cli_result result;
+  result.code = mxscope::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
+  result.out = out.str();
+  result.err = err.str();
+  return result;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Synthetic GEMM hardware.
+
+// Gaussian values whose 32-element blocks have magnitudes 2^e with e drawn from [-12, 12], so the
+// block contributions span many binades and the accumulation models disagree on many outputs.
+matrix wide_range_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  std::mt19937_64 random(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-12, 12);
+  matrix out(rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    int e = 0;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (c % 32 == 0) e = exponent(random);
+      out(r, c) = static_cast<float>(std::ldexp(normal(random), e));
+    }
+  }
+  return out;
+}
+
+quantized_tensor mx_operand(const matrix& values, const char* format) {
+  mxscope::quantize_options options;
+  options.format = *mxscope::parse_format(format);
+  options.block = 32;
+  options.axis = 1;
+  return mxscope::quantize(values, options);
+}
+
+conform::gemm_case synthetic_case(const std::string& model_text, const char* format, std::uint64_t seed,
+                                  std::int64_t m = 12, std::int64_t n = 10, std::int64_t k = 512) {
+  conform::gemm_case one;
+  one.name = model_text + " " + format;
+  one.kind = "product";
+  if (std::string(format) == "fp32") {
+    one.a = conform::plain_operand(wide_range_matrix(m, k, seed));
+    one.b = conform::plain_operand(wide_range_matrix(n, k, seed + 1));
+  } else {
+    one.a = mx_operand(wide_range_matrix(m, k, seed), format);
+    one.b = mx_operand(wide_range_matrix(n, k, seed + 1), format);
+  }
+  mxscope::gemm_options generic;
+  generic.path = mxscope::accumulation_path::generic;
+  one.out = mxscope::emulate_product(one.a, one.b, mxscope::parse_accumulation_model(model_text),
+                                     mxscope::output_rounding::fp32, generic)
+                .out;
+  return one;
+}
+
+class fit_identifies : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(fit_identifies, the_generating_model_with_every_output_matching) {
+  const std::string truth = mxscope::accumulation_model_name(mxscope::parse_accumulation_model(GetParam()));
+  // fp4 for every model; fp8 (24 products of 8 bits, wider block dots) for the first few.
+  const bool with_fp8 = std::string(GetParam()).rfind("trunc-align:1", 0) == 0 || std::string(GetParam()) == "fp32-block";
+  for (const char* format : {"mxfp4", "mxfp8_e4m3"}) {
+    if (std::string(format) == "mxfp8_e4m3" && !with_fp8) continue;
+    const std::vector<conform::gemm_case> cases = {synthetic_case(truth, format, 21, 12, 10, 256),
+                                                   synthetic_case(truth, format, 77, 6, 9, 128)};
+    const auto family = conform::fit_family();
+    const conform::gemm_fit fit = conform::fit_gemm(cases, family);
+    ASSERT_FALSE(fit.finalists.empty());
+    const auto& best = fit.finalists.front();
+    EXPECT_TRUE(best.exact()) << "truth " << truth << " format " << format << ": best " << best.name << " matches "
+                              << best.matches << " of " << best.compared;
+    EXPECT_EQ(best.compared, 12 * 10 + 6 * 9);
+    EXPECT_NE(std::find(fit.tied.begin(), fit.tied.end(), truth), fit.tied.end())
+        << "truth " << truth << " format " << format << " not among the tied models (best " << best.name << ")";
+    // Every tied model really reproduces every output, and the data tell most of the family apart.
+    for (const auto& name : fit.tied) {
+      const auto agreement = conform::check_model(cases, mxscope::parse_accumulation_model(name));
+      EXPECT_TRUE(agreement.exact()) << name << " listed as tied for " << truth;
+    }
+    EXPECT_LT(fit.tied.size(), family.size() / 4) << "synthetic data too weak to discriminate models for " << truth;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(models, fit_identifies,
+                         ::testing::Values("exact", "fp32-block", "fp32-group:2", "fp32-group:4", "fp32-seq",
+                                           "trunc-align:10,1,rtz", "trunc-align:14,1,rtz", "trunc-align:16,4,rne",
+                                           "trunc-align:23,2,rtz", "trunc-align:25,8,rne"));
+
+TEST(gemm_conformance, plain_fp32_operands_are_fitted_too) {
+  const std::vector<conform::gemm_case> cases = {synthetic_case("trunc-align:13,1,rtz", "fp32", 5)};
+  const conform::gemm_fit fit = conform::fit_gemm(cases, conform::fit_family());
+  ASSERT_TRUE(fit.exact()) << fit.finalists.front().name;
+  EXPECT_NE(std::find(fit.tied.begin(), fit.tied.end(), "trunc-align:13,1,rtz"), fit.tied.end());
+}
+
+TEST(gemm_conformance, corrupted_outputs_are_reported_not_fitted) {
+  std::vector<conform::gemm_case> cases = {synthetic_case("fp32-block", "mxfp4", 33)};
+  // Flip the last significand bit of three outputs (the hardware "got them wrong").
+  const std::vector<std::pair<std::int64_t, std::int64_t>> corrupted = {{0, 0}, {5, 7}, {11, 9}};
+  for (const auto& [row, col] : corrupted) {
+    float& value = cases[0].out(row, col);
+    value = from_bits(bits_of(value) ^ 1U);
+  }
+  const conform::gemm_fit fit = conform::fit_gemm(cases, conform::fit_family());
+  const auto& best = fit.finalists.front();
+  EXPECT_FALSE(fit.exact()) << best.name << " claims every output";
+  EXPECT_EQ(best.compared, 120);
+  EXPECT_EQ(best.matches, 117) << best.name;
+  // fp32-block itself misses exactly the corrupted entries, each by one ulp.
+  const auto truth = conform::check_model(cases, mxscope::parse_accumulation_model("fp32-block"), 10);
+  EXPECT_EQ(truth.matches, 117);
+  EXPECT_EQ(truth.histogram[1], 3);
+  EXPECT_EQ(truth.max_ulps, 1U);
+  std::set<std::pair<std::int64_t, std::int64_t>> listed;
+  for (const auto& entry : truth.worst) listed.insert({entry.row, entry.col});
+  EXPECT_EQ(listed, (std::set<std::pair<std::int64_t, std::int64_t>>(corrupted.begin(), corrupted.end())));
+}
+
+// Writes cases as a conformance directory (docs/dump-format.md, "GEMM conformance cases").
+void write_conformance_directory(const fs::path& directory, const std::vector<conform::gemm_case>& cases) {
+  nlohmann::json manifest = {{"format", "mxscope-conformance"},
+                             {"version", 1},
+                             {"source", {{"hardware", "synthetic"}, {"notes", "test"}}},
+                             {"cases", nlohmann::json::array()}};
+  int index = 0;
+  for (const auto& one : cases) {
+    mxscope::io::safetensors_writer writer;
+    const auto add_operand = [&](const std::string& name, const quantized_tensor& q) {
+      if (q.options.format.scheme == mxscope::quant_scheme::none) {
+        writer.add_matrix(name, q.dequantized);
+        return;
+      }
+      writer.add(name + ".codes", mxscope::io::dtype::u8, {q.rows, q.code_row_bytes()}, q.codes);
+      writer.add(name + ".scales", mxscope::io::dtype::u8, {q.scale_rows, q.scale_cols}, q.scales);
+      writer.set_metadata(name + ".format", mxscope::format_name(q.options.format));
+      writer.set_metadata(name + ".block", std::to_string(q.block));
+    };
+    add_operand("a", one.a);
+    add_operand("b", one.b);
+    writer.add_matrix("out", one.out);
+    writer.set_metadata("mxscope.case", "gemm");
+    writer.set_metadata("out.kind", one.kind);
+    const std::string file = "case" + std::to_string(index++) + ".safetensors";
+    writer.write(directory / file);
+    manifest["cases"].push_back({{"name", one.name}, {"file", file}});
+  }
+  std::ofstream(directory / "manifest.json") << manifest.dump(2);
+}
+
+TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
+  const fs::path directory = scratch_directory("gemm_cli");
+  std::vector<conform::gemm_case> cases = {synthetic_case("fp32-group:4", "mxfp4", 91),
+                                           synthetic_case("fp32-group:4", "fp32", 92, 4, 4, 128)};
+  write_conformance_directory(directory, cases);
+  const cli_result fitted = run_cli({"conform", directory.string(), "--fit"});
+  EXPECT_EQ(fitted.code, 0) << fitted.err;
+  EXPECT_NE(fitted.out.find("reproduces every output bit"), std::string::npos) << fitted.out;
+  EXPECT_NE(fitted.out.find("fp32-group:4"), std::string::npos) << fitted.out;
+  EXPECT_EQ(run_cli({"conform", directory.string(), "--expect", "fp32-group:4"}).code, 0);
+  const cli_result wrong = run_cli({"conform", directory.string(), "--expect", "fp32-block"});
+  EXPECT_EQ(wrong.code, 1) << wrong.out << wrong.err;
+  EXPECT_NE(wrong.err.find("check failed"), std::string::npos) << wrong.err;
+
+  // One corrupted output: the fit says so plainly and lists the entry.
+  cases[0].out(3, 4) = from_bits(bits_of(cases[0].out(3, 4)) ^ 0x10U);
+  write_conformance_directory(directory, cases);
+  const cli_result corrupted = run_cli({"conform", directory.string(), "--fit"});
+  EXPECT_EQ(corrupted.code, 0) << corrupted.err;
+  EXPECT_NE(corrupted.out.find("no model of the family reproduces every output"), std::string::npos) << corrupted.out;
+  EXPECT_EQ(run_cli({"conform", directory.string(), "--expect", "fp32-group:4"}).code, 1);
+
+  // Bad input: out with the wrong shape is an input error (exit 2) naming the field.
+  cases[0].out = matrix(3, 3);
+  write_conformance_directory(directory, cases);
+  const cli_result bad = run_cli({"conform", directory.string()});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("out.shape"), std::string::npos) << bad.err;
+  fs::remove_all(directory);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Synthetic quantizer hardware.
+
+// fp4 e2m1 magnitudes by code (OCP MX v1.0, table of FP4 values).
+constexpr float fp4_values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+// Rows of 32-element blocks. Every block holds its exponent's largest value (6 * 2^e, or 7 * 2^e in
+// a "wide" block, so floor and ceil disagree) and otherwise grid values and midpoints of the fp4 grid.
+struct quantizer_data {
+  matrix values;
+  std::int64_t tie_differences = 0;  // midpoints where ties-to-even and ties-away differ (floor blocks)
+  std::int64_t wide_blocks = 0;
+};
+
+quantizer_data quantizer_input(std::uint64_t seed) {
+  // Midpoints of adjacent fp4 magnitudes; RNE and RNA disagree exactly where the lower neighbour
+  // has the even code (codes 0, 2, 4, 6: 0.25, 1.25, 2.5, 5).
+  const float midpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const bool differs[7] = {true, false, true, false, true, false, true};
+  std::mt19937_64 random(seed);
+  std::uniform_int_distribution<int> exponent(-6, 6);
+  std::uniform_int_distribution<int> pick(0, 14);
+  quantizer_data data;
+  data.values = matrix(8, 128);
+  for (std::int64_t r = 0; r < data.values.rows; ++r) {
+    for (std::int64_t block = 0; block < 4; ++block) {
+      const int e = exponent(random);
+      const bool wide = (r + block) % 3 == 0;
+      data.wide_blocks += wide;
+      for (std::int64_t i = 0; i < 32; ++i) {
+        float magnitude = 0.0f;
+        if (i == 0) {
+          magnitude = wide ? 7.0f : 6.0f;
+        } else {
+          const int choice = pick(random);
+          if (choice < 7) {
+            magnitude = midpoints[choice];
+            if (!wide && differs[choice]) ++data.tie_differences;
+          } else {
+            magnitude = fp4_values[choice - 7];
+          }
+        }
+        const float sign = (i % 2 == 0) ? 1.0f : -1.0f;
+        data.values(r, block * 32 + i) = sign * std::ldexp(magnitude, e);
+      }
+    }
+  }
+  return data;
+}
+
+mxscope::quantize_options fp4_options(mxscope::core::scale_rule rule, mxscope::core::rounding_mode rounding) {
+  mxscope::quantize_options options;
+  options.format = *mxscope::parse_format("mxfp4");
+  options.block = 32;
+  options.axis = 1;
+  options.rule = rule;
+  options.rounding = rounding;
+  options.stream = mxscope::core::random_stream{5, 1, 0x77U};
+  return options;
+}
+
+std::vector<std::string> exact_candidates(const std::vector<conform::quantizer_fit_row>& rows) {
+  std::vector<std::string> names;
+  for (const auto& row : rows) {
+    if (row.mismatches == 0) names.push_back(row.candidate.name());
+  }
+  return names;
+}
+
+TEST(quantizer_conformance, flipped_tie_rule_is_identified) {
+  using mxscope::core::rounding_mode;
+  using mxscope::core::scale_rule;
+  const quantizer_data data = quantizer_input(3);
+  conform::quantizer_operand operand;
+  operand.label = "synthetic";
+  operand.rotated_input = data.values;
+  operand.hardware = mxscope::quantize(data.values, fp4_options(scale_rule::floor, rounding_mode::rna));
+  operand.recorded = fp4_options(scale_rule::floor, rounding_mode::rne);
+
+  const conform::quantizer_check check = conform::check_quantizer(operand.rotated_input, operand.hardware, operand.recorded, 5);
+  EXPECT_EQ(check.matching_scales, check.blocks);
+  // In wide blocks (floor exponent, amax 7 * 2^e) the midpoints are also midpoints, scaled: count
+  // them from the input as the test placed them.
+  std::int64_t expected_ties = 0;
+  for (std::int64_t r = 0; r < data.values.rows; ++r) {
+    for (std::int64_t c = 0; c < data.values.cols; ++c) {
+      const float block_max = std::fabs(data.values(r, c - c % 32));
+      const int e = static_cast<int>(std::floor(std::log2(block_max))) - 2;  // floor rule, emax 2 (exact: powers of two times 6 or 7)
+      const float scaled = std::fabs(data.values(r, c)) / std::ldexp(1.0f, e);
+      for (int code = 0; code < 6; code += 2) {  // lower neighbour with an even code
+        if (scaled == 0.5f * (fp4_values[code] + fp4_values[code + 1])) ++expected_ties;
+      }
+      if (scaled == 5.0f) ++expected_ties;
+    }
+  }
+  EXPECT_GE(expected_ties, data.tie_differences);
+  EXPECT_EQ(check.counts[static_cast<int>(conform::mismatch_kind::element_tie)], expected_ties);
+  EXPECT_EQ(check.mismatches(), expected_ties) << "every disagreement is a tie";
+  ASSERT_FALSE(check.listed.empty());
+  const auto& first = check.listed.front();
+  EXPECT_EQ(first.kind, conform::mismatch_kind::element_tie);
+  EXPECT_EQ(first.input_bits, bits_of(data.values(first.row, first.col)));
+
+  const auto rows = conform::fit_quantizer({operand});
+  const auto exact = exact_candidates(rows);
+  EXPECT_NE(std::find(exact.begin(), exact.end(), "floor/rna"), exact.end());
+  EXPECT_EQ(std::find(exact.begin(), exact.end(), "floor/rne"), exact.end());
+  EXPECT_EQ(std::find(exact.begin(), exact.end(), "ceil/rna"), exact.end());
+}
+
+TEST(quantizer_conformance, ceil_scale_rule_is_identified) {
+  using mxscope::core::rounding_mode;
+  using mxscope::core::scale_rule;
+  const quantizer_data data = quantizer_input(8);
+  conform::quantizer_operand operand;
+  operand.label = "synthetic";
+  operand.rotated_input = data.values;
+  operand.hardware = mxscope::quantize(data.values, fp4_options(scale_rule::ceil, rounding_mode::rne));
+  operand.recorded = fp4_options(scale_rule::floor, rounding_mode::rne);
+  const conform::quantizer_check check = conform::check_quantizer(operand.rotated_input, operand.hardware, operand.recorded, 3);
+  // Exactly the wide blocks (amax 7 * 2^e: floor gives e - 2, ceil e - 1) have their scale one off.
+  EXPECT_EQ(check.counts[static_cast<int>(conform::mismatch_kind::scale_off_by_one)], data.wide_blocks);
+  EXPECT_EQ(check.blocks - check.matching_scales, data.wide_blocks);
+  ASSERT_FALSE(check.listed.empty());
+  EXPECT_TRUE(check.listed.front().scale);
+  EXPECT_EQ(check.listed.front().hardware_scale, check.listed.front().recomputed_scale + 1);
+
+  const auto exact = exact_candidates(conform::fit_quantizer({operand}));
+  EXPECT_NE(std::find(exact.begin(), exact.end(), "ceil/rne"), exact.end());
+  EXPECT_EQ(std::find(exact.begin(), exact.end(), "floor/rne"), exact.end());
+}
+
+TEST(quantizer_conformance, saturation_is_classified) {
+  using mxscope::core::rounding_mode;
+  using mxscope::core::scale_rule;
+  // One block with amax 7: under floor the 7 saturates to 6 (code 7). Hardware that wrote code 6
+  // (value 4) there disagrees by saturation.
+  matrix values(1, 32, 1.0f);
+  values(0, 0) = 7.0f;
+  const auto options = fp4_options(scale_rule::floor, rounding_mode::rne);
+  quantized_tensor hardware = mxscope::quantize(values, options);
+  ASSERT_EQ(hardware.codes[0] & 0x0FU, 0x7U);
+  hardware.codes[0] = static_cast<std::uint8_t>((hardware.codes[0] & 0xF0U) | 0x6U);
+  const auto check = conform::check_quantizer(values, hardware, options, 10);
+  EXPECT_EQ(check.counts[static_cast<int>(conform::mismatch_kind::element_saturation)], 1);
+  EXPECT_EQ(check.mismatches(), 1);
+  EXPECT_EQ(check.listed.front().input_bits, 0x40e00000U);  // 7.0f
+}
+
+TEST(quantizer_conformance, cli_on_a_dump_reports_and_fits) {
+  using mxscope::core::rounding_mode;
+  using mxscope::core::scale_rule;
+  const fs::path directory = scratch_directory("quantizer_cli");
+  const quantizer_data data = quantizer_input(12);
+  // dy [K = 128, n_out = 8] blocked along K (axis 0), as wgrad operands are: store the transpose.
+  const matrix dy = mxscope::transposed(data.values);
+  mxscope::quantize_options hardware_options = fp4_options(scale_rule::floor, rounding_mode::rna);
+  hardware_options.axis = 0;
+  const quantized_tensor hardware = mxscope::quantize(dy, hardware_options);
+  mxscope::io::safetensors_writer writer;
+  writer.add_matrix("x", matrix(128, 4, 1.0f));
+  writer.add_matrix("dy", dy);
+  writer.add("dy.codes", mxscope::io::dtype::u8, {hardware.rows, hardware.code_row_bytes()}, hardware.codes);
+  writer.add("dy.scales", mxscope::io::dtype::u8, {hardware.scale_rows, hardware.scale_cols}, hardware.scales);
+  const std::map<std::string, std::string> recipe = {
+      {"format", "mxfp4"}, {"block", "32"},  {"axis", "0"},     {"scale_rule", "floor"}, {"rounding", "rne"},
+      {"seed", "0"},       {"rotation", "none"}, {"signs", "none"}, {"layer", "l0"},      {"step", "0"},
+      {"sr_bits", "32"}};
+  for (const auto& [key, value] : recipe) writer.set_metadata("dy." + key, value);
+  writer.write(directory / "e0.safetensors");
+  const nlohmann::json manifest = {
+      {"format", "mxscope-dump"},
+      {"version", 1},
+      {"source", {{"hardware", "synthetic"}, {"framework", "test"}, {"recipe", "rna"}, {"model", "-"}, {"notes", ""}}},
+      {"entries", {{{"step", 0}, {"layer", "l0"}, {"file", "e0.safetensors"}}}}};
+  std::ofstream(directory / "manifest.json") << manifest.dump();
+
+  const cli_result plain = run_cli({"conform", directory.string()});
+  EXPECT_EQ(plain.code, 1) << plain.out << plain.err;
+  EXPECT_NE(plain.out.find("MISMATCH"), std::string::npos) << plain.out;
+  EXPECT_NE(plain.out.find("element-tie"), std::string::npos) << plain.out;
+  const cli_result fitted = run_cli({"conform", directory.string(), "--fit"});
+  EXPECT_NE(fitted.out.find("explained exactly by"), std::string::npos) << fitted.out;
+  EXPECT_NE(fitted.out.find("floor/rna"), std::string::npos) << fitted.out;
+  fs::remove_all(directory);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Self-test.
+
+TEST(self_test, cpu_fast_paths_are_bit_exact) {
+  const auto rows = conform::self_test(conform::self_test_device::cpu, 3);
+  ASSERT_GT(rows.size(), 20U);
+  for (const auto& row : rows) {
+    EXPECT_GT(row.compared, 0) << row.kernel;
+    EXPECT_EQ(row.differing, 0) << row.kernel;
+  }
+}
+
+TEST(self_test, gpu_without_backend_is_a_clear_input_error) {
+  if (conform::gpu_backend_available()) {
+    // With a backend, the device comparison itself must hold (run on a GPU machine).
+    for (const auto& row : conform::self_test(conform::self_test_device::gpu, 3)) EXPECT_EQ(row.differing, 0) << row.kernel;
+    return;
+  }
+  const cli_result result = run_cli({"conform", "--self-test", "--device", "gpu"});
+  EXPECT_EQ(result.code, 2);
+  const bool explained = result.err.find("without a GPU backend") != std::string::npos ||
+                         result.err.find("no usable GPU") != std::string::npos;
+  EXPECT_TRUE(explained) << result.err;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The shipped H200 capture (tools/capture/h200_conformance.py). data/conformance/h200/expected.json
+// documents the model found by `mxscope conform data/conformance/h200 --fit` and its match counts
+// (docs/conformance.md, "H200 results"); the test reproduces them from the hardware data.
+
+TEST(shipped_h200, reproduces_under_the_documented_model) {
+  const fs::path directory = fs::path(MXSCOPE_SOURCE_DIR) / "data/conformance/h200";
+  if (!fs::exists(directory / "manifest.json")) {
+    GTEST_SKIP() << directory << "/manifest.json is not shipped yet (docs/conformance.md, H200 results: pending)";
+  }
+  const fs::path expected_path = directory / "expected.json";
+  ASSERT_TRUE(fs::exists(expected_path))
+      << expected_path << " must document the fitted model: {\"model\": ..., \"matches\": ..., \"compared\": ...}";
+  nlohmann::json expected;
+  std::ifstream(expected_path) >> expected;
+  const conform::conformance_set set = conform::read_conformance_set(directory);
+  std::vector<conform::gemm_case> cases;
+  const std::string only_prefix = expected.value("cases_prefix", "");
+  for (const auto& one : set.cases) {
+    if (one.name.rfind(only_prefix, 0) == 0) cases.push_back(one);
+  }
+  ASSERT_FALSE(cases.empty()) << "no case named " << only_prefix << "*";
+  const auto model = mxscope::parse_accumulation_model(expected.at("model").get<std::string>());
+  const auto agreement = conform::check_model(cases, model, 5);
+  EXPECT_EQ(agreement.compared, expected.at("compared").get<std::int64_t>());
+  EXPECT_EQ(agreement.matches, expected.at("matches").get<std::int64_t>())
+      << agreement.name << " on the H200 cases: match rate " << agreement.match_rate();
+}
+
+}  // namespace
