@@ -21,6 +21,7 @@ constexpr registration registrations[] = {
     add_inspect_command,
     add_quantize_command,
     add_gemm_command,
+    add_replay_command,
     add_report_command,
     add_notebook_command,
     add_conform_command,

@@ -29,6 +29,7 @@ void add_quantize_command(CLI::App& app, command_list& commands);
 void add_gemm_command(CLI::App& app, command_list& commands);
 void add_report_command(CLI::App& app, command_list& commands);
 void add_notebook_command(CLI::App& app, command_list& commands);
+void add_replay_command(CLI::App& app, command_list& commands);
 void add_conform_command(CLI::App& app, command_list& commands);
 
 // ------------------------------------------------------------------------------------------------
