@@ -29,6 +29,7 @@
 #include "mxscope/conform.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/io/safetensors.hpp"
+#include "python_runner.hpp"
 
 namespace {
 
@@ -465,6 +466,37 @@ TEST(self_test, gpu_without_backend_is_a_clear_input_error) {
   const bool explained = result.err.find("without a GPU backend") != std::string::npos ||
                          result.err.find("no usable GPU") != std::string::npos;
   EXPECT_TRUE(explained) << result.err;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The H200 capture script's CPU parts: its --cpu-dry-run writes the real file layout with out = the
+// fp64 product rounded to fp32. For the MXFP4-valued operands every product and partial sum is a
+// short dyadic number (e2m1 times 2^-4 .. 2^3: at most 3 significant bits each, sums of 32 .. 128
+// terms), so the fp64 product is exact and its fp32 rounding is by definition the `exact` model:
+// any error in the script's code packing, nibble order, scale codes or layout breaks the match.
+
+TEST(capture_script, cpu_dry_run_reads_back_and_matches_the_exact_model) {
+  const python_runner::temporary_directory scratch("h200-dry-run");
+  const std::string problem = python_runner::torch_problem(scratch.path());
+  ASSERT_TRUE(problem.empty()) << problem;
+  const fs::path out = scratch.path() / "h200";
+  const auto result = python_runner::run_script(fs::path(MXSCOPE_SOURCE_DIR) / "tools/capture/h200_conformance.py",
+                                                {"--out", out.string(), "--cpu-dry-run", "--sizes", "32,128"},
+                                                scratch.path() / "python.log");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const conform::conformance_set set = conform::read_conformance_set(out);
+  ASSERT_EQ(set.cases.size(), 8U);
+  std::vector<conform::gemm_case> mxfp4_cases;
+  for (const auto& one : set.cases) {
+    EXPECT_EQ(one.out.rows, 128);
+    EXPECT_EQ(one.out.cols, 128);
+    if (one.name.rfind("fp8_mxfp4_", 0) == 0) mxfp4_cases.push_back(one);
+  }
+  ASSERT_EQ(mxfp4_cases.size(), 2U);
+  EXPECT_EQ(mxfp4_cases[0].a.options.format.element, mxscope::core::element_kind::fp4_e2m1);
+  const auto agreement = conform::check_model(mxfp4_cases, mxscope::parse_accumulation_model("exact"), 3);
+  EXPECT_TRUE(agreement.exact()) << agreement.matches << " of " << agreement.compared << "; first "
+                                 << (agreement.worst.empty() ? std::string("-") : agreement.worst[0].case_name);
 }
 
 // ------------------------------------------------------------------------------------------------
