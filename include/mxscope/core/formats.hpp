@@ -42,18 +42,30 @@ struct format_spec {
   special_encoding specials;
 };
 
+// The rows of the table. A switch rather than an indexed array so that device code (CUDA, HIP),
+// which cannot index a host constexpr array at run time, reads the same rows as the host.
+MXSCOPE_HD constexpr format_spec format_row(element_kind kind) {
+  switch (kind) {
+    case element_kind::fp4_e2m1: return {element_kind::fp4_e2m1, "fp4_e2m1", 4, 2, 1, 1, true, true, false, special_encoding::none};
+    case element_kind::fp6_e2m3: return {element_kind::fp6_e2m3, "fp6_e2m3", 6, 2, 3, 1, true, true, false, special_encoding::none};
+    case element_kind::fp6_e3m2: return {element_kind::fp6_e3m2, "fp6_e3m2", 6, 3, 2, 3, true, true, false, special_encoding::none};
+    case element_kind::fp8_e4m3: return {element_kind::fp8_e4m3, "fp8_e4m3", 8, 4, 3, 7, true, true, false, special_encoding::nan_all_ones};
+    case element_kind::fp8_e5m2: return {element_kind::fp8_e5m2, "fp8_e5m2", 8, 5, 2, 15, true, true, false, special_encoding::ieee};
+    case element_kind::int8: return {element_kind::int8, "int8", 8, 0, 6, 6, true, true, true, special_encoding::none};
+    case element_kind::e8m0: return {element_kind::e8m0, "e8m0", 8, 8, 0, 127, false, false, false, special_encoding::nan_ff};
+    case element_kind::ue4m3: break;
+  }
+  return {element_kind::ue4m3, "ue4m3", 8, 4, 3, 7, true, false, false, special_encoding::nan_all_ones};
+}
+
 inline constexpr format_spec format_table[element_kind_count] = {
-    {element_kind::fp4_e2m1, "fp4_e2m1", 4, 2, 1, 1, true, true, false, special_encoding::none},
-    {element_kind::fp6_e2m3, "fp6_e2m3", 6, 2, 3, 1, true, true, false, special_encoding::none},
-    {element_kind::fp6_e3m2, "fp6_e3m2", 6, 3, 2, 3, true, true, false, special_encoding::none},
-    {element_kind::fp8_e4m3, "fp8_e4m3", 8, 4, 3, 7, true, true, false, special_encoding::nan_all_ones},
-    {element_kind::fp8_e5m2, "fp8_e5m2", 8, 5, 2, 15, true, true, false, special_encoding::ieee},
-    {element_kind::int8, "int8", 8, 0, 6, 6, true, true, true, special_encoding::none},
-    {element_kind::e8m0, "e8m0", 8, 8, 0, 127, false, false, false, special_encoding::nan_ff},
-    {element_kind::ue4m3, "ue4m3", 8, 4, 3, 7, true, false, false, special_encoding::nan_all_ones},
+    format_row(element_kind::fp4_e2m1), format_row(element_kind::fp6_e2m3), format_row(element_kind::fp6_e3m2),
+    format_row(element_kind::fp8_e4m3), format_row(element_kind::fp8_e5m2), format_row(element_kind::int8),
+    format_row(element_kind::e8m0),     format_row(element_kind::ue4m3),
 };
 
-MXSCOPE_HD constexpr const format_spec& spec(element_kind kind) { return format_table[static_cast<int>(kind)]; }
+// By value: a row is a few bytes, and a copy is what device code can use.
+MXSCOPE_HD constexpr format_spec spec(element_kind kind) { return format_row(kind); }
 
 // ---------------------------------------------------------------------------------------------
 // Exact power-of-two and binade helpers on doubles (no libm: usable in constexpr and on device).
