@@ -1,0 +1,271 @@
+// The GPU backend (CUDA on NVIDIA, HIP on AMD): rotations, MX quantization, emulated MX GEMMs, the
+// exact reference GEMM and the comparison sums, computing the same bits as the CPU library.
+//
+// Every kernel calls the per-element functions of include/mxscope/core (shared_exponent,
+// quantize_element, dequantize_element, random_stream::word, rotate_segment, add_to_float,
+// add_exactly_to_float, long_accumulator) and keeps the CPU's order wherever an order matters
+// (the Hadamard stages, the ascending K-block order of an accumulator, the canonical reduction
+// order of compare.hpp), so a result differs from the CPU's in no bit. docs/gpu.md lists what runs
+// where and how tools/gpu-test checks it.
+//
+// Two layers:
+// - host convenience functions taking and returning host matrices (rotate, quantize,
+//   emulate_product, reference_gemm, compare), for the CLI and the tests;
+// - device functions on device pointers (the *_on_device functions and prepared operands) for
+//   pipelines that keep data on the GPU and for benchmarks.
+// This header is plain C++ (no CUDA or HIP types): any host compiler can include it; the
+// definitions live in src/gpu/kernels.cu and exist only when the GPU backend is built
+// (MXSCOPE_HAVE_CUDA).
+//
+// NaN outputs are written with one bit pattern, 0x7FC00000 (fp32) and 0x7FF8000000000000 (fp64):
+// the positive quiet NaN, which is what the CPU writes for NaN blocks and NaN entries.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "mxscope/compare.hpp"
+#include "mxscope/core/accumulate.hpp"
+#include "mxscope/core/mx.hpp"
+#include "mxscope/core/philox.hpp"
+#include "mxscope/gemm.hpp"
+#include "mxscope/quantize.hpp"
+#include "mxscope/reference.hpp"
+#include "mxscope/tensor.hpp"
+
+namespace mxscope::gpu {
+
+// A failed GPU runtime call or kernel launch (the message names the call site and the error).
+class gpu_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Devices and memory.
+
+// Number of usable devices; 0 (never an exception) when there is no device or no driver.
+int device_count();
+
+struct device_description {
+  std::string name;
+  int major = 0;  // compute capability (NVIDIA) or GCN architecture major (AMD)
+  int minor = 0;
+  int multiprocessors = 0;
+  std::uint64_t global_memory_bytes = 0;
+};
+device_description describe_device();
+
+// Owning device memory (move-only). Contents are uninitialized after allocation.
+class device_buffer {
+ public:
+  device_buffer() = default;
+  explicit device_buffer(std::size_t bytes);
+  ~device_buffer();
+  device_buffer(device_buffer&& other) noexcept;
+  device_buffer& operator=(device_buffer&& other) noexcept;
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+
+  void* get() const { return data_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  std::size_t bytes() const { return bytes_; }
+  void upload(const void* host, std::size_t bytes, std::size_t offset = 0);
+  void download(void* host, std::size_t bytes, std::size_t offset = 0) const;
+  void fill_bytes(int value);  // every byte set to `value` (e.g. 0xFF to poison an output)
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Waits for all queued device work; throws gpu_error if any of it failed.
+void synchronize();
+
+// Queues a device-to-device copy of `bytes` bytes on the default stream.
+void copy_on_device(void* destination, const void* source, std::size_t bytes);
+
+// Device-side timing with events on the default stream: start(), the work, stop(), then
+// elapsed_ms() (waits for the stop event).
+class device_timer {
+ public:
+  device_timer();
+  ~device_timer();
+  device_timer(const device_timer&) = delete;
+  device_timer& operator=(const device_timer&) = delete;
+  void start();
+  void stop();
+  double elapsed_ms();
+
+ private:
+  void* start_ = nullptr;
+  void* stop_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Plans: the resolved parameters of a rotation and of an MX quantizer.
+
+// Block Hadamard rotation along the quantization axis (NUMERICS.md section 5).
+struct rotation_plan {
+  int size = 0;               // 0: no rotation; else a power of two in [2, 4096]
+  bool random_signs = false;  // false: signs = none (deterministic H)
+  core::random_stream signs;  // the `signs` role stream after the seed policy
+};
+// Resolves rotation_options (signs stream of role `signs`, step after the policy). Size 0 -> none.
+rotation_plan make_rotation_plan(const rotation_options& options);
+
+struct mx_plan {
+  core::element_kind element = core::element_kind::fp4_e2m1;
+  int block = 32;
+  int axis = 1;
+  core::rounding_mode rounding = core::rounding_mode::rne;
+  core::scale_rule rule = core::scale_rule::floor;
+  int sr_bits = 32;
+  core::random_stream stream;  // stochastic rounding only
+};
+// Resolves and checks quantize_options for an MX format; throws input_error (naming `what` and the
+// field) for other schemes or invalid fields. Throws for a rotation that does not fit the shape.
+mx_plan make_mx_plan(const quantize_options& options, const std::string& what = "gpu quantize");
+void check_rotation(const rotation_plan& rotation, std::int64_t rows, std::int64_t cols, int axis,
+                    const std::string& what = "gpu rotate");
+
+// Storage sizes in the layout of quantized_tensor: codes [rows, ceil(cols/2)] for fp4 and
+// [rows, cols] otherwise; scales [rows, ceil(cols/block)] (axis 1) or [ceil(rows/block), cols].
+std::int64_t mx_code_row_bytes(const mx_plan& plan, std::int64_t cols);
+std::int64_t mx_code_bytes(const mx_plan& plan, std::int64_t rows, std::int64_t cols);
+std::int64_t mx_scale_rows(const mx_plan& plan, std::int64_t rows, std::int64_t cols);
+std::int64_t mx_scale_cols(const mx_plan& plan, std::int64_t rows, std::int64_t cols);
+
+// ------------------------------------------------------------------------------------------------
+// Device functions (pointers to device memory; the work is queued on the default stream).
+
+enum class input_format : std::uint8_t { fp32, bf16 };
+
+// Rotates the row-major fp32 tensor values[rows x cols] in place along `axis`.
+void rotate_on_device(float* values, std::int64_t rows, std::int64_t cols, int axis, const rotation_plan& rotation);
+
+// The four counters of quantized_tensor, in this order, as device unsigned 64-bit integers.
+enum mx_counter : int { counter_nonzero = 0, counter_flushed = 1, counter_saturated = 2, counter_nonfinite = 3 };
+inline constexpr int mx_counter_count = 4;
+
+struct mx_device_output {
+  std::uint8_t* codes = nullptr;           // required
+  std::uint8_t* scales = nullptr;          // required
+  float* dequantized = nullptr;            // optional [rows, cols]
+  unsigned long long* counters = nullptr;  // optional [4]: added to (zero them first)
+};
+
+// `generic`: two passes (block scales, then elements) for every option; `fused`: one pass, one
+// thread per block, with the rotation applied in registers (axis 1, block 32, rotation none, 16 or
+// 32, cols a multiple of 32); `automatic` takes `fused` where it applies.
+enum class quantize_path : std::uint8_t { automatic, generic, fused };
+bool fused_path_covers(const mx_plan& plan, const rotation_plan& rotation, std::int64_t rows, std::int64_t cols);
+
+// Rotates (if rotation.size > 0) and quantizes input[rows x cols] (row-major, fp32 or bf16) along
+// plan.axis. The rotation runs along the same axis; outside the fused path it goes through an fp32
+// copy, so `input` is never modified.
+void quantize_on_device(const void* input, input_format format, std::int64_t rows, std::int64_t cols,
+                        const mx_plan& plan, const rotation_plan& rotation, const mx_device_output& output,
+                        quantize_path path = quantize_path::automatic);
+
+// An MX operand on the device in the quantizer's storage layout.
+struct mx_operand_view {
+  const std::uint8_t* codes = nullptr;
+  const std::uint8_t* scales = nullptr;
+  core::element_kind element = core::element_kind::fp4_e2m1;
+  int block = 32;
+  int axis = 1;  // its reduction axis
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+};
+
+// How the product is computed (every path gives the same bits where it applies):
+// - generic: per entry, every product formed in fp64 and every rounding through a long accumulator
+//   (the definition; slow);
+// - integer: exact integer block dots (int32/int64 on element codes scaled to integers), then the
+//   model's rounding steps; every MX element format except fp8 e5m2;
+// - tensor_core: int8 tensor-core block dots (mma m16n8k32 on 2q / 8q / 64q integers, a fresh
+//   accumulator per 32-block) then the canonical fp32 scale-add; fp32-block model, block 32, fp4 /
+//   fp6 e2m3 / int8 elements on both sides, sm_80 or newer;
+// - automatic: tensor_core, else integer, else generic.
+enum class gemm_path : std::uint8_t { automatic, generic, integer, tensor_core };
+std::string_view gemm_path_name(gemm_path path);
+bool gemm_path_covers(gemm_path path, core::element_kind a, core::element_kind b, int block,
+                      const accumulation_model& model);
+
+// An operand brought to the canonical form of the product ([rows, depth], the reduction
+// contiguous) for one path; reusable across products.
+class prepared_operand {
+ public:
+  prepared_operand();
+  ~prepared_operand();
+  prepared_operand(prepared_operand&&) noexcept;
+  prepared_operand& operator=(prepared_operand&&) noexcept;
+  std::int64_t rows() const;
+  std::int64_t depth() const;
+  struct storage;
+  storage& data() const { return *storage_; }
+
+ private:
+  std::unique_ptr<storage> storage_;
+};
+
+// Throws input_error when the operand's format or block does not fit `path` (automatic resolves
+// per pair in multiply_prepared: prepare with the path you will multiply with).
+prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path);
+
+// out[M x N] (fp32, row-major) = the emulated A B^T; exact_out [M x N] (fp64) only for the exact
+// model (may be null). Throws input_error for mismatched depths or blocks or an uncovered path.
+void multiply_prepared(const prepared_operand& a, const prepared_operand& b, const accumulation_model& model,
+                       output_rounding output, float* out, double* exact_out, gemm_path path);
+
+// The path `automatic` resolves to for these operands.
+gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, const accumulation_model& model);
+
+// Exact reference C = A B^T of fp32 A [m x k] and B [n x k] (row-major, device): fp64 and fp32
+// results correctly rounded from the exact sum; entries whose rows hold inf or NaN are the IEEE
+// fp64 sum in ascending k (as the CPU reference). Either output may be null.
+void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
+                         float* out32);
+
+// Self-test of the fused quantizer's element encoder (src/gpu/fast_encode.hpp) against the core, on
+// the device: for the fp32 bit patterns first, first + stride, ... (count of them, modulo 2^32;
+// non-finite patterns skipped) it compares codes, flags and dequantized values of one float element
+// format, rounding mode (sr draws its word from the pattern), sr_bits and block exponent.
+struct encoder_self_test {
+  std::uint64_t checked = 0;
+  std::uint64_t mismatches = 0;
+  std::uint32_t first_mismatch = 0;  // the smallest mismatching pattern (when mismatches > 0)
+};
+encoder_self_test self_test_fast_encoder(core::element_kind kind, core::rounding_mode mode, int sr_bits, int exponent,
+                                         std::uint64_t first, std::uint64_t count, std::uint64_t stride);
+
+// ------------------------------------------------------------------------------------------------
+// Host convenience functions (host matrices in and out).
+
+matrix rotate(const matrix& values, int axis, const rotation_options& options);
+
+// MX formats only (quantize_options.format.scheme == mx); the rotation (size 0: none) is applied
+// along options.axis first, as run_gemm does before quantizing.
+quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation = {},
+                          quantize_path path = quantize_path::automatic);
+
+// The emulated product of two MX quantized tensors (as mxscope::emulate_product). Models: exact,
+// fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
+product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                               output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic);
+
+// The exact reference (reference_kind::exact) of A [M, K] and B [N, K]; stats count entries and
+// non-finite entries (every entry is exact: there is no certification step on the GPU).
+reference_result reference_gemm(const matrix& a, const matrix& b);
+
+// The metrics of mxscope::compare with every sum in the canonical order, computed on the GPU.
+comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32);
+
+}  // namespace mxscope::gpu

@@ -1,0 +1,2066 @@
+// The GPU backend (include/mxscope/gpu.hpp): one source for CUDA (nvcc) and HIP (clang -x hip).
+//
+// Bit-exactness rests on three habits, each argued next to the code that relies on it:
+// 1. every per-element decision is a call of the shared core functions (shared_exponent,
+//    quantize_element, dequantize_element, random_stream, rotate_segment, add_to_float,
+//    add_exactly_to_float, long_accumulator); the one re-derivation, the fused quantizer's
+//    integer element encoder (fast_encode.hpp), is proven equal to the core's and tested against it;
+// 2. where the CPU fixes an order (Hadamard stages, ascending K-blocks per accumulator, the
+//    canonical chunked reduction of compare.hpp), one thread follows that order; parallelism only
+//    splits independent work (entries, blocks, chunks, butterfly pairs of one stage);
+// 3. the build never contracts a multiply and an add into an FMA (nvcc --fmad=false, clang
+//    -ffp-contract=off), and fp32 arithmetic keeps subnormals (no flush to zero).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fast_encode.hpp"
+#include "mxscope/compare.hpp"
+#include "mxscope/core/accumulate.hpp"
+#include "mxscope/core/exact_sum.hpp"
+#include "mxscope/core/hadamard.hpp"
+#include "mxscope/core/mx.hpp"
+#include "mxscope/core/philox.hpp"
+#include "mxscope/errors.hpp"
+#include "mxscope/gpu.hpp"
+#include "runtime.hpp"
+
+#if defined(__HIP__)
+#include "hip_shims.hpp"  // the device-library functions the HIP headers call (-nogpulib builds)
+#endif
+
+// The tensor-core path: CUDA's mma.sync (sm_80+), and its emulation in the CPU simulation.
+#if (defined(__CUDACC__) && !defined(__HIP__)) || defined(MXSCOPE_GPU_SIMULATE)
+#define MXSCOPE_CUDA_TENSOR_CORES 1
+#endif
+
+// Dynamic shared memory (the size is a launch parameter).
+#if defined(MXSCOPE_GPU_SIMULATE)
+#define MXSCOPE_DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(runtime::simulation_shared_memory())
+#else
+#define MXSCOPE_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+namespace mxscope::gpu {
+
+namespace core_ns = mxscope::core;
+using core_ns::element_kind;
+
+namespace {
+
+constexpr int threads_per_block = 256;
+
+unsigned grid_for(std::int64_t work, int threads = threads_per_block) {
+  const std::int64_t blocks = (work + threads - 1) / threads;
+  return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, std::int64_t{1} << 20));
+}
+
+// Grid-stride loop over [0, count).
+#define MXSCOPE_GRID_LOOP(index, count)                                                                        \
+  for (std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
+       index += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+
+// The NaN bit patterns every output uses (the CPU's std::numeric_limits<>::quiet_NaN()).
+constexpr std::uint32_t float_nan_bits = 0x7FC00000U;
+constexpr std::uint64_t double_nan_bits = 0x7FF8000000000000ULL;
+
+__device__ inline float canonical_nan_float() { return core_ns::bits_float(float_nan_bits); }
+__device__ inline double canonical_nan_double() { return core_ns::bits_double(double_nan_bits); }
+__device__ inline float canonical(float value) { return value != value ? canonical_nan_float() : value; }
+__device__ inline double canonical(double value) { return value != value ? canonical_nan_double() : value; }
+__device__ inline bool is_finite(float value) { return (core_ns::float_bits(value) & 0x7f800000U) != 0x7f800000U; }
+__device__ inline bool is_finite(double value) {
+  return (core_ns::double_bits(value) & 0x7ff0000000000000ULL) != 0x7ff0000000000000ULL;
+}
+
+__device__ inline float load_input(const float* input, std::int64_t index) { return input[index]; }
+__device__ inline float load_input(const std::uint16_t* input, std::int64_t index) {
+  return core_ns::bf16_to_float(input[index]);  // exact widening
+}
+
+// Adds per-thread counters into global counters: shared-memory atomics first, then one global
+// atomic per thread block and counter. Integer sums do not depend on the order.
+__device__ void add_counters(unsigned long long* global, const unsigned long long (&local)[mx_counter_count]) {
+  __shared__ unsigned long long shared[mx_counter_count];
+  if (threadIdx.x < mx_counter_count) shared[threadIdx.x] = 0;
+  __syncthreads();
+  for (int i = 0; i < mx_counter_count; ++i) {
+    if (local[i] != 0) atomicAdd(&shared[i], local[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x < mx_counter_count && shared[threadIdx.x] != 0) atomicAdd(&global[threadIdx.x], shared[threadIdx.x]);
+}
+
+std::string to_text(std::int64_t value) { return std::to_string(value); }
+
+}  // namespace
+
+// ================================================================================================
+// Devices and memory.
+
+int device_count() {
+  int count = 0;
+  if (runtime::device_count(&count) != runtime::success) {
+    (void)runtime::last_error();  // clear the sticky "no device" error
+    return 0;
+  }
+  return count;
+}
+
+device_description describe_device() {
+  int device = 0;
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device));
+  runtime::device_properties properties{};
+  MXSCOPE_GPU_CHECK(runtime::properties(&properties, device));
+  device_description out;
+  out.name = properties.name;
+  out.major = properties.major;
+  out.minor = properties.minor;
+  out.multiprocessors = properties.multiProcessorCount;
+  out.global_memory_bytes = properties.totalGlobalMem;
+  return out;
+}
+
+device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::malloc(&data_, bytes));
+}
+
+device_buffer::~device_buffer() {
+  if (data_ != nullptr) (void)runtime::free(data_);
+}
+
+device_buffer::device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) (void)runtime::free(data_);
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void device_buffer::upload(const void* host, std::size_t bytes, std::size_t offset) {
+  if (offset + bytes > bytes_) throw gpu_error("device_buffer::upload: " + std::to_string(bytes) + " bytes do not fit");
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_to_device(static_cast<char*>(data_) + offset, host, bytes));
+}
+
+void device_buffer::download(void* host, std::size_t bytes, std::size_t offset) const {
+  if (offset + bytes > bytes_)
+    throw gpu_error("device_buffer::download: " + std::to_string(bytes) + " bytes do not fit");
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_to_host(host, static_cast<const char*>(data_) + offset, bytes));
+}
+
+void device_buffer::fill_bytes(int value) {
+  if (bytes_ > 0) MXSCOPE_GPU_CHECK(runtime::memset(data_, value, bytes_));
+}
+
+void synchronize() {
+  MXSCOPE_GPU_CHECK(runtime::synchronize());
+  MXSCOPE_GPU_CHECK(runtime::last_error());
+}
+
+void copy_on_device(void* destination, const void* source, std::size_t bytes) {
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_on_device_async(destination, source, bytes));
+}
+
+device_timer::device_timer() {
+  runtime::event_t start{}, stop{};
+  MXSCOPE_GPU_CHECK(runtime::event_create(&start));
+  MXSCOPE_GPU_CHECK(runtime::event_create(&stop));
+  start_ = static_cast<void*>(start);
+  stop_ = static_cast<void*>(stop);
+}
+
+device_timer::~device_timer() {
+  (void)runtime::event_destroy(static_cast<runtime::event_t>(start_));
+  (void)runtime::event_destroy(static_cast<runtime::event_t>(stop_));
+}
+
+void device_timer::start() { MXSCOPE_GPU_CHECK(runtime::event_record(static_cast<runtime::event_t>(start_))); }
+void device_timer::stop() { MXSCOPE_GPU_CHECK(runtime::event_record(static_cast<runtime::event_t>(stop_))); }
+
+double device_timer::elapsed_ms() {
+  MXSCOPE_GPU_CHECK(runtime::event_synchronize(static_cast<runtime::event_t>(stop_)));
+  float milliseconds = 0.0f;
+  MXSCOPE_GPU_CHECK(runtime::event_elapsed_ms(&milliseconds, static_cast<runtime::event_t>(start_),
+                                              static_cast<runtime::event_t>(stop_)));
+  return milliseconds;
+}
+
+// ================================================================================================
+// Plans.
+
+rotation_plan make_rotation_plan(const rotation_options& options) {
+  rotation_plan plan;
+  plan.size = options.size;
+  plan.random_signs = options.signs != sign_policy::none;
+  plan.signs =
+      core_ns::random_stream{options.seed,
+                             core_ns::policy_step(options.signs == sign_policy::fixed ? core_ns::seed_policy::fixed
+                                                                                      : core_ns::seed_policy::per_step,
+                                                  options.step),
+                             core_ns::stream_tag(options.layer_hash, core_ns::random_role::signs)};
+  return plan;
+}
+
+void check_rotation(const rotation_plan& rotation, std::int64_t rows, std::int64_t cols, int axis,
+                    const std::string& what) {
+  if (rotation.size == 0) return;
+  if (axis != 0 && axis != 1) throw input_error(what + ": rotation axis must be 0 or 1, got " + to_text(axis));
+  if (!core_ns::is_valid_rotation_size(rotation.size)) {
+    throw input_error(what + ": field 'rotation': size " + to_text(rotation.size) + " is not a power of two in [" +
+                      to_text(core_ns::rotation_size_min) + ", " + to_text(core_ns::rotation_size_max) + "]");
+  }
+  const std::int64_t length = axis == 1 ? cols : rows;
+  if (length % rotation.size != 0) {
+    throw input_error(what + ": field 'rotation': size " + to_text(rotation.size) + " does not divide the length " +
+                      to_text(length) + " of axis " + to_text(axis));
+  }
+}
+
+mx_plan make_mx_plan(const quantize_options& options, const std::string& what) {
+  if (options.format.scheme != quant_scheme::mx) {
+    throw input_error(what + ": field 'format': the GPU backend quantizes MX formats only");
+  }
+  const element_kind kind = options.format.element;
+  if (kind == element_kind::e8m0 || kind == element_kind::ue4m3) {
+    throw input_error(what + ": field 'format': not an MX element format");
+  }
+  if (options.axis != 0 && options.axis != 1) {
+    throw input_error(what + ": field 'axis' must be 0 or 1, got " + to_text(options.axis));
+  }
+  if (options.block < 0 || options.block > (1 << 20)) {
+    throw input_error(what + ": field 'block' must be in 1.." + to_text(1 << 20) + ", got " + to_text(options.block));
+  }
+  if (options.sr_bits < 1 || options.sr_bits > 32) {
+    throw input_error(what + ": field 'sr_bits' must be in 1..32, got " + to_text(options.sr_bits));
+  }
+  mx_plan plan;
+  plan.element = kind;
+  plan.block =
+      options.block > 0 ? options.block : (options.format.default_block > 0 ? options.format.default_block : 32);
+  plan.axis = options.axis;
+  plan.rounding = options.rounding;
+  plan.rule = options.rule;
+  plan.sr_bits = options.sr_bits;
+  plan.stream = options.stream;
+  return plan;
+}
+
+std::int64_t mx_code_row_bytes(const mx_plan& plan, std::int64_t cols) {
+  return core_ns::spec(plan.element).bits == 4 ? (cols + 1) / 2 : cols;
+}
+std::int64_t mx_code_bytes(const mx_plan& plan, std::int64_t rows, std::int64_t cols) {
+  return rows * mx_code_row_bytes(plan, cols);
+}
+std::int64_t mx_scale_rows(const mx_plan& plan, std::int64_t rows, std::int64_t) {
+  return plan.axis == 1 ? rows : (rows + plan.block - 1) / plan.block;
+}
+std::int64_t mx_scale_cols(const mx_plan& plan, std::int64_t, std::int64_t cols) {
+  return plan.axis == 1 ? (cols + plan.block - 1) / plan.block : cols;
+}
+
+// ================================================================================================
+// Rotations (NUMERICS.md section 5).
+//
+// One thread block holds `lines` segments of one rotation block in shared memory and runs the
+// canonical stages h = 1, 2, ..., size/2 with a barrier between stages. Within a stage the
+// butterflies touch disjoint pairs, so splitting them over threads changes no bit: each output is
+// fl32(a + c) or fl32(a - c) of the same inputs as on the CPU. Signs multiply first (exact), the
+// scale fl32(1/sqrt(b)) last, as core::rotate_segment does.
+
+namespace {
+
+__global__ void rotation_signs_kernel(float* signs, std::int64_t length, core_ns::random_stream stream) {
+  MXSCOPE_GRID_LOOP(k, length) { signs[k] = core_ns::sign_from_word(stream.word(static_cast<std::uint64_t>(k))); }
+}
+
+constexpr int rotation_tile_elements = 2048;
+
+__global__ void rotate_kernel(float* values, std::int64_t rows, std::int64_t cols, int axis, int size,
+                              const float* signs) {
+  MXSCOPE_DYNAMIC_SHARED(float, tile);  // [lines][size]
+  const bool along_rows = axis == 1;
+  const std::int64_t line_count = along_rows ? rows : cols;
+  const std::int64_t length = along_rows ? cols : rows;
+  const std::int64_t segments = length / size;
+  const int lines = size >= rotation_tile_elements ? 1 : rotation_tile_elements / size;
+  const std::int64_t line_groups = (line_count + lines - 1) / lines;
+  const std::int64_t segment = static_cast<std::int64_t>(blockIdx.x) % segments;
+  const std::int64_t first_line = (static_cast<std::int64_t>(blockIdx.x) / segments) * lines;
+  if (first_line >= line_groups * lines) return;
+  const int elements = lines * size;
+  const std::int64_t begin = segment * size;
+
+  // Load: for axis 1 consecutive threads walk along a row; for axis 0 across the lines (columns).
+  for (int t = threadIdx.x; t < elements; t += blockDim.x) {
+    const int line = along_rows ? t / size : t % lines;
+    const int i = along_rows ? t % size : t / lines;
+    const std::int64_t global_line = first_line + line;
+    float value = 0.0f;
+    if (global_line < line_count) {
+      const std::int64_t index = along_rows ? global_line * cols + begin + i : (begin + i) * cols + global_line;
+      value = values[index];
+      if (signs != nullptr) value = value * signs[begin + i];
+    }
+    tile[line * size + i] = value;
+  }
+  const int half_size = size / 2;
+  for (int half = 1; half < size; half *= 2) {
+    __syncthreads();
+    for (int p = threadIdx.x; p < lines * half_size; p += blockDim.x) {
+      const int line = p / half_size;
+      const int q = p % half_size;
+      const int j = (q / half) * 2 * half + q % half;
+      float* base = tile + line * size;
+      const float a = base[j];
+      const float c = base[j + half];
+      base[j] = a + c;
+      base[j + half] = a - c;
+    }
+  }
+  __syncthreads();
+  const float scale = core_ns::hadamard_scale(size);
+  for (int t = threadIdx.x; t < elements; t += blockDim.x) {
+    const int line = along_rows ? t / size : t % lines;
+    const int i = along_rows ? t % size : t / lines;
+    const std::int64_t global_line = first_line + line;
+    if (global_line < line_count) {
+      const std::int64_t index = along_rows ? global_line * cols + begin + i : (begin + i) * cols + global_line;
+      values[index] = tile[line * size + i] * scale;
+    }
+  }
+}
+
+// The sign vector of a rotation along an axis of `length` positions, or an empty buffer for none.
+device_buffer make_signs(const rotation_plan& rotation, std::int64_t length) {
+  if (rotation.size == 0 || !rotation.random_signs || length == 0) return {};
+  device_buffer signs(static_cast<std::size_t>(length) * sizeof(float));
+  runtime::launch(rotation_signs_kernel, grid_for(length), threads_per_block, 0, signs.as<float>(), length,
+                  rotation.signs);
+  return signs;
+}
+
+void launch_rotate(float* values, std::int64_t rows, std::int64_t cols, int axis, int size, const float* signs) {
+  const std::int64_t line_count = axis == 1 ? rows : cols;
+  const std::int64_t length = axis == 1 ? cols : rows;
+  if (line_count == 0 || length == 0) return;
+  const int lines = size >= rotation_tile_elements ? 1 : rotation_tile_elements / size;
+  const std::int64_t line_groups = (line_count + lines - 1) / lines;
+  const std::int64_t grid = line_groups * (length / size);
+  if (grid > 0x7fffffffLL) throw gpu_error("rotate: tensor too large for one launch");
+  const std::size_t shared_bytes = static_cast<std::size_t>(lines) * size * sizeof(float);
+  runtime::launch(rotate_kernel, static_cast<unsigned>(grid), threads_per_block, shared_bytes, values, rows, cols, axis,
+                  size, signs);
+}
+
+}  // namespace
+
+void rotate_on_device(float* values, std::int64_t rows, std::int64_t cols, int axis, const rotation_plan& rotation) {
+  check_rotation(rotation, rows, cols, axis);
+  if (rotation.size == 0) return;
+  const std::int64_t length = axis == 1 ? cols : rows;
+  const device_buffer signs = make_signs(rotation, length);
+  launch_rotate(values, rows, cols, axis, rotation.size, signs.as<const float>());
+  if (signs.get() != nullptr) synchronize();  // `signs` must outlive the kernel
+}
+
+// ================================================================================================
+// MX quantization (NUMERICS.md sections 2-4).
+
+namespace {
+
+// One element against its block exponent: the code, the flags and the dequantized fp32 value.
+// Kept out of line: the encoder is long (fp64 arithmetic, every rounding mode), and inlining it
+// into unrolled loops multiplies code size and compile time without a measurable gain.
+struct element_result {
+  core_ns::encoded encoded;
+  float dequantized;
+};
+
+template <int KindIndex>
+__device__ __noinline__ element_result quantize_one(element_kind runtime_kind, float value, int exponent,
+                                                    core_ns::rounding_mode rounding, std::uint32_t word, int sr_bits) {
+  element_kind kind = runtime_kind;
+  if constexpr (KindIndex >= 0) kind = static_cast<element_kind>(KindIndex);
+  const core_ns::encoded result = core_ns::quantize_element(kind, value, exponent, rounding, word, sr_bits);
+  return {result, static_cast<float>(core_ns::dequantize_element(kind, result.code, exponent))};
+}
+
+// Pass 1 of the generic path: one thread per block computes amax and the scale code. The thread
+// index equals the scale's index in both layouts ([rows, blocks] for axis 1, [blocks, cols] for
+// axis 0); for axis 0 consecutive threads read consecutive columns.
+template <class Input>
+__global__ void mx_scale_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                                std::uint8_t* scales) {
+  const bool along_rows = plan.axis == 1;
+  const std::int64_t lines = along_rows ? rows : cols;
+  const std::int64_t length = along_rows ? cols : rows;
+  const std::int64_t blocks_per_line = (length + plan.block - 1) / plan.block;
+  MXSCOPE_GRID_LOOP(g, lines * blocks_per_line) {
+    const std::int64_t line = along_rows ? g / blocks_per_line : g % lines;
+    const std::int64_t b = along_rows ? g % blocks_per_line : g / lines;
+    const std::int64_t begin = b * plan.block;
+    const std::int64_t count = length - begin < plan.block ? length - begin : plan.block;
+    float amax = 0.0f;
+    bool nonfinite = false;
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::int64_t index = along_rows ? line * cols + begin + i : (begin + i) * cols + line;
+      const float v = load_input(input, index);
+      if (!is_finite(v)) {
+        nonfinite = true;
+      } else {
+        const float magnitude = fabsf(v);
+        if (amax < magnitude) amax = magnitude;  // std::max(amax, magnitude)
+      }
+    }
+    scales[g] = nonfinite ? core_ns::scale_nan_code
+                          : core_ns::scale_code(core_ns::shared_exponent(plan.element, plan.rule, amax));
+  }
+}
+
+// Pass 2: one thread per code byte (two elements for fp4, one otherwise) reads its block's scale
+// and encodes. NaN blocks get code 0 and NaN, as the CPU writes them.
+template <class Input>
+__global__ void mx_element_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                                  const std::uint8_t* scales, mx_device_output output) {
+  const bool packed = core_ns::spec(plan.element).bits == 4;
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::int64_t row_bytes = packed ? (cols + 1) / 2 : cols;
+  const std::int64_t blocks_along_row = (cols + plan.block - 1) / plan.block;
+  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
+  MXSCOPE_GRID_LOOP(unit, rows * row_bytes) {
+    const std::int64_t r = unit / row_bytes;
+    const std::int64_t first_col = packed ? (unit % row_bytes) * 2 : unit % row_bytes;
+    const int elements = packed ? 2 : 1;
+    std::uint32_t byte = 0;
+    core_ns::philox_block words{};
+    std::uint64_t words_index = ~std::uint64_t{0};
+    for (int e = 0; e < elements; ++e) {
+      const std::int64_t c = first_col + e;
+      if (c >= cols) break;  // the unused high nibble of an odd row stays 0
+      const std::int64_t flat = r * cols + c;
+      const float v = load_input(input, flat);
+      counts[counter_nonzero] += v != 0.0f;
+      counts[counter_nonfinite] += !is_finite(v);
+      const std::uint8_t scale =
+          plan.axis == 1 ? scales[r * blocks_along_row + c / plan.block] : scales[(r / plan.block) * cols + c];
+      std::uint32_t code = 0;
+      float dequantized = canonical_nan_float();
+      if (scale != core_ns::scale_nan_code) {
+        const int exponent = core_ns::scale_exponent(scale);
+        std::uint32_t word = 0;
+        if (stochastic) {
+          const std::uint64_t block_index = static_cast<std::uint64_t>(flat) / 4;
+          if (block_index != words_index) {
+            words = plan.stream.block(block_index);
+            words_index = block_index;
+          }
+          word = words.word[flat % 4];
+        }
+        const element_result result = quantize_one<-1>(plan.element, v, exponent, plan.rounding, word, plan.sr_bits);
+        code = result.encoded.code;
+        dequantized = result.dequantized;
+        counts[counter_flushed] += result.encoded.flushed;
+        counts[counter_saturated] += result.encoded.saturated;
+      }
+      byte |= packed ? (code & 0x0FU) << (4 * e) : code;
+      if (output.dequantized != nullptr) output.dequantized[flat] = dequantized;
+    }
+    output.codes[unit] = static_cast<std::uint8_t>(byte);
+  }
+  if (output.counters != nullptr) add_counters(output.counters, counts);
+}
+
+// The fused path: one thread per 32-element block of a row (axis 1, cols a multiple of 32). The
+// block is loaded into registers, rotated there (Rotation = 16 or 32: whole rotation segments lie in
+// the block) with core::rotate_segment, then scaled and encoded; codes go out in 16-byte stores.
+// The float element formats are encoded by fast_encode (the core's function on the fp32 bits, see
+// fast_encode.hpp), int8 by the core itself. KindIndex >= 0 fixes the element format at compile
+// time (the fp4 case); -1 reads it from the plan.
+constexpr int fused_block = 32;
+
+template <int KindIndex>
+__device__ inline element_kind fused_kind(element_kind runtime_kind) {
+  if constexpr (KindIndex < 0) {
+    return runtime_kind;
+  } else {
+    return static_cast<element_kind>(KindIndex);
+  }
+}
+
+__device__ inline void load_block(const float* input, std::int64_t first, float (&v)[fused_block]) {
+  const float4* source = reinterpret_cast<const float4*>(input + first);
+#pragma unroll
+  for (int q = 0; q < fused_block / 4; ++q) {
+    const float4 chunk = source[q];
+    v[4 * q] = chunk.x;
+    v[4 * q + 1] = chunk.y;
+    v[4 * q + 2] = chunk.z;
+    v[4 * q + 3] = chunk.w;
+  }
+}
+
+__device__ inline void load_block(const std::uint16_t* input, std::int64_t first, float (&v)[fused_block]) {
+  const uint4* source = reinterpret_cast<const uint4*>(input + first);
+#pragma unroll
+  for (int q = 0; q < fused_block / 8; ++q) {
+    const uint4 chunk = source[q];
+    const std::uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      v[8 * q + 2 * w] = core_ns::bf16_to_float(static_cast<std::uint16_t>(words[w] & 0xFFFFU));
+      v[8 * q + 2 * w + 1] = core_ns::bf16_to_float(static_cast<std::uint16_t>(words[w] >> 16));
+    }
+  }
+}
+
+template <class Input, int Rotation, int KindIndex>
+__global__ void mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                                const float* signs, mx_device_output output) {
+  const element_kind kind = fused_kind<KindIndex>(plan.element);
+  const bool packed = core_ns::spec(kind).bits == 4;
+  const bool fast = fast_encode::covers(kind);
+  const fast_encode::element_constants constants = fast_encode::constants_of(kind);
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::int64_t blocks_per_row = cols / fused_block;
+  const std::int64_t row_bytes = packed ? cols / 2 : cols;
+  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
+  MXSCOPE_GRID_LOOP(g, rows * blocks_per_row) {
+    const std::int64_t r = g / blocks_per_row;
+    const std::int64_t b = g % blocks_per_row;
+    const std::int64_t first = r * cols + b * fused_block;
+    float v[fused_block];
+    load_block(input, first, v);
+    if constexpr (Rotation > 0) {
+      // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
+      if (signs != nullptr) {
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) v[i] = v[i] * signs[b * fused_block + i];
+      }
+#pragma unroll
+      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+    }
+    float amax = 0.0f;
+    bool nonfinite = false;
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) {
+      counts[counter_nonzero] += v[i] != 0.0f;
+      if (!is_finite(v[i])) {
+        nonfinite = true;
+        ++counts[counter_nonfinite];
+      } else {
+        const float magnitude = fabsf(v[i]);
+        if (amax < magnitude) amax = magnitude;
+      }
+    }
+    std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
+    if (nonfinite) {
+      output.scales[g] = core_ns::scale_nan_code;
+      if (output.dequantized != nullptr) {
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) v[i] = canonical_nan_float();
+      }
+    } else {
+      const int exponent = core_ns::shared_exponent(kind, plan.rule, amax);
+      output.scales[g] = core_ns::scale_code(exponent);
+#pragma unroll
+      for (int q = 0; q < fused_block / 4; ++q) {
+        core_ns::philox_block random{};
+        if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(first) / 4 + q);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int i = 4 * q + w;
+          element_result result;
+          if (fast) {
+            result.encoded =
+                fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+            result.dequantized = fast_encode::dequantize(constants, result.encoded.code, exponent);
+          } else {
+            result = quantize_one<KindIndex>(kind, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+          }
+          counts[counter_flushed] += result.encoded.flushed;
+          counts[counter_saturated] += result.encoded.saturated;
+          if (packed) {
+            words[i / 8] |= static_cast<std::uint32_t>(result.encoded.code & 0x0FU) << (4 * (i % 8));
+          } else {
+            words[i / 4] |= static_cast<std::uint32_t>(result.encoded.code) << (8 * (i % 4));
+          }
+          v[i] = result.dequantized;
+        }
+      }
+    }
+    uint4* codes =
+        reinterpret_cast<uint4*>(output.codes + r * row_bytes + b * (packed ? fused_block / 2 : fused_block));
+    codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    if (!packed) codes[1] = make_uint4(words[4], words[5], words[6], words[7]);
+    if (output.dequantized != nullptr) {
+      float4* destination = reinterpret_cast<float4*>(output.dequantized + first);
+#pragma unroll
+      for (int q = 0; q < fused_block / 4; ++q)
+        destination[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    }
+  }
+  if (output.counters != nullptr) add_counters(output.counters, counts);
+}
+
+template <class Input, int Rotation>
+void launch_fused_for_kind(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                           const float* signs, const mx_device_output& output) {
+  const unsigned grid = grid_for(rows * (cols / fused_block));
+  constexpr int fp4 = static_cast<int>(element_kind::fp4_e2m1);
+  if (plan.element == element_kind::fp4_e2m1) {
+    runtime::launch(mx_fused_kernel<Input, Rotation, fp4>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
+                    output);
+  } else {
+    runtime::launch(mx_fused_kernel<Input, Rotation, -1>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
+                    output);
+  }
+}
+
+template <class Input>
+void launch_fused(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan, int rotation,
+                  const float* signs, const mx_device_output& output) {
+  switch (rotation) {
+    case 0:
+      launch_fused_for_kind<Input, 0>(input, rows, cols, plan, nullptr, output);
+      break;
+    case 16:
+      launch_fused_for_kind<Input, 16>(input, rows, cols, plan, signs, output);
+      break;
+    case 32:
+      launch_fused_for_kind<Input, 32>(input, rows, cols, plan, signs, output);
+      break;
+    default:
+      throw gpu_error("fused quantizer: rotation size " + std::to_string(rotation) + " not compiled");
+  }
+}
+
+template <class Input>
+void launch_generic(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                    const mx_device_output& output) {
+  const std::int64_t scale_count = mx_scale_rows(plan, rows, cols) * mx_scale_cols(plan, rows, cols);
+  runtime::launch(mx_scale_kernel<Input>, grid_for(scale_count), threads_per_block, 0, input, rows, cols, plan,
+                  output.scales);
+  const std::int64_t code_bytes = mx_code_bytes(plan, rows, cols);
+  runtime::launch(mx_element_kernel<Input>, grid_for(code_bytes), threads_per_block, 0, input, rows, cols, plan,
+                  output.scales, output);
+}
+
+template <class Input>
+__global__ void widen_kernel(const Input* input, float* output, std::int64_t count) {
+  MXSCOPE_GRID_LOOP(i, count) { output[i] = load_input(input, i); }
+}
+
+}  // namespace
+
+bool fused_path_covers(const mx_plan& plan, const rotation_plan& rotation, std::int64_t rows, std::int64_t cols) {
+  (void)rows;
+  return plan.axis == 1 && plan.block == fused_block && cols % fused_block == 0 &&
+         (rotation.size == 0 || rotation.size == 16 || rotation.size == 32);
+}
+
+void quantize_on_device(const void* input, input_format format, std::int64_t rows, std::int64_t cols,
+                        const mx_plan& plan, const rotation_plan& rotation, const mx_device_output& output,
+                        quantize_path path) {
+  if (rows < 0 || cols < 0) throw input_error("gpu quantize: negative shape");
+  if (output.codes == nullptr || output.scales == nullptr)
+    throw input_error("gpu quantize: codes and scales are required");
+  check_rotation(rotation, rows, cols, plan.axis, "gpu quantize");
+  if (rows == 0 || cols == 0) return;
+  // The fused path moves 16-byte vectors: every buffer must start on a 16-byte boundary (cudaMalloc
+  // gives 256).
+  const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
+  const bool vectors_fit =
+      aligned(input) && aligned(output.codes) && (output.dequantized == nullptr || aligned(output.dequantized));
+  const bool fused = path != quantize_path::generic && vectors_fit && fused_path_covers(plan, rotation, rows, cols);
+  if (path == quantize_path::fused && !fused) {
+    throw input_error(
+        "gpu quantize: the fused path needs axis 1, block 32, cols a multiple of 32, rotation 0, 16 or 32 and "
+        "16-byte aligned buffers");
+  }
+  if (fused) {
+    const device_buffer signs = make_signs(rotation, cols);
+    if (format == input_format::fp32) {
+      launch_fused(static_cast<const float*>(input), rows, cols, plan, rotation.size, signs.as<const float>(), output);
+    } else {
+      launch_fused(static_cast<const std::uint16_t*>(input), rows, cols, plan, rotation.size, signs.as<const float>(),
+                   output);
+    }
+    if (signs.get() != nullptr) synchronize();  // `signs` must outlive the kernel
+    return;
+  }
+  if (rotation.size == 0) {
+    if (format == input_format::fp32) {
+      launch_generic(static_cast<const float*>(input), rows, cols, plan, output);
+    } else {
+      launch_generic(static_cast<const std::uint16_t*>(input), rows, cols, plan, output);
+    }
+    return;
+  }
+  // Rotation outside the fused path: rotate an fp32 copy, then quantize the copy.
+  device_buffer rotated(static_cast<std::size_t>(rows * cols) * sizeof(float));
+  if (format == input_format::fp32) {
+    MXSCOPE_GPU_CHECK(runtime::copy_on_device(rotated.get(), input, rotated.bytes()));
+  } else {
+    runtime::launch(widen_kernel<std::uint16_t>, grid_for(rows * cols), threads_per_block, 0,
+                    static_cast<const std::uint16_t*>(input), rotated.as<float>(), rows * cols);
+  }
+  rotate_on_device(rotated.as<float>(), rows, cols, plan.axis, rotation);
+  launch_generic(rotated.as<const float>(), rows, cols, plan, output);
+  synchronize();  // `rotated` must outlive the kernels
+}
+
+// ================================================================================================
+// Self-test of the fast element encoder against the core.
+
+namespace {
+
+struct encoder_test_counters {
+  unsigned long long checked;
+  unsigned long long mismatches;
+  unsigned long long first_mismatch;
+};
+
+__global__ void encoder_self_test_kernel(element_kind kind, core_ns::rounding_mode mode, int sr_bits, int exponent,
+                                         std::uint64_t first, std::uint64_t count, std::uint64_t stride,
+                                         encoder_test_counters* counters) {
+  const fast_encode::element_constants constants = fast_encode::constants_of(kind);
+  unsigned long long checked = 0, mismatches = 0, first_mismatch = ~0ULL;
+  MXSCOPE_GRID_LOOP(i, static_cast<std::int64_t>(count)) {
+    const std::uint32_t pattern = static_cast<std::uint32_t>(first + static_cast<std::uint64_t>(i) * stride);
+    if ((pattern & 0x7f800000U) == 0x7f800000U) continue;
+    const float value = core_ns::bits_float(pattern);
+    const std::uint32_t word = (pattern * 2654435761U) ^ (pattern >> 13) ^ 0x5bd1e995U;
+    const core_ns::encoded want = core_ns::quantize_element(kind, value, exponent, mode, word, sr_bits);
+    const core_ns::encoded got = fast_encode::quantize_finite(constants, value, exponent, mode, word, sr_bits);
+    const float want_value = static_cast<float>(core_ns::dequantize_element(kind, want.code, exponent));
+    const float got_value = fast_encode::dequantize(constants, got.code, exponent);
+    ++checked;
+    if (want.code != got.code || want.saturated != got.saturated || want.flushed != got.flushed ||
+        core_ns::float_bits(want_value) != core_ns::float_bits(got_value)) {
+      ++mismatches;
+      if (pattern < first_mismatch) first_mismatch = pattern;
+    }
+  }
+  if (checked != 0) atomicAdd(&counters->checked, checked);
+  if (mismatches != 0) {
+    atomicAdd(&counters->mismatches, mismatches);
+    atomicMin(&counters->first_mismatch, first_mismatch);
+  }
+}
+
+}  // namespace
+
+encoder_self_test self_test_fast_encoder(element_kind kind, core_ns::rounding_mode mode, int sr_bits, int exponent,
+                                         std::uint64_t first, std::uint64_t count, std::uint64_t stride) {
+  if (!fast_encode::covers(kind)) throw input_error("self_test_fast_encoder: not a float element format");
+  if (sr_bits < 1 || sr_bits > 32 || exponent < -127 || exponent > 127) {
+    throw input_error("self_test_fast_encoder: sr_bits must be in 1..32 and the exponent in -127..127");
+  }
+  encoder_self_test out;
+  if (count == 0) return out;
+  device_buffer counters(sizeof(encoder_test_counters));
+  const encoder_test_counters initial{0, 0, ~0ULL};
+  counters.upload(&initial, sizeof(initial));
+  runtime::launch(encoder_self_test_kernel, grid_for(static_cast<std::int64_t>(count)), threads_per_block, 0, kind,
+                  mode, sr_bits, exponent, first, count, stride, counters.as<encoder_test_counters>());
+  encoder_test_counters result{};
+  counters.download(&result, sizeof(result));
+  out.checked = result.checked;
+  out.mismatches = result.mismatches;
+  out.first_mismatch = static_cast<std::uint32_t>(result.first_mismatch);
+  return out;
+}
+
+// ================================================================================================
+// GEMM operands in canonical form.
+//
+// Canonical operand: [rows, depth] with the reduction contiguous (rows = the M or N side). Block
+// scale exponents are stored block-major, [blocks][rows], so that neighbouring output entries read
+// neighbouring exponents. A NaN block's exponent is nan_block_exponent (as in src/gemm.cpp).
+
+namespace {
+
+constexpr int nan_block_exponent = 1 << 20;
+
+// Elements as integers: value * 2^fraction_bits, where 2^-fraction_bits is the format's subnormal
+// spacing, so every finite element is an integer of magnitude <= max_normal * 2^fraction_bits.
+int fraction_bits_of(element_kind kind) { return -core_ns::subnormal_ulp_exponent(kind); }
+std::int64_t integer_max_of(element_kind kind) {
+  return static_cast<std::int64_t>(core_ns::max_normal(kind) * core_ns::pow2(fraction_bits_of(kind)));
+}
+int bits_of(std::int64_t value) { return core_ns::bit_length(static_cast<core_ns::uint128>(value)); }
+
+// Bits of the largest |integer block dot| (the CPU's fast-path bound).
+int block_dot_bits(element_kind a, element_kind b, int block) {
+  return bits_of(block) + bits_of(integer_max_of(a)) + bits_of(integer_max_of(b));
+}
+
+bool tensor_core_element(element_kind kind) {
+  // The integer element fits a signed byte: fp4 (2q, |.| <= 12), fp6 e2m3 (8q, <= 60), int8 (64q, <= 127).
+  return kind == element_kind::fp4_e2m1 || kind == element_kind::fp6_e2m3 || kind == element_kind::int8;
+}
+
+__device__ inline std::uint32_t load_code(const mx_operand_view& operand, bool packed, std::int64_t row_bytes,
+                                          std::int64_t r, std::int64_t c) {
+  if (packed) {
+    const std::uint8_t byte = operand.codes[r * row_bytes + c / 2];
+    return (c % 2 == 0) ? (byte & 0x0FU) : (byte >> 4);
+  }
+  return operand.codes[r * operand.cols + c];
+}
+
+// Elements of the canonical operand: decoded values (float, exact), integers (int32) and signed
+// bytes padded to `stride` (a multiple of 32) for the tensor cores; each output may be null.
+__global__ void prepare_elements_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t depth,
+                                        std::int64_t stride, int fraction_bits, float* elements, std::int32_t* integers,
+                                        std::int8_t* bytes, int* nonfinite_flag) {
+  const bool along_rows = operand.axis == 1;
+  const bool packed = core_ns::spec(operand.element).bits == 4;
+  const std::int64_t row_bytes = packed ? (operand.cols + 1) / 2 : operand.cols;
+  MXSCOPE_GRID_LOOP(t, rows * stride) {
+    const std::int64_t row = t / stride;
+    const std::int64_t k = t % stride;
+    if (k >= depth) {
+      if (bytes != nullptr) bytes[t] = 0;
+      continue;
+    }
+    const std::int64_t r = along_rows ? row : k;
+    const std::int64_t c = along_rows ? k : row;
+    const double value = core_ns::decode(operand.element, load_code(operand, packed, row_bytes, r, c));
+    const std::int64_t at = row * depth + k;
+    if (elements != nullptr) elements[at] = static_cast<float>(value);
+    if (!is_finite(value)) {
+      *nonfinite_flag = 1;
+      if (integers != nullptr) integers[at] = 0;
+      if (bytes != nullptr) bytes[t] = 0;
+      continue;
+    }
+    const double scaled = value * core_ns::pow2(fraction_bits);  // an integer, exactly
+    if (integers != nullptr) integers[at] = static_cast<std::int32_t>(scaled);
+    if (bytes != nullptr) bytes[t] = static_cast<std::int8_t>(static_cast<int>(scaled));
+  }
+}
+
+__global__ void prepare_exponents_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t blocks,
+                                         std::int32_t* exponents) {
+  const bool along_rows = operand.axis == 1;
+  MXSCOPE_GRID_LOOP(t, blocks * rows) {
+    const std::int64_t b = t / rows;
+    const std::int64_t row = t % rows;
+    const std::uint8_t code = along_rows ? operand.scales[row * blocks + b] : operand.scales[b * operand.cols + row];
+    exponents[t] = code == core_ns::scale_nan_code ? nan_block_exponent : core_ns::scale_exponent(code);
+  }
+}
+
+}  // namespace
+
+struct prepared_operand::storage {
+  element_kind element = element_kind::fp4_e2m1;
+  int block = 32;
+  std::int64_t rows = 0;
+  std::int64_t depth = 0;
+  std::int64_t blocks = 0;
+  std::int64_t byte_stride = 0;  // row stride of `bytes` (depth rounded up to 32)
+  bool finite_elements = true;
+  gemm_path path = gemm_path::generic;
+  device_buffer elements;   // float [rows, depth] (generic)
+  device_buffer integers;   // int32 [rows, depth] (integer)
+  device_buffer bytes;      // int8 [rows, byte_stride] (tensor_core)
+  device_buffer exponents;  // int32 [blocks, rows]
+};
+
+prepared_operand::prepared_operand() : storage_(std::make_unique<storage>()) {}
+prepared_operand::~prepared_operand() = default;
+prepared_operand::prepared_operand(prepared_operand&&) noexcept = default;
+prepared_operand& prepared_operand::operator=(prepared_operand&&) noexcept = default;
+std::int64_t prepared_operand::rows() const { return storage_->rows; }
+std::int64_t prepared_operand::depth() const { return storage_->depth; }
+
+std::string_view gemm_path_name(gemm_path path) {
+  switch (path) {
+    case gemm_path::automatic:
+      return "automatic";
+    case gemm_path::generic:
+      return "generic";
+    case gemm_path::integer:
+      return "integer";
+    case gemm_path::tensor_core:
+      return "tensor_core";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr int integer_max_group = 64;
+
+bool integer_element(element_kind kind) {
+  return kind != element_kind::e8m0 && kind != element_kind::ue4m3 && integer_max_of(kind) < (std::int64_t{1} << 31);
+}
+
+bool tensor_cores_present() {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return true;
+#elif defined(MXSCOPE_CUDA_TENSOR_CORES)
+  static const bool present = [] {
+    int device = 0;
+    runtime::device_properties properties{};
+    if (runtime::get_device(&device) != runtime::success ||
+        runtime::properties(&properties, device) != runtime::success) {
+      (void)runtime::last_error();
+      return false;
+    }
+    return properties.major >= 8;
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool gemm_path_covers(gemm_path path, element_kind a, element_kind b, int block, const accumulation_model& model) {
+  const auto kind = model.kind;
+  switch (path) {
+    case gemm_path::automatic:
+      return gemm_path_covers(gemm_path::generic, a, b, block, model);
+    case gemm_path::generic:
+      return kind == accumulation_kind::exact || kind == accumulation_kind::fp32_block ||
+             kind == accumulation_kind::fp32_group || kind == accumulation_kind::fp32_seq;
+    case gemm_path::integer:
+      if (kind != accumulation_kind::exact && kind != accumulation_kind::fp32_block &&
+          kind != accumulation_kind::fp32_group) {
+        return false;
+      }
+      if (kind == accumulation_kind::fp32_group && model.blocks_per_group > integer_max_group) return false;
+      return integer_element(a) && integer_element(b) && block_dot_bits(a, b, block) <= 53;
+    case gemm_path::tensor_core:
+      return tensor_cores_present() && kind == accumulation_kind::fp32_block && block == 32 && tensor_core_element(a) &&
+             tensor_core_element(b);
+  }
+  return false;
+}
+
+gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, const accumulation_model& model) {
+  for (const gemm_path path : {gemm_path::tensor_core, gemm_path::integer, gemm_path::generic}) {
+    if (gemm_path_covers(path, a.element, b.element, a.block, model)) return path;
+  }
+  return gemm_path::generic;
+}
+
+prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path) {
+  if (path == gemm_path::automatic) {
+    throw input_error("gpu gemm: prepare_operand needs a concrete path (resolve_gemm_path gives one)");
+  }
+  if (operand.axis != 0 && operand.axis != 1) throw input_error("gpu gemm: field 'axis' must be 0 or 1");
+  if (operand.block < 1) throw input_error("gpu gemm: field 'block' must be positive");
+  if (path == gemm_path::integer && !integer_element(operand.element)) {
+    throw input_error("gpu gemm: the integer path does not cover this element format");
+  }
+  if (path == gemm_path::tensor_core && (!tensor_core_element(operand.element) || operand.block != 32)) {
+    throw input_error("gpu gemm: the tensor-core path needs block 32 and fp4, fp6 e2m3 or int8 elements");
+  }
+  prepared_operand out;
+  auto& s = out.data();
+  s.element = operand.element;
+  s.block = operand.block;
+  s.path = path;
+  s.rows = operand.axis == 1 ? operand.rows : operand.cols;
+  s.depth = operand.axis == 1 ? operand.cols : operand.rows;
+  s.blocks = (s.depth + operand.block - 1) / operand.block;
+  s.byte_stride = (s.depth + 31) / 32 * 32;
+  const std::int64_t count = s.rows * s.depth;
+  float* elements = nullptr;
+  std::int32_t* integers = nullptr;
+  std::int8_t* bytes = nullptr;
+  if (path == gemm_path::generic) {
+    s.elements = device_buffer(static_cast<std::size_t>(count) * sizeof(float));
+    elements = s.elements.as<float>();
+  } else if (path == gemm_path::integer) {
+    s.integers = device_buffer(static_cast<std::size_t>(count) * sizeof(std::int32_t));
+    integers = s.integers.as<std::int32_t>();
+  } else {
+    s.bytes = device_buffer(static_cast<std::size_t>(s.rows * s.byte_stride));
+    bytes = s.bytes.as<std::int8_t>();
+  }
+  s.exponents = device_buffer(static_cast<std::size_t>(s.blocks * s.rows) * sizeof(std::int32_t));
+  device_buffer flag(sizeof(int));
+  flag.fill_bytes(0);
+  const std::int64_t stride = path == gemm_path::tensor_core ? s.byte_stride : s.depth;
+  if (s.rows > 0 && stride > 0) {
+    runtime::launch(prepare_elements_kernel, grid_for(s.rows * stride), threads_per_block, 0, operand, s.rows, s.depth,
+                    stride, fraction_bits_of(operand.element), elements, integers, bytes, flag.as<int>());
+  }
+  if (s.rows > 0 && s.blocks > 0) {
+    runtime::launch(prepare_exponents_kernel, grid_for(s.blocks * s.rows), threads_per_block, 0, operand, s.rows,
+                    s.blocks, s.exponents.as<std::int32_t>());
+  }
+  int nonfinite = 0;
+  flag.download(&nonfinite, sizeof(int));  // synchronizes
+  s.finite_elements = nonfinite == 0;
+  return out;
+}
+
+// ================================================================================================
+// Emulated products (NUMERICS.md section 7), mirroring src/gemm.cpp.
+
+namespace {
+
+// Out-of-line wrappers of the long rounding routines: one copy of each in the binary instead of one
+// per call site (compile time; the calls are rare next to the arithmetic around them).
+__device__ __noinline__ float round_total_to_float(const core_ns::long_accumulator& total) {
+  return total.round_to_float();
+}
+__device__ __noinline__ double round_total_to_double(const core_ns::long_accumulator& total) {
+  return total.round_to_double();
+}
+__device__ __noinline__ float add_group_to_float(float accumulator, const double* terms, int count) {
+  return core_ns::add_exactly_to_float(accumulator, terms, count);
+}
+__device__ __noinline__ float add_value_to_float(float accumulator, double value) {
+  return core_ns::add_to_float(accumulator, value);
+}
+
+// fl32(accumulator + value) for an exact double value (src/gemm.cpp add_exact_value).
+__device__ inline float nonfinite_step(float accumulator, double nonfinite_sum) {
+  return static_cast<float>(static_cast<double>(accumulator) + nonfinite_sum);
+}
+
+__device__ inline float add_exact_value(float accumulator, double value) {
+  if (!is_finite(accumulator) || !is_finite(value)) return nonfinite_step(accumulator, value);
+  return add_value_to_float(accumulator, value + 0.0);  // +0.0: an exactly zero sum is +0
+}
+
+__device__ inline float round_output(float value, output_rounding output) {
+  if (output == output_rounding::fp32) return value;
+  return core_ns::bf16_to_float(core_ns::float_to_bf16(value, core_ns::rounding_mode::rne));
+}
+
+__device__ inline float finish_output(float value, output_rounding output) {
+  return canonical(round_output(canonical(value), output));
+}
+
+__device__ inline double block_scale(std::int32_t exponent) {
+  return exponent == nan_block_exponent ? canonical_nan_double() : core_ns::pow2(exponent);
+}
+
+// The scaled block dot c = D * 2^(ea + eb - fraction_total), exact in a double (|D| < 2^53), or NaN
+// for a NaN block (src/gemm.cpp scaled_block_dot with unit mantissas).
+__device__ inline double scaled_block_dot(double dot, std::int32_t exponent_a, std::int32_t exponent_b,
+                                          int fraction_total) {
+  if (exponent_a == nan_block_exponent || exponent_b == nan_block_exponent) return canonical_nan_double();
+  return (dot + 0.0) * 1.0 * core_ns::pow2(exponent_a + exponent_b - fraction_total);
+}
+
+// -------------------------------------------------------------------------------------------
+// Generic path: one thread per entry, the definition of src/gemm.cpp generic_entry. Products of
+// block-scaled elements are exact doubles; each group's exact sum (with the accumulator) is
+// rounded once through a long accumulator, which equals core::add_exactly_to_float (both round
+// the exact sum once to nearest-even binary32).
+
+enum class generic_mode : int { grouped = 0, exact = 1, sequential = 2 };
+
+template <generic_mode Mode>
+__global__ void generic_product_kernel(const float* a_elements, const std::int32_t* a_exponents,
+                                       const float* b_elements, const std::int32_t* b_exponents, std::int64_t m,
+                                       std::int64_t n, std::int64_t depth, int block, int blocks_per_group,
+                                       output_rounding output, float* out, double* exact_out) {
+  MXSCOPE_GRID_LOOP(entry, m * n) {
+    const std::int64_t i = entry / n;
+    const std::int64_t j = entry % n;
+    const float* a_row = a_elements + i * depth;
+    const float* b_row = b_elements + j * depth;
+    const auto scaled_a = [&](std::int64_t k) {
+      return static_cast<double>(a_row[k]) * block_scale(a_exponents[(k / block) * m + i]);
+    };
+    const auto scaled_b = [&](std::int64_t k) {
+      return static_cast<double>(b_row[k]) * block_scale(b_exponents[(k / block) * n + j]);
+    };
+    if constexpr (Mode == generic_mode::sequential) {
+      // fp32-seq: the fp32 dequantized values, one fused multiply-add per product in ascending K.
+      float accumulator = 0.0f;
+      for (std::int64_t k = 0; k < depth; ++k) {
+        const float a = static_cast<float>(scaled_a(k));
+        const float b = static_cast<float>(scaled_b(k));
+        accumulator = __fmaf_rn(a, b, accumulator);
+      }
+      out[entry] = finish_output(accumulator, output);
+    } else if constexpr (Mode == generic_mode::exact) {
+      core_ns::long_accumulator total;
+      double nonfinite_sum = 0.0;
+      bool nonfinite = false;
+      for (std::int64_t k = 0; k < depth; ++k) {
+        const double product = scaled_a(k) * scaled_b(k);
+        if (!is_finite(product)) {
+          nonfinite = true;
+          nonfinite_sum += product;
+        } else {
+          total.add(product);
+        }
+      }
+      if (nonfinite) {
+        const double ieee = nonfinite_sum * 1.0;  // tensor scales are 1 for MX operands
+        out[entry] = finish_output(static_cast<float>(ieee), output);
+        if (exact_out != nullptr) exact_out[entry] = canonical(ieee);
+      } else {
+        out[entry] = finish_output(round_total_to_float(total), output);
+        if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
+      }
+    } else {
+      const std::int64_t group_length = static_cast<std::int64_t>(block) * blocks_per_group;
+      float accumulator = 0.0f;
+      core_ns::long_accumulator total;
+      for (std::int64_t begin = 0; begin < depth; begin += group_length) {
+        const std::int64_t end = depth - begin < group_length ? depth : begin + group_length;
+        const bool finite_accumulator = is_finite(accumulator);
+        total.clear();
+        if (finite_accumulator) total.add(static_cast<double>(accumulator));
+        double nonfinite_sum = 0.0;
+        bool nonfinite = false;
+        for (std::int64_t k = begin; k < end; ++k) {
+          const double product = scaled_a(k) * scaled_b(k);
+          if (!is_finite(product)) {
+            nonfinite = true;
+            nonfinite_sum += product;
+          } else if (finite_accumulator) {
+            total.add(product);
+          }
+        }
+        if (nonfinite || !finite_accumulator) {
+          accumulator = nonfinite_step(accumulator, nonfinite_sum);
+          continue;
+        }
+        accumulator = round_total_to_float(total);
+      }
+      out[entry] = finish_output(accumulator * 1.0f, output);  // epilogue: alpha = 1 for MX operands
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------------
+// Integer path: a 16 x 16 tile of entries per thread block, one entry per thread. The block dot D
+// of each K-block is an exact integer sum (every partial sum stays below 2^bound_bits, within the
+// accumulator type), then the model's steps run on exact doubles exactly as src/gemm.cpp's fast
+// path does (add_exact_value, add_exactly_to_float, long_accumulator).
+
+constexpr int integer_tile = 16;
+constexpr int integer_chunk = 32;
+
+enum class integer_mode : int { block = 0, group = 1, exact = 2 };
+
+template <class Dot, integer_mode Mode>
+__global__ void integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
+                                       const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
+                                       std::int64_t n, std::int64_t depth, int block, std::int64_t blocks,
+                                       int blocks_per_group, int fraction_total, output_rounding output, float* out,
+                                       double* exact_out) {
+  __shared__ std::int32_t a_tile[integer_tile][integer_chunk + 1];
+  __shared__ std::int32_t b_tile[integer_tile][integer_chunk + 1];
+  const int tx = threadIdx.x % integer_tile;
+  const int ty = threadIdx.x / integer_tile;
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * integer_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * integer_tile;
+  const std::int64_t i = i0 + ty;
+  const std::int64_t j = j0 + tx;
+  const bool active = i < m && j < n;
+
+  float accumulator = 0.0f;
+  [[maybe_unused]] core_ns::long_accumulator total;
+  [[maybe_unused]] bool nan_entry = false;
+  [[maybe_unused]] double terms[Mode == integer_mode::group ? integer_max_group : 1];
+  const int group = Mode == integer_mode::group ? blocks_per_group : 1;
+
+  for (std::int64_t group_begin = 0; group_begin < blocks; group_begin += group) {
+    const std::int64_t group_end = blocks - group_begin < group ? blocks : group_begin + group;
+    for (std::int64_t b = group_begin; b < group_end; ++b) {
+      const std::int64_t k0 = b * block;
+      const std::int64_t length = depth - k0 < block ? depth - k0 : block;
+      Dot dot = 0;
+      for (std::int64_t c0 = 0; c0 < length; c0 += integer_chunk) {
+        const int chunk = length - c0 < integer_chunk ? static_cast<int>(length - c0) : integer_chunk;
+        for (int t = threadIdx.x; t < integer_tile * integer_chunk; t += blockDim.x) {
+          const int row = t / integer_chunk;
+          const int kk = t % integer_chunk;
+          const bool inside = kk < chunk;
+          a_tile[row][kk] = (inside && i0 + row < m) ? a_values[(i0 + row) * depth + k0 + c0 + kk] : 0;
+          b_tile[row][kk] = (inside && j0 + row < n) ? b_values[(j0 + row) * depth + k0 + c0 + kk] : 0;
+        }
+        __syncthreads();
+        for (int kk = 0; kk < chunk; ++kk) dot += static_cast<Dot>(a_tile[ty][kk]) * static_cast<Dot>(b_tile[tx][kk]);
+        __syncthreads();
+      }
+      if (!active) continue;
+      const double contribution =
+          scaled_block_dot(static_cast<double>(dot), a_exponents[b * m + i], b_exponents[b * n + j], fraction_total);
+      if constexpr (Mode == integer_mode::block) {
+        accumulator = add_exact_value(accumulator, contribution);
+      } else if constexpr (Mode == integer_mode::group) {
+        terms[b - group_begin] = contribution;
+      } else {
+        if (contribution != contribution) {
+          nan_entry = true;
+        } else {
+          total.add(contribution);
+        }
+      }
+    }
+    if constexpr (Mode == integer_mode::group) {
+      if (!active) continue;
+      const int count = static_cast<int>(group_end - group_begin);
+      if (count == 1) {
+        accumulator = add_exact_value(accumulator, terms[0]);
+        continue;
+      }
+      bool nan_term = false;
+      for (int g = 0; g < count; ++g) nan_term = nan_term || terms[g] != terms[g];
+      if (nan_term || !is_finite(accumulator)) {
+        accumulator = nonfinite_step(accumulator, nan_term ? canonical_nan_double() : 0.0);
+        continue;
+      }
+      accumulator = add_group_to_float(accumulator, terms, count);
+    }
+  }
+  if (!active) return;
+  const std::int64_t entry = i * n + j;
+  if constexpr (Mode == integer_mode::exact) {
+    if (nan_entry) {
+      out[entry] = finish_output(canonical_nan_float(), output);
+      if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
+    } else {
+      out[entry] = finish_output(round_total_to_float(total), output);
+      if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
+    }
+  } else {
+    out[entry] = finish_output(accumulator * 1.0f, output);
+  }
+}
+
+template <class Dot>
+void launch_integer(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                    const accumulation_model& model, output_rounding output, float* out, double* exact_out,
+                    int fraction_total) {
+  const dim3 grid(static_cast<unsigned>((b.rows + integer_tile - 1) / integer_tile),
+                  static_cast<unsigned>((a.rows + integer_tile - 1) / integer_tile));
+  const dim3 threads(integer_tile * integer_tile);
+  const auto* av = a.integers.as<const std::int32_t>();
+  const auto* ae = a.exponents.as<const std::int32_t>();
+  const auto* bv = b.integers.as<const std::int32_t>();
+  const auto* be = b.exponents.as<const std::int32_t>();
+  switch (model.kind) {
+    case accumulation_kind::fp32_block:
+      runtime::launch(integer_product_kernel<Dot, integer_mode::block>, grid, threads, 0, av, ae, bv, be, a.rows,
+                      b.rows, a.depth, a.block, a.blocks, 1, fraction_total, output, out, exact_out);
+      break;
+    case accumulation_kind::fp32_group:
+      runtime::launch(integer_product_kernel<Dot, integer_mode::group>, grid, threads, 0, av, ae, bv, be, a.rows,
+                      b.rows, a.depth, a.block, a.blocks, model.blocks_per_group, fraction_total, output, out,
+                      exact_out);
+      break;
+    case accumulation_kind::exact:
+      runtime::launch(integer_product_kernel<Dot, integer_mode::exact>, grid, threads, 0, av, ae, bv, be, a.rows,
+                      b.rows, a.depth, a.block, a.blocks, 1, fraction_total, output, out, exact_out);
+      break;
+    default:
+      throw input_error("gpu gemm: the integer path covers exact, fp32-block and fp32-group:G");
+  }
+}
+
+// -------------------------------------------------------------------------------------------
+// Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 with a zero accumulator per
+// 32-block gives each block dot D exactly (|D| <= 32 * 127^2 < 2^19, far inside s32); the fp32
+// step acc = fl32(acc + D * 2^(ea + eb - fa - fb)) then runs in ascending K per entry. Where
+// 2^k (k = ea + eb - fa - fb) is a normal fp32 number and |D| 2^k < 2^128 (-126 <= k <= 100
+// here), float(D) * 2^k is exact in fp32 and one fp32 addition rounds the exact sum once: it IS
+// fl32(acc + c). Elsewhere (and for NaN blocks) the step goes through add_exact_value in fp64.
+//
+// Tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4), 64 x 32 per warp (4 x 4
+// mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B plus their exponents,
+// three stages deep (cp.async).
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+
+constexpr int tc_tile = 128;
+constexpr int tc_stages = 3;
+constexpr int tc_row_stride = 48;  // bytes per smem row: 32 data + 16 pad (conflict-free fragment loads)
+constexpr int tc_fast_k_low = -126;
+constexpr int tc_fast_k_high = 100;
+
+struct alignas(16) tc_stage {
+  std::uint8_t a[tc_tile * tc_row_stride];
+  std::uint8_t b[tc_tile * tc_row_stride];
+  std::int32_t a_exponents[tc_tile];
+  std::int32_t b_exponents[tc_tile];
+};
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
+  simulation::copy_async(shared_destination, global_source, 16, inside);
+}
+inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
+  simulation::copy_async(shared_destination, global_source, 4, inside);
+}
+inline void copy_async_commit() {}
+template <int Pending>
+inline void copy_async_wait() {}
+inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  simulation::mma_s8(d, a, b);
+}
+#else
+__device__ inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
+  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
+  const int source_bytes = inside ? 16 : 0;  // 0: fill the 16 bytes with zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(source_bytes));
+}
+
+__device__ inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
+  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
+  const int source_bytes = inside ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(source_bytes));
+}
+
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int Pending>
+__device__ inline void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+// mma.sync m16n8k32 s8 x s8 + 0 -> s32 (the fragment layout is spelled out in simulation.hpp).
+__device__ inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+#endif
+
+__device__ __noinline__ float tensor_core_slow_step(float accumulator, int dot, std::int32_t exponent_a,
+                                                    std::int32_t exponent_b, int fraction_total) {
+  return add_exact_value(accumulator,
+                         scaled_block_dot(static_cast<double>(dot), exponent_a, exponent_b, fraction_total));
+}
+
+__device__ inline float tensor_core_step(float accumulator, int dot, std::int32_t exponent_a, std::int32_t exponent_b,
+                                         int fraction_total) {
+  const int k = exponent_a + exponent_b - fraction_total;  // NaN markers make k huge: slow path
+  if (k >= tc_fast_k_low && k <= tc_fast_k_high) {
+    const float power = core_ns::bits_float(static_cast<std::uint32_t>(k + 127) << 23);
+    return __fadd_rn(accumulator, __fmul_rn(static_cast<float>(dot), power));
+  }
+  return tensor_core_slow_step(accumulator, dot, exponent_a, exponent_b, fraction_total);
+}
+
+__device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, const std::int32_t* a_exponents,
+                                     const std::int8_t* b, const std::int32_t* b_exponents, std::int64_t m,
+                                     std::int64_t n, std::int64_t stride, std::int64_t block_index, std::int64_t i0,
+                                     std::int64_t j0) {
+  const int t = threadIdx.x;  // 256 threads: one 16-byte chunk of A and one of B each
+  const int row = t / 2;
+  const int half = t % 2;
+  const std::int64_t k_byte = block_index * 32 + half * 16;
+  const bool a_inside = i0 + row < m;
+  const bool b_inside = j0 + row < n;
+  copy_async_16(stage.a + row * tc_row_stride + half * 16, a_inside ? a + (i0 + row) * stride + k_byte : a, a_inside);
+  copy_async_16(stage.b + row * tc_row_stride + half * 16, b_inside ? b + (j0 + row) * stride + k_byte : b, b_inside);
+  if (t < tc_tile) {
+    const bool inside = i0 + t < m;
+    copy_async_4(&stage.a_exponents[t], inside ? a_exponents + block_index * m + i0 + t : a_exponents, inside);
+  } else {
+    const int r = t - tc_tile;
+    const bool inside = j0 + r < n;
+    copy_async_4(&stage.b_exponents[r], inside ? b_exponents + block_index * n + j0 + r : b_exponents, inside);
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    tensor_core_product_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
+                               const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
+                               std::int64_t blocks, int fraction_total, output_rounding output, float* out) {
+  __shared__ tc_stage stages[tc_stages];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group_id = lane / 4;         // row (A, C) or column (B, C) within an mma tile
+  const int thread_in_group = lane % 4;  // k offset (A, B) or column pair (C)
+  const int warp_m = warp / 4;           // 0..1: 64 rows each
+  const int warp_n = warp % 4;           // 0..3: 32 columns each
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tc_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_tile;
+
+  float accumulators[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < tc_stages - 1; ++s) {
+    if (s < blocks) load_tc_stage(stages[s], a, a_exponents, b, b_exponents, m, n, stride, s, i0, j0);
+    copy_async_commit();
+  }
+
+  for (std::int64_t kb = 0; kb < blocks; ++kb) {
+    copy_async_wait<tc_stages - 2>();
+    __syncthreads();
+    // Refill the stage everyone finished with in the previous iteration.
+    const std::int64_t next = kb + tc_stages - 1;
+    if (next < blocks) {
+      load_tc_stage(stages[next % tc_stages], a, a_exponents, b, b_exponents, m, n, stride, next, i0, j0);
+    }
+    copy_async_commit();
+
+    const tc_stage& stage = stages[kb % tc_stages];
+    std::uint32_t a_fragments[4][4];
+    std::uint32_t b_fragments[4][2];
+    std::int32_t row_exponents[4][2];
+    std::int32_t col_exponents[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      const int row = warp_m * 64 + mi * 16 + group_id;
+      const std::uint8_t* upper = stage.a + row * tc_row_stride + 4 * thread_in_group;
+      const std::uint8_t* lower = upper + 8 * tc_row_stride;
+      a_fragments[mi][0] = *reinterpret_cast<const std::uint32_t*>(upper);
+      a_fragments[mi][1] = *reinterpret_cast<const std::uint32_t*>(lower);
+      a_fragments[mi][2] = *reinterpret_cast<const std::uint32_t*>(upper + 16);
+      a_fragments[mi][3] = *reinterpret_cast<const std::uint32_t*>(lower + 16);
+      row_exponents[mi][0] = stage.a_exponents[row];
+      row_exponents[mi][1] = stage.a_exponents[row + 8];
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int col = warp_n * 32 + ni * 8 + group_id;
+      const std::uint8_t* source = stage.b + col * tc_row_stride + 4 * thread_in_group;
+      b_fragments[ni][0] = *reinterpret_cast<const std::uint32_t*>(source);
+      b_fragments[ni][1] = *reinterpret_cast<const std::uint32_t*>(source + 16);
+      const int c_col = warp_n * 32 + ni * 8 + 2 * thread_in_group;
+      col_exponents[ni][0] = stage.b_exponents[c_col];
+      col_exponents[ni][1] = stage.b_exponents[c_col + 1];
+    }
+    // When every k = ea + eb - fa - fb of this thread's 64 entries lies in the fast range (NaN
+    // markers never do), the scale 2^k is built by adding the two biased exponent fields: four
+    // instructions per entry (add, convert, multiply, add).
+    std::int32_t row_low = row_exponents[0][0], row_high = row_low, col_low = col_exponents[0][0], col_high = col_low;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      row_low = min(row_low, row_exponents[q / 2][q % 2]);
+      row_high = max(row_high, row_exponents[q / 2][q % 2]);
+      col_low = min(col_low, col_exponents[q / 2][q % 2]);
+      col_high = max(col_high, col_exponents[q / 2][q % 2]);
+    }
+    const bool fast =
+        row_low + col_low - fraction_total >= tc_fast_k_low && row_high + col_high - fraction_total <= tc_fast_k_high;
+    std::uint32_t row_fields[4][2];
+    std::uint32_t col_fields[4][2];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      row_fields[q / 2][q % 2] = static_cast<std::uint32_t>(row_exponents[q / 2][q % 2] - fraction_total + 127) << 23;
+      col_fields[q / 2][q % 2] = static_cast<std::uint32_t>(col_exponents[q / 2][q % 2]) << 23;
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        int d[4];
+        mma_s8(d, a_fragments[mi], b_fragments[ni]);
+        // d0, d1: row g, columns 2t, 2t+1; d2, d3: row g + 8, the same columns.
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& accumulator = accumulators[mi][ni][e];
+          if (fast) {
+            const float power = core_ns::bits_float(row_fields[mi][e / 2] + col_fields[ni][e % 2]);
+            accumulator = __fadd_rn(accumulator, __fmul_rn(static_cast<float>(d[e]), power));
+          } else {
+            accumulator =
+                tensor_core_step(accumulator, d[e], row_exponents[mi][e / 2], col_exponents[ni][e % 2], fraction_total);
+          }
+        }
+      }
+    }
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+        const std::int64_t j = j0 + warp_n * 32 + ni * 8 + 2 * thread_in_group + e % 2;
+        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+      }
+    }
+  }
+}
+
+#endif  // MXSCOPE_CUDA_TENSOR_CORES
+
+}  // namespace
+
+void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
+                       const accumulation_model& model, output_rounding output, float* out, double* exact_out,
+                       gemm_path path) {
+  const auto& a = a_operand.data();
+  const auto& b = b_operand.data();
+  if (a.depth != b.depth) {
+    throw input_error("gpu gemm: the reduction lengths differ: A has " + to_text(a.depth) + ", B has " +
+                      to_text(b.depth));
+  }
+  if (a.block != b.block) {
+    throw input_error("gpu gemm: field 'block': operands must have the same blocks along the reduction axis (" +
+                      to_text(a.block) + " and " + to_text(b.block) + ")");
+  }
+  if (path == gemm_path::automatic) throw input_error("gpu gemm: multiply_prepared needs a concrete path");
+  if (a.path != path || b.path != path) throw input_error("gpu gemm: operands were prepared for another path");
+  if (path != gemm_path::generic && (!a.finite_elements || !b.finite_elements)) {
+    // Inf or NaN element codes (possible in hardware-produced fp8 codes) need the per-product path.
+    throw input_error("gpu gemm: an operand holds NaN or infinite element codes; only the generic path covers them");
+  }
+  if (!gemm_path_covers(path, a.element, b.element, a.block, model)) {
+    throw input_error("gpu gemm: path " + std::string(gemm_path_name(path)) +
+                      " does not cover these operands and model");
+  }
+  if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
+    throw input_error("gpu gemm: field 'accum': G must be positive");
+  }
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  if (m == 0 || n == 0) return;
+  const int fraction_total = fraction_bits_of(a.element) + fraction_bits_of(b.element);
+  switch (path) {
+    case gemm_path::generic: {
+      const unsigned grid = grid_for(m * n, 128);
+      const auto* ae = a.elements.as<const float>();
+      const auto* be = b.elements.as<const float>();
+      const auto* ax = a.exponents.as<const std::int32_t>();
+      const auto* bx = b.exponents.as<const std::int32_t>();
+      switch (model.kind) {
+        case accumulation_kind::exact:
+          runtime::launch(generic_product_kernel<generic_mode::exact>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, 1, output, out, exact_out);
+          break;
+        case accumulation_kind::fp32_seq:
+          runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, 1, output, out, exact_out);
+          break;
+        default:
+          runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
+                          out, exact_out);
+          break;
+      }
+
+      break;
+    }
+    case gemm_path::integer:
+      if (block_dot_bits(a.element, b.element, a.block) <= 31) {
+        launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
+      } else {
+        launch_integer<long long>(a, b, model, output, out, exact_out, fraction_total);
+      }
+      break;
+    case gemm_path::tensor_core: {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+      const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile),
+                      static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
+      runtime::launch(tensor_core_product_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                      a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                      b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output, out);
+#else
+      throw input_error("gpu gemm: no tensor-core path in this build");
+#endif
+      break;
+    }
+    case gemm_path::automatic:
+      break;
+  }
+}
+
+// ================================================================================================
+// Exact reference of fp32 operands (NUMERICS.md section 8): one thread per entry adds every
+// product (exact in fp64) to a long accumulator and rounds once to fp64 and to fp32. Entries
+// whose rows hold inf or NaN are the IEEE fp64 sum in ascending k, as src/reference.cpp defines.
+
+namespace {
+
+__global__ void nonfinite_rows_kernel(const float* values, std::int64_t rows, std::int64_t cols, int* flags) {
+  MXSCOPE_GRID_LOOP(r, rows) {
+    int flag = 0;
+    for (std::int64_t k = 0; k < cols; ++k) flag |= !is_finite(values[r * cols + k]);
+    flags[r] = flag;
+  }
+}
+
+constexpr int reference_tile = 16;
+constexpr int reference_chunk = 32;
+
+__global__ void reference_kernel(const float* a, const float* b, const int* a_nonfinite, const int* b_nonfinite,
+                                 std::int64_t m, std::int64_t n, std::int64_t depth, double* out64, float* out32) {
+  __shared__ float a_tile[reference_tile][reference_chunk + 1];
+  __shared__ float b_tile[reference_tile][reference_chunk + 1];
+  const int tx = threadIdx.x % reference_tile;
+  const int ty = threadIdx.x / reference_tile;
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * reference_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * reference_tile;
+  const std::int64_t i = i0 + ty;
+  const std::int64_t j = j0 + tx;
+  const bool active = i < m && j < n;
+  const bool ieee = active && (a_nonfinite[i] != 0 || b_nonfinite[j] != 0);
+  core_ns::long_accumulator total;
+  double sum = 0.0;
+  for (std::int64_t k0 = 0; k0 < depth; k0 += reference_chunk) {
+    const int chunk = depth - k0 < reference_chunk ? static_cast<int>(depth - k0) : reference_chunk;
+    for (int t = threadIdx.x; t < reference_tile * reference_chunk; t += blockDim.x) {
+      const int row = t / reference_chunk;
+      const int kk = t % reference_chunk;
+      const bool inside = kk < chunk;
+      a_tile[row][kk] = (inside && i0 + row < m) ? a[(i0 + row) * depth + k0 + kk] : 0.0f;
+      b_tile[row][kk] = (inside && j0 + row < n) ? b[(j0 + row) * depth + k0 + kk] : 0.0f;
+    }
+    __syncthreads();
+    if (active) {
+      for (int kk = 0; kk < chunk; ++kk) {
+        const double product = static_cast<double>(a_tile[ty][kk]) * static_cast<double>(b_tile[tx][kk]);
+        if (ieee) {
+          sum += product;
+        } else {
+          total.add(product);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+  const std::int64_t entry = i * n + j;
+  if (ieee) {
+    if (out64 != nullptr) out64[entry] = canonical(sum);
+    if (out32 != nullptr) out32[entry] = canonical(static_cast<float>(sum));
+  } else {
+    if (out64 != nullptr) out64[entry] = round_total_to_double(total);
+    if (out32 != nullptr) out32[entry] = round_total_to_float(total);
+  }
+}
+
+}  // namespace
+
+void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
+                         float* out32) {
+  if (m == 0 || n == 0) return;
+  device_buffer a_flags(static_cast<std::size_t>(m) * sizeof(int));
+  device_buffer b_flags(static_cast<std::size_t>(n) * sizeof(int));
+  runtime::launch(nonfinite_rows_kernel, grid_for(m), threads_per_block, 0, a, m, k, a_flags.as<int>());
+  runtime::launch(nonfinite_rows_kernel, grid_for(n), threads_per_block, 0, b, n, k, b_flags.as<int>());
+  const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
+                  static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
+  runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_flags.as<const int>(),
+                  b_flags.as<const int>(), m, n, k, out64, out32);
+  synchronize();  // the flag buffers must outlive the kernel
+}
+
+// ================================================================================================
+// Comparison sums in the canonical order of compare.hpp: one thread per chunk of 4096 terms sums
+// sequentially in fp64; the chunk partials come back to the host, which combines them with
+// mxscope::canonical_tree. Counts, maxima and the ulp histogram are order-free.
+
+namespace {
+
+constexpr int compare_sum_count = 6;  // ||E||^2 ||G||^2 ||Ghat||^2 <E,G> <Ghat,G> sum of ulp distances
+
+struct compare_counters {
+  unsigned long long histogram[ulp_bucket_count];
+  unsigned long long max_ulp;
+  unsigned long long compared;
+  unsigned long long nan_pairs;
+  unsigned long long nonfinite_estimate;
+  unsigned long long max_abs_bits;  // bits of max |E| over non-NaN E (non-negative: bit order = value order)
+  unsigned long long saw_nan;
+};
+
+__global__ void compare_chunks_kernel(const float* estimate, const double* reference, const float* reference32,
+                                      std::int64_t count, std::int64_t chunk_count, double* partials,
+                                      compare_counters* counters) {
+  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
+    double sums[compare_sum_count] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    unsigned long long histogram[ulp_bucket_count] = {};
+    unsigned long long max_ulp = 0, compared = 0, nan_pairs = 0, nonfinite = 0, max_abs_bits = 0, saw_nan = 0;
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float hat32 = estimate[i];
+      const double hat = static_cast<double>(hat32);
+      const double g = reference[i];
+      const double e = hat - g;
+      sums[0] = sums[0] + e * e;
+      sums[1] = sums[1] + g * g;
+      sums[2] = sums[2] + hat * hat;
+      sums[3] = sums[3] + e * g;
+      sums[4] = sums[4] + hat * g;
+      const float ref32 = reference32[i];
+      double distance = 0.0;
+      if (hat32 != hat32 || ref32 != ref32) {
+        ++nan_pairs;
+      } else {
+        const std::uint64_t d = ulp_distance(hat32, ref32);
+        distance = static_cast<double>(d);
+        ++histogram[ulp_bucket(d)];
+        ++compared;
+        if (d > max_ulp) max_ulp = d;
+      }
+      sums[5] = sums[5] + distance;
+      if (e != e) {
+        saw_nan = 1;
+      } else {
+        const unsigned long long bits = core_ns::double_bits(fabs(e));
+        if (bits > max_abs_bits) max_abs_bits = bits;
+      }
+      if (!is_finite(hat)) ++nonfinite;
+    }
+    for (int s = 0; s < compare_sum_count; ++s) partials[s * chunk_count + chunk] = sums[s];
+    for (int b = 0; b < ulp_bucket_count; ++b) {
+      if (histogram[b] != 0) atomicAdd(&counters->histogram[b], histogram[b]);
+    }
+    atomicMax(&counters->max_ulp, max_ulp);
+    atomicAdd(&counters->compared, compared);
+    atomicAdd(&counters->nan_pairs, nan_pairs);
+    atomicAdd(&counters->nonfinite_estimate, nonfinite);
+    atomicMax(&counters->max_abs_bits, max_abs_bits);
+    if (saw_nan != 0) atomicOr(&counters->saw_nan, saw_nan);
+  }
+}
+
+__global__ void orthogonal_chunks_kernel(const float* estimate, const double* reference, std::int64_t count,
+                                         std::int64_t chunk_count, double bias, double* partials) {
+  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
+    double sum = 0.0;
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const double g = reference[i];
+      const double e = static_cast<double>(estimate[i]) - g;
+      const double d = e - bias * g;
+      sum = sum + d * d;
+    }
+    partials[chunk] = sum;
+  }
+}
+
+// Row r's canonical sum over its columns: partial (r, chunk) = columns [chunk*4096, ...).
+__global__ void row_chunks_kernel(const float* estimate, const double* reference, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t chunks_per_row, double* partials) {
+  MXSCOPE_GRID_LOOP(t, rows * chunks_per_row) {
+    const std::int64_t r = t / chunks_per_row;
+    const std::int64_t chunk = t % chunks_per_row;
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < cols ? begin + canonical_chunk : cols;
+    double sum = 0.0;
+    for (std::int64_t c = begin; c < end; ++c) {
+      const double e = static_cast<double>(estimate[r * cols + c]) - reference[r * cols + c];
+      sum = sum + e * e;
+    }
+    partials[t] = sum;
+  }
+}
+
+// Column c's canonical sum down its rows: partial (chunk, c) = rows [chunk*4096, ...).
+__global__ void column_chunks_kernel(const float* estimate, const double* reference, std::int64_t rows,
+                                     std::int64_t cols, std::int64_t chunks_per_column, double* partials) {
+  MXSCOPE_GRID_LOOP(t, chunks_per_column * cols) {
+    const std::int64_t chunk = t / cols;
+    const std::int64_t c = t % cols;
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < rows ? begin + canonical_chunk : rows;
+    double sum = 0.0;
+    for (std::int64_t r = begin; r < end; ++r) {
+      const double e = static_cast<double>(estimate[r * cols + c]) - reference[r * cols + c];
+      sum = sum + e * e;
+    }
+    partials[t] = sum;
+  }
+}
+
+double tree_of(std::vector<double>& values, std::size_t offset, std::size_t count) {
+  return canonical_tree(std::span<double>(values.data() + offset, count));
+}
+
+}  // namespace
+
+// ================================================================================================
+// Host convenience functions.
+
+namespace {
+
+template <class T>
+device_buffer upload_vector(const std::vector<T>& values) {
+  device_buffer buffer(values.size() * sizeof(T));
+  buffer.upload(values.data(), buffer.bytes());
+  return buffer;
+}
+
+}  // namespace
+
+matrix rotate(const matrix& values, int axis, const rotation_options& options) {
+  const rotation_plan plan = make_rotation_plan(options);
+  check_rotation(plan, values.rows, values.cols, axis, "gpu rotate");
+  matrix out = values;
+  if (plan.size == 0 || values.size() == 0) return out;
+  device_buffer buffer = upload_vector(values.values);
+  rotate_on_device(buffer.as<float>(), values.rows, values.cols, axis, plan);
+  buffer.download(out.data(), buffer.bytes());
+  return out;
+}
+
+quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation,
+                          quantize_path path) {
+  const mx_plan plan = make_mx_plan(options);
+  const rotation_plan rotation_resolved = make_rotation_plan(rotation);
+  check_rotation(rotation_resolved, input.rows, input.cols, plan.axis, "gpu quantize");
+  quantized_tensor out;
+  out.rows = input.rows;
+  out.cols = input.cols;
+  out.options = options;
+  out.block = plan.block;
+  out.scale_rows = mx_scale_rows(plan, input.rows, input.cols);
+  out.scale_cols = mx_scale_cols(plan, input.rows, input.cols);
+  out.codes.assign(static_cast<std::size_t>(mx_code_bytes(plan, input.rows, input.cols)), 0);
+  out.scales.assign(static_cast<std::size_t>(out.scale_rows * out.scale_cols), 0);
+  out.dequantized = matrix(input.rows, input.cols);
+  if (input.size() == 0) return out;
+  const device_buffer source = upload_vector(input.values);
+  device_buffer codes(out.codes.size());
+  device_buffer scales(out.scales.size());
+  device_buffer dequantized(out.dequantized.values.size() * sizeof(float));
+  device_buffer counters(mx_counter_count * sizeof(unsigned long long));
+  counters.fill_bytes(0);
+  mx_device_output destination;
+  destination.codes = codes.as<std::uint8_t>();
+  destination.scales = scales.as<std::uint8_t>();
+  destination.dequantized = dequantized.as<float>();
+  destination.counters = counters.as<unsigned long long>();
+  quantize_on_device(source.get(), input_format::fp32, input.rows, input.cols, plan, rotation_resolved, destination,
+                     path);
+  codes.download(out.codes.data(), out.codes.size());
+  scales.download(out.scales.data(), out.scales.size());
+  dequantized.download(out.dequantized.data(), dequantized.bytes());
+  unsigned long long counts[mx_counter_count] = {};
+  counters.download(counts, sizeof(counts));
+  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
+  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
+  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
+  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+  return out;
+}
+
+product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                               output_rounding output, gemm_path path) {
+  for (const quantized_tensor* q : {&a, &b}) {
+    if (q->options.format.scheme != quant_scheme::mx) {
+      throw input_error("gpu gemm: field 'format': the GPU backend multiplies MX operands only");
+    }
+  }
+  const auto view_of = [](const quantized_tensor& q, const device_buffer& codes, const device_buffer& scales) {
+    mx_operand_view view;
+    view.codes = codes.as<const std::uint8_t>();
+    view.scales = scales.as<const std::uint8_t>();
+    view.element = q.options.format.element;
+    view.block = q.block;
+    view.axis = q.options.axis;
+    view.rows = q.rows;
+    view.cols = q.cols;
+    return view;
+  };
+  const device_buffer a_codes = upload_vector(a.codes);
+  const device_buffer a_scales = upload_vector(a.scales);
+  const device_buffer b_codes = upload_vector(b.codes);
+  const device_buffer b_scales = upload_vector(b.scales);
+  const mx_operand_view a_view = view_of(a, a_codes, a_scales);
+  const mx_operand_view b_view = view_of(b, b_codes, b_scales);
+  gemm_path chosen = path == gemm_path::automatic ? resolve_gemm_path(a_view, b_view, model) : path;
+  prepared_operand left = prepare_operand(a_view, chosen);
+  prepared_operand right = prepare_operand(b_view, chosen);
+  if (path == gemm_path::automatic && chosen != gemm_path::generic &&
+      (!left.data().finite_elements || !right.data().finite_elements)) {
+    chosen = gemm_path::generic;
+    left = prepare_operand(a_view, chosen);
+    right = prepare_operand(b_view, chosen);
+  }
+  product_result result;
+  result.out = matrix(left.rows(), right.rows());
+  const bool want_exact = model.kind == accumulation_kind::exact;
+  if (want_exact) result.exact = matrix64(left.rows(), right.rows());
+  const std::size_t entries = static_cast<std::size_t>(left.rows() * right.rows());
+  device_buffer out(entries * sizeof(float));
+  device_buffer exact(want_exact ? entries * sizeof(double) : 0);
+  multiply_prepared(left, right, model, output, out.as<float>(), want_exact ? exact.as<double>() : nullptr, chosen);
+  out.download(result.out.data(), out.bytes());
+  if (want_exact) exact.download(result.exact.data(), exact.bytes());
+  return result;
+}
+
+reference_result reference_gemm(const matrix& a, const matrix& b) {
+  if (a.cols != b.cols) {
+    throw input_error("gpu reference_gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
+  }
+  reference_result out;
+  out.kind = reference_kind::exact;
+  out.fp64 = matrix64(a.rows, b.rows);
+  out.fp32 = matrix(a.rows, b.rows);
+  out.stats.entries = a.rows * b.rows;
+  if (a.rows > 0 && b.rows > 0) {
+    const device_buffer left = upload_vector(a.values);
+    const device_buffer right = upload_vector(b.values);
+    device_buffer out64(out.fp64.values.size() * sizeof(double));
+    device_buffer out32(out.fp32.values.size() * sizeof(float));
+    reference_on_device(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols, out64.as<double>(),
+                        out32.as<float>());
+    out64.download(out.fp64.data(), out64.bytes());
+    out32.download(out.fp32.data(), out32.bytes());
+  }
+  // Statistics as the CPU reports them: rows with inf or NaN make their entries non-finite.
+  std::vector<bool> a_bad(static_cast<std::size_t>(a.rows)), b_bad(static_cast<std::size_t>(b.rows));
+  const auto finite = [](float v) { return (core_ns::float_bits(v) & 0x7f800000U) != 0x7f800000U; };
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t k = 0; k < a.cols; ++k)
+      a_bad[static_cast<std::size_t>(r)] = a_bad[static_cast<std::size_t>(r)] || !finite(a(r, k));
+  }
+  for (std::int64_t r = 0; r < b.rows; ++r) {
+    for (std::int64_t k = 0; k < b.cols; ++k)
+      b_bad[static_cast<std::size_t>(r)] = b_bad[static_cast<std::size_t>(r)] || !finite(b(r, k));
+  }
+  std::int64_t bad_a = 0, bad_b = 0;
+  for (const bool bad : a_bad) bad_a += bad;
+  for (const bool bad : b_bad) bad_b += bad;
+  out.stats.nonfinite_entries = bad_a * b.rows + bad_b * a.rows - bad_a * bad_b;
+  out.stats.certified_entries = out.stats.entries - out.stats.nonfinite_entries;
+  double largest = 0.0;
+  for (const double value : out.fp64.values) {
+    const double magnitude = value < 0.0 ? -value : value;
+    if (magnitude == 0.0 || !(magnitude < std::numeric_limits<double>::infinity())) continue;
+    const double half_ulp =
+        magnitude < 0x1p-1021 ? core_ns::pow2(-1074) : core_ns::pow2(core_ns::floor_log2(magnitude) - 53);
+    largest = std::max(largest, half_ulp);
+  }
+  out.error_bound = largest;
+  return out;
+}
+
+comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32) {
+  for (const auto& [rows, cols, what] : {std::tuple{estimate.rows, estimate.cols, "the estimate"},
+                                         std::tuple{reference_fp32.rows, reference_fp32.cols, "the fp32 reference"}}) {
+    if (rows != reference.rows || cols != reference.cols) {
+      throw input_error(std::string("compare: ") + what + " is [" + to_text(rows) + ", " + to_text(cols) +
+                        "] but the reference is [" + to_text(reference.rows) + ", " + to_text(reference.cols) + "]");
+    }
+  }
+  comparison out;
+  out.rows = estimate.rows;
+  out.cols = estimate.cols;
+  const std::int64_t rows = estimate.rows;
+  const std::int64_t cols = estimate.cols;
+  const std::int64_t count = rows * cols;
+  out.row_error_norms.assign(static_cast<std::size_t>(rows), 0.0);
+  out.column_error_norms.assign(static_cast<std::size_t>(cols), 0.0);
+  if (count == 0) {
+    out.zero_reference = true;
+    out.rel_err = 0.0;
+    out.orth_err = 0.0;
+    out.cosine = 1.0;
+    return out;
+  }
+  const device_buffer hat = upload_vector(estimate.values);
+  const device_buffer g = upload_vector(reference.values);
+  const device_buffer g32 = upload_vector(reference_fp32.values);
+  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+  device_buffer partials(static_cast<std::size_t>(compare_sum_count * chunk_count) * sizeof(double));
+  device_buffer counters(sizeof(compare_counters));
+  counters.fill_bytes(0);
+  runtime::launch(compare_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat.as<const float>(), g.as<const double>(),
+                  g32.as<const float>(), count, chunk_count, partials.as<double>(), counters.as<compare_counters>());
+  std::vector<double> host_partials(static_cast<std::size_t>(compare_sum_count * chunk_count));
+  partials.download(host_partials.data(), partials.bytes());
+  compare_counters host_counters{};
+  counters.download(&host_counters, sizeof(host_counters));
+  double sums[compare_sum_count];
+  for (int s = 0; s < compare_sum_count; ++s) {
+    sums[s] = tree_of(host_partials, static_cast<std::size_t>(s * chunk_count), static_cast<std::size_t>(chunk_count));
+  }
+
+  // The formulas of compare_impl (src/compare.cpp), in the same operation order.
+  out.error_norm = std::sqrt(sums[0]);
+  out.reference_norm = std::sqrt(sums[1]);
+  out.estimate_norm = std::sqrt(sums[2]);
+  out.error_dot_reference = sums[3];
+  out.estimate_dot_reference = sums[4];
+  constexpr double infinity = std::numeric_limits<double>::infinity();
+  if (out.reference_norm == 0.0) {
+    out.zero_reference = true;
+    out.rel_err = out.error_norm == 0.0 ? 0.0 : infinity;
+    out.orth_err = out.rel_err;
+    out.bias = 0.0;
+    out.cosine = out.estimate_norm == 0.0 ? 1.0 : 0.0;
+  } else {
+    out.rel_err = out.error_norm / out.reference_norm;
+    out.bias = out.error_dot_reference / sums[1];
+    device_buffer orthogonal(static_cast<std::size_t>(chunk_count) * sizeof(double));
+    runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat.as<const float>(),
+                    g.as<const double>(), count, chunk_count, out.bias, orthogonal.as<double>());
+    std::vector<double> orthogonal_partials(static_cast<std::size_t>(chunk_count));
+    orthogonal.download(orthogonal_partials.data(), orthogonal.bytes());
+    out.orth_err = std::sqrt(canonical_tree(orthogonal_partials)) / out.reference_norm;
+    out.cosine = out.estimate_norm == 0.0 ? 0.0 : out.estimate_dot_reference / (out.estimate_norm * out.reference_norm);
+  }
+  for (int b = 0; b < ulp_bucket_count; ++b)
+    out.ulp.histogram[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(host_counters.histogram[b]);
+  out.ulp.max = host_counters.max_ulp;
+  out.ulp.compared = static_cast<std::int64_t>(host_counters.compared);
+  out.ulp.nan_pairs = static_cast<std::int64_t>(host_counters.nan_pairs);
+  out.nonfinite_estimate = static_cast<std::int64_t>(host_counters.nonfinite_estimate);
+  out.max_abs_err = host_counters.saw_nan != 0 ? std::numeric_limits<double>::quiet_NaN()
+                                               : core_ns::bits_double(host_counters.max_abs_bits);
+  out.ulp.mean = out.ulp.compared == 0 ? 0.0 : sums[5] / static_cast<double>(out.ulp.compared);
+
+  const std::int64_t chunks_per_row = (cols + canonical_chunk - 1) / canonical_chunk;
+  device_buffer row_partials(static_cast<std::size_t>(rows * chunks_per_row) * sizeof(double));
+  runtime::launch(row_chunks_kernel, grid_for(rows * chunks_per_row), threads_per_block, 0, hat.as<const float>(),
+                  g.as<const double>(), rows, cols, chunks_per_row, row_partials.as<double>());
+  std::vector<double> host_rows(static_cast<std::size_t>(rows * chunks_per_row));
+  row_partials.download(host_rows.data(), row_partials.bytes());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    out.row_error_norms[static_cast<std::size_t>(r)] = std::sqrt(
+        tree_of(host_rows, static_cast<std::size_t>(r * chunks_per_row), static_cast<std::size_t>(chunks_per_row)));
+  }
+  const std::int64_t chunks_per_column = (rows + canonical_chunk - 1) / canonical_chunk;
+  device_buffer column_partials(static_cast<std::size_t>(chunks_per_column * cols) * sizeof(double));
+  runtime::launch(column_chunks_kernel, grid_for(chunks_per_column * cols), threads_per_block, 0, hat.as<const float>(),
+                  g.as<const double>(), rows, cols, chunks_per_column, column_partials.as<double>());
+  std::vector<double> host_columns(static_cast<std::size_t>(chunks_per_column * cols));
+  column_partials.download(host_columns.data(), column_partials.bytes());
+  std::vector<double> column(static_cast<std::size_t>(chunks_per_column));
+  for (std::int64_t c = 0; c < cols; ++c) {
+    for (std::int64_t chunk = 0; chunk < chunks_per_column; ++chunk) {
+      column[static_cast<std::size_t>(chunk)] = host_columns[static_cast<std::size_t>(chunk * cols + c)];
+    }
+    out.column_error_norms[static_cast<std::size_t>(c)] = std::sqrt(canonical_tree(column));
+  }
+  return out;
+}
+
+}  // namespace mxscope::gpu

@@ -1,0 +1,163 @@
+// The GPU runtime shim: the handful of runtime calls the backend needs, spelled once for CUDA
+// (nvcc, __CUDACC__), once for HIP (clang -x hip, __HIP__) and once for a CPU simulation
+// (MXSCOPE_GPU_SIMULATE: plain C++, every GPU thread an std::thread; see simulation.hpp). Kernels and
+// host code use only these names, so one source compiles for NVIDIA, AMD and the host without a
+// translation step. Kernels are launched with runtime::launch(kernel, grid, block, shared, args...)
+// rather than the <<< >>> syntax, which only the GPU compilers understand.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "mxscope/gpu.hpp"  // gpu_error
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+#include "simulation.hpp"
+#elif defined(__HIP__)
+#include <hip/hip_runtime.h>
+#elif defined(__CUDACC__)
+#include <cuda_runtime.h>
+#else
+#error "src/gpu is compiled by nvcc (CUDA), by clang -x hip (HIP) or as C++ with MXSCOPE_GPU_SIMULATE"
+#endif
+
+namespace mxscope::gpu::runtime {
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+using error_t = simulation::error_t;
+using event_t = simulation::event_t;
+using device_properties = simulation::device_properties;
+inline constexpr error_t success = simulation::success;
+using simulation::copy_on_device;
+using simulation::copy_on_device_async;
+using simulation::copy_to_device;
+using simulation::copy_to_host;
+using simulation::device_count;
+using simulation::error_string;
+using simulation::event_create;
+using simulation::event_destroy;
+using simulation::event_elapsed_ms;
+using simulation::event_record;
+using simulation::event_synchronize;
+using simulation::free;
+using simulation::get_device;
+using simulation::last_error;
+using simulation::malloc;
+using simulation::memset;
+using simulation::properties;
+using simulation::synchronize;
+inline void* simulation_shared_memory() { return simulation::dynamic_shared_memory(); }
+#elif defined(__HIP__)
+using error_t = hipError_t;
+using event_t = hipEvent_t;
+using device_properties = hipDeviceProp_t;
+inline constexpr error_t success = hipSuccess;
+inline const char* error_string(error_t error) { return hipGetErrorString(error); }
+inline error_t malloc(void** pointer, std::size_t bytes) { return hipMalloc(pointer, bytes); }
+inline error_t free(void* pointer) { return hipFree(pointer); }
+inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
+  return hipMemcpy(to, from, bytes, hipMemcpyHostToDevice);
+}
+inline error_t copy_to_host(void* to, const void* from, std::size_t bytes) {
+  return hipMemcpy(to, from, bytes, hipMemcpyDeviceToHost);
+}
+inline error_t copy_on_device(void* to, const void* from, std::size_t bytes) {
+  return hipMemcpy(to, from, bytes, hipMemcpyDeviceToDevice);
+}
+inline error_t copy_on_device_async(void* to, const void* from, std::size_t bytes) {
+  return hipMemcpyAsync(to, from, bytes, hipMemcpyDeviceToDevice, nullptr);
+}
+inline error_t memset(void* pointer, int value, std::size_t bytes) { return hipMemset(pointer, value, bytes); }
+inline error_t synchronize() { return hipDeviceSynchronize(); }
+inline error_t last_error() { return hipGetLastError(); }
+inline error_t device_count(int* count) { return hipGetDeviceCount(count); }
+inline error_t get_device(int* device) { return hipGetDevice(device); }
+inline error_t properties(device_properties* out, int device) { return hipGetDeviceProperties(out, device); }
+inline error_t event_create(event_t* event) { return hipEventCreate(event); }
+inline error_t event_destroy(event_t event) { return hipEventDestroy(event); }
+inline error_t event_record(event_t event) { return hipEventRecord(event, nullptr); }
+inline error_t event_synchronize(event_t event) { return hipEventSynchronize(event); }
+inline error_t event_elapsed_ms(float* milliseconds, event_t start, event_t stop) {
+  return hipEventElapsedTime(milliseconds, start, stop);
+}
+inline error_t launch_kernel(const void* kernel, dim3 grid, dim3 block, void** arguments, std::size_t shared_bytes) {
+  return hipLaunchKernel(kernel, grid, block, arguments, shared_bytes, nullptr);
+}
+#else
+using error_t = cudaError_t;
+using event_t = cudaEvent_t;
+using device_properties = cudaDeviceProp;
+inline constexpr error_t success = cudaSuccess;
+inline const char* error_string(error_t error) { return cudaGetErrorString(error); }
+inline error_t malloc(void** pointer, std::size_t bytes) { return cudaMalloc(pointer, bytes); }
+inline error_t free(void* pointer) { return cudaFree(pointer); }
+inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
+  return cudaMemcpy(to, from, bytes, cudaMemcpyHostToDevice);
+}
+inline error_t copy_to_host(void* to, const void* from, std::size_t bytes) {
+  return cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost);
+}
+inline error_t copy_on_device(void* to, const void* from, std::size_t bytes) {
+  return cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToDevice);
+}
+inline error_t copy_on_device_async(void* to, const void* from, std::size_t bytes) {
+  return cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, nullptr);
+}
+inline error_t memset(void* pointer, int value, std::size_t bytes) { return cudaMemset(pointer, value, bytes); }
+inline error_t synchronize() { return cudaDeviceSynchronize(); }
+inline error_t last_error() { return cudaGetLastError(); }
+inline error_t device_count(int* count) { return cudaGetDeviceCount(count); }
+inline error_t get_device(int* device) { return cudaGetDevice(device); }
+inline error_t properties(device_properties* out, int device) { return cudaGetDeviceProperties(out, device); }
+inline error_t event_create(event_t* event) { return cudaEventCreate(event); }
+inline error_t event_destroy(event_t event) { return cudaEventDestroy(event); }
+inline error_t event_record(event_t event) { return cudaEventRecord(event, nullptr); }
+inline error_t event_synchronize(event_t event) { return cudaEventSynchronize(event); }
+inline error_t event_elapsed_ms(float* milliseconds, event_t start, event_t stop) {
+  return cudaEventElapsedTime(milliseconds, start, stop);
+}
+inline error_t launch_kernel(const void* kernel, dim3 grid, dim3 block, void** arguments, std::size_t shared_bytes) {
+  return cudaLaunchKernel(kernel, grid, block, arguments, shared_bytes, nullptr);
+}
+#endif
+
+[[noreturn]] inline void fail(error_t error, const char* call, const char* file, int line) {
+  throw gpu_error(std::string(file) + ":" + std::to_string(line) + ": " + call + " failed: " + error_string(error));
+}
+
+}  // namespace mxscope::gpu::runtime
+
+// Checks a runtime call; throws mxscope::gpu::gpu_error naming the file, line, call and error.
+#define MXSCOPE_GPU_CHECK(call)                                                      \
+  do {                                                                               \
+    const ::mxscope::gpu::runtime::error_t mxscope_gpu_status_ = (call);             \
+    if (mxscope_gpu_status_ != ::mxscope::gpu::runtime::success) {                   \
+      ::mxscope::gpu::runtime::fail(mxscope_gpu_status_, #call, __FILE__, __LINE__); \
+    }                                                                                \
+  } while (false)
+
+namespace mxscope::gpu::runtime {
+
+// Launches `kernel` on the default stream with arguments converted to its exact parameter types
+// (the runtime copies the parameter bytes, so the types must match the kernel's), and checks the
+// launch.
+template <class... Parameters, class... Arguments>
+void launch(void (*kernel)(Parameters...), dim3 grid, dim3 block, std::size_t shared_bytes, Arguments&&... arguments) {
+  static_assert(sizeof...(Parameters) == sizeof...(Arguments), "kernel argument count");
+  std::tuple<std::decay_t<Parameters>...> values(std::forward<Arguments>(arguments)...);
+#if defined(MXSCOPE_GPU_SIMULATE)
+  simulation::run(grid, block, shared_bytes, [&] { std::apply(kernel, values); });
+#else
+  std::apply(
+      [&](auto&... value) {
+        void* pointers[] = {static_cast<void*>(&value)...};
+        MXSCOPE_GPU_CHECK(launch_kernel(reinterpret_cast<const void*>(kernel), grid, block, pointers, shared_bytes));
+      },
+      values);
+#endif
+}
+
+}  // namespace mxscope::gpu::runtime

@@ -1,0 +1,339 @@
+// A CPU simulation of the small part of the CUDA programming model the backend uses, so that the
+// kernels of kernels.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
+// thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
+// blocks run one after another, "device memory" is host memory. The warp-level primitives of the
+// tensor-core path (cp.async, mma.sync m16n8k32 s8) are emulated from their documented per-lane
+// semantics, with a barrier per warp.
+//
+// Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
+// without a GPU, with the same bit-exactness checks the GPU test makes. It says nothing about the
+// GPU compilers or the hardware (tools/gpu-test is the real check), and it is slow: small shapes.
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+// ------------------------------------------------------------------------------------------------
+// The CUDA vocabulary, as host C++.
+
+#define __global__
+#define __device__
+#define __host__
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __shared__ static  // one simulated thread block runs at a time, so a static is its shared memory
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+inline thread_local dim3 threadIdx;
+inline thread_local dim3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+
+namespace mxscope::gpu::simulation {
+
+struct thread_state {
+  std::barrier<>* block_barrier = nullptr;
+  std::barrier<>* warp_barrier = nullptr;
+  unsigned char* dynamic_shared = nullptr;
+  void* warp_exchange = nullptr;
+};
+inline thread_local thread_state current;
+
+}  // namespace mxscope::gpu::simulation
+
+inline void __syncthreads() { mxscope::gpu::simulation::current.block_barrier->arrive_and_wait(); }
+
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return std::atomic_ref<unsigned long long>(*address).fetch_add(value);
+}
+inline unsigned long long atomicMax(unsigned long long* address, unsigned long long value) {
+  std::atomic_ref<unsigned long long> target(*address);
+  unsigned long long seen = target.load();
+  while (seen < value && !target.compare_exchange_weak(seen, value)) {
+  }
+  return seen;
+}
+inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
+  std::atomic_ref<unsigned long long> target(*address);
+  unsigned long long seen = target.load();
+  while (seen > value && !target.compare_exchange_weak(seen, value)) {
+  }
+  return seen;
+}
+inline unsigned long long atomicOr(unsigned long long* address, unsigned long long value) {
+  return std::atomic_ref<unsigned long long>(*address).fetch_or(value);
+}
+
+inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+
+namespace mxscope::gpu::simulation {
+
+// ------------------------------------------------------------------------------------------------
+// Runtime calls.
+
+enum error_t : int { success = 0, failure = 1 };
+inline const char* error_string(error_t error) { return error == success ? "no error" : "simulation error"; }
+
+struct device_properties {
+  char name[256] = "CPU simulation of the GPU backend";
+  int major = 0;
+  int minor = 0;
+  int multiProcessorCount = 1;
+  std::size_t totalGlobalMem = 0;
+};
+
+inline error_t malloc(void** pointer, std::size_t bytes) {
+  *pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *pointer != nullptr ? success : failure;
+}
+inline error_t free(void* pointer) {
+  std::free(pointer);
+  return success;
+}
+inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
+  std::memcpy(to, from, bytes);
+  return success;
+}
+inline error_t copy_to_host(void* to, const void* from, std::size_t bytes) {
+  std::memcpy(to, from, bytes);
+  return success;
+}
+inline error_t copy_on_device(void* to, const void* from, std::size_t bytes) {
+  std::memcpy(to, from, bytes);
+  return success;
+}
+inline error_t copy_on_device_async(void* to, const void* from, std::size_t bytes) {
+  return copy_on_device(to, from, bytes);
+}
+inline error_t memset(void* pointer, int value, std::size_t bytes) {
+  std::memset(pointer, value, bytes);
+  return success;
+}
+inline error_t synchronize() { return success; }
+inline error_t last_error() { return success; }
+inline error_t device_count(int* count) {
+  *count = 1;
+  return success;
+}
+inline error_t get_device(int* device) {
+  *device = 0;
+  return success;
+}
+inline error_t properties(device_properties* out, int) {
+  *out = device_properties{};
+  return success;
+}
+
+using clock = std::chrono::steady_clock;
+using event_t = clock::time_point*;
+inline error_t event_create(event_t* event) {
+  *event = new clock::time_point();
+  return success;
+}
+inline error_t event_destroy(event_t event) {
+  delete event;
+  return success;
+}
+inline error_t event_record(event_t event) {
+  *event = clock::now();
+  return success;
+}
+inline error_t event_synchronize(event_t) { return success; }
+inline error_t event_elapsed_ms(float* milliseconds, event_t start, event_t stop) {
+  *milliseconds = std::chrono::duration<float, std::milli>(*stop - *start).count();
+  return success;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Launches: each thread of a block is one of a pool of std::threads (started once, reused by every
+// launch); blocks run in order; a launch returns when the whole grid is done (launches are
+// synchronous).
+
+struct warp_fragments {
+  std::uint32_t a[32][4];
+  std::uint32_t b[32][2];
+};
+
+class thread_pool {
+ public:
+  static constexpr unsigned max_threads = 256;  // the largest thread block the kernels launch
+
+  static thread_pool& instance() {
+    static thread_pool pool;
+    return pool;
+  }
+
+  template <class Body>
+  void run(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
+    const unsigned threads = block.x * block.y * block.z;
+    if (threads == 0 || threads > max_threads) std::abort();
+    const std::lock_guard<std::mutex> one_launch_at_a_time(launch_mutex_);
+    const unsigned warps = (threads + 31) / 32;
+    std::barrier<> block_barrier(static_cast<std::ptrdiff_t>(threads));
+    std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+    for (unsigned w = 0; w < warps; ++w) {
+      const unsigned members = threads - 32 * w < 32 ? threads - 32 * w : 32;
+      warp_barriers.push_back(std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(members)));
+    }
+    std::vector<warp_fragments> exchanges(warps);
+    std::vector<unsigned char> dynamic_shared(shared_bytes + 16);
+    const auto work = [&](unsigned t) {
+      threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+      blockDim = block;
+      gridDim = grid;
+      current.block_barrier = &block_barrier;
+      current.warp_barrier = warp_barriers[t / 32].get();
+      current.warp_exchange = &exchanges[t / 32];
+      current.dynamic_shared = dynamic_shared.data();
+      for (unsigned z = 0; z < grid.z; ++z) {
+        for (unsigned y = 0; y < grid.y; ++y) {
+          for (unsigned x = 0; x < grid.x; ++x) {
+            blockIdx = dim3(x, y, z);
+            body();
+            block_barrier.arrive_and_wait();  // the block ends for every thread before the next starts
+          }
+        }
+      }
+    };
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      job_ = work;
+      job_threads_ = threads;
+      remaining_ = threads;
+      ++generation_;
+    }
+    wake_.notify_all();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return remaining_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  thread_pool() {
+    for (unsigned t = 0; t < max_threads; ++t) {
+      workers_.emplace_back([this, t] { serve(t); });
+    }
+  }
+  ~thread_pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      ++generation_;
+    }
+    wake_.notify_all();
+    for (auto& worker : workers_) worker.join();
+  }
+
+  void serve(unsigned t) {
+    std::uint64_t seen = 0;
+    while (true) {
+      std::function<void(unsigned)> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stopping_) return;
+        if (t >= job_threads_) continue;
+        job = job_;
+      }
+      job(t);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--remaining_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex launch_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  std::function<void(unsigned)> job_;
+  unsigned job_threads_ = 0;
+  unsigned remaining_ = 0;
+  std::uint64_t generation_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+template <class Body>
+void run(dim3 grid, dim3 block, std::size_t shared_bytes, Body&& body) {
+  thread_pool::instance().run(grid, block, shared_bytes, body);
+}
+
+inline void* dynamic_shared_memory() { return current.dynamic_shared; }
+
+// cp.async: the copy happens at once (16 or 4 bytes, or zeros when the source is outside).
+inline void copy_async(void* destination, const void* source, int bytes, bool inside) {
+  if (inside) {
+    std::memcpy(destination, source, static_cast<std::size_t>(bytes));
+  } else {
+    std::memset(destination, 0, static_cast<std::size_t>(bytes));
+  }
+}
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with a zero accumulator, from the PTX ISA's
+// fragment layout (groupID g = lane / 4, threadID_in_group t = lane % 4):
+//   A 16x32: a0 = row g, k 4t..4t+3; a1 = row g+8, k 4t..; a2 = row g, k 16+4t..; a3 = row g+8, k 16+4t..
+//   B 32x8:  b0 = k 4t..4t+3, column g; b1 = k 16+4t.., column g
+//   D 16x8:  d0, d1 = row g, columns 2t, 2t+1; d2, d3 = row g+8, the same columns.
+inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  auto& exchange = *static_cast<warp_fragments*>(current.warp_exchange);
+  const unsigned lane = threadIdx.x % 32;
+  for (int r = 0; r < 4; ++r) exchange.a[lane][r] = a[r];
+  for (int r = 0; r < 2; ++r) exchange.b[lane][r] = b[r];
+  current.warp_barrier->arrive_and_wait();
+  std::int8_t matrix_a[16][32];
+  std::int8_t matrix_b[32][8];
+  for (unsigned l = 0; l < 32; ++l) {
+    const unsigned g = l / 4, t = l % 4;
+    for (unsigned j = 0; j < 4; ++j) {
+      const auto byte = [](std::uint32_t word, unsigned index) {
+        return static_cast<std::int8_t>(static_cast<std::uint8_t>(word >> (8 * index)));
+      };
+      matrix_a[g][4 * t + j] = byte(exchange.a[l][0], j);
+      matrix_a[g + 8][4 * t + j] = byte(exchange.a[l][1], j);
+      matrix_a[g][16 + 4 * t + j] = byte(exchange.a[l][2], j);
+      matrix_a[g + 8][16 + 4 * t + j] = byte(exchange.a[l][3], j);
+      matrix_b[4 * t + j][g] = byte(exchange.b[l][0], j);
+      matrix_b[16 + 4 * t + j][g] = byte(exchange.b[l][1], j);
+    }
+  }
+  current.warp_barrier->arrive_and_wait();  // everyone has read the exchange before it is reused
+  const unsigned g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const unsigned row = g + 8 * (e / 2);
+    const unsigned column = 2 * t + e % 2;
+    int sum = 0;
+    for (int k = 0; k < 32; ++k) sum += static_cast<int>(matrix_a[row][k]) * static_cast<int>(matrix_b[k][column]);
+    d[e] = sum;
+  }
+}
+
+}  // namespace mxscope::gpu::simulation

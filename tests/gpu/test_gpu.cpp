@@ -1,0 +1,980 @@
+// GPU vs CPU, bit for bit: rotations, MX quantization (every element format x rounding x scale rule
+// x rotation x sign policy, both axes, several block sizes, fp32 and bf16 inputs, both quantizer
+// paths), emulated GEMMs (exact, fp32-block, fp32-group:G, fp32-seq on every path that covers
+// them), the exact reference GEMM and the comparison metrics, on fresh random inputs of many
+// shapes. The CPU side is tests/gpu/host_reference.hpp (the library's definitions on the core
+// headers; tests/test_gpu_host_reference.cpp ties it to the library) and, for the metrics, the
+// library's own src/compare.cpp.
+//
+// Every GPU output buffer is poisoned before each run (0xFF bytes, and for byte outputs a second
+// run with 0x00), so an element the GPU never writes cannot match. One line per case:
+// "PASS <case>" or "FAIL <case>: <first mismatch with input, hex bits, expected, actual, policy>",
+// then "<N> passed, <M> failed"; the exit code is 1 when anything failed.
+//
+// Usage: mxscope_gpu_test [--small | --full] [--seed S] [--only SUITE]
+//   --small  a few small cases of every kernel (for compute-sanitizer runs)
+//   --full   every sweep case also in the CPU simulation (which otherwise runs the small set)
+//   --only   run the suites whose name contains SUITE (e.g. "gemm", "quantize", "reference")
+//   --seed S replay a run (the seed is printed at the start; MXSCOPE_GPU_TEST_SEED works too)
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "host_reference.hpp"
+#include "mxscope/compare.hpp"
+#include "mxscope/gpu.hpp"
+#include "test_inputs.hpp"
+
+namespace {
+
+namespace core = mxscope::core;
+namespace gpu = mxscope::gpu;
+using mxscope::matrix;
+using mxscope::matrix64;
+using test_inputs::value_kind;
+
+// ------------------------------------------------------------------------------------------------
+// Bookkeeping.
+
+struct tally {
+  int passed = 0;
+  int failed = 0;
+  void record(bool ok, const std::string& name, const std::string& detail) {
+    if (ok) {
+      ++passed;
+      std::printf("PASS %s\n", name.c_str());
+    } else {
+      ++failed;
+      std::printf("FAIL %s: %s\n", name.c_str(), detail.c_str());
+    }
+    std::fflush(stdout);
+  }
+};
+
+tally results;
+
+// Runs one case; an exception is a failure of that case, not of the run.
+void run_case(const std::string& name, const std::function<std::string()>& body) {
+  try {
+    const std::string problem = body();
+    results.record(problem.empty(), name, problem);
+  } catch (const std::exception& error) {
+    results.record(false, name, std::string("exception: ") + error.what());
+  }
+}
+
+std::uint64_t split_mix(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+std::uint64_t case_seeds = 0;
+std::uint64_t next_seed() { return split_mix(case_seeds); }
+
+std::string hex32(std::uint32_t bits) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "0x%08x", bits);
+  return text;
+}
+std::string hex64(std::uint64_t bits) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%016" PRIx64, bits);
+  return text;
+}
+std::string show(float value) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.9g (%s)", static_cast<double>(value), hex32(core::float_bits(value)).c_str());
+  return text;
+}
+std::string show(double value) {
+  char text[80];
+  std::snprintf(text, sizeof(text), "%.17g (%s)", value, hex64(core::double_bits(value)).c_str());
+  return text;
+}
+
+// NaN outputs of the GPU are exactly the positive quiet NaN; the CPU's NaN may carry another
+// payload or sign (x86 arithmetic), so an expected NaN matches exactly that pattern and nothing else
+// (in particular not the 0xFF poison).
+bool same(float expected, float actual) {
+  if (std::isnan(expected)) return core::float_bits(actual) == 0x7FC00000U;
+  return core::float_bits(expected) == core::float_bits(actual);
+}
+bool same(double expected, double actual) {
+  if (std::isnan(expected)) return core::double_bits(actual) == 0x7FF8000000000000ULL;
+  return core::double_bits(expected) == core::double_bits(actual);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Policies.
+
+const char* format_names[] = {"mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8"};
+const core::element_kind format_kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
+                                           core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
+                                           core::element_kind::fp8_e5m2, core::element_kind::int8};
+const char* rounding_names[] = {"rne", "rna", "rtz", "sr"};
+const char* rule_names[] = {"floor", "ceil", "even"};
+const char* sign_names[] = {"none", "fixed", "per-step"};
+
+mxscope::quantize_options mx_options(int format, int block, int axis, core::rounding_mode rounding,
+                                     core::scale_rule rule, int sr_bits, std::uint64_t seed) {
+  mxscope::quantize_options options;
+  options.format = {mxscope::quant_scheme::mx, format_kinds[format], 32};
+  options.block = block;
+  options.axis = axis;
+  options.rounding = rounding;
+  options.rule = rule;
+  options.sr_bits = sr_bits;
+  std::uint64_t state = seed;
+  options.stream = core::random_stream{split_mix(state), static_cast<std::uint32_t>(split_mix(state) % 100000),
+                                       static_cast<std::uint32_t>(split_mix(state))};
+  return options;
+}
+
+std::string describe(const mxscope::quantize_options& options, const mxscope::rotation_options& rotation) {
+  std::ostringstream out;
+  out << "format " << core::spec(options.format.element).name << " block " << options.block << " axis " << options.axis
+      << " rounding " << rounding_names[static_cast<int>(options.rounding)] << " rule "
+      << rule_names[static_cast<int>(options.rule)] << " sr_bits " << options.sr_bits << " stream seed "
+      << hex64(options.stream.seed) << " step " << options.stream.step << " tag " << hex32(options.stream.tag)
+      << " rotation " << rotation.size << " signs " << sign_names[static_cast<int>(rotation.signs)] << " sign seed "
+      << hex64(rotation.seed) << " step " << rotation.step << " layer " << hex32(rotation.layer_hash);
+  return out.str();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Quantization.
+
+// The GPU run of one quantization into poisoned buffers; returns the first mismatch or "".
+std::string check_quantize_once(const matrix& input, bool bf16_input, const mxscope::quantize_options& options,
+                                const mxscope::rotation_options& rotation, gpu::quantize_path path,
+                                const mxscope::quantized_tensor& expected, int poison) {
+  const gpu::mx_plan plan = gpu::make_mx_plan(options);
+  const gpu::rotation_plan rotation_plan = gpu::make_rotation_plan(rotation);
+  const std::int64_t rows = input.rows, cols = input.cols;
+  std::vector<std::uint16_t> bf16(static_cast<std::size_t>(input.size()));
+  for (std::size_t i = 0; i < bf16.size(); ++i) bf16[i] = test_inputs::to_bf16_bits(input.values[i]);
+  gpu::device_buffer source(bf16_input ? bf16.size() * 2 : input.values.size() * 4);
+  source.upload(bf16_input ? static_cast<const void*>(bf16.data()) : static_cast<const void*>(input.data()),
+                source.bytes());
+  gpu::device_buffer codes(expected.codes.size()), scales(expected.scales.size());
+  gpu::device_buffer dequantized(expected.dequantized.values.size() * 4), counters(4 * 8);
+  codes.fill_bytes(poison);
+  scales.fill_bytes(poison);
+  dequantized.fill_bytes(poison);
+  counters.fill_bytes(0);
+  gpu::mx_device_output output{codes.as<std::uint8_t>(), scales.as<std::uint8_t>(), dequantized.as<float>(),
+                               counters.as<unsigned long long>()};
+  gpu::quantize_on_device(source.get(), bf16_input ? gpu::input_format::bf16 : gpu::input_format::fp32, rows, cols,
+                          plan, rotation_plan, output, path);
+  gpu::synchronize();
+  std::vector<std::uint8_t> got_codes(expected.codes.size()), got_scales(expected.scales.size());
+  matrix got_dequantized(rows, cols);
+  unsigned long long got_counts[4] = {};
+  codes.download(got_codes.data(), got_codes.size());
+  scales.download(got_scales.data(), got_scales.size());
+  dequantized.download(got_dequantized.data(), dequantized.bytes());
+  counters.download(got_counts, sizeof(got_counts));
+
+  const std::string policy = describe(options, rotation);
+  const auto element_text = [&](std::int64_t r, std::int64_t c) {
+    return "element (" + std::to_string(r) + ", " + std::to_string(c) + ") input " + show(input(r, c));
+  };
+  const std::int64_t row_bytes = gpu::mx_code_row_bytes(plan, cols);
+  for (std::size_t i = 0; i < got_codes.size(); ++i) {
+    if (got_codes[i] != expected.codes[i]) {
+      const std::int64_t r = static_cast<std::int64_t>(i) / row_bytes;
+      const std::int64_t byte = static_cast<std::int64_t>(i) % row_bytes;
+      const std::int64_t c = row_bytes == cols ? byte : 2 * byte;
+      return "code byte " + std::to_string(i) + " (" + element_text(r, c) + "): expected " + hex32(expected.codes[i]) +
+             " got " + hex32(got_codes[i]) + " poison " + hex32(static_cast<std::uint32_t>(poison)) + "; " + policy;
+    }
+  }
+  for (std::size_t i = 0; i < got_scales.size(); ++i) {
+    if (got_scales[i] != expected.scales[i]) {
+      return "scale " + std::to_string(i) + ": expected " + hex32(expected.scales[i]) + " got " + hex32(got_scales[i]) +
+             " poison " + hex32(static_cast<std::uint32_t>(poison)) + "; " + policy;
+    }
+  }
+  for (std::int64_t i = 0; i < input.size(); ++i) {
+    const float want = expected.dequantized.values[static_cast<std::size_t>(i)];
+    const float got = got_dequantized.values[static_cast<std::size_t>(i)];
+    if (!same(want, got)) {
+      return "dequantized " + element_text(i / cols, i % cols) + ": expected " + show(want) + " got " + show(got) +
+             " poison " + hex32(static_cast<std::uint32_t>(poison)) + "; " + policy;
+    }
+  }
+  const std::int64_t want_counts[4] = {expected.nonzero_inputs, expected.flushed, expected.saturated,
+                                       expected.nonfinite_inputs};
+  const char* counter_names[4] = {"nonzero", "flushed", "saturated", "nonfinite"};
+  for (int k = 0; k < 4; ++k) {
+    if (static_cast<std::int64_t>(got_counts[k]) != want_counts[k]) {
+      return std::string("counter ") + counter_names[k] + ": expected " + std::to_string(want_counts[k]) + " got " +
+             std::to_string(got_counts[k]) + "; " + policy;
+    }
+  }
+  return "";
+}
+
+std::string check_quantize(const matrix& input_in, bool bf16_input, const mxscope::quantize_options& options,
+                           const mxscope::rotation_options& rotation, gpu::quantize_path path) {
+  matrix input = input_in;
+  if (bf16_input) {
+    for (float& v : input.values) v = test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(v));
+  }
+  matrix rotated = input;
+  host_reference::rotate(rotated, options.axis, rotation);
+  const mxscope::quantized_tensor expected = host_reference::quantize_mx(rotated, options);
+  for (const int poison : {0xFF, 0x00}) {
+    const std::string problem = check_quantize_once(input, bf16_input, options, rotation, path, expected, poison);
+    if (!problem.empty()) return problem;
+  }
+  return "";
+}
+
+void quantize_sweep(bool small) {
+  // Every format x rounding x scale rule x rotation/sign policy x axis, each on a fresh input.
+  struct rotation_case {
+    int size;
+    mxscope::sign_policy signs;
+  };
+  const rotation_case rotations[] = {{0, mxscope::sign_policy::none},
+                                     {16, mxscope::sign_policy::none},
+                                     {16, mxscope::sign_policy::fixed},
+                                     {16, mxscope::sign_policy::per_step},
+                                     {64, mxscope::sign_policy::per_step}};
+  const int blocks[] = {32, 32, 16, 7, 64, 1, 33};
+  int index = 0;
+  for (int format = 0; format < 6; ++format) {
+    for (int rounding = 0; rounding < 4; ++rounding) {
+      for (int rule = 0; rule < 3; ++rule) {
+        for (const rotation_case& rot : rotations) {
+          for (int axis = 0; axis < 2; ++axis) {
+            ++index;
+            if (small && index % 97 != 1) continue;
+            const std::uint64_t seed = next_seed();
+            const int block = blocks[index % 7];
+            const int sr_bits = rounding == 3 ? (index % 5 == 0 ? 8 : (index % 11 == 0 ? 1 : 32)) : 32;
+            const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+            // Shapes: short last blocks and odd fp4 rows without rotation; rotation sizes divide the axis.
+            std::int64_t rows = 37 + index % 5, cols = 75 + index % 3;
+            if (rot.size > 0) {
+              if (axis == 1)
+                cols = rot.size * (rot.size == 16 ? 5 : 2);
+              else
+                rows = rot.size * (rot.size == 16 ? 5 : 2);
+            }
+            const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
+            const auto options = mx_options(format, block, axis, static_cast<core::rounding_mode>(rounding),
+                                            static_cast<core::scale_rule>(rule), sr_bits, seed + 1);
+            mxscope::rotation_options rotation;
+            rotation.size = rot.size;
+            rotation.signs = rot.signs;
+            rotation.seed = seed + 2;
+            rotation.step = static_cast<std::uint32_t>(seed % 1000);
+            rotation.layer_hash = static_cast<std::uint32_t>(seed >> 32);
+            const std::string name = std::string("quantize ") + format_names[format] + " " + rounding_names[rounding] +
+                                     " " + rule_names[rule] + " H" + std::to_string(rot.size) + " signs " +
+                                     sign_names[static_cast<int>(rot.signs)] + " axis " + std::to_string(axis) +
+                                     " block " + std::to_string(block) + " " + std::to_string(rows) + "x" +
+                                     std::to_string(cols) + " " + std::string(test_inputs::value_kind_name(kind));
+            run_case(name + " generic",
+                     [&] { return check_quantize(input, false, options, rotation, gpu::quantize_path::generic); });
+            run_case(name + " automatic",
+                     [&] { return check_quantize(input, false, options, rotation, gpu::quantize_path::automatic); });
+          }
+        }
+      }
+    }
+  }
+}
+
+// The fused one-pass quantizer (axis 1, block 32, rotation none / 16 / 32) on fp32 and bf16 inputs, and
+// the generic path on the same inputs (bf16 widening and rotation through an fp32 copy).
+void quantize_fused(bool small) {
+  int index = 0;
+  for (int format = 0; format < 6; ++format) {
+    for (int rounding = 0; rounding < 4; ++rounding) {
+      for (const int rotation_size : {0, 16, 32}) {
+        for (const bool bf16 : {false, true}) {
+          ++index;
+          if (small && index % 29 != 1) continue;
+          const std::uint64_t seed = next_seed();
+          const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+          const std::int64_t rows = 19 + index % 7, cols = 32 * (3 + index % 4);
+          const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
+          const auto options =
+              mx_options(format, 32, 1, static_cast<core::rounding_mode>(rounding),
+                         static_cast<core::scale_rule>(index % 3), rounding == 3 && index % 3 == 0 ? 9 : 32, seed + 1);
+          mxscope::rotation_options rotation;
+          rotation.size = rotation_size;
+          rotation.signs = static_cast<mxscope::sign_policy>(index % 3);
+          rotation.seed = seed + 2;
+          rotation.step = 7;
+          rotation.layer_hash = 0x1234567U;
+          const std::string name = std::string("quantize fused ") + format_names[format] + " " +
+                                   rounding_names[rounding] + " H" + std::to_string(rotation_size) + " signs " +
+                                   sign_names[static_cast<int>(rotation.signs)] + (bf16 ? " bf16" : " fp32") + " " +
+                                   std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                                   std::string(test_inputs::value_kind_name(kind));
+          run_case(name, [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::fused); });
+          run_case(name + " (generic path)",
+                   [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::generic); });
+        }
+      }
+    }
+  }
+}
+
+// The fused quantizer's element encoder (src/gpu/fast_encode.hpp) against the core, on the device:
+// 2^24 fp32 bit patterns spread over the whole pattern space at block exponent 0 and 2^21 at each
+// of seven extreme and moderate exponents, for every float element format and rounding mode (sr
+// with 32 and 9 bits): about 0.8 billion comparisons. (The core's fp64 conversions make a full 2^32
+// sweep per case too slow for this test; tests/test_gpu_host_reference.cpp covers every bf16
+// pattern at every exponent on the CPU.)
+void fast_encoder_checks(bool small) {
+  const core::element_kind kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
+                                      core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
+                                      core::element_kind::fp8_e5m2};
+  struct mode_case {
+    core::rounding_mode mode;
+    int sr_bits;
+    const char* name;
+  };
+  const mode_case modes[] = {{core::rounding_mode::rne, 32, "rne"},
+                             {core::rounding_mode::rna, 32, "rna"},
+                             {core::rounding_mode::rtz, 32, "rtz"},
+                             {core::rounding_mode::sr, 32, "sr"},
+                             {core::rounding_mode::sr, 9, "sr9"}};
+  for (const core::element_kind kind : kinds) {
+    for (const mode_case& mode : modes) {
+      for (const int exponent : {0, -127, -126, -100, -30, 30, 100, 127}) {
+        if (small && exponent != 0 && exponent != -127) continue;
+        // Odd strides (primes) walk the 2^32 patterns through every exponent field and low-bit mix.
+        const std::uint64_t count =
+            small ? (exponent == 0 ? 1u << 14 : 1u << 12) : (exponent == 0 ? 1u << 24 : 1u << 21);
+        const std::uint64_t stride = small ? 262147 : (exponent == 0 ? 257 : 2053);
+        const std::uint64_t first = next_seed() & 0xffffffffULL;
+        const std::string name = std::string("fast encoder ") + core::spec(kind).name + " " + mode.name + " exponent " +
+                                 std::to_string(exponent) + " (" + std::to_string(count) + " patterns)";
+        run_case(name, [&]() -> std::string {
+          const gpu::encoder_self_test result =
+              gpu::self_test_fast_encoder(kind, mode.mode, mode.sr_bits, exponent, first, count, stride);
+          if (result.checked == 0) return "nothing was checked";
+          if (result.mismatches == 0) return "";
+          const float value = core::bits_float(result.first_mismatch);
+          return std::to_string(result.mismatches) + " of " + std::to_string(result.checked) +
+                 " patterns differ from core::quantize_element; first " + show(value);
+        });
+      }
+    }
+  }
+}
+
+// Large tensors: 2048 x 4096 along both axes, rne and sr, with and without rotation.
+void quantize_large() {
+  const std::uint64_t seed = next_seed();
+  const matrix input = test_inputs::make_matrix(2048, 4096, value_kind::banded, seed);
+  struct large_case {
+    int axis;
+    core::rounding_mode rounding;
+    int rotation;
+    bool bf16;
+  };
+  const large_case cases[] = {{1, core::rounding_mode::rne, 0, true},
+                              {1, core::rounding_mode::sr, 16, true},
+                              {0, core::rounding_mode::rne, 0, false},
+                              {0, core::rounding_mode::sr, 16, false}};
+  for (const large_case& c : cases) {
+    const auto options = mx_options(0, 32, c.axis, c.rounding, core::scale_rule::floor, 32, seed + 5);
+    mxscope::rotation_options rotation;
+    rotation.size = c.rotation;
+    rotation.signs = c.rotation > 0 ? mxscope::sign_policy::per_step : mxscope::sign_policy::none;
+    rotation.seed = seed + 6;
+    rotation.step = 3;
+    const std::string name = std::string("quantize large mxfp4 2048x4096 axis ") + std::to_string(c.axis) + " " +
+                             rounding_names[static_cast<int>(c.rounding)] + " H" + std::to_string(c.rotation) +
+                             (c.bf16 ? " bf16" : " fp32");
+    run_case(name, [&] { return check_quantize(input, c.bf16, options, rotation, gpu::quantize_path::automatic); });
+  }
+}
+
+// Standalone rotations (in place) against the host definition, every size class and both axes.
+void rotation_checks(bool small) {
+  int index = 0;
+  for (const int size : {2, 16, 128, 1024, 4096}) {
+    for (int axis = 0; axis < 2; ++axis) {
+      for (int signs = 0; signs < 3; ++signs) {
+        ++index;
+        if (small && index % 7 != 1) continue;
+        const std::uint64_t seed = next_seed();
+        const std::int64_t lines = size >= 1024 ? 5 : 67;
+        const std::int64_t rows = axis == 1 ? lines : 2 * size;
+        const std::int64_t cols = axis == 1 ? 2 * size : lines;
+        const matrix input = test_inputs::make_matrix(rows, cols, static_cast<value_kind>(index % 3), seed);
+        mxscope::rotation_options rotation;
+        rotation.size = size;
+        rotation.signs = static_cast<mxscope::sign_policy>(signs);
+        rotation.seed = seed + 1;
+        rotation.step = 11;
+        rotation.layer_hash = 0xABCDEFU;
+        const std::string name = "rotate H" + std::to_string(size) + " axis " + std::to_string(axis) + " signs " +
+                                 sign_names[signs] + " " + std::to_string(rows) + "x" + std::to_string(cols);
+        run_case(name, [&]() -> std::string {
+          matrix expected = input;
+          host_reference::rotate(expected, axis, rotation);
+          gpu::device_buffer buffer(input.values.size() * 4);
+          buffer.upload(input.data(), buffer.bytes());
+          gpu::rotate_on_device(buffer.as<float>(), rows, cols, axis, gpu::make_rotation_plan(rotation));
+          gpu::synchronize();
+          matrix got(rows, cols);
+          buffer.download(got.data(), buffer.bytes());
+          for (std::int64_t i = 0; i < input.size(); ++i) {
+            if (!same(expected.values[static_cast<std::size_t>(i)], got.values[static_cast<std::size_t>(i)])) {
+              return "element " + std::to_string(i) + " input " + show(input.values[static_cast<std::size_t>(i)]) +
+                     ": expected " + show(expected.values[static_cast<std::size_t>(i)]) + " got " +
+                     show(got.values[static_cast<std::size_t>(i)]);
+            }
+          }
+          // The host convenience function too.
+          const matrix host_api = gpu::rotate(input, axis, rotation);
+          for (std::int64_t i = 0; i < input.size(); ++i) {
+            if (!same(expected.values[static_cast<std::size_t>(i)], host_api.values[static_cast<std::size_t>(i)])) {
+              return "gpu::rotate element " + std::to_string(i) + ": expected " +
+                     show(expected.values[static_cast<std::size_t>(i)]) + " got " +
+                     show(host_api.values[static_cast<std::size_t>(i)]);
+            }
+          }
+          return "";
+        });
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GEMMs.
+
+std::string model_name(const mxscope::accumulation_model& model) {
+  switch (model.kind) {
+    case mxscope::accumulation_kind::exact:
+      return "exact";
+    case mxscope::accumulation_kind::fp32_block:
+      return "fp32-block";
+    case mxscope::accumulation_kind::fp32_group:
+      return "fp32-group:" + std::to_string(model.blocks_per_group);
+    case mxscope::accumulation_kind::fp32_seq:
+      return "fp32-seq";
+    default:
+      return "?";
+  }
+}
+
+mxscope::accumulation_model model_of(mxscope::accumulation_kind kind, int group = 1) {
+  mxscope::accumulation_model model;
+  model.kind = kind;
+  model.blocks_per_group = group;
+  return model;
+}
+
+struct device_operand {
+  gpu::device_buffer codes;
+  gpu::device_buffer scales;
+  gpu::mx_operand_view view;
+};
+
+device_operand upload_operand(const mxscope::quantized_tensor& q) {
+  device_operand out;
+  out.codes = gpu::device_buffer(q.codes.size());
+  out.codes.upload(q.codes.data(), q.codes.size());
+  out.scales = gpu::device_buffer(q.scales.size());
+  out.scales.upload(q.scales.data(), q.scales.size());
+  out.view.codes = out.codes.as<const std::uint8_t>();
+  out.view.scales = out.scales.as<const std::uint8_t>();
+  out.view.element = q.options.format.element;
+  out.view.block = q.block;
+  out.view.axis = q.options.axis;
+  out.view.rows = q.rows;
+  out.view.cols = q.cols;
+  return out;
+}
+
+struct gemm_output {
+  matrix out;
+  matrix64 exact;
+};
+
+// The GPU product into buffers poisoned with 0xFF.
+gemm_output gpu_product(const mxscope::quantized_tensor& qa, const mxscope::quantized_tensor& qb,
+                        const mxscope::accumulation_model& model, mxscope::output_rounding output,
+                        gpu::gemm_path path) {
+  const device_operand a = upload_operand(qa);
+  const device_operand b = upload_operand(qb);
+  const gpu::prepared_operand left = gpu::prepare_operand(a.view, path);
+  const gpu::prepared_operand right = gpu::prepare_operand(b.view, path);
+  const std::int64_t m = left.rows(), n = right.rows();
+  gemm_output result{matrix(m, n), matrix64()};
+  const bool exact = model.kind == mxscope::accumulation_kind::exact;
+  gpu::device_buffer out(static_cast<std::size_t>(m * n) * 4);
+  gpu::device_buffer exact_out(exact ? static_cast<std::size_t>(m * n) * 8 : 0);
+  out.fill_bytes(0xFF);
+  exact_out.fill_bytes(0xFF);
+  gpu::multiply_prepared(left, right, model, output, out.as<float>(), exact ? exact_out.as<double>() : nullptr, path);
+  gpu::synchronize();
+  out.download(result.out.data(), out.bytes());
+  if (exact) {
+    result.exact = matrix64(m, n);
+    exact_out.download(result.exact.data(), exact_out.bytes());
+  }
+  return result;
+}
+
+// Compares the listed entries (all when `entries` is empty) with the host definition.
+std::string check_product_entries(const mxscope::quantized_tensor& qa, const mxscope::quantized_tensor& qb,
+                                  const mxscope::accumulation_model& model, mxscope::output_rounding output,
+                                  const gemm_output& got,
+                                  const std::vector<std::pair<std::int64_t, std::int64_t>>& entries,
+                                  const std::string& policy) {
+  const host_reference::operand_reader a(qa), b(qb);
+  std::vector<std::pair<std::int64_t, std::int64_t>> list = entries;
+  if (list.empty()) {
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      for (std::int64_t j = 0; j < b.rows; ++j) list.emplace_back(i, j);
+    }
+  }
+  std::vector<host_reference::entry_value> expected(list.size());
+  host_reference::parallel_for(static_cast<std::int64_t>(list.size()), [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t e = first; e < last; ++e) {
+      const auto [i, j] = list[static_cast<std::size_t>(e)];
+      expected[static_cast<std::size_t>(e)] = host_reference::product_entry(a, b, i, j, model, output);
+    }
+  });
+  const bool exact = model.kind == mxscope::accumulation_kind::exact;
+  for (std::size_t e = 0; e < list.size(); ++e) {
+    const auto [i, j] = list[e];
+    const float value = got.out(i, j);
+    if (!same(expected[e].value, value)) {
+      return "entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(expected[e].value) +
+             " got " + show(value) + "; " + policy;
+    }
+    if (exact && !same(expected[e].exact, got.exact(i, j))) {
+      return "exact fp64 entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " +
+             show(expected[e].exact) + " got " + show(got.exact(i, j)) + "; " + policy;
+    }
+  }
+  return "";
+}
+
+struct gemm_layout_case {
+  const char* name;
+  int a_axis;
+  int b_axis;
+};
+const gemm_layout_case gemm_layouts[] = {{"fprop", 1, 1}, {"dgrad", 1, 0}, {"wgrad", 0, 0}};
+
+// Quantizes A (reduction along a_axis) and B for C = A B^T: the stored shapes follow the axes.
+std::pair<mxscope::quantized_tensor, mxscope::quantized_tensor> make_operands(
+    std::int64_t m, std::int64_t n, std::int64_t k, int a_format, int b_format, int block,
+    const gemm_layout_case& layout, value_kind kind, std::uint64_t seed,
+    core::rounding_mode rounding = core::rounding_mode::rne) {
+  const matrix a =
+      layout.a_axis == 1 ? test_inputs::make_matrix(m, k, kind, seed) : test_inputs::make_matrix(k, m, kind, seed);
+  const matrix b = layout.b_axis == 1 ? test_inputs::make_matrix(n, k, kind, seed + 1)
+                                      : test_inputs::make_matrix(k, n, kind, seed + 1);
+  const auto a_options = mx_options(a_format, block, layout.a_axis, rounding, core::scale_rule::floor, 32, seed + 2);
+  const auto b_options = mx_options(b_format, block, layout.b_axis, rounding, core::scale_rule::floor, 32, seed + 3);
+  return {host_reference::quantize_mx(a, a_options), host_reference::quantize_mx(b, b_options)};
+}
+
+void gemm_sweep(bool small) {
+  struct format_pair {
+    int a;
+    int b;
+  };
+  const format_pair pairs[] = {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}, {0, 3}, {1, 5}, {0, 5}};
+  const mxscope::accumulation_model models[] = {
+      model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::fp32_group, 2),
+      model_of(mxscope::accumulation_kind::fp32_group, 5), model_of(mxscope::accumulation_kind::exact),
+      model_of(mxscope::accumulation_kind::fp32_seq)};
+  int index = 0;
+  for (const format_pair& pair : pairs) {
+    for (const auto& model : models) {
+      for (const gemm_layout_case& layout : gemm_layouts) {
+        ++index;
+        if (small && index % 41 != 1) continue;
+        const std::uint64_t seed = next_seed();
+        const int block = index % 9 == 0 ? 16 : (index % 13 == 0 ? 64 : 32);
+        const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+        const std::int64_t m = 37 + index % 3, n = 29 + index % 4, k = 70 + 32 * (index % 3);
+        const auto output = index % 7 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const auto [qa, qb] = make_operands(m, n, k, pair.a, pair.b, block, layout, kind, seed,
+                                            index % 4 == 0 ? core::rounding_mode::sr : core::rounding_mode::rne);
+        for (const gpu::gemm_path path :
+             {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core}) {
+          if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, block, model))
+            continue;
+          const std::string policy = std::string("A ") + format_names[pair.a] + " axis " +
+                                     std::to_string(layout.a_axis) + ", B " + format_names[pair.b] + " axis " +
+                                     std::to_string(layout.b_axis) + ", block " + std::to_string(block) + ", model " +
+                                     model_name(model) + ", output " +
+                                     (output == mxscope::output_rounding::bf16 ? "bf16" : "fp32") + ", path " +
+                                     std::string(gpu::gemm_path_name(path)) + ", seed " + hex64(seed);
+          const std::string name = std::string("gemm ") + layout.name + " " + format_names[pair.a] + "x" +
+                                   format_names[pair.b] + " " + model_name(model) + " " +
+                                   std::string(gpu::gemm_path_name(path)) + " M" + std::to_string(m) + " N" +
+                                   std::to_string(n) + " K" + std::to_string(k) + " block " + std::to_string(block) +
+                                   " " + std::string(test_inputs::value_kind_name(kind));
+          run_case(name, [&] {
+            const gemm_output got = gpu_product(qa, qb, model, output, path);
+            return check_product_entries(qa, qb, model, output, got, {}, policy);
+          });
+        }
+      }
+    }
+  }
+}
+
+// Edge shapes: a single entry, K = 1, K below one block, M and N just past a tensor-core tile.
+void gemm_edges(bool small) {
+  struct edge {
+    std::int64_t m, n, k;
+    bool in_small_set;
+  };
+  const edge edges[] = {{1, 1, 1, true},       {1, 1, 33, true},   {3, 2, 31, true},
+                        {130, 200, 96, false}, {129, 1, 64, true}, {17, 131, 250, false}};
+  for (const edge& e : edges) {
+    if (small && !e.in_small_set) continue;
+    for (const auto& model :
+         {model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::exact),
+          model_of(mxscope::accumulation_kind::fp32_group, 4)}) {
+      const std::uint64_t seed = next_seed();
+      const auto [qa, qb] = make_operands(e.m, e.n, e.k, 0, 0, 32, gemm_layouts[2], value_kind::banded, seed);
+      for (const gpu::gemm_path path :
+           {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core}) {
+        if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, 32, model)) continue;
+        const std::string name = "gemm edge wgrad mxfp4 " + model_name(model) + " " +
+                                 std::string(gpu::gemm_path_name(path)) + " M" + std::to_string(e.m) + " N" +
+                                 std::to_string(e.n) + " K" + std::to_string(e.k);
+        run_case(name, [&] {
+          const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, path);
+          return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
+                                       name + ", seed " + hex64(seed));
+        });
+      }
+    }
+  }
+  // The host convenience function on the automatic path.
+  const std::uint64_t seed = next_seed();
+  const auto [qa, qb] = make_operands(45, 38, 160, 0, 0, 32, gemm_layouts[0], value_kind::extreme, seed);
+  run_case("gemm host api gpu::emulate_product mxfp4 fp32-block automatic", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    const mxscope::product_result result = gpu::emulate_product(qa, qb, model);
+    gemm_output got{result.out, matrix64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
+  });
+}
+
+// 2048 x 2048 x 4096 wgrad (dy and x quantized along K on the GPU, checked against the host
+// quantizer in full), then the products: tensor-core and integer paths equal in every entry, and
+// sampled entries equal to the host definition.
+void gemm_large() {
+  const std::int64_t m = 2048, n = 2048, k = 4096;
+  const std::uint64_t seed = next_seed();
+  const matrix dy = test_inputs::make_matrix(k, m, value_kind::banded, seed);
+  const matrix x = test_inputs::make_matrix(k, n, value_kind::banded, seed + 1);
+  const auto dy_options = mx_options(0, 32, 0, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 2);
+  const auto x_options = mx_options(0, 32, 0, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 3);
+  mxscope::quantized_tensor qa, qb;
+  bool quantized = true;
+  run_case("gemm large: quantize dy [4096, 2048] mxfp4 sr axis 0 on the GPU", [&]() -> std::string {
+    qa = gpu::quantize(dy, dy_options);
+    const auto expected = host_reference::quantize_mx(dy, dy_options);
+    if (qa.codes != expected.codes || qa.scales != expected.scales) {
+      quantized = false;
+      return "codes or scales differ from the host quantizer; " + describe(dy_options, {});
+    }
+    return "";
+  });
+  run_case("gemm large: quantize x [4096, 2048] mxfp4 rne axis 0 on the GPU", [&]() -> std::string {
+    qb = gpu::quantize(x, x_options);
+    const auto expected = host_reference::quantize_mx(x, x_options);
+    if (qb.codes != expected.codes || qb.scales != expected.scales) {
+      quantized = false;
+      return "codes or scales differ from the host quantizer; " + describe(x_options, {});
+    }
+    return "";
+  });
+  if (!quantized) return;
+  std::mt19937_64 random(seed + 4);
+  std::vector<std::pair<std::int64_t, std::int64_t>> samples = {
+      {0, 0}, {0, n - 1}, {m - 1, 0}, {m - 1, n - 1}, {127, 128}};
+  for (int s = 0; s < 1000; ++s)
+    samples.emplace_back(static_cast<std::int64_t>(random() % m), static_cast<std::int64_t>(random() % n));
+  const auto block_model = model_of(mxscope::accumulation_kind::fp32_block);
+  gemm_output integer_result;
+  bool have_integer = false;
+  run_case("gemm large wgrad mxfp4 fp32-block integer 2048x2048 K4096 (1005 sampled entries vs host)", [&] {
+    integer_result = gpu_product(qa, qb, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+    have_integer = true;
+    return check_product_entries(qa, qb, block_model, mxscope::output_rounding::fp32, integer_result, samples,
+                                 "seed " + hex64(seed));
+  });
+  if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1, 32,
+                            block_model)) {
+    run_case(
+        "gemm large wgrad mxfp4 fp32-block tensor_core 2048x2048 K4096 (every entry vs integer path, samples vs host)",
+        [&]() -> std::string {
+          const gemm_output got =
+              gpu_product(qa, qb, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::tensor_core);
+          if (have_integer) {
+            for (std::int64_t i = 0; i < m * n; ++i) {
+              if (!same(integer_result.out.values[static_cast<std::size_t>(i)],
+                        got.out.values[static_cast<std::size_t>(i)])) {
+                return "entry (" + std::to_string(i / n) + ", " + std::to_string(i % n) + "): integer path " +
+                       show(integer_result.out.values[static_cast<std::size_t>(i)]) + ", tensor-core path " +
+                       show(got.out.values[static_cast<std::size_t>(i)]);
+              }
+            }
+          }
+          return check_product_entries(qa, qb, block_model, mxscope::output_rounding::fp32, got, samples,
+                                       "seed " + hex64(seed));
+        });
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> few(samples.begin(), samples.begin() + 200);
+  for (const auto& model :
+       {model_of(mxscope::accumulation_kind::fp32_group, 4), model_of(mxscope::accumulation_kind::exact)}) {
+    run_case(
+        "gemm large wgrad mxfp4 " + model_name(model) + " integer 2048x2048 K4096 (200 sampled entries vs host)", [&] {
+          const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+          return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, few, "seed " + hex64(seed));
+        });
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reference GEMM and metrics.
+
+void reference_checks(bool small) {
+  struct shape {
+    std::int64_t m, n, k;
+  };
+  const shape shapes[] = {{1, 1, 1}, {3, 5, 2}, {37, 29, 70}, {96, 80, 1000}, {256, 192, 1500}};
+  int index = 0;
+  for (const shape& s : shapes) {
+    for (int kind = 0; kind < test_inputs::value_kind_count; ++kind) {
+      ++index;
+      if (small && s.m > 40) continue;
+      const std::uint64_t seed = next_seed();
+      matrix a = test_inputs::make_matrix(s.m, s.k, static_cast<value_kind>(kind), seed);
+      matrix b = test_inputs::make_matrix(s.n, s.k, static_cast<value_kind>(kind), seed + 1);
+      if (static_cast<value_kind>(kind) == value_kind::ties && s.k >= 2 && s.m >= 1 && s.n >= 1) {
+        // Exact ties: 1 + 2^-24 (fp32 tie), 1 + 2^-53 (fp64 tie), and a cancellation to 2^-149.
+        a(0, 0) = 1.0f;
+        a(0, 1) = 0x1p-24f;
+        b(0, 0) = 1.0f;
+        b(0, 1) = 1.0f;
+        for (std::int64_t kk = 2; kk < s.k; ++kk) a(0, kk) = 0.0f;
+      }
+      const std::string name = "reference exact M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" +
+                               std::to_string(s.k) + " " +
+                               std::string(test_inputs::value_kind_name(static_cast<value_kind>(kind)));
+      run_case(name, [&]() -> std::string {
+        gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
+        left.upload(a.data(), left.bytes());
+        right.upload(b.data(), right.bytes());
+        gpu::device_buffer out64(static_cast<std::size_t>(s.m * s.n) * 8),
+            out32(static_cast<std::size_t>(s.m * s.n) * 4);
+        out64.fill_bytes(0xFF);
+        out32.fill_bytes(0xFF);
+        gpu::reference_on_device(left.as<const float>(), right.as<const float>(), s.m, s.n, s.k, out64.as<double>(),
+                                 out32.as<float>());
+        gpu::synchronize();
+        matrix64 got64(s.m, s.n);
+        matrix got32(s.m, s.n);
+        out64.download(got64.data(), out64.bytes());
+        out32.download(got32.data(), out32.bytes());
+        std::vector<host_reference::reference_value> expected(static_cast<std::size_t>(s.m * s.n));
+        host_reference::parallel_for(s.m, [&](std::int64_t first, std::int64_t last) {
+          for (std::int64_t i = first; i < last; ++i) {
+            for (std::int64_t j = 0; j < s.n; ++j)
+              expected[static_cast<std::size_t>(i * s.n + j)] = host_reference::reference_entry(a, b, i, j);
+          }
+        });
+        for (std::int64_t e = 0; e < s.m * s.n; ++e) {
+          const auto& want = expected[static_cast<std::size_t>(e)];
+          if (!same(want.fp64, got64.values[static_cast<std::size_t>(e)]) ||
+              !same(want.fp32, got32.values[static_cast<std::size_t>(e)])) {
+            return "entry (" + std::to_string(e / s.n) + ", " + std::to_string(e % s.n) + "): expected fp64 " +
+                   show(want.fp64) + " fp32 " + show(want.fp32) + ", got fp64 " +
+                   show(got64.values[static_cast<std::size_t>(e)]) + " fp32 " +
+                   show(got32.values[static_cast<std::size_t>(e)]) + "; seed " + hex64(seed);
+          }
+        }
+        // The host convenience function agrees with the device function.
+        const mxscope::reference_result api = gpu::reference_gemm(a, b);
+        for (std::int64_t e = 0; e < s.m * s.n; ++e) {
+          if (!same(expected[static_cast<std::size_t>(e)].fp64, api.fp64.values[static_cast<std::size_t>(e)])) {
+            return "gpu::reference_gemm entry " + std::to_string(e) + " differs";
+          }
+        }
+        return "";
+      });
+    }
+  }
+}
+
+std::string compare_fields(const mxscope::comparison& want, const mxscope::comparison& got) {
+  const auto check = [](const char* field, double expected, double actual) -> std::string {
+    const bool ok =
+        (std::isnan(expected) && std::isnan(actual)) || core::double_bits(expected) == core::double_bits(actual);
+    return ok ? "" : std::string(field) + ": expected " + show(expected) + " got " + show(actual);
+  };
+  for (const auto& [field, expected, actual] :
+       {std::tuple{"rel_err", want.rel_err, got.rel_err}, std::tuple{"cosine", want.cosine, got.cosine},
+        std::tuple{"bias", want.bias, got.bias}, std::tuple{"orth_err", want.orth_err, got.orth_err},
+        std::tuple{"max_abs_err", want.max_abs_err, got.max_abs_err},
+        std::tuple{"error_norm", want.error_norm, got.error_norm},
+        std::tuple{"reference_norm", want.reference_norm, got.reference_norm},
+        std::tuple{"estimate_norm", want.estimate_norm, got.estimate_norm},
+        std::tuple{"error_dot_reference", want.error_dot_reference, got.error_dot_reference},
+        std::tuple{"estimate_dot_reference", want.estimate_dot_reference, got.estimate_dot_reference},
+        std::tuple{"ulp.mean", want.ulp.mean, got.ulp.mean}}) {
+    const std::string problem = check(field, expected, actual);
+    if (!problem.empty()) return problem;
+  }
+  if (want.zero_reference != got.zero_reference) return "zero_reference differs";
+  if (want.nonfinite_estimate != got.nonfinite_estimate) return "nonfinite_estimate differs";
+  if (want.ulp.histogram != got.ulp.histogram) return "ulp histogram differs";
+  if (want.ulp.max != got.ulp.max || want.ulp.compared != got.ulp.compared || want.ulp.nan_pairs != got.ulp.nan_pairs) {
+    return "ulp max/compared/nan_pairs differ";
+  }
+  if (want.row_error_norms.size() != got.row_error_norms.size()) return "row norm count differs";
+  for (std::size_t r = 0; r < want.row_error_norms.size(); ++r) {
+    const std::string problem = check("row_error_norms", want.row_error_norms[r], got.row_error_norms[r]);
+    if (!problem.empty()) return problem + " (row " + std::to_string(r) + ")";
+  }
+  if (want.column_error_norms.size() != got.column_error_norms.size()) return "column norm count differs";
+  for (std::size_t c = 0; c < want.column_error_norms.size(); ++c) {
+    const std::string problem = check("column_error_norms", want.column_error_norms[c], got.column_error_norms[c]);
+    if (!problem.empty()) return problem + " (column " + std::to_string(c) + ")";
+  }
+  return "";
+}
+
+void compare_checks(bool small) {
+  struct shape {
+    std::int64_t rows, cols;
+  };
+  const shape shapes[] = {{1, 1}, {37, 29}, {300, 300}, {3, 9000}, {9000, 5}, {1024, 1500}};
+  int index = 0;
+  for (const shape& s : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      ++index;
+      if (small && s.rows * s.cols > 100000) continue;
+      const std::uint64_t seed = next_seed();
+      std::mt19937_64 random(seed);
+      std::normal_distribution<double> normal(0.0, 1.0);
+      matrix64 reference(s.rows, s.cols);
+      matrix estimate(s.rows, s.cols);
+      matrix reference32(s.rows, s.cols);
+      for (std::int64_t i = 0; i < s.rows * s.cols; ++i) {
+        const double g = variant == 2 ? 0.0 : normal(random) * std::ldexp(1.0, static_cast<int>(random() % 9) - 4);
+        reference.values[static_cast<std::size_t>(i)] = g;
+        reference32.values[static_cast<std::size_t>(i)] = static_cast<float>(g);
+        estimate.values[static_cast<std::size_t>(i)] = static_cast<float>(g * (1.0 + 0.01 * normal(random)));
+      }
+      if (variant == 1 && s.rows * s.cols > 3) {
+        estimate.values[1] = std::numeric_limits<float>::quiet_NaN();
+        estimate.values[2] = std::numeric_limits<float>::infinity();
+      }
+      const std::string name = "compare " + std::to_string(s.rows) + "x" + std::to_string(s.cols) +
+                               (variant == 0   ? " finite"
+                                : variant == 1 ? " with NaN and inf"
+                                               : " zero reference");
+      run_case(name, [&]() -> std::string {
+        const mxscope::comparison want = mxscope::compare(estimate, reference, reference32);
+        const mxscope::comparison got = gpu::compare(estimate, reference, reference32);
+        const std::string problem = compare_fields(want, got);
+        return problem.empty() ? "" : problem + "; seed " + hex64(seed);
+      });
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool small = false;
+  bool full = false;  // every case of the sweeps even in the CPU simulation (slow there)
+  std::string only;   // run only the suites whose name contains this text
+  std::uint64_t seed = 0;
+  bool seed_given = false;
+  if (const char* text = std::getenv("MXSCOPE_GPU_TEST_SEED")) {
+    seed = std::strtoull(text, nullptr, 0);
+    seed_given = true;
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--small") {
+      small = true;
+    } else if (argument == "--full") {
+      full = true;
+    } else if (argument == "--only" && i + 1 < argc) {
+      only = argv[++i];
+    } else if (argument == "--seed" && i + 1 < argc) {
+      seed = std::strtoull(argv[++i], nullptr, 0);
+      seed_given = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--small | --full] [--seed S] [--only SUITE]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!seed_given) seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  case_seeds = seed;
+  if (gpu::device_count() == 0) {
+    std::printf("FAIL no GPU device found\n0 passed, 1 failed\n");
+    return 1;
+  }
+  const gpu::device_description device = gpu::describe_device();
+  // The CPU simulation of the backend runs every GPU thread as a host thread: small cases only.
+  const bool simulated = device.name.find("simulation") != std::string::npos;
+  if (simulated && !full) small = true;
+  std::printf("device: %s (compute capability %d.%d, %d multiprocessors, %.1f GiB)\n", device.name.c_str(),
+              device.major, device.minor, device.multiprocessors,
+              static_cast<double>(device.global_memory_bytes) / (1u << 30));
+  std::printf("seed: 0x%016" PRIx64 " (replay with --seed 0x%016" PRIx64 ")%s\n", seed, seed, small ? " [small]" : "");
+  std::fflush(stdout);
+
+  const auto timed = [&](const char* suite, const std::function<void()>& body) {
+    if (!only.empty() && std::string(suite).find(only) == std::string::npos) return;
+    const auto begin = std::chrono::steady_clock::now();
+    body();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    std::printf("-- %s: %.1f s\n", suite, seconds);
+    std::fflush(stdout);
+  };
+  timed("rotations", [&] { rotation_checks(small); });
+  timed("quantize sweep", [&] { quantize_sweep(small); });
+  timed("fast encoder", [&] { fast_encoder_checks(small); });
+  timed("quantize fused", [&] { quantize_fused(small); });
+  if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
+  timed("gemm sweep", [&] { gemm_sweep(small); });
+  timed("gemm edges", [&] { gemm_edges(small); });
+  if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
+  timed("reference", [&] { reference_checks(small); });
+  timed("compare", [&] { compare_checks(small); });
+
+  std::printf("%d passed, %d failed\n", results.passed, results.failed);
+  return results.failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,301 @@
+// The CPU side of the GPU bit-exactness test (tests/gpu/host_reference.hpp, built from the core
+// headers alone so that it compiles on a GPU machine without fmt, Eigen or Boost) against the
+// library itself: quantize, rotate, emulate_product and reference_gemm, bit for bit, over every MX
+// format, rounding mode, scale rule, axis, sign policy and accumulation model the GPU test sweeps.
+// With tools/gpu-test (GPU == host_reference) this makes GPU == library.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../src/gpu/fast_encode.hpp"
+#include "gpu/host_reference.hpp"
+#include "gpu/test_inputs.hpp"
+#include "mxscope/gemm.hpp"
+#include "mxscope/quantize.hpp"
+#include "mxscope/quantize_fast.hpp"
+#include "mxscope/reference.hpp"
+
+namespace {
+
+namespace core = mxscope::core;
+using mxscope::matrix;
+using test_inputs::value_kind;
+
+const core::element_kind kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
+                                    core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
+                                    core::element_kind::fp8_e5m2, core::element_kind::int8};
+
+std::string hex(std::uint32_t bits) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "0x%08x", bits);
+  return text;
+}
+
+// Bitwise equality, any NaN equal to any NaN (both sides are CPU code; payloads are not the point).
+bool same_bits(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || core::float_bits(a) == core::float_bits(b);
+}
+bool same_bits(double a, double b) {
+  return (std::isnan(a) && std::isnan(b)) || core::double_bits(a) == core::double_bits(b);
+}
+
+mxscope::quantize_options options_for(int kind, int block, int axis, int rounding, int rule, int sr_bits,
+                                      std::uint64_t seed) {
+  mxscope::quantize_options options;
+  options.format = {mxscope::quant_scheme::mx, kinds[kind], 32};
+  options.block = block;
+  options.axis = axis;
+  options.rounding = static_cast<core::rounding_mode>(rounding);
+  options.rule = static_cast<core::scale_rule>(rule);
+  options.sr_bits = sr_bits;
+  options.stream = core::random_stream{seed * 7919 + 1, static_cast<std::uint32_t>(seed % 97),
+                                       0xC0FFEEU + static_cast<std::uint32_t>(seed)};
+  return options;
+}
+
+std::string policy(const mxscope::quantize_options& o) {
+  return std::string(core::spec(o.format.element).name) + " block " + std::to_string(o.block) + " axis " +
+         std::to_string(o.axis) + " rounding " + std::to_string(static_cast<int>(o.rounding)) + " rule " +
+         std::to_string(static_cast<int>(o.rule)) + " sr_bits " + std::to_string(o.sr_bits);
+}
+
+void expect_same_quantized(const matrix& input, const mxscope::quantized_tensor& want,
+                           const mxscope::quantized_tensor& got, const std::string& what) {
+  ASSERT_EQ(want.codes.size(), got.codes.size()) << what;
+  for (std::size_t i = 0; i < want.codes.size(); ++i) {
+    ASSERT_EQ(want.codes[i], got.codes[i])
+        << what << ": code byte " << i << " expected " << hex(want.codes[i]) << " got " << hex(got.codes[i]);
+  }
+  ASSERT_EQ(want.scales, got.scales) << what;
+  for (std::int64_t i = 0; i < input.size(); ++i) {
+    const float a = want.dequantized.values[static_cast<std::size_t>(i)];
+    const float b = got.dequantized.values[static_cast<std::size_t>(i)];
+    ASSERT_TRUE(same_bits(a, b)) << what << ": element " << i << " input " << input.values[static_cast<std::size_t>(i)]
+                                 << " (" << hex(core::float_bits(input.values[static_cast<std::size_t>(i)]))
+                                 << ") expected " << a << " (" << hex(core::float_bits(a)) << ") got " << b << " ("
+                                 << hex(core::float_bits(b)) << ")";
+  }
+  EXPECT_EQ(want.nonzero_inputs, got.nonzero_inputs) << what;
+  EXPECT_EQ(want.flushed, got.flushed) << what;
+  EXPECT_EQ(want.saturated, got.saturated) << what;
+  EXPECT_EQ(want.nonfinite_inputs, got.nonfinite_inputs) << what;
+  EXPECT_EQ(want.scale_rows, got.scale_rows) << what;
+  EXPECT_EQ(want.scale_cols, got.scale_cols) << what;
+  EXPECT_EQ(want.block, got.block) << what;
+}
+
+TEST(GpuHostReference, QuantizeMatchesLibraryForEveryPolicy) {
+  const int blocks[] = {32, 16, 7, 64, 1, 33};
+  int index = 0;
+  for (int kind = 0; kind < 6; ++kind) {
+    for (int rounding = 0; rounding < 4; ++rounding) {
+      for (int rule = 0; rule < 3; ++rule) {
+        for (int axis = 0; axis < 2; ++axis) {
+          ++index;
+          const int block = blocks[index % 6];
+          const value_kind values = static_cast<value_kind>(index % test_inputs::value_kind_count);
+          const matrix input = test_inputs::make_matrix(29 + index % 4, 67 + index % 3, values, 1000 + index);
+          const auto options =
+              options_for(kind, block, axis, rounding, rule, rounding == 3 && index % 4 == 0 ? 7 : 32, index);
+          const std::string what = policy(options) + " input " + std::string(test_inputs::value_kind_name(values));
+          const auto want = host_reference::quantize_mx(input, options);
+          expect_same_quantized(input, want, mxscope::quantize(input, options), what + " (library default path)");
+          mxscope::set_fast_quantize_enabled(false);
+          expect_same_quantized(input, want, mxscope::quantize(input, options), what + " (library canonical path)");
+          mxscope::set_fast_quantize_enabled(true);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// The fused GPU quantizer's element encoder (src/gpu/fast_encode.hpp, integer arithmetic on the fp32
+// bits) against core::quantize_element / core::dequantize_element: every float element format x
+// every rounding mode (sr with 32, 9 and 1 random bits) x every block exponent -127..127, on values
+// whose scaled magnitude spans the format's whole range and beyond (flush to zero, subnormals,
+// every binade, saturation), with random significands plus exact rounding ties and their
+// neighbours, subnormal fp32 inputs and signed zeros.
+TEST(GpuHostReference, FastElementEncoderMatchesCore) {
+  const core::element_kind float_kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
+                                            core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
+                                            core::element_kind::fp8_e5m2};
+  struct mode_case {
+    core::rounding_mode mode;
+    int sr_bits;
+  };
+  const mode_case modes[] = {{core::rounding_mode::rne, 32}, {core::rounding_mode::rna, 32},
+                             {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
+                             {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
+  std::mt19937_64 random(20240601);
+  std::int64_t checked = 0;
+  for (const auto kind : float_kinds) {
+    const auto constants = mxscope::gpu::fast_encode::constants_of(kind);
+    for (int exponent = -127; exponent <= 127; ++exponent) {
+      // Values v = +-S * 2^(b - 23) with the scaled binade b - exponent from 4 below the subnormal
+      // spacing to 3 above the largest binade; fp32 range permitting.
+      std::vector<float> values = {0.0f, -0.0f, core::bits_float(1U), core::bits_float(0x807fffffU)};
+      for (int scaled_binade = constants.subnormal_exponent - 4; scaled_binade <= constants.emax + 3; ++scaled_binade) {
+        const int binade = scaled_binade + exponent;
+        if (binade < -126 || binade > 127) continue;
+        const std::uint32_t field = static_cast<std::uint32_t>(binade + 127) << 23;
+        for (int k = 0; k < 12; ++k) values.push_back(core::bits_float(field | (random() & 0x807fffffU)));
+        // Exact ties between neighbours of every spacing the binade can meet, and their neighbours.
+        for (int dropped = 1; dropped <= 23; ++dropped) {
+          const std::uint32_t kept = static_cast<std::uint32_t>(random()) & (0x7fffffU >> dropped << dropped);
+          const std::uint32_t tie = field | kept | (1U << (dropped - 1));
+          for (const std::uint32_t bits : {tie, tie - 1U, tie + 1U}) {
+            values.push_back(core::bits_float(bits));
+            values.push_back(-core::bits_float(bits));
+          }
+        }
+      }
+      for (int k = 0; k < 8; ++k)
+        values.push_back(core::bits_float(static_cast<std::uint32_t>(random()) & 0x807fffffU));  // subnormal
+      for (const mode_case& m : modes) {
+        for (const float value : values) {
+          const std::uint32_t word = static_cast<std::uint32_t>(random());
+          const auto want = core::quantize_element(kind, value, exponent, m.mode, word, m.sr_bits);
+          const auto got =
+              mxscope::gpu::fast_encode::quantize_finite(constants, value, exponent, m.mode, word, m.sr_bits);
+          ++checked;
+          ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+              << core::spec(kind).name << " mode " << static_cast<int>(m.mode) << " sr_bits " << m.sr_bits
+              << " exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value)) << ") word "
+              << hex(word) << ": core code " << hex(want.code) << " saturated " << want.saturated << " flushed "
+              << want.flushed << ", fast code " << hex(got.code) << " saturated " << got.saturated << " flushed "
+              << got.flushed;
+        }
+      }
+    }
+    // Dequantization: every code of the format at every exponent.
+    for (int exponent = -127; exponent <= 127; ++exponent) {
+      for (std::uint32_t code = 0; code < (1U << core::spec(kind).bits); ++code) {
+        const std::uint32_t magnitude = code & ~constants.sign_bit;
+        if (magnitude > constants.max_code) continue;  // NaN and infinity codes are never produced
+        const float want = static_cast<float>(core::dequantize_element(kind, code, exponent));
+        const float got = mxscope::gpu::fast_encode::dequantize(constants, code, exponent);
+        ASSERT_EQ(core::float_bits(want), core::float_bits(got))
+            << core::spec(kind).name << " code " << hex(code) << " exponent " << exponent << ": core " << want
+            << " fast " << got;
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000000);
+}
+
+TEST(GpuHostReference, RotationMatchesLibrary) {
+  int index = 0;
+  for (const int size : {2, 16, 64, 512}) {
+    for (int axis = 0; axis < 2; ++axis) {
+      for (int signs = 0; signs < 3; ++signs) {
+        ++index;
+        const std::int64_t rows = axis == 1 ? 9 : 2 * size, cols = axis == 1 ? 2 * size : 9;
+        const matrix input = test_inputs::make_matrix(rows, cols, static_cast<value_kind>(index % 3), 50 + index);
+        mxscope::rotation_options rotation;
+        rotation.size = size;
+        rotation.signs = static_cast<mxscope::sign_policy>(signs);
+        rotation.seed = 99 + index;
+        rotation.step = 5;
+        rotation.layer_hash = 0xABCD1234U;
+        matrix want = input;
+        host_reference::rotate(want, axis, rotation);
+        matrix got = input;
+        mxscope::rotate(got, axis, rotation, "test");
+        for (std::int64_t i = 0; i < input.size(); ++i) {
+          ASSERT_TRUE(same_bits(want.values[static_cast<std::size_t>(i)], got.values[static_cast<std::size_t>(i)]))
+              << "H" << size << " axis " << axis << " signs " << signs << " element " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuHostReference, ProductMatchesLibraryForEveryModel) {
+  struct layout {
+    int a_axis, b_axis;
+  };
+  const layout layouts[] = {{1, 1}, {1, 0}, {0, 0}};
+  const mxscope::accumulation_kind models[] = {mxscope::accumulation_kind::fp32_block,
+                                               mxscope::accumulation_kind::fp32_group,
+                                               mxscope::accumulation_kind::exact, mxscope::accumulation_kind::fp32_seq};
+  int index = 0;
+  for (int kind = 0; kind < 6; ++kind) {
+    for (const auto model_kind : models) {
+      for (const layout& l : layouts) {
+        ++index;
+        const std::int64_t m = 11 + index % 3, n = 7 + index % 4, k = 70 + 32 * (index % 2);
+        const int block = index % 5 == 0 ? 16 : 32;
+        const value_kind values = static_cast<value_kind>(index % test_inputs::value_kind_count);
+        const matrix a = l.a_axis == 1 ? test_inputs::make_matrix(m, k, values, 300 + index)
+                                       : test_inputs::make_matrix(k, m, values, 300 + index);
+        const matrix b = l.b_axis == 1 ? test_inputs::make_matrix(n, k, values, 400 + index)
+                                       : test_inputs::make_matrix(k, n, values, 400 + index);
+        const auto qa = host_reference::quantize_mx(a, options_for(kind, block, l.a_axis, index % 4, 0, 32, index));
+        const auto qb = host_reference::quantize_mx(
+            b, options_for((kind + index) % 6, block, l.b_axis, 0, index % 3, 32, index + 1));
+        mxscope::accumulation_model model;
+        model.kind = model_kind;
+        model.blocks_per_group = model_kind == mxscope::accumulation_kind::fp32_group ? 2 + index % 4 : 1;
+        const auto output = index % 3 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const auto want = host_reference::product(qa, qb, model, output);
+        for (const auto path : {mxscope::accumulation_path::automatic, mxscope::accumulation_path::generic}) {
+          mxscope::gemm_options options;
+          options.path = path;
+          const auto got = mxscope::emulate_product(qa, qb, model, output, options);
+          const std::string what = mxscope::accumulation_model_name(model) + " A " + policy(qa.options) + " B " +
+                                   policy(qb.options) +
+                                   (path == mxscope::accumulation_path::generic ? " generic" : " automatic");
+          ASSERT_EQ(want.out.rows, got.out.rows) << what;
+          ASSERT_EQ(want.out.cols, got.out.cols) << what;
+          for (std::int64_t i = 0; i < want.out.size(); ++i) {
+            const float x = want.out.values[static_cast<std::size_t>(i)],
+                        y = got.out.values[static_cast<std::size_t>(i)];
+            ASSERT_TRUE(same_bits(x, y)) << what << ": entry " << i << " expected " << x << " ("
+                                         << hex(core::float_bits(x)) << ") got " << y << " ("
+                                         << hex(core::float_bits(y)) << ")";
+          }
+          if (model_kind == mxscope::accumulation_kind::exact) {
+            for (std::int64_t i = 0; i < want.exact.size(); ++i) {
+              ASSERT_TRUE(same_bits(want.exact.values[static_cast<std::size_t>(i)],
+                                    got.exact.values[static_cast<std::size_t>(i)]))
+                  << what << ": exact entry " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuHostReference, ReferenceEntriesMatchLibrary) {
+  int index = 0;
+  for (const value_kind values : {value_kind::banded, value_kind::extreme, value_kind::ties, value_kind::nonfinite}) {
+    ++index;
+    matrix a = test_inputs::make_matrix(13, 150, values, 700 + index);
+    matrix b = test_inputs::make_matrix(9, 150, values, 800 + index);
+    a(0, 0) = 1.0f;  // an exact fp32 tie in entry (0, 0): 1 + 2^-24
+    a(0, 1) = 0x1p-24f;
+    b(0, 0) = 1.0f;
+    b(0, 1) = 1.0f;
+    for (std::int64_t kk = 2; kk < 150; ++kk) a(0, kk) = 0.0f;
+    const auto got = mxscope::reference_gemm(a, b, mxscope::reference_kind::exact);
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      for (std::int64_t j = 0; j < b.rows; ++j) {
+        const auto want = host_reference::reference_entry(a, b, i, j);
+        ASSERT_TRUE(same_bits(want.fp64, got.fp64(i, j)))
+            << test_inputs::value_kind_name(values) << " entry (" << i << ", " << j << ") fp64 expected " << want.fp64
+            << " got " << got.fp64(i, j);
+        ASSERT_TRUE(same_bits(want.fp32, got.fp32(i, j)))
+            << test_inputs::value_kind_name(values) << " entry (" << i << ", " << j << ") fp32 expected " << want.fp32
+            << " got " << got.fp32(i, j);
+      }
+    }
+  }
+}
+
+}  // namespace
