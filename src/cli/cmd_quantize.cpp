@@ -10,6 +10,9 @@
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/io/safetensors.hpp"
+#ifdef MXSCOPE_HAVE_CUDA
+#include "mxscope/gpu.hpp"
+#endif
 
 namespace mxscope::cli {
 
@@ -20,6 +23,7 @@ struct quantize_command_options {
   std::string tensor;
   std::string output;
   int axis = 1;
+  std::string device = "cpu";
   strategy_flags strategy;
 };
 
@@ -87,6 +91,22 @@ std::string scales_layout(const quantize_options& options) {
   return "none";
 }
 
+// Rotates `values` in place and quantizes them on the chosen device. The GPU computes the same bits
+// (docs/gpu.md), so the output file does not say where it was made.
+quantized_tensor rotate_and_quantize(matrix& values, const strategy& chosen, int axis, const std::string& device,
+                                     const std::string& what) {
+#ifdef MXSCOPE_HAVE_CUDA
+  if (device == "gpu") {
+    values = gpu::rotate(values, axis, chosen.rotation);
+    return gpu::quantize(values, chosen.quantize);
+  }
+#else
+  (void)device;
+#endif
+  rotate(values, axis, chosen.rotation, what);
+  return quantize(values, chosen.quantize);
+}
+
 int run_quantize(const quantize_command_options& options, std::ostream& out) {
   // Every flag is checked before any file is touched.
   strategy chosen = resolve_strategy(options.strategy);
@@ -94,6 +114,24 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
     throw input_error(fmt::format("--axis: must be 0 or 1, got {}", options.axis));
   }
   chosen.quantize.axis = options.axis;
+  if (options.device != "cpu" && options.device != "gpu") {
+    throw input_error(fmt::format("--device: must be cpu or gpu, got '{}'", options.device));
+  }
+  if (options.device == "gpu") {
+#ifdef MXSCOPE_HAVE_CUDA
+    if (chosen.quantize.format.scheme != quant_scheme::mx) {
+      throw input_error(fmt::format("--device gpu: quantizes the MX formats only, not '{}' (use --device cpu)",
+                                    options.strategy.format));
+    }
+    if (gpu::device_count() == 0) {
+      throw input_error("--device gpu: no usable GPU (no device or no driver) on this machine; use --device cpu");
+    }
+#else
+    throw input_error(
+        "--device gpu: this mxscope was built without the GPU backend (configure with MXSCOPE_ENABLE_CUDA=ON on a "
+        "machine with nvcc, see docs/gpu.md); use --device cpu");
+#endif
+  }
 
   const io::safetensors_reader reader(options.input);
   const io::tensor_info& tensor = reader.at(options.tensor);
@@ -108,8 +146,7 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
   const core::random_role role = role_for_tensor(tensor.name);
   chosen.quantize.stream = chosen.stream_for(role);
   validate(chosen.quantize, values.rows, values.cols, tensor_what);
-  rotate(values, options.axis, chosen.rotation, tensor_what);
-  const quantized_tensor quantized = quantize(values, chosen.quantize);
+  const quantized_tensor quantized = rotate_and_quantize(values, chosen, options.axis, options.device, tensor_what);
   const error_statistics stats = measure(values, quantized.dequantized);
 
   // Output tensors.
@@ -195,6 +232,8 @@ void add_quantize_command(CLI::App& app, command_list& commands) {
   sub->add_option("--in", options->input, "Input safetensors file")->required();
   sub->add_option("--tensor", options->tensor, "Name of the tensor to quantize")->required();
   sub->add_option("--axis", options->axis, "Quantization (block and rotation) axis: 0 or 1")->capture_default_str();
+  sub->add_option("--device", options->device, "Where to rotate and quantize: cpu or gpu (MX formats; same bits)")
+      ->capture_default_str();
   add_strategy_flags(*sub, options->strategy, /*format_required=*/true);
   sub->add_option("--out", options->output, "Output safetensors file (written atomically)")->required();
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_quantize(*options, out); }});
