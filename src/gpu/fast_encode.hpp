@@ -67,44 +67,41 @@ MXSCOPE_HD constexpr core::encoded quantize_finite(const element_constants& c, f
   const int leading = lsb + top;
   const int binade = leading > c.min_exponent ? leading : c.min_exponent;
   const int shift = binade - c.mantissa_bits - lsb;
-  std::uint64_t steps = 0;
+  std::uint32_t code = 0;
   if (shift <= 0) {
-    // The last bit of x is at or above the spacing: nothing to round. (Not reachable for the MX
-    // formats with |e| <= 127, and far past the max code if it were: clamp the shift.)
-    steps = static_cast<std::uint64_t>(significand) << (-shift < 40 ? -shift : 40);
+    // The last bit of x is at or above the spacing: nothing to round. Not reachable for the MX formats
+    // with an fp32 value and |e| <= 127 (shift >= 1 there); kept exact for completeness.
+    const std::uint64_t wide_steps = static_cast<std::uint64_t>(significand) << (-shift < 40 ? -shift : 40);
+    const std::uint64_t wide_code = (static_cast<std::uint64_t>(binade + c.bias - 1) << c.mantissa_bits) + wide_steps;
+    code = wide_code > c.max_code ? c.max_code : static_cast<std::uint32_t>(wide_code);
   } else {
-    const int clamped = shift < 63 ? shift : 63;  // S < 2^24: a shift of 25 or more keeps nothing
-    const std::uint64_t integer = static_cast<std::uint64_t>(significand) >> clamped;
-    const std::uint64_t dropped = static_cast<std::uint64_t>(significand) - (integer << clamped);
+    // 32-bit arithmetic: S < 2^24, so from a shift of 25 on the integer part is 0 and F < 1/2.
+    const int clamped = shift < 25 ? shift : 25;
+    const std::uint32_t integer = significand >> clamped;
+    const std::uint32_t dropped = significand - (integer << clamped);
+    const std::uint32_t half = 1U << (clamped - 1);
     bool up = false;
     switch (mode) {
-      case core::rounding_mode::rne: {
-        const std::uint64_t half = std::uint64_t{1} << (clamped - 1);
-        up = dropped > half || (dropped == half && (integer & 1U) != 0);
-        break;
-      }
-      case core::rounding_mode::rna:
-        up = dropped >= (std::uint64_t{1} << (clamped - 1));
-        break;
-      case core::rounding_mode::rtz:
-        up = false;
-        break;
+      case core::rounding_mode::rne: up = dropped > half || (dropped == half && (integer & 1U) != 0); break;
+      case core::rounding_mode::rna: up = dropped >= half; break;
+      case core::rounding_mode::rtz: up = false; break;
       case core::rounding_mode::sr: {
         // floor(F * 2^R) with F = dropped / 2^shift (the true shift: F's bits sit that far down).
         const int scale_up = sr_bits - shift;
         const std::uint64_t top_fraction =
-            scale_up >= 0 ? dropped << scale_up : (-scale_up >= 64 ? 0U : dropped >> -scale_up);
+            scale_up >= 0 ? static_cast<std::uint64_t>(dropped) << scale_up
+                          : (-scale_up >= 32 ? 0U : static_cast<std::uint64_t>(dropped >> -scale_up));
         const std::uint64_t draw = static_cast<std::uint64_t>(random_word) >> (32 - sr_bits);
         up = top_fraction + draw >= (std::uint64_t{1} << sr_bits);
         break;
       }
     }
-    steps = integer + (up ? 1U : 0U);
+    // binade + bias - 1 >= 0 (binade >= the smallest normal exponent 1 - bias) and stays below 2^9.
+    code = (static_cast<std::uint32_t>(binade + c.bias - 1) << c.mantissa_bits) + integer + (up ? 1U : 0U);
+    if (code > c.max_code) code = c.max_code;
   }
-  std::uint64_t code = (static_cast<std::uint64_t>(binade + c.bias - 1) << c.mantissa_bits) + steps;
-  if (code > c.max_code) code = c.max_code;
   const bool saturated = leading > c.emax || (leading == c.emax && (significand << (23 - top)) > c.max_significand);
-  return {static_cast<std::uint8_t>(static_cast<std::uint32_t>(code) | sign), saturated, code == 0};
+  return {static_cast<std::uint8_t>(code | sign), saturated, code == 0};
 }
 
 // 2^e as fp32 for -149 <= e <= 127 (exact; subnormal below -126).
