@@ -14,7 +14,7 @@
 // normal range (a carry into the next binade lands on the right code), codes grow with values, so
 // saturation is "code > max code". tests/test_gpu_host_reference.cpp compares every function here
 // with the core over all bf16 bit patterns (with random low bits) x every block exponent x every
-// mode, and the GPU test repeats the comparison on the device for about 0.8 billion fp32 patterns.
+// mode, and the GPU test repeats the comparison on the device for about 2 billion fp32 patterns.
 #pragma once
 
 #include "mxscope/core/mx.hpp"
