@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/version.hpp"
@@ -85,28 +86,9 @@ class temporary_directory {
   fs::path path_;
 };
 
-struct cli_result {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-cli_result run_cli(const std::vector<std::string>& arguments) {
-  std::vector<const char*> argv{"mxscope"};
-  for (const auto& argument : arguments) argv.push_back(argument.c_str());
-  std::ostringstream out, err;
-  cli_result result;
-  result.code = mxscope::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
-  result.out = out.str();
-  result.err = err.str();
-  return result;
-}
-
-std::string joined(const std::vector<std::string>& arguments) {
-  std::string text = "mxscope";
-  for (const auto& argument : arguments) text += " " + argument;
-  return text;
-}
+using mxscope::testing::cli_result;
+using mxscope::testing::joined;
+using mxscope::testing::run_cli;
 
 // A hand-built safetensors file (length prefix, JSON, data), independent of the writer.
 struct raw_tensor {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/io/safetensors.hpp"
 #ifdef MXSCOPE_HAVE_CUDA
@@ -22,19 +23,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct cli_result {
-  int code;
-  std::string out;
-  std::string err;
-};
-
-cli_result run_cli(const std::vector<std::string>& arguments) {
-  std::vector<const char*> argv = {"mxscope"};
-  for (const auto& argument : arguments) argv.push_back(argument.c_str());
-  std::ostringstream out, err;
-  const int code = mxscope::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {code, out.str(), err.str()};
-}
+using mxscope::testing::cli_result;
+using mxscope::testing::run_cli;
 
 std::string file_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

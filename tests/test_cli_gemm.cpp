@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "exact_oracle.hpp"
+#include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/tensor.hpp"
@@ -48,28 +49,9 @@ class temporary_directory {
   fs::path path_;
 };
 
-struct cli_result {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-cli_result run_cli(const std::vector<std::string>& arguments) {
-  std::vector<const char*> argv{"mxscope"};
-  for (const auto& argument : arguments) argv.push_back(argument.c_str());
-  std::ostringstream out, err;
-  cli_result result;
-  result.code = mxscope::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
-  result.out = out.str();
-  result.err = err.str();
-  return result;
-}
-
-std::string joined(const std::vector<std::string>& arguments) {
-  std::string text = "mxscope";
-  for (const auto& argument : arguments) text += " " + argument;
-  return text;
-}
+using mxscope::testing::cli_result;
+using mxscope::testing::joined;
+using mxscope::testing::run_cli;
 
 // Values of the fp4 e2m1 grid (OCP MX v1.0), each column scaled by its own power of two.
 matrix fp4_grid_by_column(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
