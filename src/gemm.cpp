@@ -24,6 +24,9 @@
 
 #include "mxscope/errors.hpp"
 #include "mxscope/reference.hpp"
+#ifdef MXSCOPE_HAVE_CUDA
+#include "mxscope/gpu.hpp"
+#endif
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -1569,6 +1572,28 @@ int common_block(const quantized_tensor& a, const quantized_tensor& b, std::stri
   return 32;
 }
 
+// What the GPU backend computes (gpu.hpp): MX operands on both sides, and a model it has. A build
+// without the backend computes nothing there (compute_device::gpu then means the CPU).
+bool gpu_quantizes(const quantize_options& options) {
+#ifdef MXSCOPE_HAVE_CUDA
+  return options.format.scheme == quant_scheme::mx;
+#else
+  (void)options;
+  return false;
+#endif
+}
+
+bool gpu_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model) {
+#ifdef MXSCOPE_HAVE_CUDA
+  const bool models = model.kind == accumulation_kind::exact || model.kind == accumulation_kind::fp32_block ||
+                      model.kind == accumulation_kind::fp32_group || model.kind == accumulation_kind::fp32_seq;
+  return models && a.options.format.scheme == quant_scheme::mx && b.options.format.scheme == quant_scheme::mx;
+#else
+  (void)a, (void)b, (void)model;
+  return false;
+#endif
+}
+
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
                              std::string_view a_name, std::string_view b_name) {
@@ -1595,6 +1620,13 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                                   core_ns::trunc_align_fraction_bits_max, model.fraction_bits));
   }
   const int block = common_block(a, b, what, a_name, b_name);
+  if (options.device == compute_device::gpu && gpu_multiplies(a, b, model)) {
+#ifdef MXSCOPE_HAVE_CUDA
+    product_result on_gpu = gpu::emulate_product(a, b, model, output);
+    on_gpu.product_on_gpu = true;
+    return on_gpu;
+#endif
+  }
   const bool keep_dequantized = model.kind == accumulation_kind::fp32_seq;
   const canonical_operand left = make_canonical(a, block, keep_dequantized);
   const canonical_operand right = make_canonical(b, block, keep_dequantized);
@@ -1757,8 +1789,14 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
     const matrix rotated = rotated_operand(tensor, axis, chosen, context, operand_what);
-    quantized_tensor quantized = quantize(rotated, quantize_with);
+    const bool on_gpu = options.device == compute_device::gpu && gpu_quantizes(quantize_with);
+    quantized_tensor quantized;
+#ifdef MXSCOPE_HAVE_CUDA
+    if (on_gpu) quantized = gpu::quantize(rotated, quantize_with);
+#endif
+    if (!on_gpu) quantized = quantize(rotated, quantize_with);
     summary = summarize(name, axis, rotated, quantized);
+    summary.quantized_on_gpu = on_gpu;
     return quantized;
   };
 

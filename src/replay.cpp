@@ -22,6 +22,7 @@
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
+#include "mxscope/device.hpp"
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/dump.hpp"
 #include "mxscope/io/sha256.hpp"
@@ -386,10 +387,9 @@ std::vector<std::int64_t> parse_step_list(const std::string& text, const std::st
 
 replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   const auto started = clock_type::now();
-  if (options.device != "cpu") {
-    throw input_error(fmt::format("--device: '{}' is not available in this build (this binary has the cpu backend)",
-                                  options.device));
-  }
+  const compute_device device = parse_compute_device(options.device);
+  const gemm_options compute{accumulation_path::automatic, device};
+  placement_counts placed;
 #ifdef _OPENMP
   if (options.threads > 0) omp_set_num_threads(options.threads);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
@@ -552,7 +552,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         mark = clock_type::now();
         const canonical_operands canonical =
             orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
-        const reference_result reference = reference_gemm(canonical.a, canonical.b, parsed.reference);
+        const reference_result reference =
+            reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
         const matrix64& g = reference.fp64;
         const double reference_norm = std::sqrt(squared_norm(g));
         if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
@@ -569,8 +570,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         mark = clock_type::now();
         for (auto& unit : state.units) {
           const strategy& chosen = *unit.chosen;
-          const gemm_result result = run_gemm(state.kind, operands, chosen, context);
-          const comparison metrics = compare(result.out, g, reference.fp32);
+          const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
+          placed.count(result);
+          const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
           // The same quantized operands under the exact model separate quantization from accumulation.
           matrix64 exact_result;
           if (chosen.accumulation.kind == accumulation_kind::exact && result.exact.size() != 0) {
@@ -579,7 +581,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             strategy exact_strategy = chosen;
             exact_strategy.accumulation = parse_accumulation_model("exact");
             exact_strategy.output = output_rounding::fp32;
-            exact_result = run_gemm(state.kind, operands, exact_strategy, context).exact;
+            const gemm_result exact_run = run_gemm(state.kind, operands, exact_strategy, context, compute);
+            placed.count(exact_run);
+            exact_result = exact_run.exact;
           }
           const matrix64 estimate = widen(result.out);
           const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
@@ -766,6 +770,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
 
   json run;
   run["device"] = options.device;
+  if (device == compute_device::gpu) run["gpu"] = device_name(device);
+  run["placement"] = {{"quantize", {{"gpu", placed.quantize_gpu}, {"cpu", placed.quantize_cpu}}},
+                      {"product", {{"gpu", placed.product_gpu}, {"cpu", placed.product_cpu}}},
+                      {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
+                      {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}}};
   run["threads"] = threads;
   run["resumed_layers"] = outcome.layers_resumed;
   run["entries_replayed_in_last_process"] = outcome.entries;

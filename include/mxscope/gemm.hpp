@@ -105,13 +105,20 @@ struct operand_summary {
   std::int64_t nonfinite_inputs = 0;
   double signal_energy = 0.0;  // sum of v^2 over the finite inputs v (after rotation), fp64
   double error_energy = 0.0;   // sum of (v - dequantized)^2 over the same elements, fp64
+  bool quantized_on_gpu = false;  // the quantizer ran on the GPU (gemm_options::device)
 };
 
 // `generic` forces the per-element definition of every model (slow; the oracle of the fast paths).
 enum class accumulation_path : std::uint8_t { automatic, generic };
 
+// Where run_gemm and emulate_product compute. `gpu` runs the MX quantizer and the MX products of the
+// models the GPU backend has (exact, fp32-block, fp32-group:G, fp32-seq) on the current GPU
+// (include/mxscope/gpu.hpp) and everything else on the CPU; the bits are the same either way.
+enum class compute_device : std::uint8_t { cpu, gpu };
+
 struct gemm_options {
   accumulation_path path = accumulation_path::automatic;
+  compute_device device = compute_device::cpu;
   // Use the SIMD kernels this CPU offers (AVX2 on x86-64) where they apply; false keeps the
   // portable kernels. The results are identical either way.
   bool vector_kernels = true;
@@ -121,6 +128,7 @@ struct product_result {
   matrix out;       // [M, N] fp32 (values of bf16 when the output is rounded to bf16)
   matrix64 exact;   // `exact` model only: the exact result rounded once to fp64; empty otherwise
   std::int64_t fallback_entries = 0;  // entry-blocks the fast path handed to the exact slow step
+  bool product_on_gpu = false;        // the product ran on the GPU (gemm_options::device)
 };
 
 struct gemm_result : product_result {

@@ -50,6 +50,10 @@ class gpu_error : public std::runtime_error {
 // Number of usable devices; 0 (never an exception) when there is no device or no driver.
 int device_count();
 
+// Makes device `index` (0-based, below device_count()) the current one of the calling thread; every
+// later call of this thread runs there. Throws gpu_error for an index that does not exist.
+void select_device(int index);
+
 struct device_description {
   std::string name;
   int major = 0;  // compute capability (NVIDIA) or GCN architecture major (AMD)

@@ -17,6 +17,7 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/io/safetensors.hpp"
+#include "mxscope/device.hpp"
 #include "mxscope/reference.hpp"
 
 namespace mxscope::cli {
@@ -33,6 +34,7 @@ struct gemm_command_options {
   std::string format_a;
   std::string format_b;
   std::int64_t certify = 0;
+  std::string device = "cpu";
   bool json = false;
   strategy_flags strategy;
 };
@@ -167,15 +169,18 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
     if (name == "w") w = std::move(values);
   }
   const gemm_operands operands{x ? &*x : nullptr, dy ? &*dy : nullptr, w ? &*w : nullptr};
-  const gemm_result result = run_gemm(*kind, operands, chosen, context);
+  const compute_device device = parse_compute_device(options.device);
+  gemm_options compute;
+  compute.device = device;
+  const gemm_result result = run_gemm(*kind, operands, chosen, context, compute);
 
   const matrix& a_captured = *(layout.a_name == "x" ? operands.x : operands.dy);
   const matrix& b_captured = *(layout.b_name == "x" ? operands.x : operands.w);
   const canonical_pair canonical = canonical_operands(*kind, a_captured, b_captured);
-  const reference_result reference = reference_gemm(canonical.a, canonical.b, *reference_kind);
+  const reference_result reference = reference_on(device, canonical.a, canonical.b, *reference_kind);
   std::optional<certification> certified;
   if (options.certify > 0) certified = certify(canonical.a, canonical.b, reference, options.certify, chosen.seed);
-  const comparison metrics = compare(result.out, reference.fp64, reference.fp32);
+  const comparison metrics = compare_on(device, result.out, reference.fp64, reference.fp32);
 
   // Output file: the emulated result, the reference and the recipe.
   io::safetensors_writer writer;
@@ -344,6 +349,10 @@ void add_gemm_command(CLI::App& app, command_list& commands) {
   sub->add_option("--output", options->output_rounding, "Output rounding: fp32 or bf16")->capture_default_str();
   sub->add_option("--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
       ->required();
+  sub->add_option("--device", options->device,
+                  "Where to compute: cpu or gpu (MX quantize, products and the exact reference on the GPU, the rest "
+                  "on the CPU; the same bits)")
+      ->capture_default_str();
   sub->add_flag("--json", options->json, "Print the comparison as JSON instead of a table");
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_gemm_command(*options, out); }});
 }

@@ -113,6 +113,15 @@ int device_count() {
   return count;
 }
 
+void select_device(int index) {
+  const int count = device_count();
+  if (index < 0 || index >= count) {
+    throw gpu_error("gpu: device " + std::to_string(index) + " does not exist (this machine has " +
+                    std::to_string(count) + ")");
+  }
+  MXSCOPE_GPU_CHECK(runtime::set_device(index));
+}
+
 device_description describe_device() {
   int device = 0;
   MXSCOPE_GPU_CHECK(runtime::get_device(&device));

@@ -44,6 +44,7 @@ using simulation::event_record;
 using simulation::event_synchronize;
 using simulation::free;
 using simulation::get_device;
+using simulation::set_device;
 using simulation::last_error;
 using simulation::malloc;
 using simulation::memset;
@@ -75,6 +76,7 @@ inline error_t synchronize() { return hipDeviceSynchronize(); }
 inline error_t last_error() { return hipGetLastError(); }
 inline error_t device_count(int* count) { return hipGetDeviceCount(count); }
 inline error_t get_device(int* device) { return hipGetDevice(device); }
+inline error_t set_device(int device) { return hipSetDevice(device); }
 inline error_t properties(device_properties* out, int device) { return hipGetDeviceProperties(out, device); }
 inline error_t event_create(event_t* event) { return hipEventCreate(event); }
 inline error_t event_destroy(event_t event) { return hipEventDestroy(event); }
@@ -111,6 +113,7 @@ inline error_t synchronize() { return cudaDeviceSynchronize(); }
 inline error_t last_error() { return cudaGetLastError(); }
 inline error_t device_count(int* count) { return cudaGetDeviceCount(count); }
 inline error_t get_device(int* device) { return cudaGetDevice(device); }
+inline error_t set_device(int device) { return cudaSetDevice(device); }
 inline error_t properties(device_properties* out, int device) { return cudaGetDeviceProperties(out, device); }
 inline error_t event_create(event_t* event) { return cudaEventCreate(event); }
 inline error_t event_destroy(event_t event) { return cudaEventDestroy(event); }

@@ -147,6 +147,7 @@ inline error_t get_device(int* device) {
   *device = 0;
   return success;
 }
+inline error_t set_device(int device) { return device == 0 ? success : failure; }
 inline error_t properties(device_properties* out, int) {
   *out = device_properties{};
   return success;
