@@ -1806,6 +1806,14 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
   const quantized_tensor b = prepare(*b_tensor, chosen.b, layout.b_axis, layout.b_role, layout.b_name, result.b);
   static_cast<product_result&>(result) =
       emulate_named(a, b, chosen.accumulation, chosen.output, options, what, layout.a_name, layout.b_name);
+  if (options.exact_too && chosen.accumulation.kind != accumulation_kind::exact) {
+    accumulation_model exact_model;
+    exact_model.kind = accumulation_kind::exact;
+    product_result exact = emulate_named(a, b, exact_model, output_rounding::fp32, options, what, layout.a_name,
+                                         layout.b_name);
+    result.exact_of_quantized = std::move(exact.exact);
+    result.exact_of_quantized_on_gpu = exact.product_on_gpu;
+  }
   return result;
 }
 

@@ -66,6 +66,14 @@ json json_number(double value) {
   return json(number(value));  // JSON has no NaN or infinity: write them as strings
 }
 
+// Elementwise loops over result-sized matrices (order-free: each element on its own) run on every
+// thread; the reductions go through canonical_sum, whose order does not depend on the thread count.
+#ifdef _OPENMP
+#define MXSCOPE_ELEMENTWISE _Pragma("omp parallel for schedule(static)")
+#else
+#define MXSCOPE_ELEMENTWISE
+#endif
+
 double ratio(double numerator, double denominator) {
   if (denominator == 0.0) return numerator == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
   return numerator / denominator;
@@ -96,7 +104,28 @@ double difference_norm(const matrix64& a, const matrix64& b) {
 
 matrix64 widen(const matrix& m) {
   matrix64 out(m.rows, m.cols);
-  for (std::size_t i = 0; i < m.values.size(); ++i) out.values[i] = static_cast<double>(m.values[i]);
+  const std::int64_t count = static_cast<std::int64_t>(m.values.size());
+  MXSCOPE_ELEMENTWISE
+  for (std::int64_t i = 0; i < count; ++i) out.values[static_cast<std::size_t>(i)] = static_cast<double>(m.values[static_cast<std::size_t>(i)]);
+  return out;
+}
+
+// sum += term, elementwise.
+void add_to(matrix64& sum, const matrix64& term) {
+  const std::int64_t count = static_cast<std::int64_t>(term.values.size());
+  MXSCOPE_ELEMENTWISE
+  for (std::int64_t i = 0; i < count; ++i) sum.values[static_cast<std::size_t>(i)] += term.values[static_cast<std::size_t>(i)];
+}
+
+// a - b, elementwise.
+matrix64 difference(const matrix64& a, const matrix64& b) {
+  matrix64 out(a.rows, a.cols);
+  const std::int64_t count = static_cast<std::int64_t>(a.values.size());
+  MXSCOPE_ELEMENTWISE
+  for (std::int64_t i = 0; i < count; ++i) {
+    const auto j = static_cast<std::size_t>(i);
+    out.values[j] = a.values[j] - b.values[j];
+  }
   return out;
 }
 
@@ -111,7 +140,10 @@ struct sgd_state {
       momentum = matrix64(gradient.rows, gradient.cols);
       displacement = matrix64(gradient.rows, gradient.cols);
     }
-    for (std::size_t i = 0; i < gradient.values.size(); ++i) {
+    const std::int64_t count = static_cast<std::int64_t>(gradient.values.size());
+    MXSCOPE_ELEMENTWISE
+    for (std::int64_t j = 0; j < count; ++j) {
+      const auto i = static_cast<std::size_t>(j);
       momentum.values[i] = beta * momentum.values[i] + gradient.values[i];
       displacement.values[i] += momentum.values[i];
     }
@@ -135,7 +167,10 @@ struct adamw_state {
     const double beta2 = settings.adamw_beta2;
     const double correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
     const double correction2 = 1.0 - std::pow(beta2, static_cast<double>(t));
-    for (std::size_t i = 0; i < gradient.values.size(); ++i) {
+    const std::int64_t count = static_cast<std::int64_t>(gradient.values.size());
+    MXSCOPE_ELEMENTWISE
+    for (std::int64_t j = 0; j < count; ++j) {
+      const auto i = static_cast<std::size_t>(j);
       const double g = gradient.values[i];
       first.values[i] = beta1 * first.values[i] + (1.0 - beta1) * g;
       second.values[i] = beta2 * second.values[i] + (1.0 - beta2) * g * g;
@@ -388,7 +423,9 @@ std::vector<std::int64_t> parse_step_list(const std::string& text, const std::st
 replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   const auto started = clock_type::now();
   const compute_device device = parse_compute_device(options.device);
-  const gemm_options compute{accumulation_path::automatic, device};
+  gemm_options compute;
+  compute.device = device;
+  compute.exact_too = true;  // quant_err needs the exact product of the same quantized operands
   placement_counts placed;
 #ifdef _OPENMP
   if (options.threads > 0) omp_set_num_threads(options.threads);
@@ -502,6 +539,10 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   replay_outcome outcome;
   std::int64_t entries_seen = 0;
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
+  struct stage_time {
+    double gemm = 0.0, compare = 0.0, metrics = 0.0;  // rotate + quantize + products; comparison; the rest
+  };
+  std::map<std::string, stage_time> strategy_times;
   const auto seconds_since = [](clock_type::time_point from) {
     return std::chrono::duration<double>(clock_type::now() - from).count();
   };
@@ -557,7 +598,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         const matrix64& g = reference.fp64;
         const double reference_norm = std::sqrt(squared_norm(g));
         if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
-        for (std::size_t i = 0; i < g.values.size(); ++i) state.reference_sum.values[i] += g.values[i];
+        add_to(state.reference_sum, g);
         state.sgd.step(g, parsed.optimizer.sgd_momentum);
         state.adamw.step(g, parsed.optimizer, t);
         const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
@@ -570,21 +611,21 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         mark = clock_type::now();
         for (auto& unit : state.units) {
           const strategy& chosen = *unit.chosen;
+          auto stage_mark = clock_type::now();
+          // The same quantized operands under the exact model separate quantization from accumulation.
           const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
           placed.count(result);
-          const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
-          // The same quantized operands under the exact model separate quantization from accumulation.
-          matrix64 exact_result;
-          if (chosen.accumulation.kind == accumulation_kind::exact && result.exact.size() != 0) {
-            exact_result = result.exact;
-          } else {
-            strategy exact_strategy = chosen;
-            exact_strategy.accumulation = parse_accumulation_model("exact");
-            exact_strategy.output = output_rounding::fp32;
-            const gemm_result exact_run = run_gemm(state.kind, operands, exact_strategy, context, compute);
-            placed.count(exact_run);
-            exact_result = exact_run.exact;
+          if (result.exact_of_quantized.size() != 0) {
+            (result.exact_of_quantized_on_gpu ? placed.product_gpu : placed.product_cpu) += 1;
           }
+          const matrix64& exact_result =
+              chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
+          stage_time& timing = strategy_times[unit.strategy_name];
+          timing.gemm += seconds_since(stage_mark);
+          stage_mark = clock_type::now();
+          const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
+          timing.compare += seconds_since(stage_mark);
+          stage_mark = clock_type::now();
           const matrix64 estimate = widen(result.out);
           const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
           const double accum_err = ratio(difference_norm(estimate, exact_result), reference_norm);
@@ -630,10 +671,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           steps_rows += '\n';
 
           // Cross-step accumulators.
-          matrix64 error(g.rows, g.cols);
-          for (std::size_t i = 0; i < g.values.size(); ++i) error.values[i] = estimate.values[i] - g.values[i];
+          matrix64 error = difference(estimate, g);
           if (unit.error_sum.size() == 0) unit.error_sum = matrix64(g.rows, g.cols);
-          for (std::size_t i = 0; i < g.values.size(); ++i) unit.error_sum.values[i] += error.values[i];
+          add_to(unit.error_sum, error);
           const double error_energy = squared_norm(error);
           unit.error_energy_sum += error_energy;
           if (t > 1) {
@@ -664,6 +704,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                                            number(structural), number(sgd_upd_err), number(sgd_disp_err),
                                            number(adamw_upd_err), number(adamw_disp_err));
           unit.previous_error = std::move(error);
+          timing.metrics += seconds_since(stage_mark);
         }
         seconds_strategies += seconds_since(mark);
       }
@@ -782,6 +823,15 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                     {"read", seconds_read},
                     {"reference", seconds_reference},
                     {"strategies", seconds_strategies}};
+  json per_strategy = json::object();
+  for (const auto& s : parsed.strategies) {
+    const auto found = strategy_times.find(s.name);
+    if (found == strategy_times.end()) continue;
+    per_strategy[s.name] = {{"gemm", found->second.gemm},
+                            {"compare", found->second.compare},
+                            {"metrics", found->second.metrics}};
+  }
+  run["seconds_by_strategy"] = per_strategy;
 
   io::write_file_atomically(options.out / "steps.csv", steps_csv);
   io::write_file_atomically(options.out / "accumulation.csv", accumulation_csv);

@@ -119,6 +119,10 @@ enum class compute_device : std::uint8_t { cpu, gpu };
 struct gemm_options {
   accumulation_path path = accumulation_path::automatic;
   compute_device device = compute_device::cpu;
+  // run_gemm also multiplies the same quantized operands under the `exact` model (fp32 output) and
+  // keeps the result in gemm_result::exact_of_quantized: the quantization-only error, without
+  // quantizing twice. Ignored when the strategy's model is `exact` (its `exact` field is that).
+  bool exact_too = false;
   // Use the SIMD kernels this CPU offers (AVX2 on x86-64) where they apply; false keeps the
   // portable kernels. The results are identical either way.
   bool vector_kernels = true;
@@ -133,6 +137,8 @@ struct product_result {
 
 struct gemm_result : product_result {
   gemm_kind kind = gemm_kind::wgrad;
+  matrix64 exact_of_quantized;  // gemm_options::exact_too only: the exact product of the quantized operands
+  bool exact_of_quantized_on_gpu = false;
   operand_summary a;
   operand_summary b;
 };
