@@ -1,7 +1,9 @@
 // mxscope quantize --device cpu|gpu, called in-process: a bad device name and a non-MX format on
 // the GPU exit 2 with the flag named and no output file; on a machine with a usable GPU (and a build
 // with the GPU backend) the GPU's output file is byte-identical to the CPU's for every MX format,
-// rounding mode and rotation tried; elsewhere --device gpu exits 2 naming the flag.
+// rounding mode and rotation tried; elsewhere --device gpu exits 2 naming the flag. The same for
+// `gemm --device gpu` (output file and JSON report) and `replay --device gpu` on data/sample (the
+// three result files); without a GPU both exit 2 and write nothing.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -117,6 +119,70 @@ TEST_F(CliDevice, GpuOutputIsByteIdenticalToCpuOrRefusedWithoutGpu) {
         EXPECT_EQ(cpu.out.substr(cpu.out.find('\n')), gpu.out.substr(gpu.out.find('\n'))) << format << " " << rounding;
       }
     }
+  }
+}
+
+TEST_F(CliDevice, GemmOnGpuMatchesCpuOrIsRefusedWithoutGpu) {
+  // x [K 64, n_in 96] and dy [K 64, n_out 48] for a wgrad.
+  std::mt19937_64 random(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  mxscope::matrix x(64, 96), dy(64, 48);
+  for (auto& v : x.values) v = static_cast<float>(normal(random));
+  for (auto& v : dy.values) v = static_cast<float>(std::ldexp(normal(random), -9));
+  mxscope::io::safetensors_writer writer;
+  writer.add_matrix("x", x);
+  writer.add_matrix("dy", dy);
+  const std::string operands = (directory_ / "operands.safetensors").string();
+  writer.write(operands);
+  const auto arguments = [&](const std::string& device, const std::string& accum, const std::string& out) {
+    return std::vector<std::string>{"gemm", "--in",     operands, "--gemm", "wgrad", "--format", "mxfp4",
+                                    "--accum", accum,  "--device", device, "--json", "--out", out};
+  };
+  if (!gpu_usable()) {
+    const fs::path out = directory_ / "gpu.safetensors";
+    const cli_result result = run_cli(arguments("gpu", "fp32-block", out.string()));
+    EXPECT_EQ(result.code, 2) << result.err;
+    EXPECT_NE(result.err.find("--device gpu"), std::string::npos) << result.err;
+    EXPECT_FALSE(fs::exists(out));
+    return;
+  }
+  for (const char* accum : {"fp32-block", "exact", "fp32-group:4", "fp32-seq", "trunc-align:26,1"}) {
+    fs::create_directories(directory_ / "cpu");
+    fs::create_directories(directory_ / "gpu");
+    const fs::path cpu_out = directory_ / "cpu" / "out.safetensors";
+    const fs::path gpu_out = directory_ / "gpu" / "out.safetensors";
+    const cli_result cpu = run_cli(arguments("cpu", accum, cpu_out.string()));
+    const cli_result gpu = run_cli(arguments("gpu", accum, gpu_out.string()));
+    ASSERT_EQ(cpu.code, 0) << cpu.err;
+    ASSERT_EQ(gpu.code, 0) << gpu.err;
+    EXPECT_EQ(file_bytes(cpu_out), file_bytes(gpu_out)) << accum;
+  }
+}
+
+TEST_F(CliDevice, ReplayOnGpuMatchesCpuOrIsRefusedWithoutGpu) {
+  const std::string dump = std::string(MXSCOPE_SOURCE_DIR) + "/data/sample";
+  const std::string analysis = std::string(MXSCOPE_SOURCE_DIR) + "/analyses/wgrad-ablation.toml";
+  const auto arguments = [&](const std::string& device, const fs::path& out) {
+    return std::vector<std::string>{"replay", dump,          "--analysis", analysis, "--steps", "400-401",
+                                    "--out",  out.string(), "--device",   device};
+  };
+  const cli_result bad = run_cli(arguments("tpu", directory_ / "bad"));
+  EXPECT_EQ(bad.code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--device"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(directory_ / "bad"));
+  if (!gpu_usable()) {
+    const cli_result result = run_cli(arguments("gpu", directory_ / "gpu"));
+    EXPECT_EQ(result.code, 2) << result.err;
+    EXPECT_NE(result.err.find("--device gpu"), std::string::npos) << result.err;
+    EXPECT_FALSE(fs::exists(directory_ / "gpu"));
+    return;
+  }
+  const cli_result cpu = run_cli(arguments("cpu", directory_ / "cpu"));
+  const cli_result gpu = run_cli(arguments("gpu", directory_ / "gpu"));
+  ASSERT_EQ(cpu.code, 0) << cpu.err;
+  ASSERT_EQ(gpu.code, 0) << gpu.err;
+  for (const char* name : {"steps.csv", "accumulation.csv", "summary.json"}) {
+    EXPECT_EQ(file_bytes(directory_ / "cpu" / name), file_bytes(directory_ / "gpu" / name)) << name;
   }
 }
 
