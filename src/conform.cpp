@@ -796,6 +796,43 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
       rows.push_back(row);
     }
   }
+  if (gpu::native_mx_available()) {
+    // The gfx950 native path by name (the rows above take it too where it applies): the hardware
+    // MX conversions (rne, and sr with the sr_bits it maps onto the seed) and the scaled MFMA as
+    // fp32-group:4, on shapes that are not multiples of the instruction's tiles. Any difference here
+    // refutes a hypothesis of docs/gpu.md about the MI355X.
+    for (const auto rule : {core::scale_rule::floor, core::scale_rule::ceil, core::scale_rule::even}) {
+      for (const int sr_bits : {0, 22, 9, 1}) {
+        quantize_options options =
+            mx_options("mxfp4", 1, rule, sr_bits == 0 ? core::rounding_mode::rne : core::rounding_mode::sr);
+        if (sr_bits > 0) options.sr_bits = sr_bits;
+        const quantized_tensor canonical = canonical_quantize(input, options);
+        const quantized_tensor device = gpu::quantize(input, options, {}, gpu::quantize_path::native);
+        self_test_row row;
+        row.kernel = fmt::format("gpu quantize native gfx950 mxfp4 {} {}", scale_rule_name(rule),
+                                 sr_bits == 0 ? std::string("rne") : fmt::format("sr sr_bits {}", sr_bits));
+        row.compared = static_cast<std::int64_t>(canonical.codes.size() + canonical.scales.size() +
+                                                 canonical.dequantized.values.size());
+        row.differing = differing_bytes(canonical.codes, device.codes) +
+                        differing_bytes(canonical.scales, device.scales) +
+                        differing_floats(canonical.dequantized, device.dequantized);
+        rows.push_back(row);
+      }
+    }
+    const accumulation_model group4{accumulation_kind::fp32_group, 4, 0, alignment_rounding::rtz};
+    const auto options = mx_options("mxfp4", 1, core::scale_rule::floor, core::rounding_mode::rne);
+    const quantized_tensor a = canonical_quantize(generated_input(37, 200, seed + 3, false), options);
+    const quantized_tensor b = canonical_quantize(generated_input(21, 200, seed + 4, false), options);
+    gemm_options generic;
+    generic.path = accumulation_path::generic;
+    const product_result reference = emulate_product(a, b, group4, output_rounding::fp32, generic);
+    const product_result device = gpu::emulate_product(a, b, group4, output_rounding::fp32, gpu::gemm_path::native_mfma);
+    self_test_row row;
+    row.kernel = "gpu gemm native gfx950 scaled MFMA fp32-group:4 mxfp4 x mxfp4 (37 x 21, K 200)";
+    row.compared = reference.out.size();
+    row.differing = differing_floats(reference.out, device.out);
+    rows.push_back(row);
+  }
   return rows;
 }
 #endif

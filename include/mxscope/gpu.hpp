@@ -167,8 +167,15 @@ struct mx_device_output {
 
 // `generic`: two passes (block scales, then elements) for every option; `fused`: one pass, one
 // thread per block, with the rotation applied in registers (axis 1, block 32, rotation none, 16 or
-// 32, cols a multiple of 32); `automatic` takes `fused` where it applies.
-enum class quantize_path : std::uint8_t { automatic, generic, fused };
+// 32, cols a multiple of 32); `native`: the fused layout with the element codes from gfx950's
+// hardware MX conversions (MI355X only: MXFP4, rne or sr with sr_bits <= 22; docs/gpu.md lists the
+// hardware behaviour it assumes); `automatic` takes `native` where it applies, else `fused` where
+// it applies.
+enum class quantize_path : std::uint8_t { automatic, generic, fused, native };
+
+// Whether the current device runs the gfx950 native paths (quantize_path::native,
+// gemm_path::native_mfma): a gfx950 GPU, a HIP build, and MXSCOPE_GPU_NATIVE not set to "off".
+bool native_mx_available();
 bool fused_path_covers(const mx_plan& plan, const rotation_plan& rotation, std::int64_t rows, std::int64_t cols);
 
 // Rotates (if rotation.size > 0) and quantizes input[rows x cols] (row-major, fp32 or bf16) along
@@ -197,8 +204,11 @@ struct mx_operand_view {
 // - tensor_core: int8 tensor-core block dots (mma m16n8k32 on 2q / 8q / 64q integers, a fresh
 //   accumulator per 32-block) then the canonical fp32 scale-add; fp32-block model, block 32, fp4 /
 //   fp6 e2m3 / int8 elements on both sides, sm_80 or newer;
-// - automatic: tensor_core, else integer, else generic.
-enum class gemm_path : std::uint8_t { automatic, generic, integer, tensor_core };
+// - native_mfma: gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4), one fp32 rounding per
+//   128-k instruction; MXFP4 x MXFP4, block 32, and only the fp32-group:4 model, which that
+//   instruction implements by hypothesis (unverified until measured on an MI355X: docs/gpu.md);
+// - automatic: native_mfma, else tensor_core, else integer, else generic.
+enum class gemm_path : std::uint8_t { automatic, generic, integer, tensor_core, native_mfma };
 std::string_view gemm_path_name(gemm_path path);
 bool gemm_path_covers(gemm_path path, core::element_kind a, core::element_kind b, int block,
                       const accumulation_model& model);

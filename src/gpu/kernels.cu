@@ -29,6 +29,7 @@
 #include "mxscope/core/philox.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gpu.hpp"
+#include "native_gfx950.hpp"
 #include "runtime.hpp"
 
 #if defined(__HIP__)
@@ -694,6 +695,12 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
   const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
   const bool vectors_fit =
       aligned(input) && aligned(output.codes) && (output.dequantized == nullptr || aligned(output.dequantized));
+  if (path == quantize_path::native ||
+      (path == quantize_path::automatic && vectors_fit &&
+       native_gfx950::quantize_plan_fits(plan, rotation.size, cols) && native_gfx950::present())) {
+    native_gfx950::quantize(input, format, rows, cols, plan, rotation, output);  // native_gfx950_kernels.hpp
+    return;
+  }
   const bool fused = path != quantize_path::generic && vectors_fit && fused_path_covers(plan, rotation, rows, cols);
   if (path == quantize_path::fused && !fused) {
     throw input_error(
@@ -890,6 +897,7 @@ struct prepared_operand::storage {
   device_buffer integers;   // int32 [rows, depth] (integer)
   device_buffer bytes;      // int8 [rows, byte_stride] (tensor_core)
   device_buffer exponents;  // int32 [blocks, rows]
+  device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
 };
 
 prepared_operand::prepared_operand() : storage_(std::make_unique<storage>()) {}
@@ -909,6 +917,8 @@ std::string_view gemm_path_name(gemm_path path) {
       return "integer";
     case gemm_path::tensor_core:
       return "tensor_core";
+    case gemm_path::native_mfma:
+      return "native_mfma";
   }
   return "?";
 }
@@ -961,12 +971,15 @@ bool gemm_path_covers(gemm_path path, element_kind a, element_kind b, int block,
     case gemm_path::tensor_core:
       return tensor_cores_present() && kind == accumulation_kind::fp32_block && block == 32 && tensor_core_element(a) &&
              tensor_core_element(b);
+    case gemm_path::native_mfma:
+      return native_gfx950::gemm_fits(a, b, block, model) && native_gfx950::present();
   }
   return false;
 }
 
 gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, const accumulation_model& model) {
-  for (const gemm_path path : {gemm_path::tensor_core, gemm_path::integer, gemm_path::generic}) {
+  for (const gemm_path path :
+       {gemm_path::native_mfma, gemm_path::tensor_core, gemm_path::integer, gemm_path::generic}) {
     if (gemm_path_covers(path, a.element, b.element, a.block, model)) return path;
   }
   return gemm_path::generic;
@@ -984,6 +997,9 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   if (path == gemm_path::tensor_core && (!tensor_core_element(operand.element) || operand.block != 32)) {
     throw input_error("gpu gemm: the tensor-core path needs block 32 and fp4, fp6 e2m3 or int8 elements");
   }
+  if (path == gemm_path::native_mfma && (operand.element != element_kind::fp4_e2m1 || operand.block != 32)) {
+    throw input_error("gpu gemm: the native_mfma path needs block 32 and fp4 elements");
+  }
   prepared_operand out;
   auto& s = out.data();
   s.element = operand.element;
@@ -993,6 +1009,10 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   s.depth = operand.axis == 1 ? operand.cols : operand.rows;
   s.blocks = (s.depth + operand.block - 1) / operand.block;
   s.byte_stride = (s.depth + 31) / 32 * 32;
+  if (path == gemm_path::native_mfma) {
+    native_gfx950::prepare(operand, s);  // native_gfx950_kernels.hpp
+    return out;
+  }
   const std::int64_t count = s.rows * s.depth;
   float* elements = nullptr;
   std::int32_t* integers = nullptr;
@@ -1525,6 +1545,8 @@ __global__ void __launch_bounds__(256)
 
 }  // namespace
 
+#include "native_gfx950_kernels.hpp"  // the gfx950 native path (kernels for __gfx950__, stubs elsewhere)
+
 void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
                        const accumulation_model& model, output_rounding output, float* out, double* exact_out,
                        gemm_path path) {
@@ -1599,6 +1621,9 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
 #endif
       break;
     }
+    case gemm_path::native_mfma:
+      native_gfx950::multiply(a, b, output, out);
+      break;
     case gemm_path::automatic:
       break;
   }

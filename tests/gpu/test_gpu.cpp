@@ -337,6 +337,48 @@ void quantize_fused(bool small) {
   }
 }
 
+// The gfx950 native quantizer (hardware MX conversions; runs only on an MI355X, where
+// gpu::native_mx_available() is true): MXFP4, axis 1, block 32, rne and sr with 22, 9 and 1 random
+// bits (the sr_bits it maps onto the hardware's seed), every scale rule, rotation none / 16 / 32,
+// fp32 and bf16 inputs, against the host definition like every other path.
+void quantize_native(bool small) {
+  if (!gpu::native_mx_available()) {
+    std::printf("quantize native: no gfx950 device, skipped\n");
+    return;
+  }
+  int index = 0;
+  for (const int sr_bits : {0, 22, 9, 1}) {  // 0: rne
+    for (int rule = 0; rule < 3; ++rule) {
+      for (const int rotation_size : {0, 16, 32}) {
+        for (const bool bf16 : {false, true}) {
+          ++index;
+          if (small && index % 5 != 1) continue;
+          const std::uint64_t seed = next_seed();
+          const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+          const std::int64_t rows = 19 + index % 7, cols = 32 * (3 + index % 4);
+          const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
+          const auto rounding = sr_bits == 0 ? core::rounding_mode::rne : core::rounding_mode::sr;
+          const auto options = mx_options(0, 32, 1, rounding, static_cast<core::scale_rule>(rule),
+                                          sr_bits == 0 ? 32 : sr_bits, seed + 1);
+          mxscope::rotation_options rotation;
+          rotation.size = rotation_size;
+          rotation.signs = static_cast<mxscope::sign_policy>(index % 3);
+          rotation.seed = seed + 2;
+          rotation.step = 7;
+          rotation.layer_hash = 0x1234567U;
+          const std::string name = std::string("quantize native mxfp4 ") +
+                                   (sr_bits == 0 ? std::string("rne") : "sr" + std::to_string(sr_bits)) + " " +
+                                   rule_names[rule] + " H" + std::to_string(rotation_size) + " signs " +
+                                   sign_names[static_cast<int>(rotation.signs)] + (bf16 ? " bf16" : " fp32") + " " +
+                                   std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                                   std::string(test_inputs::value_kind_name(kind));
+          run_case(name, [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::native); });
+        }
+      }
+    }
+  }
+}
+
 // The fused quantizer's element encoder (src/gpu/fast_encode.hpp) against the core, on the device:
 // 2^26 fp32 bit patterns spread over the whole pattern space at block exponent 0 and 2^21 at each
 // of seven extreme and moderate exponents, for every float element format and rounding mode (sr
@@ -621,7 +663,8 @@ void gemm_sweep(bool small) {
         const auto [qa, qb] = make_operands(m, n, k, pair.a, pair.b, block, layout, kind, seed,
                                             index % 4 == 0 ? core::rounding_mode::sr : core::rounding_mode::rne);
         for (const gpu::gemm_path path :
-             {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core}) {
+             {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core,
+              gpu::gemm_path::native_mfma}) {
           if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, block, model))
             continue;
           const std::string policy = std::string("A ") + format_names[pair.a] + " axis " +
@@ -661,7 +704,8 @@ void gemm_edges(bool small) {
       const std::uint64_t seed = next_seed();
       const auto [qa, qb] = make_operands(e.m, e.n, e.k, 0, 0, 32, gemm_layouts[2], value_kind::banded, seed);
       for (const gpu::gemm_path path :
-           {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core}) {
+           {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core,
+            gpu::gemm_path::native_mfma}) {
         if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, 32, model)) continue;
         const std::string name = "gemm edge wgrad mxfp4 " + model_name(model) + " " +
                                  std::string(gpu::gemm_path_name(path)) + " M" + std::to_string(e.m) + " N" +
@@ -968,6 +1012,7 @@ int main(int argc, char** argv) {
   timed("quantize sweep", [&] { quantize_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
+  timed("quantize native", [&] { quantize_native(small); });
   if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
   timed("gemm sweep", [&] { gemm_sweep(small); });
   timed("gemm edges", [&] { gemm_edges(small); });

@@ -1,0 +1,366 @@
+// The gfx950 (MI355X) native MX path: kernels and host launchers (rules and hypotheses in
+// native_gfx950.hpp). Included once by kernels.cu, inside namespace mxscope::gpu, after its helpers (load_block, add_counters,
+// make_signs, load_code, finish_output, prepared_operand::storage). The device code exists only in
+// the HIP device pass for gfx950 (__gfx950__); nvcc, the CPU simulation and other AMD targets see
+// host stubs, and native_gfx950::present() is false there, so nothing selects this path.
+#pragma once
+
+namespace native_gfx950 {  // in mxscope::gpu
+
+#if defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE)
+#define MXSCOPE_NATIVE_GFX950 1
+#endif
+
+#if defined(MXSCOPE_NATIVE_GFX950)
+
+namespace {
+
+typedef float float2_vector __attribute__((ext_vector_type(2)));
+typedef float float4_vector __attribute__((ext_vector_type(4)));
+typedef int int8_vector __attribute__((ext_vector_type(8)));
+
+constexpr int wave = 64;  // gfx950 runs wave64
+
+// ------------------------------------------------------------------------------------------------
+// Quantizer: the fused path's layout (one thread per 32-element block of a row, rotation in
+// registers, 16-byte code stores), with the element codes from the hardware conversion. Blocks
+// whose exponent hardware_block() rejects, and non-finite blocks, take the software route of the
+// fused path. Flags and dequantized values are computed from the codes in software (exact).
+
+template <class Input, int Rotation>
+__global__ void __launch_bounds__(256)
+    native_quantize_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan, const float* signs,
+                           mx_device_output output) {
+#if defined(__gfx950__)
+  constexpr element_kind kind = element_kind::fp4_e2m1;
+  const fast_encode::element_constants constants = fast_encode::constants_of(kind);
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::int64_t blocks_per_row = cols / fused_block;
+  const std::int64_t row_bytes = cols / 2;
+  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
+  MXSCOPE_GRID_LOOP(g, rows * blocks_per_row) {
+    const std::int64_t r = g / blocks_per_row;
+    const std::int64_t b = g % blocks_per_row;
+    const std::int64_t first = r * cols + b * fused_block;
+    float v[fused_block];
+    load_block(input, first, v);
+    if constexpr (Rotation > 0) {
+      if (signs != nullptr) {
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) v[i] = v[i] * signs[b * fused_block + i];
+      }
+#pragma unroll
+      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+    }
+    float amax = 0.0f;
+    bool nonfinite = false;
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) {
+      counts[counter_nonzero] += v[i] != 0.0f;
+      if (!is_finite(v[i])) {
+        nonfinite = true;
+        ++counts[counter_nonfinite];
+      } else {
+        const float magnitude = fabsf(v[i]);
+        if (amax < magnitude) amax = magnitude;
+      }
+    }
+    std::uint32_t words[4] = {0, 0, 0, 0};  // 32 fp4 codes, element 2p in the low nibble of byte p
+    if (nonfinite) {
+      output.scales[g] = core_ns::scale_nan_code;
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) v[i] = canonical_nan_float();
+    } else {
+      const int exponent = core_ns::shared_exponent(kind, plan.rule, amax);
+      output.scales[g] = core_ns::scale_code(exponent);
+      if (hardware_block(exponent, plan.rounding)) {
+        const float scale = core_ns::bits_float(static_cast<std::uint32_t>(exponent + 127) << 23);  // 2^e, normal
+        if (!stochastic) {
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float* x = v + 8 * w;
+            std::uint32_t word = 0;
+            word = __builtin_amdgcn_cvt_scalef32_pk_fp4_f32(word, x[0], x[1], scale, 0);
+            word = __builtin_amdgcn_cvt_scalef32_pk_fp4_f32(word, x[2], x[3], scale, 1);
+            word = __builtin_amdgcn_cvt_scalef32_pk_fp4_f32(word, x[4], x[5], scale, 2);
+            word = __builtin_amdgcn_cvt_scalef32_pk_fp4_f32(word, x[6], x[7], scale, 3);
+            words[w] = word;
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < fused_block / 4; ++q) {
+            const core_ns::philox_block random = plan.stream.block(static_cast<std::uint64_t>(first) / 4 + q);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              const int i = 4 * q + w;
+              const float2_vector pair = {v[i], 0.0f};
+              const std::uint32_t converted = __builtin_amdgcn_cvt_scalef32_sr_pk_fp4_f32(
+                  0U, pair, sr_seed(random.word[w], plan.sr_bits), scale, 0);
+              words[i / 8] |= (converted & 0x0FU) << (4 * (i % 8));
+            }
+          }
+        }
+        const double saturation = core_ns::max_normal(kind) * core_ns::pow2(exponent);
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) {
+          const std::uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 0x0FU;
+          counts[counter_flushed] += (code & 0x07U) == 0 && v[i] != 0.0f;
+          counts[counter_saturated] += static_cast<double>(fabsf(v[i])) > saturation;
+          v[i] = fast_encode::dequantize(constants, code, exponent);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < fused_block / 4; ++q) {
+          core_ns::philox_block random{};
+          if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(first) / 4 + q);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const int i = 4 * q + w;
+            const core_ns::encoded encoded =
+                fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+            counts[counter_flushed] += encoded.flushed;
+            counts[counter_saturated] += encoded.saturated;
+            words[i / 8] |= static_cast<std::uint32_t>(encoded.code & 0x0FU) << (4 * (i % 8));
+            v[i] = fast_encode::dequantize(constants, encoded.code, exponent);
+          }
+        }
+      }
+    }
+    uint4* codes = reinterpret_cast<uint4*>(output.codes + r * row_bytes + b * (fused_block / 2));
+    codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    if (output.dequantized != nullptr) {
+      float4* destination = reinterpret_cast<float4*>(output.dequantized + first);
+#pragma unroll
+      for (int q = 0; q < fused_block / 4; ++q)
+        destination[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    }
+  }
+  if (output.counters != nullptr) add_counters(output.counters, counts);
+#else
+  (void)input, (void)rows, (void)cols, (void)plan, (void)signs, (void)output;
+  __builtin_trap();  // launched only where present() saw a gfx950
+#endif
+}
+
+template <class Input>
+void launch_quantize(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan, int rotation,
+                     const float* signs, const mx_device_output& output) {
+  const unsigned grid = grid_for(rows * (cols / fused_block));
+  switch (rotation) {
+    case 0:
+      runtime::launch(native_quantize_kernel<Input, 0>, grid, threads_per_block, 0, input, rows, cols, plan, nullptr,
+                      output);
+      break;
+    case 16:
+      runtime::launch(native_quantize_kernel<Input, 16>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
+                      output);
+      break;
+    case 32:
+      runtime::launch(native_quantize_kernel<Input, 32>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
+                      output);
+      break;
+    default:
+      throw gpu_error("native quantizer: rotation size " + std::to_string(rotation) + " not compiled");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GEMM: operands padded to a multiple of 64 rows and of 128 k (zero codes, scale 2^0: their
+// products are +0 and change no sum), codes [rows, k / 2] as stored by the quantizer, scale codes
+// [rows, k / 32]. A thread block of 4 waves computes a 64 x 64 tile of C, each wave 32 x 32 as 2 x 2
+// 16x16 MFMA tiles; every instruction consumes one 128-k step (4 MX blocks) of one A and one B tile
+// and adds into the fp32 accumulator in ascending k: fp32-group:4 under H4.
+
+constexpr int mfma_rows = 16;
+constexpr int mfma_depth = 128;
+constexpr int tile = 64;
+
+__global__ void native_codes_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t depth,
+                                    std::int64_t padded_rows, std::int64_t row_bytes, std::uint8_t* codes) {
+  const bool along_rows = operand.axis == 1;
+  const std::int64_t source_row_bytes = (operand.cols + 1) / 2;
+  MXSCOPE_GRID_LOOP(t, padded_rows * row_bytes) {
+    const std::int64_t row = t / row_bytes;
+    const std::int64_t k0 = 2 * (t % row_bytes);
+    std::uint32_t byte = 0;
+    for (int e = 0; e < 2; ++e) {
+      const std::int64_t k = k0 + e;
+      if (row >= rows || k >= depth) break;
+      const std::int64_t r = along_rows ? row : k;
+      const std::int64_t c = along_rows ? k : row;
+      byte |= load_code(operand, true, source_row_bytes, r, c) << (4 * e);
+    }
+    codes[t] = static_cast<std::uint8_t>(byte);
+  }
+}
+
+__global__ void native_scales_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t blocks,
+                                     std::int64_t padded_rows, std::int64_t scale_stride, std::uint8_t* scales) {
+  const bool along_rows = operand.axis == 1;
+  MXSCOPE_GRID_LOOP(t, padded_rows * scale_stride) {
+    const std::int64_t row = t / scale_stride;
+    const std::int64_t b = t % scale_stride;
+    std::uint8_t code = core_ns::scale_code(0);
+    if (row < rows && b < blocks) code = along_rows ? operand.scales[row * blocks + b] : operand.scales[b * operand.cols + row];
+    scales[t] = code;
+  }
+}
+
+__device__ inline int8_vector load_fragment(const std::uint8_t* source) {
+  const uint4 bytes = *reinterpret_cast<const uint4*>(source);
+  return int8_vector{static_cast<int>(bytes.x), static_cast<int>(bytes.y), static_cast<int>(bytes.z),
+                     static_cast<int>(bytes.w), 0, 0, 0, 0};
+}
+
+__global__ void __launch_bounds__(256)
+    native_product_kernel(const std::uint8_t* a_codes, const std::uint8_t* a_scales, const std::uint8_t* b_codes,
+                          const std::uint8_t* b_scales, std::int64_t m, std::int64_t n, std::int64_t row_bytes,
+                          std::int64_t scale_stride, output_rounding output, float* out) {
+#if defined(__gfx950__)
+  const int warp = threadIdx.x / wave;
+  const int lane = threadIdx.x % wave;
+  const int lane_row = lane % mfma_rows;  // the A row / B column this lane feeds
+  const int lane_block = lane / mfma_rows;  // the 32-k block of the step this lane feeds
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tile + (warp / 2) * 32;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tile + (warp % 2) * 32;
+  float4_vector accumulators[2][2];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni) accumulators[mi][ni] = float4_vector{0.0f, 0.0f, 0.0f, 0.0f};
+  const std::int64_t steps = row_bytes / (mfma_depth / 2);
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const std::int64_t byte = step * (mfma_depth / 2) + lane_block * 16;
+    const std::int64_t block = step * mfma_blocks_per_instruction + lane_block;
+    int8_vector a_fragments[2], b_fragments[2];
+    int a_scale[2], b_scale[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const std::int64_t a_row = i0 + t * mfma_rows + lane_row;
+      const std::int64_t b_row = j0 + t * mfma_rows + lane_row;
+      a_fragments[t] = load_fragment(a_codes + a_row * row_bytes + byte);
+      b_fragments[t] = load_fragment(b_codes + b_row * row_bytes + byte);
+      a_scale[t] = a_scales[a_row * scale_stride + block];
+      b_scale[t] = b_scales[b_row * scale_stride + block];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 2; ++ni)
+        accumulators[mi][ni] = __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(
+            a_fragments[mi], b_fragments[ni], accumulators[mi][ni], 4, 4, 0, a_scale[mi], 0, b_scale[ni]);
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t i = i0 + mi * mfma_rows + 4 * lane_block + e;
+        const std::int64_t j = j0 + ni * mfma_rows + lane_row;
+        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+      }
+#else
+  (void)a_codes, (void)a_scales, (void)b_codes, (void)b_scales, (void)m, (void)n, (void)row_bytes, (void)scale_stride,
+      (void)output, (void)out;
+  __builtin_trap();  // launched only where present() saw a gfx950
+#endif
+}
+
+}  // namespace
+
+bool present() {
+  static const bool allowed = [] {
+    const char* setting = std::getenv("MXSCOPE_GPU_NATIVE");
+    return setting == nullptr || (std::strcmp(setting, "off") != 0 && std::strcmp(setting, "0") != 0);
+  }();
+  if (!allowed) return false;
+  int device = 0;
+  if (runtime::get_device(&device) != runtime::success) {
+    (void)runtime::last_error();
+    return false;
+  }
+  constexpr int cached_devices = 64;
+  static std::atomic<int> cache[cached_devices] = {};  // 0 unknown, 1 gfx950, -1 other
+  if (device >= 0 && device < cached_devices && cache[device].load() != 0) return cache[device].load() > 0;
+  runtime::device_properties properties{};
+  if (runtime::properties(&properties, device) != runtime::success) {
+    (void)runtime::last_error();
+    return false;
+  }
+  const bool gfx950 = std::strncmp(properties.gcnArchName, "gfx950", 6) == 0;
+  if (device >= 0 && device < cached_devices) cache[device].store(gfx950 ? 1 : -1);
+  return gfx950;
+}
+
+void quantize(const void* input, input_format format, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+              const rotation_plan& rotation, const mx_device_output& output) {
+  const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
+  if (!quantize_plan_fits(plan, rotation.size, cols) || !aligned(input) || !aligned(output.codes) ||
+      (output.dequantized != nullptr && !aligned(output.dequantized))) {
+    throw input_error(
+        "gpu quantize: the native gfx950 path needs mxfp4, block 32, axis 1, cols a multiple of 32, rne or sr with "
+        "sr_bits <= 22, rotation 0, 16 or 32 and 16-byte aligned buffers");
+  }
+  if (!present()) throw input_error("gpu quantize: the native path needs a gfx950 device (MI355X)");
+  const device_buffer signs = make_signs(rotation, cols);
+  if (format == input_format::fp32) {
+    launch_quantize(static_cast<const float*>(input), rows, cols, plan, rotation.size, signs.as<const float>(), output);
+  } else {
+    launch_quantize(static_cast<const std::uint16_t*>(input), rows, cols, plan, rotation.size,
+                    signs.as<const float>(), output);
+  }
+  if (signs.get() != nullptr) synchronize();  // `signs` must outlive the kernel
+}
+
+void prepare(const mx_operand_view& operand, prepared_operand::storage& s) {
+  const std::int64_t padded_rows = (s.rows + tile - 1) / tile * tile;
+  const std::int64_t padded_depth = (s.depth + mfma_depth - 1) / mfma_depth * mfma_depth;
+  s.byte_stride = padded_depth / 2;
+  const std::int64_t scale_stride = padded_depth / 32;
+  s.bytes = device_buffer(static_cast<std::size_t>(padded_rows * s.byte_stride));
+  s.scale_codes = device_buffer(static_cast<std::size_t>(padded_rows * scale_stride));
+  if (padded_rows == 0 || padded_depth == 0) return;
+  runtime::launch(native_codes_kernel, grid_for(padded_rows * s.byte_stride), threads_per_block, 0, operand, s.rows,
+                  s.depth, padded_rows, s.byte_stride, s.bytes.as<std::uint8_t>());
+  runtime::launch(native_scales_kernel, grid_for(padded_rows * scale_stride), threads_per_block, 0, operand, s.rows,
+                  s.blocks, padded_rows, scale_stride, s.scale_codes.as<std::uint8_t>());
+  synchronize();
+}
+
+void multiply(const prepared_operand::storage& a, const prepared_operand::storage& b, output_rounding output,
+              float* out) {
+  if (!present()) throw input_error("gpu gemm: the native_mfma path needs a gfx950 device (MI355X)");
+  if (a.byte_stride == 0) {  // K = 0: every entry is the empty sum, +0
+    MXSCOPE_GPU_CHECK(runtime::memset(out, 0, static_cast<std::size_t>(a.rows * b.rows) * sizeof(float)));
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>((b.rows + tile - 1) / tile), static_cast<unsigned>((a.rows + tile - 1) / tile));
+  runtime::launch(native_product_kernel, grid, 4 * wave, 0, a.bytes.as<const std::uint8_t>(),
+                  a.scale_codes.as<const std::uint8_t>(), b.bytes.as<const std::uint8_t>(),
+                  b.scale_codes.as<const std::uint8_t>(), a.rows, b.rows, a.byte_stride, a.byte_stride / 16, output,
+                  out);
+}
+
+#else  // no native code in this build (nvcc, the CPU simulation)
+
+bool present() { return false; }
+
+void quantize(const void*, input_format, std::int64_t, std::int64_t, const mx_plan&, const rotation_plan&,
+              const mx_device_output&) {
+  throw input_error("gpu quantize: the native path exists only in the HIP build for gfx950 (MI355X)");
+}
+
+void prepare(const mx_operand_view&, prepared_operand::storage&) {
+  throw input_error("gpu gemm: the native_mfma path exists only in the HIP build for gfx950 (MI355X)");
+}
+
+void multiply(const prepared_operand::storage&, const prepared_operand::storage&, output_rounding, float*) {
+  throw input_error("gpu gemm: the native_mfma path exists only in the HIP build for gfx950 (MI355X)");
+}
+
+#endif
+
+}  // namespace native_gfx950
+
+bool native_mx_available() { return native_gfx950::present(); }
