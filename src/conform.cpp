@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -561,11 +562,11 @@ std::vector<accumulation_model> fit_family() {
   for (int fraction_bits = 8; fraction_bits <= 30; ++fraction_bits) {
     for (const int step : {8, 16, 32, 64}) {
       for (const int step_bits : {12, 13, 14, 15, 16, 24}) {
-        for (const int interval : {0, 64, 128, 256, 512}) {
+        for (const int steps_per_promotion : {0, 2, 4, 8}) {
           accumulation_model model{accumulation_kind::trunc_promote, 1, fraction_bits, alignment_rounding::rtz};
           model.products_per_step = step;
           model.step_bits = step_bits;
-          model.promotion_interval = interval;
+          model.promotion_interval = steps_per_promotion * step;
           models.push_back(model);
         }
       }
@@ -600,9 +601,21 @@ gemm_fit fit_gemm(const std::vector<gemm_case>& cases, const std::vector<accumul
     fit.sample_entries += small.out.size();
     sample.push_back(std::move(small));
   }
-  std::vector<std::pair<std::int64_t, std::size_t>> screened;  // (sample matches, family index)
-  for (std::size_t i = 0; i < family.size(); ++i) {
-    screened.emplace_back(check_model(sample, family[i], 0, options).matches, i);
+  // The models are independent: screen them in parallel (each result is the same on any thread).
+  std::vector<std::pair<std::int64_t, std::size_t>> screened(family.size());  // (sample matches, family index)
+  const auto count = static_cast<std::int64_t>(family.size());
+  std::vector<std::exception_ptr> failures(family.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t i = 0; i < count; ++i) {
+    const auto index = static_cast<std::size_t>(i);
+    try {
+      screened[index] = {check_model(sample, family[index], 0, options).matches, index};
+    } catch (...) {
+      failures[index] = std::current_exception();
+    }
+  }
+  for (const auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);  // the first in family order, as a serial loop would
   }
   std::stable_sort(screened.begin(), screened.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });

@@ -445,25 +445,49 @@ struct generic_entry_result {
   double exact;
 };
 
-// The leading exponent floor(log2 |x|) of a finite nonzero value (0 for zero: its products are zero
-// and take no part in any alignment).
-int leading_exponent(double value) { return value == 0.0 ? 0 : core_ns::floor_log2(std::fabs(value)); }
+// floor(log2 |value|) of a finite nonzero value; 0 for zero and non-finite values (their products
+// take no part in any alignment).
+int leading_exponent(double value) {
+  return value == 0.0 || !std::isfinite(value) ? 0 : core_ns::floor_log2(std::fabs(value));
+}
 
-// trunc-promote (docs/numerics.md): steps of k products in ascending K; each step aligns the inner
+// The block-scaled values of an operand row by row, with their leading exponents (trunc-promote
+// aligns to the exponent sums of the two factors).
+struct scaled_rows {
+  std::vector<double> values;  // [rows, depth]
+  std::vector<int> exponents;  // [rows, depth]; 0 for zero and non-finite values
+};
+
+scaled_rows scale_rows(const canonical_operand& operand) {
+  scaled_rows out;
+  const auto size = static_cast<std::size_t>(operand.rows * operand.depth);
+  out.values.resize(size);
+  out.exponents.resize(size);
+  for (std::int64_t row = 0; row < operand.rows; ++row) {
+    for (std::int64_t k = 0; k < operand.depth; ++k) {
+      const double value = operand.scaled(row, k);
+      const auto at = static_cast<std::size_t>(row * operand.depth + k);
+      out.values[at] = value;
+      out.exponents[at] = leading_exponent(value);
+    }
+  }
+  return out;
+}
+
+// trunc-promote (docs/numerics.md) for one entry, from the two rows' block-scaled values x, y and
+// their leading exponents: steps of k products in ascending K; each step aligns the inner
 // accumulator and its products to the largest exponent (the products' exponent sums), truncates,
 // sums and keeps w significant bits (core::trunc_promote_step); every c products and at the end of
 // K the inner accumulator is added to the fp32 outer accumulator (one rounding to nearest-even) and
 // restarts from +0. A NaN or infinite product, or a non-finite accumulator, turns the entry into the
 // IEEE sum of what is left.
-generic_entry_result trunc_promote_entry(const canonical_operand& a, const canonical_operand& b, std::int64_t i,
-                                         std::int64_t j, const accumulation_model& model,
-                                         std::vector<double>& products, std::vector<int>& exponents) {
-  const std::int64_t depth = a.depth;
+float trunc_promote_entry(const double* x, const int* x_exponents, const double* y, const int* y_exponents,
+                          std::int64_t depth, const accumulation_model& model, std::vector<double>& products,
+                          std::vector<int>& exponents) {
   const std::int64_t step = model.products_per_step;
   const std::int64_t interval = model.promotion_interval == 0 ? depth : model.promotion_interval;
   float outer = 0.0f;
   float inner = 0.0f;
-  bool pending = false;  // the inner accumulator has taken a step since the last promotion
   for (std::int64_t begin = 0; begin < depth; begin += step) {
     const std::int64_t end = std::min(depth, begin + step);
     products.clear();
@@ -471,35 +495,29 @@ generic_entry_result trunc_promote_entry(const canonical_operand& a, const canon
     double nonfinite_sum = 0.0;
     bool nonfinite = false;
     for (std::int64_t k = begin; k < end; ++k) {
-      const double x = a.scaled(i, k);
-      const double y = b.scaled(j, k);
-      const double product = x * y;
+      const double product = x[k] * y[k];
       if (!std::isfinite(product)) {
         nonfinite = true;
         nonfinite_sum += product;
         continue;
       }
       products.push_back(product);
-      exponents.push_back(product == 0.0 ? 0 : leading_exponent(x) + leading_exponent(y));
+      exponents.push_back(x_exponents[k] + y_exponents[k]);
     }
     if (nonfinite || !std::isfinite(inner) || !std::isfinite(outer)) {
-      // Past this point the result is the IEEE value of the non-finite terms.
+      // From here on the result is the IEEE value of the non-finite terms.
       outer = nonfinite_step(nonfinite_step(outer, static_cast<double>(inner)), nonfinite_sum);
       inner = 0.0f;
-      pending = false;
       continue;
     }
     inner = core_ns::trunc_promote_step(inner, products.data(), exponents.data(), static_cast<int>(products.size()),
                                         model.fraction_bits, model.step_bits);
-    pending = true;
     if (end % interval == 0 || end == depth) {
       outer = add_exact_value(outer, static_cast<double>(inner));
       inner = 0.0f;
-      pending = false;
     }
   }
-  if (pending) outer = add_exact_value(outer, static_cast<double>(inner));
-  return {outer, 0.0};
+  return outer;
 }
 
 generic_entry_result generic_entry(const canonical_operand& a, const canonical_operand& b, std::int64_t i,
@@ -528,7 +546,22 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
     return {total.round_to_float(), total.round_to_double()};
   }
 
-  if (model.kind == accumulation_kind::trunc_promote) return trunc_promote_entry(a, b, i, j, model, products, exponents);
+  if (model.kind == accumulation_kind::trunc_promote) {
+    std::vector<double> x(static_cast<std::size_t>(depth));
+    std::vector<double> y(static_cast<std::size_t>(depth));
+    std::vector<int> x_exponents(static_cast<std::size_t>(depth));
+    std::vector<int> y_exponents(static_cast<std::size_t>(depth));
+    for (std::int64_t k = 0; k < depth; ++k) {
+      const auto at = static_cast<std::size_t>(k);
+      x[at] = a.scaled(i, k);
+      y[at] = b.scaled(j, k);
+      x_exponents[at] = leading_exponent(x[at]);
+      y_exponents[at] = leading_exponent(y[at]);
+    }
+    return {trunc_promote_entry(x.data(), x_exponents.data(), y.data(), y_exponents.data(), depth, model, products,
+                                exponents),
+            0.0};
+  }
 
   const std::int64_t group_length = static_cast<std::int64_t>(a.block) * model.blocks_per_group;
   float accumulator = 0.0f;
@@ -562,6 +595,28 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
 void generic_product(const canonical_operand& a, const canonical_operand& b, const accumulation_model& model,
                      float alpha, matrix& out, matrix64* exact) {
   const tensor_scale_product scale = make_scale_product(a.tensor_scale, b.tensor_scale);
+  if (model.kind == accumulation_kind::trunc_promote) {
+    const scaled_rows x = scale_rows(a);
+    const scaled_rows y = scale_rows(b);
+    const std::int64_t depth = a.depth;
+#pragma omp parallel if (a.rows * b.rows * depth >= parallel_products / 16)
+    {
+      std::vector<double> products;
+      std::vector<int> exponents;
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t i = 0; i < a.rows; ++i) {
+        const auto row_a = static_cast<std::size_t>(i * depth);
+        for (std::int64_t j = 0; j < b.rows; ++j) {
+          const auto row_b = static_cast<std::size_t>(j * depth);
+          out(i, j) = epilogue(trunc_promote_entry(x.values.data() + row_a, x.exponents.data() + row_a,
+                                                   y.values.data() + row_b, y.exponents.data() + row_b, depth, model,
+                                                   products, exponents),
+                               alpha);
+        }
+      }
+    }
+    return;
+  }
 #pragma omp parallel if (a.rows * b.rows * a.depth >= parallel_products / 16)
   {
     std::vector<double> products;

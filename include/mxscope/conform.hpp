@@ -177,8 +177,9 @@ model_agreement check_model(const std::vector<gemm_case>& cases, const accumulat
 
 // The models a plain `conform` runs: exact, fp32-block, fp32-group:2, :4, :8, fp32-seq.
 std::vector<accumulation_model> standard_models();
-// The --fit family: trunc-align:n,G,mode for n in 8..30, G in {1, 2, 4, 8}, mode rtz / rne, then
-// fp32-block, fp32-group:2, :4, :8, fp32-seq and exact.
+// The --fit family: trunc-align:n,G,mode for n in 8..30, G in {1, 2, 4, 8}, mode rtz / rne;
+// trunc-promote:n,k,w,c for n in 8..30, k in {8, 16, 32, 64}, w in {12, ..., 16, 24}, c in
+// {none, 2k, 4k, 8k}; then fp32-block, fp32-group:2, :4, :8, fp32-seq and exact.
 std::vector<accumulation_model> fit_family();
 
 struct gemm_fit {
