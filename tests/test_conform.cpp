@@ -265,6 +265,16 @@ TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
   EXPECT_NE(fitted.out.find("reproduces every output bit"), std::string::npos) << fitted.out;
   EXPECT_NE(fitted.out.find("fp32-group:4"), std::string::npos) << fitted.out;
   EXPECT_EQ(run_cli({"conform", directory.string(), "--expect", "fp32-group:4"}).code, 0);
+  // --cases keeps the cases named by a prefix; the per-case counts list exactly those.
+  const cli_result one_case = run_cli({"conform", directory.string(), "--cases", "fp32-group:4 fp32", "--expect",
+                                       "fp32-group:4"});
+  EXPECT_EQ(one_case.code, 0) << one_case.err;
+  EXPECT_NE(one_case.out.find(": 1 cases, 16 outputs"), std::string::npos) << one_case.out;
+  EXPECT_NE(one_case.out.find("per case, fp32-group:4:"), std::string::npos) << one_case.out;
+  EXPECT_EQ(one_case.out.find("case fp32-group:4 mxfp4"), std::string::npos) << one_case.out;
+  const cli_result no_case = run_cli({"conform", directory.string(), "--cases", "bf16_"});
+  EXPECT_EQ(no_case.code, 2);
+  EXPECT_NE(no_case.err.find("--cases"), std::string::npos) << no_case.err;
   const cli_result wrong = run_cli({"conform", directory.string(), "--expect", "fp32-block"});
   EXPECT_EQ(wrong.code, 1) << wrong.out << wrong.err;
   EXPECT_NE(wrong.err.find("check failed"), std::string::npos) << wrong.err;
