@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -476,6 +477,18 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
   return set;
 }
 
+std::vector<gemm_case> cases_named(const std::vector<gemm_case>& cases, const std::string& prefix,
+                                   std::string_view field) {
+  std::vector<gemm_case> chosen;
+  for (const auto& one : cases) {
+    if (one.name.starts_with(prefix)) chosen.push_back(one);
+  }
+  if (chosen.empty()) {
+    throw input_error(fmt::format("field '{}': no case name starts with '{}'", field, io::printable_name(prefix)));
+  }
+  return chosen;
+}
+
 model_agreement check_model(const std::vector<gemm_case>& cases, const accumulation_model& model,
                             std::size_t max_listed, const gemm_options& options) {
   model_agreement agreement;
@@ -489,6 +502,8 @@ model_agreement check_model(const std::vector<gemm_case>& cases, const accumulat
                                          ? output_rounding::bf16
                                          : output_rounding::fp32;
     const product_result result = emulate_product(one.a, one.b, model, rounding, options);
+    const std::int64_t matches_before = agreement.matches;
+    const std::int64_t compared_before = agreement.compared;
     for (std::int64_t row = 0; row < one.out.rows; ++row) {
       for (std::int64_t col = 0; col < one.out.cols; ++col) {
         const float hardware = one.out(row, col);
@@ -516,6 +531,8 @@ model_agreement check_model(const std::vector<gemm_case>& cases, const accumulat
         if (max_listed > 0) disagreeing.push_back({one.name, row, col, hardware, emulated, ulps});
       }
     }
+    agreement.per_case.push_back(
+        {one.name, agreement.compared - compared_before, agreement.matches - matches_before});
   }
   const std::size_t listed = std::min(max_listed, disagreeing.size());
   std::stable_sort(disagreeing.begin(), disagreeing.end(),
@@ -539,6 +556,19 @@ std::vector<accumulation_model> fit_family() {
     for (const int group : {1, 2, 4, 8}) {
       for (const auto mode : {alignment_rounding::rtz, alignment_rounding::rne}) {
         models.push_back({accumulation_kind::trunc_align, group, fraction_bits, mode});
+      }
+    }
+  }
+  for (int fraction_bits = 8; fraction_bits <= 30; ++fraction_bits) {
+    for (const int step : {8, 16, 32, 64}) {
+      for (const int step_bits : {12, 13, 14, 15, 16, 24}) {
+        for (const int steps_per_promotion : {0, 2, 4, 8}) {
+          accumulation_model model{accumulation_kind::trunc_promote, 1, fraction_bits, alignment_rounding::rtz};
+          model.products_per_step = step;
+          model.step_bits = step_bits;
+          model.promotion_interval = steps_per_promotion * step;
+          models.push_back(model);
+        }
       }
     }
   }
@@ -571,9 +601,21 @@ gemm_fit fit_gemm(const std::vector<gemm_case>& cases, const std::vector<accumul
     fit.sample_entries += small.out.size();
     sample.push_back(std::move(small));
   }
-  std::vector<std::pair<std::int64_t, std::size_t>> screened;  // (sample matches, family index)
-  for (std::size_t i = 0; i < family.size(); ++i) {
-    screened.emplace_back(check_model(sample, family[i], 0, options).matches, i);
+  // The models are independent: screen them in parallel (each result is the same on any thread).
+  std::vector<std::pair<std::int64_t, std::size_t>> screened(family.size());  // (sample matches, family index)
+  const auto count = static_cast<std::int64_t>(family.size());
+  std::vector<std::exception_ptr> failures(family.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t i = 0; i < count; ++i) {
+    const auto index = static_cast<std::size_t>(i);
+    try {
+      screened[index] = {check_model(sample, family[index], 0, options).matches, index};
+    } catch (...) {
+      failures[index] = std::current_exception();
+    }
+  }
+  for (const auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);  // the first in family order, as a serial loop would
   }
   std::stable_sort(screened.begin(), screened.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });

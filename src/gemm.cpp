@@ -70,11 +70,13 @@ std::string_view output_rounding_name(output_rounding rounding) {
 namespace {
 
 constexpr int max_blocks_per_group = 1 << 20;
+constexpr int max_products_per_step = 1 << 16;  // trunc-promote's k
+constexpr int max_promotion_interval = 1 << 30;  // trunc-promote's c
 
 [[noreturn]] void bad_model(std::string_view field, std::string_view text, std::string_view why) {
   throw input_error(fmt::format(
-      "{}: bad accumulation model '{}': {} (expected exact, fp32-block, fp32-group:G, trunc-align:n,G[,rtz|rne] or "
-      "fp32-seq)",
+      "{}: bad accumulation model '{}': {} (expected exact, fp32-block, fp32-group:G, trunc-align:n,G[,rtz|rne], "
+      "trunc-promote:n,k,w[,c] or fp32-seq)",
       field, text, why));
 }
 
@@ -137,6 +139,33 @@ accumulation_model parse_accumulation_model(std::string_view text, std::string_v
     }
     return model;
   }
+  constexpr std::string_view promote_prefix = "trunc-promote:";
+  if (text.starts_with(promote_prefix)) {
+    model.kind = accumulation_kind::trunc_promote;
+    model.blocks_per_group = 1;
+    model.rounding = alignment_rounding::rtz;
+    std::string_view rest = text.substr(promote_prefix.size());
+    std::vector<std::string_view> parts;
+    while (true) {
+      const auto comma = rest.find(',');
+      parts.push_back(rest.substr(0, comma));
+      if (comma == std::string_view::npos) break;
+      rest = rest.substr(comma + 1);
+    }
+    if (parts.size() < 3 || parts.size() > 4) bad_model(field, text, "trunc-promote takes n,k,w or n,k,w,c");
+    model.fraction_bits =
+        parse_bounded_integer(parts[0], 0, core_ns::trunc_align_fraction_bits_max, field, text, "n");
+    model.products_per_step = parse_bounded_integer(parts[1], 1, max_products_per_step, field, text, "k");
+    model.step_bits = parse_bounded_integer(parts[2], 1, core_ns::trunc_promote_step_bits_max, field, text, "w");
+    if (parts.size() == 4) {
+      model.promotion_interval = parse_bounded_integer(parts[3], 1, max_promotion_interval, field, text, "c");
+      if (model.promotion_interval % model.products_per_step != 0) {
+        bad_model(field, text, fmt::format("c must be a multiple of k = {}, got {}", model.products_per_step,
+                                           model.promotion_interval));
+      }
+    }
+    return model;
+  }
   bad_model(field, text, "unknown model");
 }
 
@@ -149,6 +178,12 @@ std::string accumulation_model_name(const accumulation_model& model) {
       return fmt::format("trunc-align:{},{},{}", model.fraction_bits, model.blocks_per_group,
                          model.rounding == alignment_rounding::rne ? "rne" : "rtz");
     case accumulation_kind::fp32_seq: return "fp32-seq";
+    case accumulation_kind::trunc_promote:
+      if (model.promotion_interval == 0) {
+        return fmt::format("trunc-promote:{},{},{}", model.fraction_bits, model.products_per_step, model.step_bits);
+      }
+      return fmt::format("trunc-promote:{},{},{},{}", model.fraction_bits, model.products_per_step, model.step_bits,
+                         model.promotion_interval);
   }
   return "?";
 }
@@ -413,9 +448,84 @@ struct generic_entry_result {
   double exact;
 };
 
+// floor(log2 |value|) of a finite nonzero value; 0 for zero and non-finite values (their products
+// take no part in any alignment).
+int leading_exponent(double value) {
+  return value == 0.0 || !std::isfinite(value) ? 0 : core_ns::floor_log2(std::fabs(value));
+}
+
+// The block-scaled values of an operand row by row, with their leading exponents (trunc-promote
+// aligns to the exponent sums of the two factors).
+struct scaled_rows {
+  std::vector<double> values;  // [rows, depth]
+  std::vector<int> exponents;  // [rows, depth]; 0 for zero and non-finite values
+};
+
+scaled_rows scale_rows(const canonical_operand& operand) {
+  scaled_rows out;
+  const auto size = static_cast<std::size_t>(operand.rows * operand.depth);
+  out.values.resize(size);
+  out.exponents.resize(size);
+  for (std::int64_t row = 0; row < operand.rows; ++row) {
+    for (std::int64_t k = 0; k < operand.depth; ++k) {
+      const double value = operand.scaled(row, k);
+      const auto at = static_cast<std::size_t>(row * operand.depth + k);
+      out.values[at] = value;
+      out.exponents[at] = leading_exponent(value);
+    }
+  }
+  return out;
+}
+
+// trunc-promote (docs/numerics.md) for one entry, from the two rows' block-scaled values x, y and
+// their leading exponents: steps of k products in ascending K; each step aligns the inner
+// accumulator and its products to the largest exponent (the products' exponent sums), truncates,
+// sums and keeps w significant bits (core::trunc_promote_step); every c products and at the end of
+// K the inner accumulator is added to the fp32 outer accumulator (one rounding to nearest-even) and
+// restarts from +0. A NaN or infinite product, or a non-finite accumulator, turns the entry into the
+// IEEE sum of what is left.
+float trunc_promote_entry(const double* x, const int* x_exponents, const double* y, const int* y_exponents,
+                          std::int64_t depth, const accumulation_model& model, std::vector<double>& products,
+                          std::vector<int>& exponents) {
+  const std::int64_t step = model.products_per_step;
+  const std::int64_t interval = model.promotion_interval == 0 ? depth : model.promotion_interval;
+  float outer = 0.0f;
+  float inner = 0.0f;
+  for (std::int64_t begin = 0; begin < depth; begin += step) {
+    const std::int64_t end = std::min(depth, begin + step);
+    products.clear();
+    exponents.clear();
+    double nonfinite_sum = 0.0;
+    bool nonfinite = false;
+    for (std::int64_t k = begin; k < end; ++k) {
+      const double product = x[k] * y[k];
+      if (!std::isfinite(product)) {
+        nonfinite = true;
+        nonfinite_sum += product;
+        continue;
+      }
+      products.push_back(product);
+      exponents.push_back(x_exponents[k] + y_exponents[k]);
+    }
+    if (nonfinite || !std::isfinite(inner) || !std::isfinite(outer)) {
+      // From here on the result is the IEEE value of the non-finite terms.
+      outer = nonfinite_step(nonfinite_step(outer, static_cast<double>(inner)), nonfinite_sum);
+      inner = 0.0f;
+      continue;
+    }
+    inner = core_ns::trunc_promote_step(inner, products.data(), exponents.data(), static_cast<int>(products.size()),
+                                        model.fraction_bits, model.step_bits);
+    if (end % interval == 0 || end == depth) {
+      outer = add_exact_value(outer, static_cast<double>(inner));
+      inner = 0.0f;
+    }
+  }
+  return outer;
+}
+
 generic_entry_result generic_entry(const canonical_operand& a, const canonical_operand& b, std::int64_t i,
                                    std::int64_t j, const accumulation_model& model, const tensor_scale_product& scale,
-                                   std::vector<double>& products) {
+                                   std::vector<double>& products, std::vector<int>& exponents) {
   const std::int64_t depth = a.depth;
   if (model.kind == accumulation_kind::exact) {
     core_ns::long_accumulator total;
@@ -437,6 +547,23 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
       return {static_cast<float>(ieee), ieee};
     }
     return {total.round_to_float(), total.round_to_double()};
+  }
+
+  if (model.kind == accumulation_kind::trunc_promote) {
+    std::vector<double> x(static_cast<std::size_t>(depth));
+    std::vector<double> y(static_cast<std::size_t>(depth));
+    std::vector<int> x_exponents(static_cast<std::size_t>(depth));
+    std::vector<int> y_exponents(static_cast<std::size_t>(depth));
+    for (std::int64_t k = 0; k < depth; ++k) {
+      const auto at = static_cast<std::size_t>(k);
+      x[at] = a.scaled(i, k);
+      y[at] = b.scaled(j, k);
+      x_exponents[at] = leading_exponent(x[at]);
+      y_exponents[at] = leading_exponent(y[at]);
+    }
+    return {trunc_promote_entry(x.data(), x_exponents.data(), y.data(), y_exponents.data(), depth, model, products,
+                                exponents),
+            0.0};
   }
 
   const std::int64_t group_length = static_cast<std::int64_t>(a.block) * model.blocks_per_group;
@@ -471,13 +598,36 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
 void generic_product(const canonical_operand& a, const canonical_operand& b, const accumulation_model& model,
                      float alpha, matrix& out, matrix64* exact) {
   const tensor_scale_product scale = make_scale_product(a.tensor_scale, b.tensor_scale);
+  if (model.kind == accumulation_kind::trunc_promote) {
+    const scaled_rows x = scale_rows(a);
+    const scaled_rows y = scale_rows(b);
+    const std::int64_t depth = a.depth;
+#pragma omp parallel if (a.rows * b.rows * depth >= parallel_products / 16)
+    {
+      std::vector<double> products;
+      std::vector<int> exponents;
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t i = 0; i < a.rows; ++i) {
+        const auto row_a = static_cast<std::size_t>(i * depth);
+        for (std::int64_t j = 0; j < b.rows; ++j) {
+          const auto row_b = static_cast<std::size_t>(j * depth);
+          out(i, j) = epilogue(trunc_promote_entry(x.values.data() + row_a, x.exponents.data() + row_a,
+                                                   y.values.data() + row_b, y.exponents.data() + row_b, depth, model,
+                                                   products, exponents),
+                               alpha);
+        }
+      }
+    }
+    return;
+  }
 #pragma omp parallel if (a.rows * b.rows * a.depth >= parallel_products / 16)
   {
     std::vector<double> products;
+    std::vector<int> exponents;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t i = 0; i < a.rows; ++i) {
       for (std::int64_t j = 0; j < b.rows; ++j) {
-        const generic_entry_result entry = generic_entry(a, b, i, j, model, scale, products);
+        const generic_entry_result entry = generic_entry(a, b, i, j, model, scale, products, exponents);
         if (model.kind == accumulation_kind::exact) {
           out(i, j) = entry.value;
           if (exact != nullptr) (*exact)(i, j) = entry.exact;
@@ -630,7 +780,8 @@ int bits_of(std::int64_t value) { return core_ns::bit_length(static_cast<core_ns
 
 std::optional<fast_plan> plan_fast_path(const canonical_operand& a, const canonical_operand& b,
                                         const accumulation_model& model) {
-  if (model.kind == accumulation_kind::fp32_seq) return std::nullopt;
+  // fp32-seq and trunc-promote have no block-dot fast path: their steps see single products.
+  if (model.kind == accumulation_kind::fp32_seq || model.kind == accumulation_kind::trunc_promote) return std::nullopt;
   if (!a.integer_elements || !b.integer_elements) return std::nullopt;
   fast_plan plan;
   plan.bound_bits = bits_of(a.block) + bits_of(a.integer_max) + bits_of(b.integer_max);
@@ -1496,6 +1647,7 @@ std::int64_t short_float_product(const canonical_operand& a, const canonical_ope
     std::vector<float> accumulators(static_cast<std::size_t>(entries_per_tile));
     std::vector<std::uint8_t> redo(static_cast<std::size_t>(entries_per_tile));
     std::vector<double> products;
+    std::vector<int> exponents;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t tile = 0; tile < row_tiles * col_tiles; ++tile) {
       const std::int64_t m0 = (tile / col_tiles) * tile_rows_block;
@@ -1546,7 +1698,7 @@ std::int64_t short_float_product(const canonical_operand& a, const canonical_ope
         for (std::int64_t j = 0; j < cols; ++j) {
           const auto e = static_cast<std::size_t>(r * cols + j);
           if (redo[e] != 0) {
-            out(m0 + r, n0 + j) = generic_entry(a, b, m0 + r, n0 + j, model, unit_scale, products).value;
+            out(m0 + r, n0 + j) = generic_entry(a, b, m0 + r, n0 + j, model, unit_scale, products, exponents).value;
             ++redone;
           } else {
             out(m0 + r, n0 + j) = accumulators[e];
@@ -1618,6 +1770,24 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
       (model.fraction_bits < 0 || model.fraction_bits > core_ns::trunc_align_fraction_bits_max)) {
     throw input_error(fmt::format("{}: field 'accum': n must be in 0..{}, got {}", what,
                                   core_ns::trunc_align_fraction_bits_max, model.fraction_bits));
+  }
+  if (model.kind == accumulation_kind::trunc_promote) {
+    if (model.fraction_bits < 0 || model.fraction_bits > core_ns::trunc_align_fraction_bits_max) {
+      throw input_error(fmt::format("{}: field 'accum': n must be in 0..{}, got {}", what,
+                                    core_ns::trunc_align_fraction_bits_max, model.fraction_bits));
+    }
+    if (model.products_per_step < 1 || model.products_per_step > max_products_per_step) {
+      throw input_error(fmt::format("{}: field 'accum': k must be in 1..{}, got {}", what, max_products_per_step,
+                                    model.products_per_step));
+    }
+    if (model.step_bits < 1 || model.step_bits > core_ns::trunc_promote_step_bits_max) {
+      throw input_error(fmt::format("{}: field 'accum': w must be in 1..{}, got {}", what,
+                                    core_ns::trunc_promote_step_bits_max, model.step_bits));
+    }
+    if (model.promotion_interval < 0 || model.promotion_interval % model.products_per_step != 0) {
+      throw input_error(fmt::format("{}: field 'accum': c must be 0 or a positive multiple of k = {}, got {}", what,
+                                    model.products_per_step, model.promotion_interval));
+    }
   }
   const int block = common_block(a, b, what, a_name, b_name);
   if (options.device == compute_device::gpu && gpu_multiplies(a, b, model)) {

@@ -1,7 +1,8 @@
 // The exact rounding steps behind the accumulation models (include/mxscope/core/accumulate.hpp),
 // against the Boost.Multiprecision fixed-point oracle of exact_oracle.hpp: scaled 128-bit integers
 // rounded to fp32 / fp64, exact sums of doubles (the 127-bit window and the long-accumulator
-// fallback, to nearest and toward zero), the trunc-align group step and the significand split.
+// fallback, to nearest and toward zero), the trunc-align group step, the trunc-promote step and the
+// significand split.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -208,6 +209,86 @@ TEST(TruncAlignSum, HandComputedGroup) {
   // Nothing nonzero: +0.
   const double zeros[] = {0.0, -0.0};
   EXPECT_EQ(oracle::bits_of(core::trunc_align_sum(0.0f, zeros, 2, 5, core::alignment_rounding::rtz)), 0U);
+}
+
+// Trunc-promote step semantics written from docs/numerics.md with the oracle's integers: E is the
+// largest of the accumulator's leading exponent and the products' exponent sums; every term is
+// truncated toward zero to a multiple of 2^(E - n); the exact sum is truncated to w significant bits
+// with fp32's exponent range.
+float trunc_promote_oracle(float accumulator, const std::vector<double>& products, const std::vector<int>& exponents,
+                           int fraction_bits, int step_bits) {
+  bool any = accumulator != 0.0f;
+  int leading = any ? oracle::leading_exponent(oracle::from_double(accumulator)) : 0;
+  for (std::size_t i = 0; i < products.size(); ++i) {
+    if (products[i] == 0.0) continue;
+    leading = any ? std::max(leading, exponents[i]) : exponents[i];
+    any = true;
+  }
+  if (!any) return 0.0f;
+  cpp_int total = oracle::truncate_toward_zero(oracle::from_double(accumulator), leading - fraction_bits);
+  for (const double product : products) {
+    total += oracle::truncate_toward_zero(oracle::from_double(product), leading - fraction_bits);
+  }
+  return static_cast<float>(oracle::round_to(total, {step_bits, -149, 127}, true));
+}
+
+TEST(TruncPromoteStep, MatchesTheOracle) {
+  std::mt19937_64 random(11);
+  for (const int fraction_bits : {0, 2, 13, 14, 25, 60, 124, 200}) {
+    for (const int step_bits : {1, 8, 13, 14, 24}) {
+      for (int trial = 0; trial < 150; ++trial) {
+        const int count = 1 + static_cast<int>(random() % 40);
+        const int spread = trial % 2 == 0 ? 10 : 60;
+        std::vector<double> products;
+        std::vector<int> exponents;
+        for (int i = 0; i < count; ++i) {
+          // A product of two factors with 1..8 significant bits: its exponent sum is the sum of the
+          // factors' leading exponents, one below the product's own leading exponent or equal to it.
+          const double x = random_value(random, 1 + static_cast<int>(random() % 8), -spread, 4);
+          const double y = random_value(random, 1 + static_cast<int>(random() % 8), -spread, 4);
+          products.push_back(i % 7 == 3 ? 0.0 : x * y);
+          exponents.push_back(std::ilogb(x) + std::ilogb(y));
+        }
+        if (trial % 4 == 0 && count > 1 && products[0] != 0.0) {
+          products[1] = -products[0];
+          exponents[1] = exponents[0];
+        }
+        const float accumulator = trial % 3 == 0 ? 0.0f
+                                                 : static_cast<float>(oracle::round_to(
+                                                       oracle::from_double(random_value(random, 24, -spread, spread / 2 + 4)),
+                                                       {step_bits, -149, 127}, true));
+        const float got = core::trunc_promote_step(accumulator, products.data(), exponents.data(), count,
+                                                   fraction_bits, step_bits);
+        const float expected = trunc_promote_oracle(accumulator, products, exponents, fraction_bits, step_bits);
+        ASSERT_TRUE(oracle::same(got, expected))
+            << "trunc-promote n=" << fraction_bits << " w=" << step_bits << ": " << show_terms(accumulator, products)
+            << "\nexpected " << oracle::show(expected) << ", got " << oracle::show(got);
+      }
+    }
+  }
+}
+
+TEST(TruncPromoteStep, HandComputedSteps) {
+  // Products 1.5 * 1.5 = 2.25 (exponent sum 0) and 0.75 * 0.5 = 0.375 (sum -2): E = 0, so with n = 2
+  // the terms are multiples of 1/4: 2.25 + 0.25 = 2.5 (2.25 keeps its bits above E: the product of
+  // two significands reaches 2^(E+2)).
+  const double products[] = {2.25, 0.375};
+  const int exponents[] = {0, -2};
+  EXPECT_EQ(core::trunc_promote_step(0.0f, products, exponents, 2, 2, 24), 2.5f);
+  // Aligning to the product's own leading exponent (1) instead would give multiples of 1/2: 2.0.
+  // Keeping w = 2 significant bits of 2.5 = 10.1b gives 2.
+  EXPECT_EQ(core::trunc_promote_step(0.0f, products, exponents, 2, 2, 2), 2.0f);
+  // The accumulator takes part: acc = -4 (leading exponent 2) makes the unit 2^0: -4 + 2 + 0 = -2.
+  EXPECT_EQ(core::trunc_promote_step(-4.0f, products, exponents, 2, 2, 24), -2.0f);
+  // Truncation is toward zero for negative terms too: -2.25 -> -2.0 at unit 1/2 (n = 1).
+  const double negative[] = {-2.25};
+  const int negative_exponents[] = {0};
+  EXPECT_EQ(core::trunc_promote_step(0.0f, negative, negative_exponents, 1, 1, 24), -2.0f);
+  // Nothing nonzero, or an exact cancellation: +0.
+  const double cancel[] = {2.25, -2.25};
+  const int cancel_exponents[] = {0, 0};
+  EXPECT_EQ(oracle::bits_of(core::trunc_promote_step(0.0f, cancel, cancel_exponents, 2, 5, 14)), 0U);
+  EXPECT_EQ(oracle::bits_of(core::trunc_promote_step(0.0f, cancel, cancel_exponents, 0, 5, 14)), 0U);
 }
 
 TEST(SplitSignificand, HalvesAreExactAndShort) {

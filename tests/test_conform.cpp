@@ -7,7 +7,7 @@
 // - Hardware codes produced with a flipped tie rule or the ceil scale rule must be identified by the
 //   quantizer fit; the mismatch counts are checked against midpoints and block maxima the test
 //   places itself, with the fp4 value table typed from the OCP spec.
-// - The shipped H200 capture (data/conformance/h200) reproduces under its documented model.
+// - The shipped H200 capture (data/conformance/h200) reproduces under its documented models.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -136,7 +136,8 @@ class fit_identifies : public ::testing::TestWithParam<const char*> {};
 TEST_P(fit_identifies, the_generating_model_with_every_output_matching) {
   const std::string truth = mxscope::accumulation_model_name(mxscope::parse_accumulation_model(GetParam()));
   // fp4 for every model; fp8 (24 products of 8 bits, wider block dots) for the first few.
-  const bool with_fp8 = std::string(GetParam()).rfind("trunc-align:1", 0) == 0 || std::string(GetParam()) == "fp32-block";
+  const bool with_fp8 = std::string(GetParam()).rfind("trunc-align:1", 0) == 0 ||
+                        std::string(GetParam()).rfind("trunc-promote:", 0) == 0 || std::string(GetParam()) == "fp32-block";
   for (const char* format : {"mxfp4", "mxfp8_e4m3"}) {
     if (std::string(format) == "mxfp8_e4m3" && !with_fp8) continue;
     const std::vector<conform::gemm_case> cases = {synthetic_case(truth, format, 21, 12, 10, 256),
@@ -162,7 +163,10 @@ TEST_P(fit_identifies, the_generating_model_with_every_output_matching) {
 INSTANTIATE_TEST_SUITE_P(models, fit_identifies,
                          ::testing::Values("exact", "fp32-block", "fp32-group:2", "fp32-group:4", "fp32-seq",
                                            "trunc-align:10,1,rtz", "trunc-align:14,1,rtz", "trunc-align:16,4,rne",
-                                           "trunc-align:23,2,rtz", "trunc-align:25,8,rne"));
+                                           "trunc-align:23,2,rtz", "trunc-align:25,8,rne",
+                                           // the H200 fp8 and bf16 fits (docs/conformance.md) and a third setting
+                                           "trunc-promote:13,32,14,128", "trunc-promote:25,16,24",
+                                           "trunc-promote:14,16,16,64"));
 
 TEST(gemm_conformance, plain_fp32_operands_are_fitted_too) {
   const std::vector<conform::gemm_case> cases = {synthetic_case("trunc-align:13,1,rtz", "fp32", 5)};
@@ -192,6 +196,32 @@ TEST(gemm_conformance, corrupted_outputs_are_reported_not_fitted) {
   std::set<std::pair<std::int64_t, std::int64_t>> listed;
   for (const auto& entry : truth.worst) listed.insert({entry.row, entry.col});
   EXPECT_EQ(listed, (std::set<std::pair<std::int64_t, std::int64_t>>(corrupted.begin(), corrupted.end())));
+}
+
+TEST(gemm_conformance, corrupted_trunc_promote_outputs_are_reported_not_fitted) {
+  // The H200 fp8 model on e4m3 operands, K = 256 (two promotions): one output one ulp off, one with
+  // a low significand bit flipped, one with its sign flipped.
+  const std::string truth = "trunc-promote:13,32,14,128";
+  std::vector<conform::gemm_case> cases = {synthetic_case(truth, "mxfp8_e4m3", 35, 12, 10, 256)};
+  const std::vector<std::pair<std::int64_t, std::int64_t>> corrupted = {{1, 2}, {6, 3}, {10, 9}};
+  cases[0].out(1, 2) = std::nextafter(cases[0].out(1, 2), INFINITY);
+  cases[0].out(6, 3) = from_bits(bits_of(cases[0].out(6, 3)) ^ 0x4U);
+  cases[0].out(10, 9) = -cases[0].out(10, 9);
+  ASSERT_NE(cases[0].out(10, 9), 0.0f);
+  const conform::gemm_fit fit = conform::fit_gemm(cases, conform::fit_family());
+  const auto& best = fit.finalists.front();
+  EXPECT_FALSE(fit.exact()) << best.name << " claims every output";
+  EXPECT_EQ(best.compared, 120);
+  EXPECT_EQ(best.matches, 117) << best.name;
+  EXPECT_EQ(best.name, truth) << "a wrong model explains the 117 untouched outputs as well";
+  const auto agreement = conform::check_model(cases, mxscope::parse_accumulation_model(truth), 10);
+  EXPECT_EQ(agreement.matches, 117);
+  std::set<std::pair<std::int64_t, std::int64_t>> listed;
+  for (const auto& entry : agreement.worst) listed.insert({entry.row, entry.col});
+  EXPECT_EQ(listed, (std::set<std::pair<std::int64_t, std::int64_t>>(corrupted.begin(), corrupted.end())));
+  ASSERT_EQ(agreement.per_case.size(), 1U);
+  EXPECT_EQ(agreement.per_case[0].matches, 117);
+  EXPECT_EQ(agreement.per_case[0].compared, 120);
 }
 
 // Writes cases as a conformance directory (docs/dump-format.md, "GEMM conformance cases").
@@ -235,6 +265,16 @@ TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
   EXPECT_NE(fitted.out.find("reproduces every output bit"), std::string::npos) << fitted.out;
   EXPECT_NE(fitted.out.find("fp32-group:4"), std::string::npos) << fitted.out;
   EXPECT_EQ(run_cli({"conform", directory.string(), "--expect", "fp32-group:4"}).code, 0);
+  // --cases keeps the cases named by a prefix; the per-case counts list exactly those.
+  const cli_result one_case = run_cli({"conform", directory.string(), "--cases", "fp32-group:4 fp32", "--expect",
+                                       "fp32-group:4"});
+  EXPECT_EQ(one_case.code, 0) << one_case.err;
+  EXPECT_NE(one_case.out.find(": 1 cases, 16 outputs"), std::string::npos) << one_case.out;
+  EXPECT_NE(one_case.out.find("per case, fp32-group:4:"), std::string::npos) << one_case.out;
+  EXPECT_EQ(one_case.out.find("case fp32-group:4 mxfp4"), std::string::npos) << one_case.out;
+  const cli_result no_case = run_cli({"conform", directory.string(), "--cases", "bf16_"});
+  EXPECT_EQ(no_case.code, 2);
+  EXPECT_NE(no_case.err.find("--cases"), std::string::npos) << no_case.err;
   const cli_result wrong = run_cli({"conform", directory.string(), "--expect", "fp32-block"});
   EXPECT_EQ(wrong.code, 1) << wrong.out << wrong.err;
   EXPECT_NE(wrong.err.find("check failed"), std::string::npos) << wrong.err;
@@ -514,18 +554,23 @@ TEST(shipped_h200, reproduces_under_the_documented_model) {
       << expected_path << " must document the fitted model: {\"model\": ..., \"matches\": ..., \"compared\": ...}";
   nlohmann::json expected;
   std::ifstream(expected_path) >> expected;
+  // One check, or a list of them (one per hardware path, told apart by the case names).
+  const nlohmann::json checks = expected.is_array() ? expected : nlohmann::json::array({expected});
+  ASSERT_FALSE(checks.empty());
   const conform::conformance_set set = conform::read_conformance_set(directory);
-  std::vector<conform::gemm_case> cases;
-  const std::string only_prefix = expected.value("cases_prefix", "");
-  for (const auto& one : set.cases) {
-    if (one.name.rfind(only_prefix, 0) == 0) cases.push_back(one);
+  for (const auto& check : checks) {
+    const std::string only_prefix = check.value("cases_prefix", "");
+    const auto cases = conform::cases_named(set.cases, only_prefix, "cases_prefix");
+    const auto model = mxscope::parse_accumulation_model(check.at("model").get<std::string>());
+    const auto agreement = conform::check_model(cases, model, 5);
+    EXPECT_EQ(agreement.compared, check.at("compared").get<std::int64_t>()) << only_prefix;
+    EXPECT_EQ(agreement.matches, check.at("matches").get<std::int64_t>())
+        << agreement.name << " on the H200 cases " << only_prefix << "*: match rate " << agreement.match_rate();
+    // A check that claims every output must say so on every case (every K) separately too.
+    if (check.at("matches") == check.at("compared")) {
+      for (const auto& one : agreement.per_case) EXPECT_EQ(one.matches, one.compared) << one.case_name;
+    }
   }
-  ASSERT_FALSE(cases.empty()) << "no case named " << only_prefix << "*";
-  const auto model = mxscope::parse_accumulation_model(expected.at("model").get<std::string>());
-  const auto agreement = conform::check_model(cases, model, 5);
-  EXPECT_EQ(agreement.compared, expected.at("compared").get<std::int64_t>());
-  EXPECT_EQ(agreement.matches, expected.at("matches").get<std::int64_t>())
-      << agreement.name << " on the H200 cases: match rate " << agreement.match_rate();
 }
 
 }  // namespace

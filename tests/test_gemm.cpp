@@ -291,7 +291,8 @@ void expect_same_bits(const matrix& expected, const matrix& actual, std::string_
 
 TEST(GemmNames, AccumulationModelsParseAndPrint) {
   for (const std::string_view text : {"exact", "fp32-block", "fp32-group:4", "fp32-group:1", "trunc-align:13,1,rtz",
-                                      "trunc-align:200,4,rne", "fp32-seq"}) {
+                                      "trunc-align:200,4,rne", "fp32-seq", "trunc-promote:13,32,14,128",
+                                      "trunc-promote:25,16,24", "trunc-promote:0,1,1,1"}) {
     EXPECT_EQ(mxscope::accumulation_model_name(mxscope::parse_accumulation_model(text)), text);
   }
   const auto model = mxscope::parse_accumulation_model("trunc-align:14,2");
@@ -305,7 +306,10 @@ TEST(GemmNames, AccumulationModelsParseAndPrint) {
 
 TEST(GemmNames, BadModelStringsNameTheField) {
   for (const std::string_view text : {"fp32-bloc", "", "fp32-group:", "fp32-group:0", "fp32-group:x", "trunc-align:5",
-                                      "trunc-align:5,2,rtn", "trunc-align:-1,2", "trunc-align:5,2,rne,1", "exact "}) {
+                                      "trunc-align:5,2,rtn", "trunc-align:-1,2", "trunc-align:5,2,rne,1", "exact ",
+                                      "trunc-promote:13,32", "trunc-promote:13,32,25", "trunc-promote:13,0,14",
+                                      "trunc-promote:13,32,14,100", "trunc-promote:13,32,14,0",
+                                      "trunc-promote:13,32,14,128,1"}) {
     try {
       mxscope::parse_accumulation_model(text);
       ADD_FAILURE() << "'" << text << "' was accepted";
@@ -473,6 +477,100 @@ TEST(TruncAlign, HandComputedGemm) {
   const matrix block = run("fp32-block");
   EXPECT_EQ(block(0, 0), 1.6328125f);
   EXPECT_EQ(block(1, 0), 4.6328125f);
+}
+
+// trunc-promote:n,k,w[,c] from docs/numerics.md with the oracle's integers: steps of k products in
+// ascending K; a step aligns the inner accumulator and its products to E (the largest of the
+// accumulator's leading exponent and the products' exponent sums ilogb(x) + ilogb(y)), truncates
+// every term toward zero to a multiple of 2^(E - n), and truncates the exact sum to w significant
+// bits; every c products and at the end of K the inner value is added to the outer fp32 accumulator
+// with one rounding to nearest-even. Then the epilogue fl32(acc * fl32(sa * sb)).
+float trunc_promote_oracle(const test_operand& a, const test_operand& b, std::int64_t i, std::int64_t j, int n, int k,
+                           int w, int c) {
+  const oracle::binary_format narrow{w, -149, 127};
+  const std::int64_t interval = c == 0 ? a.depth : c;
+  float outer = 0.0f;
+  double inner = 0.0;
+  for (std::int64_t begin = 0; begin < a.depth; begin += k) {
+    const std::int64_t end = std::min(a.depth, begin + k);
+    bool any = inner != 0.0;
+    int leading = any ? std::ilogb(inner) : 0;
+    std::vector<cpp_int> products;
+    for (std::int64_t at = begin; at < end; ++at) {
+      const double x = a.scaled(i, at);
+      const double y = b.scaled(j, at);
+      products.push_back(oracle::product(x, y));
+      if (x == 0.0 || y == 0.0) continue;
+      leading = any ? std::max(leading, std::ilogb(x) + std::ilogb(y)) : std::ilogb(x) + std::ilogb(y);
+      any = true;
+    }
+    cpp_int total = oracle::truncate_toward_zero(oracle::from_double(inner), leading - n);
+    for (const cpp_int& product : products) total += oracle::truncate_toward_zero(product, leading - n);
+    inner = any ? oracle::round_to(total, narrow, true) : 0.0;
+    if (end % interval == 0 || end == a.depth) {
+      outer = oracle::round_to_float(oracle::from_double(outer) + oracle::from_double(inner));
+      inner = 0.0;
+    }
+  }
+  const float alpha = static_cast<float>(a.tensor_scale) * static_cast<float>(b.tensor_scale);
+  return outer * alpha;
+}
+
+TEST(TruncPromote, MatchesTheOracle) {
+  struct setting {
+    const char* model;
+    int n, k, w, c;
+  };
+  // The H200 fits (docs/conformance.md), a promotion interval that does not divide K, a step longer
+  // than a block, coarse settings where truncation changes most entries.
+  const setting settings[] = {{"trunc-promote:13,32,14,128", 13, 32, 14, 128},
+                              {"trunc-promote:25,16,24", 25, 16, 24, 0},
+                              {"trunc-promote:6,8,5,24", 6, 8, 5, 24},
+                              {"trunc-promote:10,64,12,64", 10, 64, 12, 64}};
+  for (const std::string_view format : {"mxfp4", "fp8_e4m3", "bf16", "fp32"}) {
+    const layer_tensors layer = random_layer(200, 12, 10, 90);
+    for (const auto& one : settings) {
+      const mxscope::strategy chosen = make_strategy(format, format, one.model);
+      const quantized_pair pair = quantize_like_the_spec(gemm_kind::wgrad, layer, chosen);
+      const test_operand a = view_of(pair.a, pair.a_axis, format);
+      const test_operand b = view_of(pair.b, pair.b_axis, format);
+      const auto result = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context);
+      ASSERT_EQ(result.out.rows, a.rows);
+      ASSERT_EQ(result.out.cols, b.rows);
+      int failures = 0;
+      for (std::int64_t i = 0; i < a.rows && failures < 5; ++i) {
+        for (std::int64_t j = 0; j < b.rows && failures < 5; ++j) {
+          const float expected = trunc_promote_oracle(a, b, i, j, one.n, one.k, one.w, one.c);
+          if (!oracle::same(expected, result.out(i, j))) {
+            ++failures;
+            ADD_FAILURE() << format << " " << where(one.model, i, j) << ": expected " << oracle::show(expected)
+                          << ", got " << oracle::show(result.out(i, j));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(TruncPromote, PromotionAndStepWidthMatter) {
+  // Not identities: on K = 200 the promotion interval, the step width and the kept bits each change
+  // entries (and c = K is the same as no promotion).
+  const layer_tensors layer = random_layer(200, 16, 16, 91);
+  const auto run = [&](std::string_view model) {
+    return mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp8_e4m3", "mxfp8_e4m3", model),
+                             context)
+        .out;
+  };
+  const auto differing = [](const matrix& x, const matrix& y) {
+    int count = 0;
+    for (std::int64_t i = 0; i < x.size(); ++i) count += x.values[i] != y.values[i];
+    return count;
+  };
+  const matrix base = run("trunc-promote:13,32,14,64");
+  EXPECT_GT(differing(base, run("trunc-promote:13,32,14")), 0);
+  EXPECT_GT(differing(base, run("trunc-promote:13,16,14,64")), 0);
+  EXPECT_GT(differing(base, run("trunc-promote:13,32,16,64")), 0);
+  expect_same_bits(run("trunc-promote:13,32,14"), run("trunc-promote:13,32,14,224"), "c beyond K is no promotion");
 }
 
 TEST(Fp32Seq, IsSequentialFusedMultiplyAdd) {

@@ -134,6 +134,11 @@ std::string manifest_format(const std::filesystem::path& directory);
 // Reads and validates a conformance directory; throws input_error naming the file and the field.
 conformance_set read_conformance_set(const std::filesystem::path& directory);
 
+// The cases whose names start with `prefix` (all of them for an empty prefix); throws input_error
+// naming `field` when none does.
+std::vector<gemm_case> cases_named(const std::vector<gemm_case>& cases, const std::string& prefix,
+                                   std::string_view field);
+
 // Plain values as an unquantized operand (bf16 / fp16 inputs are exact in fp32).
 quantized_tensor plain_operand(const matrix& values);
 
@@ -146,6 +151,12 @@ struct worst_entry {
   std::uint64_t ulps = 0;  // UINT64_MAX when exactly one of the two is NaN
 };
 
+struct case_agreement {
+  std::string case_name;
+  std::int64_t compared = 0;
+  std::int64_t matches = 0;
+};
+
 struct model_agreement {
   accumulation_model model;
   std::string name;
@@ -155,6 +166,7 @@ struct model_agreement {
   std::array<std::int64_t, ulp_bucket_count> histogram{};  // ulp distances of the non-NaN pairs
   std::uint64_t max_ulps = 0;
   std::vector<worst_entry> worst;  // largest distances first (ties: case, row, col order)
+  std::vector<case_agreement> per_case;  // the same counts case by case, in the cases' order
   double match_rate() const { return compared == 0 ? 1.0 : static_cast<double>(matches) / static_cast<double>(compared); }
   bool exact() const { return matches == compared; }
 };
@@ -165,8 +177,9 @@ model_agreement check_model(const std::vector<gemm_case>& cases, const accumulat
 
 // The models a plain `conform` runs: exact, fp32-block, fp32-group:2, :4, :8, fp32-seq.
 std::vector<accumulation_model> standard_models();
-// The --fit family: trunc-align:n,G,mode for n in 8..30, G in {1, 2, 4, 8}, mode rtz / rne, then
-// fp32-block, fp32-group:2, :4, :8, fp32-seq and exact.
+// The --fit family: trunc-align:n,G,mode for n in 8..30, G in {1, 2, 4, 8}, mode rtz / rne;
+// trunc-promote:n,k,w,c for n in 8..30, k in {8, 16, 32, 64}, w in {12, ..., 16, 24}, c in
+// {none, 2k, 4k, 8k}; then fp32-block, fp32-group:2, :4, :8, fp32-seq and exact.
 std::vector<accumulation_model> fit_family();
 
 struct gemm_fit {

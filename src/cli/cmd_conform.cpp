@@ -1,4 +1,4 @@
-// mxscope conform DUMP [--fit] [--expect MODEL] | --self-test [--device cpu|gpu]: does the hardware
+// mxscope conform DUMP [--fit] [--expect MODEL] [--cases PREFIX] | --self-test [--device cpu|gpu]: does the hardware
 // compute what the recorded recipe (quantizer) or an accumulation model (GEMM) says, bit for bit?
 // docs/conformance.md describes the checks and the output.
 #include <fmt/format.h>
@@ -22,6 +22,7 @@ struct conform_options {
   bool self_test = false;
   std::string device = "cpu";
   std::size_t max_listed = 10;
+  std::string cases;  // GEMM cases: only those whose names start with this
 };
 
 std::string hex_bits(std::uint32_t bits) { return fmt::format("0x{:08x}", bits); }
@@ -51,6 +52,16 @@ void print_agreement_row(const conform::model_agreement& agreement, std::ostream
   out << fmt::format("{:<24} {:>9} {:>9} {:>11.6f} {:>5} {:>10}  {}\n", agreement.name, agreement.matches,
                      agreement.compared, agreement.match_rate(), agreement.nan_mismatches, agreement.max_ulps,
                      histogram_text(agreement.histogram));
+}
+
+// Matches case by case (the evidence per K of a capture).
+void print_per_case(const conform::model_agreement& agreement, std::ostream& out) {
+  out << fmt::format("per case, {}:\n", agreement.name);
+  for (const auto& one : agreement.per_case) {
+    const double rate = one.compared == 0 ? 1.0 : static_cast<double>(one.matches) / static_cast<double>(one.compared);
+    out << fmt::format("  {:<24} {:>9} of {:>9}  {:.6f}\n", io::printable_name(one.case_name), one.matches,
+                       one.compared, rate);
+  }
 }
 
 void print_agreement_header(std::ostream& out) {
@@ -127,7 +138,8 @@ int run_quantizer_conformance(const conform_options& options, std::ostream& out)
 }
 
 int run_gemm_conformance(const conform_options& options, std::ostream& out, std::ostream& err) {
-  const conform::conformance_set set = conform::read_conformance_set(options.directory);
+  conform::conformance_set set = conform::read_conformance_set(options.directory);
+  if (!options.cases.empty()) set.cases = conform::cases_named(set.cases, options.cases, "--cases");
   std::int64_t outputs = 0;
   for (const auto& one : set.cases) outputs += one.out.size();
   out << fmt::format("conform gemm {}: {} cases, {} outputs\n", options.directory, set.cases.size(), outputs);
@@ -150,6 +162,7 @@ int run_gemm_conformance(const conform_options& options, std::ostream& out, std:
     print_agreement_header(out);
     for (const auto& finalist : fit.finalists) print_agreement_row(finalist, out);
     const auto& best = fit.finalists.front();
+    print_per_case(best, out);
     if (best.exact()) {
       out << fmt::format("fit: {} reproduces every output bit ({} of {})\n", best.name, best.matches, best.compared);
     } else {
@@ -165,6 +178,7 @@ int run_gemm_conformance(const conform_options& options, std::ostream& out, std:
     const auto agreement = conform::check_model(set.cases, model, options.max_listed);
     out << fmt::format("expect {}: {} of {} outputs match (rate {:.6f})\n", agreement.name, agreement.matches,
                        agreement.compared, agreement.match_rate());
+    print_per_case(agreement, out);
     if (!agreement.exact()) {
       print_worst(agreement, out);
       err << fmt::format("mxscope conform: check failed: {} does not reproduce {} of {} outputs\n", agreement.name,
@@ -200,8 +214,8 @@ int run_self_test(const conform_options& options, std::ostream& out, std::ostrea
 
 int run_conform(const conform_options& options, std::ostream& out, std::ostream& err) {
   if (options.self_test) {
-    if (!options.directory.empty() || options.fit || !options.expect.empty()) {
-      throw input_error("field '--self-test': takes no DUMP, --fit or --expect");
+    if (!options.directory.empty() || options.fit || !options.expect.empty() || !options.cases.empty()) {
+      throw input_error("field '--self-test': takes no DUMP, --fit, --expect or --cases");
     }
     return run_self_test(options, out, err);
   }
@@ -210,6 +224,7 @@ int run_conform(const conform_options& options, std::ostream& out, std::ostream&
   const std::string format = conform::manifest_format(options.directory);
   if (format == io::dump_format_name) {
     if (!options.expect.empty()) throw input_error("field '--expect': applies to GEMM conformance cases only");
+    if (!options.cases.empty()) throw input_error("field '--cases': applies to GEMM conformance cases only");
     return run_quantizer_conformance(options, out);
   }
   if (format == conform::conformance_format_name) return run_gemm_conformance(options, out, err);
@@ -229,6 +244,7 @@ void add_conform_command(CLI::App& app, command_list& commands) {
   command->add_flag("--self-test", options->self_test, "Compare the fast paths with the canonical paths");
   command->add_option("--device", options->device, "Self-test device: cpu or gpu");
   command->add_option("--max-listed", options->max_listed, "Mismatches / worst entries listed (default 10)");
+  command->add_option("--cases", options->cases, "GEMM cases: check only the cases whose names start with PREFIX");
   commands.push_back({command, [options](std::ostream& out, std::ostream& err) { return run_conform(*options, out, err); }});
 }
 

@@ -339,7 +339,8 @@ void add_gemm_command(CLI::App& app, command_list& commands) {
   sub->add_option("--format-b", options->format_b,
                   "Format of the second operand (w for fprop and dgrad, x for wgrad); overrides --format");
   sub->add_option("--accum", options->accumulation,
-                  "Accumulation model: exact, fp32-block, fp32-group:G, trunc-align:n,G[,rtz|rne], fp32-seq")
+                  "Accumulation model: exact, fp32-block, fp32-group:G, trunc-align:n,G[,rtz|rne], "
+                  "trunc-promote:n,k,w[,c], fp32-seq")
       ->required();
   sub->add_option("--reference", options->reference, "Reference GEMM of the unquantized operands: exact or fp64")
       ->capture_default_str();

@@ -1593,11 +1593,15 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
           runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
                           a.block, 1, output, out, exact_out);
           break;
-        default:
+        case accumulation_kind::fp32_block:
+        case accumulation_kind::fp32_group:
           runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
                           a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
                           out, exact_out);
           break;
+        default:
+          // trunc-align and trunc-promote have no device kernel (gemm_path_covers refuses them first).
+          throw input_error("gpu gemm: the generic path covers exact, fp32-block, fp32-group:G and fp32-seq");
       }
 
       break;

@@ -10,6 +10,8 @@
 //   long_accumulator of exact_sum.hpp, which covers the whole double range.
 // - round_exact_sum: initial + sum of terms rounded once (the fp32-block / fp32-group / exact step).
 // - trunc_align_sum: one group step of the trunc-align model.
+// - trunc_promote_step: one step of the trunc-promote model (a narrow inner accumulator that is
+//   promoted into an fp32 one at intervals).
 //
 // Zeros: a sum that is exactly zero rounds to +0 (as IEEE addition does under round-to-nearest for
 // operands of mixed signs); a nonzero sum that underflows to zero keeps its sign.
@@ -28,6 +30,7 @@ enum class accumulation_kind : std::uint8_t {
   fp32_group,   // as fp32_block with `blocks_per_group` blocks summed exactly before each add
   trunc_align,  // group products and accumulator aligned to the largest exponent, truncated
   fp32_seq,     // dequantize to fp32, then one fused multiply-add per product in ascending K
+  trunc_promote,  // steps of k products truncated into a narrow inner accumulator, promoted to fp32 every c
 };
 
 // How trunc_align rounds the normalized group sum into the fp32 accumulator.
@@ -38,7 +41,15 @@ struct accumulation_model {
   int blocks_per_group = 1;  // fp32_group, trunc_align (1 for fp32_block)
   int fraction_bits = 0;     // trunc_align: bits kept below the leading exponent E
   alignment_rounding rounding = alignment_rounding::rtz;
+  // trunc_promote (fraction_bits is its n): products per step, significant bits the inner
+  // accumulator keeps after each step, products between promotions (0: only at the end of K).
+  int products_per_step = 0;
+  int step_bits = 0;
+  int promotion_interval = 0;
 };
+
+// trunc-promote keeps at most this many significant bits in its inner accumulator (an fp32 value).
+inline constexpr int trunc_promote_step_bits_max = 24;
 
 // trunc-align keeps at most this many bits below the leading exponent: every truncated term is then
 // still a double (the wide path truncates in double arithmetic), and far more bits than any
@@ -259,6 +270,53 @@ MXSCOPE_HD constexpr float trunc_align_sum(float accumulator, const double* prod
   return static_cast<float>(round_long_accumulator(total, binary32, toward_zero));
 }
 
+// One step of the trunc-promote model. The inner accumulator and the step's products (all finite)
+// are aligned to E, the largest of the accumulator's leading exponent and the products' exponent
+// sums (exponents[i] = floor(log2 |x|) + floor(log2 |y|) for the product x y; the product itself
+// lies in [2^e, 2^(e+2))); each is truncated toward zero to a multiple of 2^(E - fraction_bits),
+// the truncated terms are summed exactly, and the sum is truncated toward zero to `step_bits`
+// significant bits within fp32's exponent range (subnormal spacing 2^-149; past the largest binade
+// it stays at the largest finite value of that width). Zero terms and zero products take no part
+// in E; an exactly zero sum is +0.
+MXSCOPE_HD constexpr float trunc_promote_step(float accumulator, const double* products, const int* exponents,
+                                              int count, int fraction_bits, int step_bits) {
+  int leading = -2000;
+  if (accumulator != 0.0f) leading = floor_log2(accumulator < 0.0f ? -accumulator : accumulator);
+  for (int i = 0; i < count; ++i) {
+    if (products[i] != 0.0 && exponents[i] > leading) leading = exponents[i];
+  }
+  if (leading == -2000) return 0.0f;
+  const int unit = leading - fraction_bits;
+  const binary_format narrow{step_bits, binary32.min_exponent, binary32.max_exponent};
+  // Each truncated term is below 2^(fraction_bits + 2) units of 2^unit (a product is below
+  // 2^(e + 2), the accumulator below 2^(E + 1)).
+  const int carry_bits = bit_length(static_cast<uint128>(count) + 1U);
+  if (fraction_bits + 2 + carry_bits <= 126) {
+    int128 sum = 0;
+    const auto add = [&](double value) {
+      if (value == 0.0) return;
+      const double_parts parts = decompose(value);
+      const int shift = parts.exponent - unit;
+      uint128 magnitude = 0;
+      if (shift >= 0) {
+        magnitude = static_cast<uint128>(parts.significand) << shift;
+      } else if (-shift < 64) {
+        magnitude = parts.significand >> -shift;
+      }
+      sum += parts.negative ? -static_cast<int128>(magnitude) : static_cast<int128>(magnitude);
+    };
+    add(static_cast<double>(accumulator));
+    for (int i = 0; i < count; ++i) add(products[i]);
+    const bool negative = sum < 0;
+    const uint128 magnitude = negative ? -static_cast<uint128>(sum) : static_cast<uint128>(sum);
+    return static_cast<float>(round_scaled_integer(magnitude, negative, unit, narrow, true));
+  }
+  long_accumulator total;
+  total.add(truncate_to_multiple(static_cast<double>(accumulator), unit));
+  for (int i = 0; i < count; ++i) total.add(truncate_to_multiple(products[i], unit));
+  return static_cast<float>(round_long_accumulator(total, narrow, true));
+}
+
 // Splits a finite double into high + low (exact) where high keeps the top `high_bits` bits of the
 // significand: products of the halves with another short number stay exact in a double.
 struct split_double {
@@ -288,5 +346,11 @@ static_assert(round_scaled_integer(3, false, -151, binary32, false) == pow2(-149
 static_assert(round_scaled_integer(1, false, 128, binary32, false) == infinity());
 static_assert(round_scaled_integer(1, false, 128, binary32, true) == largest_finite(binary32));
 static_assert(truncate_to_multiple(-7.75, 0) == -7.0 && truncate_to_multiple(7.75, 1) == 6.0);
+// trunc-promote, worked by hand: E = 3 (exponent sums of 1.875 * 4 and 0.0625 * 1 are 2 and -4; the
+// accumulator 8 has leading exponent 3), unit 2^(3-4) = 0.5: 8 + 7.5 + 0 = 15.5 -> 4 bits: 15.
+inline constexpr double trunc_promote_pin_products[2] = {7.5, 0.0625};
+inline constexpr int trunc_promote_pin_exponents[2] = {2, -4};
+static_assert(trunc_promote_step(8.0f, trunc_promote_pin_products, trunc_promote_pin_exponents, 2, 4, 4) == 15.0f);
+static_assert(trunc_promote_step(-8.0f, trunc_promote_pin_products, trunc_promote_pin_exponents, 2, 4, 24) == -0.5f);
 
 }  // namespace mxscope::core
