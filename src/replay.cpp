@@ -687,7 +687,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     record["pid"] = static_cast<std::int64_t>(::getpid());
     record["state"] = state;
     record["units"] = units;
-    io::write_file_atomically(partial / fmt::format("rank-{:05d}.json", rank), record.dump(2) + "\n");
+    try {
+      io::write_file_atomically(partial / fmt::format("rank-{:05d}.json", rank), record.dump(2) + "\n");
+    } catch (const std::exception&) {
+      // Informational only; a rank that cannot write it still takes part in the final report.
+    }
   };
   std::string failure;           // this rank's failure, with the rank and unit named
   std::string failure_kind;      // "input" or "other"
