@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <mutex>
@@ -112,6 +113,16 @@ class mpi_world final : public process_group {
   int size() const override { return size_; }
   int local_rank() const override { return local_rank_; }
   std::vector<std::string> all_gather(const std::string& text) override {
+    // Ranks finish at different times. A blocking collective would spin on a CPU while it waits
+    // (taking it from the ranks and threads still working on the node), so wait for everyone in a
+    // non-blocking barrier polled every few milliseconds, then exchange.
+    MPI_Request arrived = MPI_REQUEST_NULL;
+    check(MPI_Ibarrier(MPI_COMM_WORLD, &arrived), "MPI_Ibarrier");
+    for (int done = 0;;) {
+      check(MPI_Test(&arrived, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     const int length = static_cast<int>(text.size());
     std::vector<int> lengths(static_cast<std::size_t>(size_));
     check(MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");

@@ -167,6 +167,7 @@ struct unit_state {
   std::vector<std::array<double, step_metric_count>> step_metrics;  // per step, for the summary
   std::string steps_rows;         // this unit's rows of steps.csv, in step order
   std::string accumulation_rows;  // and of accumulation.csv
+  double seconds = 0.0;           // wall time of its steps (for run.json, not for the results)
 };
 
 // The state shared by every strategy of one (layer, gemm): the reference side.
@@ -831,6 +832,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           mark = clock_type::now();
           for (std::size_t u = 0; u < state.units.size(); ++u) {
             auto& unit = state.units[u];
+            const auto unit_started = clock_type::now();
             doing = fmt::format("unit {} at step {}", unit_text(unit_indices[gi][u]), info->step);
             const strategy& chosen = *unit.chosen;
             const gemm_result result = run_gemm(state.kind, operands, chosen, context);
@@ -924,6 +926,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                                              number(structural), number(sgd_upd_err), number(sgd_disp_err),
                                              number(adamw_upd_err), number(adamw_disp_err));
             unit.previous_error = std::move(error);
+            unit.seconds += seconds_since(unit_started);
           }
           seconds_strategies += seconds_since(mark);
         }
@@ -984,6 +987,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
               json_number(ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement),
                                 std::sqrt(squared_norm(state.adamw.displacement))));
           fragment["summary"] = record;
+          fragment["seconds"] = unit.seconds;
           io::write_file_atomically(partial / fragment_name(unit_indices[gi][u]), fragment.dump() + "\n");
           ++outcome.units_done;
         }
@@ -1050,6 +1054,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   steps_file.write(steps_header);
   accumulation_file.write(accumulation_header);
   json units = json::array();
+  std::vector<double> strategy_seconds(strategy_count, 0.0);  // as measured by whichever rank ran each unit
   for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
     const std::size_t steps = plan[layer_index].entries.size();
     std::vector<json> fragments;
@@ -1080,6 +1085,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                                              path.string(), unit_text(index)));
       }
       units.push_back(fragment["summary"]);
+      strategy_seconds[unit_at(index).strategy] += fragment.value("seconds", 0.0);
     }
     for (std::size_t t = 0; t < steps; ++t) {
       for (std::size_t u = 0; u < units_per_layer; ++u) {
@@ -1127,6 +1133,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                     {"read", seconds_read},
                     {"reference", seconds_reference},
                     {"strategies", seconds_strategies}};
+  json per_strategy = json::object();
+  for (std::size_t k = 0; k < strategy_count; ++k) per_strategy[parsed.strategies[k].name] = strategy_seconds[k];
+  run["seconds_per_strategy"] = per_strategy;
   if (ranks > 1) {
     json ranks_json = json::array();
     for (std::size_t r = 0; r < per_rank.size(); ++r) {
