@@ -26,6 +26,14 @@ compute_device parse_compute_device(const std::string& name, const std::string& 
 #endif
 }
 
+int gpu_count() {
+#ifdef MXSCOPE_HAVE_CUDA
+  return gpu::device_count();
+#else
+  return 0;
+#endif
+}
+
 void select_gpu(compute_device device, int index, const std::string& flag) {
   if (device != compute_device::gpu) return;
 #ifdef MXSCOPE_HAVE_CUDA

@@ -1,14 +1,18 @@
 #include "mxscope/replay.hpp"
 
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <Eigen/Core>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <regex>
 #include <set>
@@ -26,6 +30,7 @@
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/dump.hpp"
 #include "mxscope/io/sha256.hpp"
+#include "mxscope/parallel.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/version.hpp"
 
@@ -196,6 +201,11 @@ struct unit_state {
   sgd_state sgd;
   adamw_state adamw;
   std::vector<std::array<double, step_metric_count>> step_metrics;  // per step, for the summary
+  std::string steps_rows;         // this unit's rows of steps.csv, in step order
+  std::string accumulation_rows;  // and of accumulation.csv
+  double seconds = 0.0;           // wall time of its steps (for run.json, not for the results)
+  // ... split into: rotate + quantize + model and exact products; comparison; the other metrics
+  std::array<double, 3> stage_seconds{};
 };
 
 // The state shared by every strategy of one (layer, gemm): the reference side.
@@ -420,123 +430,287 @@ std::vector<std::int64_t> parse_step_list(const std::string& text, const std::st
   return {steps.begin(), steps.end()};
 }
 
+std::vector<int> assign_units(const std::vector<std::uint64_t>& costs, int ranks) {
+  __extension__ using wide = unsigned __int128;  // N (2 P + c) needs more than 64 bits for big runs
+  std::vector<int> owner(costs.size(), 0);
+  if (ranks <= 1 || costs.empty()) return owner;
+  wide total = 0;
+  for (const std::uint64_t c : costs) total += c;
+  wide prefix = 0;
+  for (std::size_t i = 0; i < costs.size(); ++i) {
+    wide position = 0;
+    if (total == 0) {
+      position = static_cast<wide>(i) * static_cast<wide>(ranks) / static_cast<wide>(costs.size());
+    } else {
+      position = (2 * prefix + costs[i]) * static_cast<wide>(ranks) / (2 * total);
+    }
+    owner[i] = static_cast<int>(std::min<wide>(position, static_cast<wide>(ranks - 1)));
+    prefix += costs[i];
+  }
+  return owner;
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// One (layer, gemm, strategy) unit, by its indices into the plan, the analysis's gemms and its
+// strategies. Its canonical index is (layer * gemms + gemm) * strategies + strategy.
+struct unit_index {
+  std::size_t layer = 0;
+  std::size_t gemm = 0;
+  std::size_t strategy = 0;
+};
+
+std::string unit_fragment_name(const unit_index& unit, const std::string& layer, gemm_kind kind) {
+  return fmt::format("{}.{}.{:03d}.unit", fragment_stem(unit.layer, layer), gemm_kind_name(kind), unit.strategy);
+}
+
+std::string this_host() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
+  return name;
+}
+
+// Runs `work` in every process. With one process this is a plain call. With several, when `work`
+// throws anywhere every process stops: the lowest failing rank rethrows its exception (so the
+// message is printed once) and the others throw reported_elsewhere. Returns every rank's text.
+std::vector<std::string> together(process_group& world, const std::function<std::string()>& work) {
+  if (world.size() == 1) return {work()};
+  std::string text;
+  std::exception_ptr failure;
+  try {
+    text = "ok\n" + work();
+  } catch (...) {
+    failure = std::current_exception();
+    text = "failed\n";
+  }
+  std::vector<std::string> all = world.all_gather(text);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (all[r].starts_with("failed\n")) {
+      if (static_cast<int>(r) == world.rank()) std::rethrow_exception(failure);
+      throw reported_elsewhere(2);
+    }
+  }
+  for (auto& item : all) item.erase(0, 3);
+  return all;
+}
+
+}  // namespace
+
 replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   const auto started = clock_type::now();
-  const compute_device device = parse_compute_device(options.device);
-  gemm_options compute;
-  compute.device = device;
-  compute.exact_too = true;  // quant_err needs the exact product of the same quantized operands
-  placement_counts placed;
+  process_group alone;
+  process_group& world = options.processes ? *options.processes : alone;
+  const int rank = world.rank();
+  const int ranks = world.size();
 #ifdef _OPENMP
-  if (options.threads > 0) omp_set_num_threads(options.threads);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
 #else
   const int threads = 1;
 #endif
-  const analysis parsed = load_analysis(options.analysis_path.string());
-  const bool attribute = parsed.attribute || options.attribute;
-  const io::dump_reader dump(options.dump);
 
-  // Select the entries.
-  std::optional<std::regex> layer_filter;
-  if (options.layers) {
-    try {
-      layer_filter.emplace(*options.layers, std::regex::ECMAScript);
-    } catch (const std::regex_error& error) {
-      throw input_error(fmt::format("--layers: '{}' is not a valid regular expression: {}", *options.layers, error.what()));
-    }
-  }
-  std::optional<std::set<std::int64_t>> step_filter;
-  if (options.steps) {
-    const auto list = parse_step_list(*options.steps, "--steps");
-    step_filter.emplace(list.begin(), list.end());
-  }
+  // Everything below up to the work is the same in every process; a bad input stops all of them.
+  compute_device device = compute_device::cpu;
+  gemm_options compute;
+  placement_counts placed;
+  std::optional<analysis> parsed_holder;
+  std::optional<io::dump_reader> dump_holder;
   std::vector<layer_plan> plan;
-  for (const auto& entry : dump.entries()) {
-    if (layer_filter && !std::regex_match(entry.layer, *layer_filter)) continue;
-    if (step_filter && !step_filter->contains(entry.step)) continue;
-    if (plan.empty() || plan.back().name != entry.layer) plan.push_back({entry.layer, {}});
-    plan.back().entries.push_back(&entry);
-  }
-  if (plan.empty()) {
-    throw input_error(fmt::format("{}: no entries match --layers '{}' and --steps '{}'", options.dump.string(),
-                                  options.layers.value_or(".*"), options.steps.value_or("all")));
-  }
-  for (gemm_kind kind : parsed.gemms) {
-    if (kind == gemm_kind::wgrad) continue;
-    for (const auto& layer : plan) {
-      for (const auto* entry : layer.entries) {
-        if (!entry->w_type) {
-          throw input_error(fmt::format("{}: tensor 'w' is missing, but analysis {} asks for {} (which needs w)",
-                                        entry->file.string(), parsed.path, gemm_kind_name(kind)));
-        }
+  bool attribute = false;
+  together(world, [&] {
+    device = parse_compute_device(options.device);
+    // Under MPI each rank takes the GPU of its node-local rank, modulo the GPUs it sees.
+    if (device == compute_device::gpu) select_gpu(device, options.device_index % gpu_count());
+    compute.device = device;
+    compute.exact_too = true;  // quant_err needs the exact product of the same quantized operands
+#ifdef _OPENMP
+    if (options.threads > 0) omp_set_num_threads(options.threads);
+#endif
+    parsed_holder.emplace(load_analysis(options.analysis_path.string()));
+    const analysis& parsed = *parsed_holder;
+    attribute = parsed.attribute || options.attribute;
+    dump_holder.emplace(options.dump);
+    const io::dump_reader& dump = *dump_holder;
+
+    // Select the entries.
+    std::optional<std::regex> layer_filter;
+    if (options.layers) {
+      try {
+        layer_filter.emplace(*options.layers, std::regex::ECMAScript);
+      } catch (const std::regex_error& error) {
+        throw input_error(
+            fmt::format("--layers: '{}' is not a valid regular expression: {}", *options.layers, error.what()));
       }
     }
-  }
-
-  // Every strategy's rotation must divide every reduction length: checked before any work starts.
-  for (gemm_kind kind : parsed.gemms) {
-    for (const auto& s : parsed.strategies) {
-      const strategy& chosen = s.for_gemm(kind);
-      if (chosen.rotation_size == 0) continue;
+    std::optional<std::set<std::int64_t>> step_filter;
+    if (options.steps) {
+      const auto list = parse_step_list(*options.steps, "--steps");
+      step_filter.emplace(list.begin(), list.end());
+    }
+    for (const auto& entry : dump.entries()) {
+      if (layer_filter && !std::regex_match(entry.layer, *layer_filter)) continue;
+      if (step_filter && !step_filter->contains(entry.step)) continue;
+      if (plan.empty() || plan.back().name != entry.layer) plan.push_back({entry.layer, {}});
+      plan.back().entries.push_back(&entry);
+    }
+    if (plan.empty()) {
+      throw input_error(fmt::format("{}: no entries match --layers '{}' and --steps '{}'", options.dump.string(),
+                                    options.layers.value_or(".*"), options.steps.value_or("all")));
+    }
+    for (gemm_kind kind : parsed.gemms) {
+      if (kind == gemm_kind::wgrad) continue;
       for (const auto& layer : plan) {
         for (const auto* entry : layer.entries) {
-          const std::int64_t reduction = kind == gemm_kind::wgrad   ? entry->tokens
-                                         : kind == gemm_kind::fprop ? entry->in_features
-                                                                    : entry->out_features;
-          if (reduction % chosen.rotation_size != 0) {
-            throw input_error(fmt::format(
-                "{}: strategy '{}': rotation hadamard:{} does not divide the {} reduction length {} of layer '{}' "
-                "(entry {})",
-                parsed.path, s.name, chosen.rotation_size, gemm_kind_name(kind), reduction, entry->layer,
-                entry->file.string()));
+          if (!entry->w_type) {
+            throw input_error(fmt::format("{}: tensor 'w' is missing, but analysis {} asks for {} (which needs w)",
+                                          entry->file.string(), parsed.path, gemm_kind_name(kind)));
           }
         }
       }
     }
-  }
 
-  // The run directory and its identity.
-  namespace fs = std::filesystem;
+    // Every strategy's rotation must divide every reduction length: checked before any work starts.
+    for (gemm_kind kind : parsed.gemms) {
+      for (const auto& s : parsed.strategies) {
+        const strategy& chosen = s.for_gemm(kind);
+        if (chosen.rotation_size == 0) continue;
+        for (const auto& layer : plan) {
+          for (const auto* entry : layer.entries) {
+            const std::int64_t reduction = kind == gemm_kind::wgrad   ? entry->tokens
+                                           : kind == gemm_kind::fprop ? entry->in_features
+                                                                      : entry->out_features;
+            if (reduction % chosen.rotation_size != 0) {
+              throw input_error(fmt::format(
+                  "{}: strategy '{}': rotation hadamard:{} does not divide the {} reduction length {} of layer "
+                  "'{}' (entry {})",
+                  parsed.path, s.name, chosen.rotation_size, gemm_kind_name(kind), reduction, entry->layer,
+                  entry->file.string()));
+            }
+          }
+        }
+      }
+    }
+    return std::string();
+  });
+  const analysis& parsed = *parsed_holder;
+  const io::dump_reader& dump = *dump_holder;
+
+  // The units, in canonical order.
+  const std::size_t gemm_count = parsed.gemms.size();
+  const std::size_t strategy_count = parsed.strategies.size();
+  const std::size_t unit_count = plan.size() * gemm_count * strategy_count;
+  const auto unit_at = [&](std::size_t index) {
+    return unit_index{index / (gemm_count * strategy_count), (index / strategy_count) % gemm_count,
+                      index % strategy_count};
+  };
+  const auto fragment_name = [&](std::size_t index) {
+    const unit_index unit = unit_at(index);
+    return unit_fragment_name(unit, plan[unit.layer].name, parsed.gemms[unit.gemm]);
+  };
+  const auto unit_text = [&](std::size_t index) {
+    const unit_index unit = unit_at(index);
+    return fmt::format("({}, {}, {})", plan[unit.layer].name, gemm_kind_name(parsed.gemms[unit.gemm]),
+                       parsed.strategies[unit.strategy].name);
+  };
+
+  // The run directory and its identity (rank 0 alone touches it before the work starts). The key
+  // does not hold the number of processes: any number of them may resume a run.
   const fs::path partial = options.out / ".partial";
+  const fs::path stop_file = partial / "stop";
   const std::string key = run_key(parsed, dump, options, attribute);
-  if (options.resume && fs::exists(options.out / "steps.csv") && !fs::exists(partial / "run-key.json")) {
+  const std::vector<std::string> setup = together(world, [&]() -> std::string {
+    if (rank != 0) return "";
+    if (options.resume && fs::exists(options.out / "steps.csv") && !fs::exists(partial / "run-key.json")) {
+      return "finished";
+    }
+    if (fs::exists(options.out / "steps.csv") && !options.resume) {
+      throw input_error(fmt::format(
+          "{}: the run directory already holds a finished run; use --resume or another --out", options.out.string()));
+    }
+    if (fs::exists(partial / "run-key.json")) {
+      if (!options.resume) {
+        throw input_error(fmt::format("{}: an interrupted run is in this directory; finish it with --resume or use "
+                                      "another --out",
+                                      options.out.string()));
+      }
+      if (read_text(partial / "run-key.json") != key) {
+        throw input_error(
+            fmt::format("{}: --resume: the interrupted run used another analysis, dump or filter (see {})",
+                        options.out.string(), (partial / "run-key.json").string()));
+      }
+    }
+    std::error_code ignored;
+    fs::create_directories(partial, ignored);
+    // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage, and
+    // so are the state files of the processes of an earlier launch.
+    for (const fs::path& directory : {options.out, partial}) {
+      for (const auto& item : fs::directory_iterator(directory, ignored)) {
+        const std::string name = item.path().filename().string();
+        if (name.find(".tmp.") != std::string::npos || name.starts_with("rank-") || name == "stop") {
+          fs::remove(item.path(), ignored);
+        }
+      }
+    }
+    if (!fs::is_directory(partial)) {
+      throw input_error(fmt::format("{}: cannot create the run directory", options.out.string()));
+    }
+    if (!fs::exists(partial / "run-key.json")) io::write_file_atomically(partial / "run-key.json", key);
+    // Which units are finished, as one '0' or '1' per unit.
+    std::string done(unit_count, '0');
+    for (std::size_t index = 0; index < unit_count; ++index) {
+      if (fs::exists(partial / fragment_name(index))) done[index] = '1';
+    }
+    return done;
+  });
+  if (setup[0] == "finished") {
     replay_outcome finished;
     finished.complete = true;
-    log << "replay: " << options.out.string() << " already holds a finished run; nothing to resume\n";
+    if (rank == 0) {
+      log << "replay: " << options.out.string() << " already holds a finished run; nothing to resume\n";
+    }
     return finished;
   }
-  if (fs::exists(options.out / "steps.csv") && !options.resume) {
-    throw input_error(fmt::format("{}: the run directory already holds a finished run; use --resume or another --out",
-                                  options.out.string()));
-  }
-  if (fs::exists(partial / "run-key.json")) {
-    if (!options.resume) {
-      throw input_error(fmt::format("{}: an interrupted run is in this directory; finish it with --resume or use "
-                                    "another --out",
-                                    options.out.string()));
+  const std::string& done_at_start = setup[0];
+
+  // The static assignment of the units still to do (assign_units).
+  replay_outcome outcome;
+  outcome.units_total = static_cast<std::int64_t>(unit_count);
+  std::vector<std::size_t> pending;
+  std::vector<std::uint64_t> costs;
+  for (std::size_t index = 0; index < unit_count; ++index) {
+    if (done_at_start[index] == '1') {
+      ++outcome.units_resumed;
+      continue;
     }
-    if (read_text(partial / "run-key.json") != key) {
-      throw input_error(fmt::format("{}: --resume: the interrupted run used another analysis, dump or filter (see {})",
-                                    options.out.string(), (partial / "run-key.json").string()));
+    std::uint64_t cost = 0;
+    for (const auto* entry : plan[unit_at(index).layer].entries) {
+      cost += static_cast<std::uint64_t>(entry->tokens) * static_cast<std::uint64_t>(entry->in_features) *
+              static_cast<std::uint64_t>(entry->out_features);
+    }
+    pending.push_back(index);
+    costs.push_back(cost);
+  }
+  const std::vector<int> owners = assign_units(costs, ranks);
+  std::vector<bool> mine(unit_count, false);
+  for (std::size_t i = 0; i < pending.size(); ++i) mine[pending[i]] = owners[i] == rank;
+  const std::size_t units_per_layer = gemm_count * strategy_count;
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    const auto first = done_at_start.begin() + static_cast<std::ptrdiff_t>(layer_index * units_per_layer);
+    if (std::all_of(first, first + static_cast<std::ptrdiff_t>(units_per_layer), [](char c) { return c == '1'; })) {
+      ++outcome.layers_resumed;
     }
   }
-  std::error_code ignored;
-  fs::create_directories(partial, ignored);
-  // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage.
-  for (const fs::path& directory : {options.out, partial}) {
-    for (const auto& item : fs::directory_iterator(directory, ignored)) {
-      if (item.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(item.path(), ignored);
-    }
-  }
-  if (!fs::is_directory(partial)) {
-    throw input_error(fmt::format("{}: cannot create the run directory", options.out.string()));
-  }
-  if (!fs::exists(partial / "run-key.json")) io::write_file_atomically(partial / "run-key.json", key);
 
   std::int64_t total_entries = 0;
-  for (const auto& layer : plan) total_entries += static_cast<std::int64_t>(layer.entries.size());
-  replay_outcome outcome;
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    for (std::size_t u = 0; u < units_per_layer; ++u) {
+      if (mine[layer_index * units_per_layer + u]) {
+        total_entries += static_cast<std::int64_t>(plan[layer_index].entries.size());
+        break;
+      }
+    }
+  }
   std::int64_t entries_seen = 0;
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
   struct stage_time {
@@ -547,239 +721,437 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     return std::chrono::duration<double>(clock_type::now() - from).count();
   };
 
-  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    const auto& layer = plan[layer_index];
-    const std::string stem = fragment_stem(layer_index, layer.name);
-    if (fs::exists(partial / (stem + ".done"))) {
-      ++outcome.layers_resumed;
-      entries_seen += static_cast<std::int64_t>(layer.entries.size());
-      continue;
+  // With several processes, each keeps RUN/.partial/rank-<r>.json saying what it works on (for the
+  // report of a rank that dies, and for operators); a failing rank creates RUN/.partial/stop, which
+  // the others look for before every step.
+  const std::string host = this_host();
+  const auto write_state = [&](const std::string& state, const std::vector<std::string>& units) {
+    if (ranks == 1) return;
+    json record;
+    record["rank"] = rank;
+    record["ranks"] = ranks;
+    record["host"] = host;
+    record["pid"] = static_cast<std::int64_t>(::getpid());
+    record["state"] = state;
+    record["units"] = units;
+    try {
+      io::write_file_atomically(partial / fmt::format("rank-{:05d}.json", rank), record.dump(2) + "\n");
+    } catch (const std::exception&) {
+      // Informational only; a rank that cannot write it still takes part in the final report.
     }
+  };
+  std::string failure;           // this rank's failure, with the rank and unit named
+  std::string failure_kind;      // "input" or "other"
+  bool stopped_by_other = false;
+  write_state("started", {});
+
+  // When a rank dies (killed, out of memory, its node lost), the launcher terminates the others.
+  // The lowest rank still alive then names the ranks that are gone and the units they were on,
+  // from their state files (a process on another host is listed with what it was working on).
+  const auto termination_report = [&] {
+    std::vector<json> states(static_cast<std::size_t>(ranks));
+    const auto gone = [&](const json& state) {
+      return state.is_object() && state.value("host", "") == host &&
+             ::kill(static_cast<pid_t>(state.value("pid", std::int64_t{0})), 0) != 0 && errno == ESRCH;
+    };
+    for (int r = 0; r < ranks; ++r) {
+      states[static_cast<std::size_t>(r)] =
+          json::parse(read_text(partial / fmt::format("rank-{:05d}.json", r)), nullptr, false);
+    }
+    for (int r = 0; r < rank; ++r) {
+      if (!gone(states[static_cast<std::size_t>(r)])) return;  // a lower rank reports
+    }
+    std::string message = "mxscope replay: error: the launcher stopped the run";
+    std::size_t stopped_ranks = 0, stopped_units = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const json& state = states[static_cast<std::size_t>(r)];
+      if (!state.is_object()) continue;
+      const bool working = state.value("state", "") == "working";
+      if (r == rank || (!gone(state) && state.value("host", "") == host)) {
+        // Alive: its units in progress are lost with it.
+        if (working) ++stopped_ranks, stopped_units += state["units"].size();
+        continue;
+      }
+      std::string units;
+      for (const auto& unit : state["units"]) units += (units.empty() ? "" : ", ") + unit.get<std::string>();
+      const std::string what = working ? fmt::format("working on {}", units)
+                                       : fmt::format("in state '{}'", state.value("state", "?"));
+      message += fmt::format("\nrank {} of {} (host {}, pid {}) {} {}", r, ranks, state.value("host", "?"),
+                             state.value("pid", std::int64_t{0}), gone(state) ? "is gone; it was" : "was", what);
+    }
+    if (stopped_ranks > 0) {
+      message += fmt::format("\n{} other ranks were stopped with {} units in progress", stopped_ranks, stopped_units);
+    }
+    std::size_t complete = 0;
+    for (std::size_t index = 0; index < unit_count; ++index) complete += fs::exists(partial / fragment_name(index));
+    message += fmt::format("\n{} of {} units are complete and kept in {}; finish the run with --resume (with any "
+                           "number of ranks)\n",
+                           complete, unit_count, partial.string());
+    log << message << std::flush;
+  };
+  struct report_guard {
+    process_group& world;
+    ~report_guard() { world.on_termination({}); }
+  } guard{world};
+  if (ranks > 1) world.on_termination(termination_report);
+
+  for (std::size_t layer_index = 0; layer_index < plan.size() && failure.empty() && !stopped_by_other;
+       ++layer_index) {
+    const auto& layer = plan[layer_index];
+    std::vector<std::size_t> owned;
+    for (std::size_t u = 0; u < units_per_layer; ++u) {
+      if (mine[layer_index * units_per_layer + u]) owned.push_back(layer_index * units_per_layer + u);
+    }
+    if (owned.empty()) continue;
     if (options.stop_after_layers > 0 && outcome.layers_done >= options.stop_after_layers) break;
 
-    std::vector<gemm_state> gemms;
-    for (gemm_kind kind : parsed.gemms) {
-      gemm_state state{kind, {}, {}, {}, {}};
-      for (const auto& s : parsed.strategies) {
-        unit_state unit;
-        unit.strategy_name = s.name;
-        unit.chosen = &s.for_gemm(kind);
-        state.units.push_back(std::move(unit));
+    std::vector<std::string> owned_text;
+    for (const std::size_t index : owned) owned_text.push_back(unit_text(index));
+    write_state("working", owned_text);
+    std::string doing;  // what this rank is doing, for its failure message
+    try {
+      std::vector<gemm_state> gemms;
+      std::vector<std::vector<std::size_t>> unit_indices;  // per gemm state, per unit: canonical index
+      for (std::size_t gi = 0; gi < gemm_count; ++gi) {
+        const gemm_kind kind = parsed.gemms[gi];
+        gemm_state state{kind, {}, {}, {}, {}};
+        std::vector<std::size_t> indices;
+        for (const std::size_t index : owned) {
+          const unit_index unit = unit_at(index);
+          if (unit.gemm != gi) continue;
+          const auto& s = parsed.strategies[unit.strategy];
+          unit_state unit_data;
+          unit_data.strategy_name = s.name;
+          unit_data.chosen = &s.for_gemm(kind);
+          state.units.push_back(std::move(unit_data));
+          indices.push_back(index);
+        }
+        if (state.units.empty()) continue;
+        gemms.push_back(std::move(state));
+        unit_indices.push_back(std::move(indices));
       }
-      gemms.push_back(std::move(state));
-    }
-    std::string steps_rows;
-    std::string accumulation_rows;
-    io::dump_read_options read_options;
-    read_options.read_weight = std::any_of(parsed.gemms.begin(), parsed.gemms.end(),
-                                           [](gemm_kind k) { return k != gemm_kind::wgrad; });
-    read_options.read_weight_gradient = false;
-    read_options.read_quantized = false;
+      io::dump_read_options read_options;
+      read_options.read_weight = std::any_of(parsed.gemms.begin(), parsed.gemms.end(),
+                                             [](gemm_kind k) { return k != gemm_kind::wgrad; });
+      read_options.read_weight_gradient = false;
+      read_options.read_quantized = false;
 
-    std::int64_t t = 0;
-    for (const auto* info : layer.entries) {
-      ++t;
-      auto mark = clock_type::now();
-      const io::dump_entry entry = dump.read(*info, read_options);
-      if (!entry.all_finite()) {
-        throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
-                                      info->file.string(), entry.nonfinite_summary()));
-      }
-      seconds_read += seconds_since(mark);
-      const gemm_operands operands{&entry.x, &entry.dy, entry.w ? &*entry.w : nullptr};
-      const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
-      for (auto& state : gemms) {
-        const gemm_layout layout = layout_of(state.kind);
-        mark = clock_type::now();
-        const canonical_operands canonical =
-            orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
-        const reference_result reference =
-            reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
-        const matrix64& g = reference.fp64;
-        const double reference_norm = std::sqrt(squared_norm(g));
-        if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
-        add_to(state.reference_sum, g);
-        state.sgd.step(g, parsed.optimizer.sgd_momentum);
-        state.adamw.step(g, parsed.optimizer, t);
-        const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
-        const double sgd_update_norm = std::sqrt(squared_norm(state.sgd.update()));
-        const double sgd_displacement_norm = std::sqrt(squared_norm(state.sgd.displacement));
-        const double adamw_update_norm = std::sqrt(squared_norm(state.adamw.direction));
-        const double adamw_displacement_norm = std::sqrt(squared_norm(state.adamw.displacement));
-        seconds_reference += seconds_since(mark);
+      std::int64_t t = 0;
+      for (const auto* info : layer.entries) {
+        if (ranks > 1 && fs::exists(stop_file)) {
+          stopped_by_other = true;
+          break;
+        }
+        ++t;
+        doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
+        auto mark = clock_type::now();
+        const io::dump_entry entry = dump.read(*info, read_options);
+        if (!entry.all_finite()) {
+          throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
+                                        info->file.string(), entry.nonfinite_summary()));
+        }
+        seconds_read += seconds_since(mark);
+        const gemm_operands operands{&entry.x, &entry.dy, entry.w ? &*entry.w : nullptr};
+        const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
+        for (std::size_t gi = 0; gi < gemms.size(); ++gi) {
+          auto& state = gemms[gi];
+          const gemm_layout layout = layout_of(state.kind);
+          doing = fmt::format("the reference of ({}, {}) at step {}", layer.name, gemm_kind_name(state.kind),
+                              info->step);
+          mark = clock_type::now();
+          const canonical_operands canonical =
+              orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
+          const reference_result reference =
+              reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
+          const matrix64& g = reference.fp64;
+          const double reference_norm = std::sqrt(squared_norm(g));
+          if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
+          add_to(state.reference_sum, g);
+          state.sgd.step(g, parsed.optimizer.sgd_momentum);
+          state.adamw.step(g, parsed.optimizer, t);
+          const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
+          const double sgd_update_norm = std::sqrt(squared_norm(state.sgd.update()));
+          const double sgd_displacement_norm = std::sqrt(squared_norm(state.sgd.displacement));
+          const double adamw_update_norm = std::sqrt(squared_norm(state.adamw.direction));
+          const double adamw_displacement_norm = std::sqrt(squared_norm(state.adamw.displacement));
+          seconds_reference += seconds_since(mark);
 
-        mark = clock_type::now();
-        for (auto& unit : state.units) {
-          const strategy& chosen = *unit.chosen;
-          auto stage_mark = clock_type::now();
-          // The same quantized operands under the exact model separate quantization from accumulation.
-          const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
-          placed.count(result);
-          if (result.exact_of_quantized.size() != 0) {
-            (result.exact_of_quantized_on_gpu ? placed.product_gpu : placed.product_cpu) += 1;
+          mark = clock_type::now();
+          for (std::size_t u = 0; u < state.units.size(); ++u) {
+            auto& unit = state.units[u];
+            const auto unit_started = clock_type::now();
+            doing = fmt::format("unit {} at step {}", unit_text(unit_indices[gi][u]), info->step);
+            const strategy& chosen = *unit.chosen;
+            // The same quantized operands under the exact model separate quantization from accumulation.
+            const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
+            placed.count(result);
+            if (result.exact_of_quantized.size() != 0) {
+              (result.exact_of_quantized_on_gpu ? placed.product_gpu : placed.product_cpu) += 1;
+            }
+            const matrix64& exact_result =
+                chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
+            unit.stage_seconds[0] += seconds_since(unit_started);
+            auto stage_mark = clock_type::now();
+            const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
+            unit.stage_seconds[1] += seconds_since(stage_mark);
+            stage_mark = clock_type::now();
+            const matrix64 estimate = widen(result.out);
+            const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
+            const double accum_err = ratio(difference_norm(estimate, exact_result), reference_norm);
+            std::array<double, 6> attributed;
+            attributed.fill(std::numeric_limits<double>::quiet_NaN());
+            if (attribute) attributed = attribution(state.kind, entry, chosen, reference_norm);
+
+            const auto underflow = [](const operand_summary& s) {
+              return s.nonzero_inputs == 0 ? 0.0
+                                           : static_cast<double>(s.flushed) / static_cast<double>(s.nonzero_inputs);
+            };
+            const auto saturate = [](const operand_summary& s) {
+              return s.elements == 0 ? 0.0 : static_cast<double>(s.saturated) / static_cast<double>(s.elements);
+            };
+            const auto snr = [](const operand_summary& s) {
+              if (s.error_energy == 0.0) return std::numeric_limits<double>::infinity();
+              return 10.0 * std::log10(s.signal_energy / s.error_energy);
+            };
+            const double ulp_exact_fraction =
+                metrics.ulp.compared == 0 ? 0.0
+                                          : static_cast<double>(metrics.ulp.histogram[0]) /
+                                                static_cast<double>(metrics.ulp.compared);
+            const std::array<double, step_metric_count> values = {
+                metrics.rel_err,          metrics.cosine,
+                metrics.bias,             metrics.orth_err,
+                metrics.max_abs_err,      static_cast<double>(metrics.ulp.max),
+                metrics.ulp.mean,         ulp_exact_fraction,
+                quant_err,                accum_err,
+                underflow(result.a),      underflow(result.b),
+                saturate(result.a),       saturate(result.b),
+                snr(result.a),            snr(result.b),
+                attributed[0],            attributed[1],
+                attributed[2],            attributed[3],
+                attributed[4],            attributed[5]};
+            unit.step_metrics.push_back(values);
+            unit.steps_rows += fmt::format("{},{},{},{},{}", layer.name, gemm_kind_name(state.kind), unit.strategy_name,
+                                      entry.info.step, t);
+            for (int m = 0; m < step_metric_count; ++m) {
+              unit.steps_rows += ',';
+              unit.steps_rows += number(values[static_cast<std::size_t>(m)]);
+              if (m == 9) unit.steps_rows += fmt::format(",{},{}", layout.a_name, layout.b_name);
+            }
+            unit.steps_rows += '\n';
+
+            // Cross-step accumulators.
+            matrix64 error = difference(estimate, g);
+            if (unit.error_sum.size() == 0) unit.error_sum = matrix64(g.rows, g.cols);
+            add_to(unit.error_sum, error);
+            const double error_energy = squared_norm(error);
+            unit.error_energy_sum += error_energy;
+            if (t > 1) {
+              const double norms = std::sqrt(squared_norm(unit.previous_error) * error_energy);
+              unit.lag1_cosine_sum += norms == 0.0 ? 0.0 : dot(unit.previous_error, error) / norms;
+            }
+            const double error_sum_norm = std::sqrt(squared_norm(unit.error_sum));
+            unit.error_sum_norms.push_back(error_sum_norm);
+            unit.sgd.step(estimate, parsed.optimizer.sgd_momentum);
+            unit.adamw.step(estimate, parsed.optimizer, t);
+            const double nan = std::numeric_limits<double>::quiet_NaN();
+            const double acc_err = ratio(error_sum_norm, reference_sum_norm);
+            const double coherence = ratio(error_sum_norm, std::sqrt(unit.error_energy_sum));
+            const double alpha = growth_exponent(unit.error_sum_norms);
+            const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
+            const double structural =
+                ratio(error_sum_norm * error_sum_norm, static_cast<double>(t) * unit.error_energy_sum);
+            const double sgd_upd_err = ratio(difference_norm(unit.sgd.update(), state.sgd.update()), sgd_update_norm);
+            const double sgd_disp_err =
+                ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement), sgd_displacement_norm);
+            const double adamw_upd_err =
+                ratio(difference_norm(unit.adamw.direction, state.adamw.direction), adamw_update_norm);
+            const double adamw_disp_err =
+                ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement), adamw_displacement_norm);
+            unit.accumulation_rows += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", layer.name,
+                                             gemm_kind_name(state.kind), unit.strategy_name, t, entry.info.step,
+                                             number(acc_err), number(coherence), number(alpha), number(lag1),
+                                             number(structural), number(sgd_upd_err), number(sgd_disp_err),
+                                             number(adamw_upd_err), number(adamw_disp_err));
+            unit.previous_error = std::move(error);
+            unit.stage_seconds[2] += seconds_since(stage_mark);
+            unit.seconds += seconds_since(unit_started);
           }
-          const matrix64& exact_result =
-              chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
-          stage_time& timing = strategy_times[unit.strategy_name];
-          timing.gemm += seconds_since(stage_mark);
-          stage_mark = clock_type::now();
-          const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
-          timing.compare += seconds_since(stage_mark);
-          stage_mark = clock_type::now();
-          const matrix64 estimate = widen(result.out);
-          const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
-          const double accum_err = ratio(difference_norm(estimate, exact_result), reference_norm);
-          std::array<double, 6> attributed;
-          attributed.fill(std::numeric_limits<double>::quiet_NaN());
-          if (attribute) attributed = attribution(state.kind, entry, chosen, reference_norm);
+          seconds_strategies += seconds_since(mark);
+        }
+        ++entries_seen;
+        ++outcome.entries;
+        if (options.progress) {
+          const double elapsed = seconds_since(started);
+          const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
+          const double remaining = static_cast<double>(total_entries - entries_seen) / std::max(rate, 1e-9);
+          log << fmt::format("\rreplay: {}/{} entries  {:.2f} entries/s  ETA {:.0f} s   ", entries_seen,
+                             total_entries, rate, remaining)
+              << std::flush;
+        }
+      }
+      if (stopped_by_other) break;
 
-          const auto underflow = [](const operand_summary& s) {
-            return s.nonzero_inputs == 0 ? 0.0
-                                         : static_cast<double>(s.flushed) / static_cast<double>(s.nonzero_inputs);
-          };
-          const auto saturate = [](const operand_summary& s) {
-            return s.elements == 0 ? 0.0 : static_cast<double>(s.saturated) / static_cast<double>(s.elements);
-          };
-          const auto snr = [](const operand_summary& s) {
-            if (s.error_energy == 0.0) return std::numeric_limits<double>::infinity();
-            return 10.0 * std::log10(s.signal_energy / s.error_energy);
-          };
-          const double ulp_exact_fraction =
-              metrics.ulp.compared == 0 ? 0.0
-                                        : static_cast<double>(metrics.ulp.histogram[0]) /
-                                              static_cast<double>(metrics.ulp.compared);
-          const std::array<double, step_metric_count> values = {
-              metrics.rel_err,          metrics.cosine,
-              metrics.bias,             metrics.orth_err,
-              metrics.max_abs_err,      static_cast<double>(metrics.ulp.max),
-              metrics.ulp.mean,         ulp_exact_fraction,
-              quant_err,                accum_err,
-              underflow(result.a),      underflow(result.b),
-              saturate(result.a),       saturate(result.b),
-              snr(result.a),            snr(result.b),
-              attributed[0],            attributed[1],
-              attributed[2],            attributed[3],
-              attributed[4],            attributed[5]};
-          unit.step_metrics.push_back(values);
-          steps_rows += fmt::format("{},{},{},{},{}", layer.name, gemm_kind_name(state.kind), unit.strategy_name,
-                                    entry.info.step, t);
+      // One fragment per unit: its steps and accumulation rows and its summary record (mean and
+      // last of each per-step metric and the final cross-step values).
+      doing = fmt::format("writing the fragments of layer {}", layer.name);
+      bool consecutive = true;
+      for (std::size_t i = 1; i < layer.entries.size(); ++i) {
+        consecutive = consecutive && layer.entries[i]->step == layer.entries[i - 1]->step + 1;
+      }
+      for (std::size_t gi = 0; gi < gemms.size(); ++gi) {
+        const auto& state = gemms[gi];
+        for (std::size_t u = 0; u < state.units.size(); ++u) {
+          const auto& unit = state.units[u];
+          json fragment;
+          fragment["unit"] = unit_text(unit_indices[gi][u]);
+          fragment["steps"] = unit.steps_rows;
+          fragment["accumulation"] = unit.accumulation_rows;
+          json record;
+          record["layer"] = layer.name;
+          record["gemm"] = gemm_kind_name(state.kind);
+          record["strategy"] = unit.strategy_name;
+          record["steps"] = unit.step_metrics.size();
+          record["consecutive"] = consecutive;
+          json mean = json::object(), last = json::object();
           for (int m = 0; m < step_metric_count; ++m) {
-            steps_rows += ',';
-            steps_rows += number(values[static_cast<std::size_t>(m)]);
-            if (m == 9) steps_rows += fmt::format(",{},{}", layout.a_name, layout.b_name);
+            double sum = 0.0;
+            for (const auto& row : unit.step_metrics) sum += row[static_cast<std::size_t>(m)];
+            mean[step_metric_names[m]] = json_number(sum / static_cast<double>(unit.step_metrics.size()));
+            last[step_metric_names[m]] = json_number(unit.step_metrics.back()[static_cast<std::size_t>(m)]);
           }
-          steps_rows += '\n';
-
-          // Cross-step accumulators.
-          matrix64 error = difference(estimate, g);
-          if (unit.error_sum.size() == 0) unit.error_sum = matrix64(g.rows, g.cols);
-          add_to(unit.error_sum, error);
-          const double error_energy = squared_norm(error);
-          unit.error_energy_sum += error_energy;
-          if (t > 1) {
-            const double norms = std::sqrt(squared_norm(unit.previous_error) * error_energy);
-            unit.lag1_cosine_sum += norms == 0.0 ? 0.0 : dot(unit.previous_error, error) / norms;
-          }
-          const double error_sum_norm = std::sqrt(squared_norm(unit.error_sum));
-          unit.error_sum_norms.push_back(error_sum_norm);
-          unit.sgd.step(estimate, parsed.optimizer.sgd_momentum);
-          unit.adamw.step(estimate, parsed.optimizer, t);
-          const double nan = std::numeric_limits<double>::quiet_NaN();
-          const double acc_err = ratio(error_sum_norm, reference_sum_norm);
-          const double coherence = ratio(error_sum_norm, std::sqrt(unit.error_energy_sum));
-          const double alpha = growth_exponent(unit.error_sum_norms);
-          const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
-          const double structural =
-              ratio(error_sum_norm * error_sum_norm, static_cast<double>(t) * unit.error_energy_sum);
-          const double sgd_upd_err = ratio(difference_norm(unit.sgd.update(), state.sgd.update()), sgd_update_norm);
-          const double sgd_disp_err =
-              ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement), sgd_displacement_norm);
-          const double adamw_upd_err =
-              ratio(difference_norm(unit.adamw.direction, state.adamw.direction), adamw_update_norm);
-          const double adamw_disp_err =
-              ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement), adamw_displacement_norm);
-          accumulation_rows += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", layer.name,
-                                           gemm_kind_name(state.kind), unit.strategy_name, t, entry.info.step,
-                                           number(acc_err), number(coherence), number(alpha), number(lag1),
-                                           number(structural), number(sgd_upd_err), number(sgd_disp_err),
-                                           number(adamw_upd_err), number(adamw_disp_err));
-          unit.previous_error = std::move(error);
-          timing.metrics += seconds_since(stage_mark);
+          record["mean"] = mean;
+          record["last"] = last;
+          const double error_sum_norm = unit.error_sum_norms.back();
+          const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
+          const double total_steps = static_cast<double>(unit.step_metrics.size());
+          record["alpha"] = json_number(growth_exponent(unit.error_sum_norms));
+          record["acc_err"] = json_number(ratio(error_sum_norm, reference_sum_norm));
+          record["coherence"] = json_number(ratio(error_sum_norm, std::sqrt(unit.error_energy_sum)));
+          record["structural_share"] =
+              json_number(ratio(error_sum_norm * error_sum_norm, total_steps * unit.error_energy_sum));
+          record["sgd_disp_err"] = json_number(ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement),
+                                                     std::sqrt(squared_norm(state.sgd.displacement))));
+          record["adamw_disp_err"] =
+              json_number(ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement),
+                                std::sqrt(squared_norm(state.adamw.displacement))));
+          fragment["summary"] = record;
+          fragment["seconds"] = unit.seconds;
+          fragment["stage_seconds"] = {{"gemm", unit.stage_seconds[0]},
+                                       {"compare", unit.stage_seconds[1]},
+                                       {"metrics", unit.stage_seconds[2]}};
+          io::write_file_atomically(partial / fragment_name(unit_indices[gi][u]), fragment.dump() + "\n");
+          ++outcome.units_done;
         }
-        seconds_strategies += seconds_since(mark);
       }
-      ++entries_seen;
-      ++outcome.entries;
-      if (options.progress) {
-        const double elapsed = seconds_since(started);
-        const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
-        const double remaining = static_cast<double>(total_entries - entries_seen) / std::max(rate, 1e-9);
-        log << fmt::format("\rreplay: {}/{} entries  {:.2f} entries/s  ETA {:.0f} s   ", entries_seen, total_entries,
-                           rate, remaining)
-            << std::flush;
-      }
-    }
-
-    // The layer's summary fragment: per (gemm, strategy) unit, mean and last of each per-step metric
-    // and the final cross-step values (taken from the last accumulation row's inputs).
-    json units = json::array();
-    bool consecutive = true;
-    for (std::size_t i = 1; i < layer.entries.size(); ++i) {
-      consecutive = consecutive && layer.entries[i]->step == layer.entries[i - 1]->step + 1;
-    }
-    for (const auto& state : gemms) {
-      for (const auto& unit : state.units) {
-        json record;
-        record["layer"] = layer.name;
-        record["gemm"] = gemm_kind_name(state.kind);
-        record["strategy"] = unit.strategy_name;
-        record["steps"] = unit.step_metrics.size();
-        record["consecutive"] = consecutive;
-        json mean = json::object(), last = json::object();
-        for (int m = 0; m < step_metric_count; ++m) {
-          double sum = 0.0;
-          for (const auto& row : unit.step_metrics) sum += row[static_cast<std::size_t>(m)];
-          mean[step_metric_names[m]] = json_number(sum / static_cast<double>(unit.step_metrics.size()));
-          last[step_metric_names[m]] = json_number(unit.step_metrics.back()[static_cast<std::size_t>(m)]);
-        }
-        record["mean"] = mean;
-        record["last"] = last;
-        const double error_sum_norm = unit.error_sum_norms.back();
-        const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
-        const double total_steps = static_cast<double>(unit.step_metrics.size());
-        record["alpha"] = json_number(growth_exponent(unit.error_sum_norms));
-        record["acc_err"] = json_number(ratio(error_sum_norm, reference_sum_norm));
-        record["coherence"] = json_number(ratio(error_sum_norm, std::sqrt(unit.error_energy_sum)));
-        record["structural_share"] =
-            json_number(ratio(error_sum_norm * error_sum_norm, total_steps * unit.error_energy_sum));
-        record["sgd_disp_err"] = json_number(ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement),
-                                                   std::sqrt(squared_norm(state.sgd.displacement))));
-        record["adamw_disp_err"] =
-            json_number(ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement),
-                              std::sqrt(squared_norm(state.adamw.displacement))));
-        units.push_back(record);
+      ++outcome.layers_done;
+    } catch (const std::exception& error) {
+      if (ranks == 1) throw;
+      failure_kind = dynamic_cast<const input_error*>(&error) != nullptr ? "input" : "other";
+      failure = fmt::format("rank {} of {} (host {}, pid {}) failed on {}: {}", rank, ranks, host, ::getpid(),
+                            doing.empty() ? fmt::format("layer {}", layer.name) : doing, error.what());
+      try {
+        io::write_file_atomically(stop_file, failure + "\n");
+      } catch (const std::exception&) {
+        // The others then stop at the end of their work instead; the message still reaches rank 0.
       }
     }
-    io::write_file_atomically(partial / (stem + ".steps.csv"), steps_rows);
-    io::write_file_atomically(partial / (stem + ".accumulation.csv"), accumulation_rows);
-    io::write_file_atomically(partial / (stem + ".summary.json"), units.dump(2) + "\n");
-    io::write_file_atomically(partial / (stem + ".done"), "done\n");
-    ++outcome.layers_done;
   }
   if (options.progress) log << "\n";
+  write_state(!failure.empty() ? "failed" : stopped_by_other ? "stopped" : "finished", {});
 
-  // Every layer done? Then assemble the final files in layer order.
-  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    if (!fs::exists(partial / (fragment_stem(layer_index, plan[layer_index].name) + ".done"))) return outcome;
+  // Every rank reports; rank 0 names every failed rank, then assembles when every unit is done.
+  json report;
+  report["failure"] = failure;
+  report["failure_kind"] = failure_kind;
+  report["entries"] = outcome.entries;
+  report["units_done"] = outcome.units_done;
+  report["seconds"] = {{"total", seconds_since(started)},
+                       {"read", seconds_read},
+                       {"reference", seconds_reference},
+                       {"strategies", seconds_strategies}};
+  const std::vector<std::string> reports = world.all_gather(report.dump());
+  std::vector<json> per_rank;
+  for (const auto& text : reports) per_rank.push_back(json::parse(text));
+  std::string failures;
+  bool all_input = true;
+  std::int64_t units_done_now = 0;
+  for (const auto& item : per_rank) {
+    units_done_now += item["units_done"].get<std::int64_t>();
+    const std::string text = item["failure"].get<std::string>();
+    if (text.empty()) continue;
+    failures += (failures.empty() ? "" : "\n") + text;
+    all_input = all_input && item["failure_kind"] == "input";
   }
-  std::string steps_csv = steps_header;
-  std::string accumulation_csv = accumulation_header;
+  if (!failures.empty()) {
+    if (rank != 0) throw reported_elsewhere(2);
+    const std::string message = fmt::format(
+        "{}\n{} of {} units are complete and kept in {}; finish the run with --resume (with any number of ranks)",
+        failures, outcome.units_resumed + units_done_now, unit_count, partial.string());
+    if (all_input) throw input_error(message);
+    throw std::runtime_error(message);
+  }
+  if (rank != 0) {
+    outcome.complete = outcome.units_resumed + units_done_now == static_cast<std::int64_t>(unit_count);
+    return outcome;
+  }
+
+  // Every unit done? Then assemble the final files, interleaving the unit fragments back into the
+  // order of rows of one process: layer, step, gemm, strategy.
+  for (std::size_t index = 0; index < unit_count; ++index) {
+    if (!fs::exists(partial / fragment_name(index))) return outcome;
+  }
+  io::atomic_file steps_file(options.out / "steps.csv");
+  io::atomic_file accumulation_file(options.out / "accumulation.csv");
+  steps_file.write(steps_header);
+  accumulation_file.write(accumulation_header);
   json units = json::array();
+  std::vector<double> strategy_seconds(strategy_count, 0.0);  // as measured by whichever rank ran each unit
+  std::vector<json> strategy_stage_seconds(strategy_count, json::object());
   for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    const std::string stem = fragment_stem(layer_index, plan[layer_index].name);
-    steps_csv += read_text(partial / (stem + ".steps.csv"));
-    accumulation_csv += read_text(partial / (stem + ".accumulation.csv"));
-    for (auto& record : json::parse(read_text(partial / (stem + ".summary.json")))) units.push_back(record);
+    const std::size_t steps = plan[layer_index].entries.size();
+    std::vector<json> fragments;
+    std::vector<std::vector<std::string_view>> step_lines, accumulation_lines;
+    fragments.reserve(units_per_layer);
+    for (std::size_t u = 0; u < units_per_layer; ++u) {
+      const std::size_t index = layer_index * units_per_layer + u;
+      const fs::path path = partial / fragment_name(index);
+      fragments.push_back(json::parse(read_text(path), nullptr, false));
+      const json& fragment = fragments.back();
+      const auto lines = [&](const char* field) {
+        std::vector<std::string_view> out;
+        if (!fragment.is_object() || !fragment.contains(field) || !fragment[field].is_string()) return out;
+        const std::string& text = fragment[field].get_ref<const std::string&>();
+        for (std::size_t begin = 0; begin < text.size();) {
+          const std::size_t end = text.find('\n', begin);
+          if (end == std::string::npos) break;
+          out.emplace_back(text.data() + begin, end + 1 - begin);
+          begin = end + 1;
+        }
+        return out;
+      };
+      step_lines.push_back(lines("steps"));
+      accumulation_lines.push_back(lines("accumulation"));
+      if (step_lines.back().size() != steps || accumulation_lines.back().size() != steps ||
+          !fragment.contains("summary") || fragment.value("unit", "") != unit_text(index)) {
+        throw std::runtime_error(fmt::format("{}: damaged fragment of unit {}; delete it and run again with --resume",
+                                             path.string(), unit_text(index)));
+      }
+      units.push_back(fragment["summary"]);
+      strategy_seconds[unit_at(index).strategy] += fragment.value("seconds", 0.0);
+      if (fragment.contains("stage_seconds")) {
+        for (const char* stage : {"gemm", "compare", "metrics"}) {
+          strategy_stage_seconds[unit_at(index).strategy][stage] =
+              strategy_stage_seconds[unit_at(index).strategy].value(stage, 0.0) +
+              fragment["stage_seconds"].value(stage, 0.0);
+        }
+      }
+    }
+    for (std::size_t t = 0; t < steps; ++t) {
+      for (std::size_t u = 0; u < units_per_layer; ++u) {
+        steps_file.write(step_lines[u][t]);
+        accumulation_file.write(accumulation_lines[u][t]);
+      }
+    }
   }
   json summary;
   json provenance;
@@ -817,26 +1189,38 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                       {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
                       {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}}};
   run["threads"] = threads;
+  run["ranks"] = ranks;
   run["resumed_layers"] = outcome.layers_resumed;
+  run["resumed_units"] = outcome.units_resumed;
   run["entries_replayed_in_last_process"] = outcome.entries;
   run["seconds"] = {{"total", seconds_since(started)},
                     {"read", seconds_read},
                     {"reference", seconds_reference},
                     {"strategies", seconds_strategies}};
   json per_strategy = json::object();
-  for (const auto& s : parsed.strategies) {
-    const auto found = strategy_times.find(s.name);
-    if (found == strategy_times.end()) continue;
-    per_strategy[s.name] = {{"gemm", found->second.gemm},
-                            {"compare", found->second.compare},
-                            {"metrics", found->second.metrics}};
+  json per_strategy_stage = json::object();
+  for (std::size_t k = 0; k < strategy_count; ++k) {
+    per_strategy[parsed.strategies[k].name] = strategy_seconds[k];
+    per_strategy_stage[parsed.strategies[k].name] = strategy_stage_seconds[k];
   }
-  run["seconds_by_strategy"] = per_strategy;
+  run["seconds_per_strategy"] = per_strategy;
+  run["stage_seconds_per_strategy"] = per_strategy_stage;
+  if (ranks > 1) {
+    json ranks_json = json::array();
+    for (std::size_t r = 0; r < per_rank.size(); ++r) {
+      ranks_json.push_back({{"rank", r},
+                            {"entries", per_rank[r]["entries"]},
+                            {"units", per_rank[r]["units_done"]},
+                            {"seconds", per_rank[r]["seconds"]}});
+    }
+    run["per_rank"] = ranks_json;
+  }
 
-  io::write_file_atomically(options.out / "steps.csv", steps_csv);
-  io::write_file_atomically(options.out / "accumulation.csv", accumulation_csv);
+  steps_file.commit();
+  accumulation_file.commit();
   io::write_file_atomically(options.out / "summary.json", summary.dump(2) + "\n");
   io::write_file_atomically(options.out / "run.json", run.dump(2) + "\n");
+  std::error_code ignored;
   fs::remove_all(partial, ignored);
   outcome.complete = true;
   return outcome;

@@ -11,6 +11,7 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -335,11 +336,12 @@ TEST(Replay, KillNineThenResumeGivesTheSameBytes) {
           out.c_str(), "--threads", "1", static_cast<char*>(nullptr));
     _exit(127);
   }
-  // Kill it as soon as the first layer is checkpointed (or when it is about to finish).
+  // Kill it as soon as the first layer's units are checkpointed (or when it is about to finish).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   bool killed_midway = false;
   while (std::chrono::steady_clock::now() < deadline) {
-    if (fs::exists(root / "killed" / ".partial" / "00000-layer.a.done")) {
+    // The last unit of layer.a (one fragment per (layer, gemm, strategy); 5 strategies).
+    if (fs::exists(root / "killed" / ".partial" / "00000-layer.a.wgrad.004.unit")) {
       killed_midway = !fs::exists(root / "killed" / "steps.csv");
       break;
     }
@@ -396,6 +398,45 @@ TEST(Replay, BadInputsAreRefusedBeforeAnyOutput) {
   EXPECT_EQ(mxscope::cli::run(7, argv_c, out, err_c), 2);
   EXPECT_NE(err_c.str().find("'w' is missing"), std::string::npos) << err_c.str();
   fs::remove_all(root);
+}
+
+// The static assignment of units to ranks: contiguous, every rank's load within the largest unit's
+// cost of the mean (the bound docs/scaling.md states), the same answer every time, and one rank
+// gets everything.
+TEST(Replay, UnitAssignmentIsContiguousAndBalanced) {
+  std::mt19937_64 generator(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t count = 1 + generator() % 300;
+    std::vector<std::uint64_t> costs(count);
+    // Shapes from tiny to Llama-8B-sized products times 1000 steps (needs more than 64 bits inside).
+    for (auto& c : costs) c = generator() % 3 == 0 ? generator() % 100 : (generator() % 4096) * 14336ull * 8192ull * 1000ull;
+    const int ranks = 1 + static_cast<int>(generator() % 40);
+    const std::vector<int> owners = mxscope::assign_units(costs, ranks);
+    ASSERT_EQ(owners.size(), count);
+    EXPECT_EQ(owners, mxscope::assign_units(costs, ranks));
+    long double total = 0, largest = 0;
+    for (const auto c : costs) {
+      total += static_cast<long double>(c);
+      largest = std::max(largest, static_cast<long double>(c));
+    }
+    std::vector<long double> load(static_cast<std::size_t>(ranks), 0);
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_GE(owners[i], 0);
+      ASSERT_LT(owners[i], ranks);
+      if (i > 0) {
+        EXPECT_LE(owners[i - 1], owners[i]) << "not contiguous at unit " << i;
+      }
+      load[static_cast<std::size_t>(owners[i])] += static_cast<long double>(costs[i]);
+    }
+    for (int r = 0; r < ranks; ++r) {
+      EXPECT_LE(std::fabs(static_cast<double>(load[static_cast<std::size_t>(r)] - total / ranks)),
+                static_cast<double>(largest) * (1 + 1e-12))
+          << "rank " << r << " of " << ranks << ", " << count << " units";
+    }
+  }
+  EXPECT_EQ(mxscope::assign_units({5, 5, 5}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(mxscope::assign_units({1, 1, 1, 1}, 2), (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(mxscope::assign_units({0, 0, 0, 0}, 2), (std::vector<int>{0, 0, 1, 1}));
 }
 
 TEST(Replay, StepListsParse) {

@@ -22,6 +22,9 @@ namespace mxscope {
 // the GPU backend, and for gpu on a machine without a usable GPU.
 compute_device parse_compute_device(const std::string& name, const std::string& flag = "--device");
 
+// The number of usable GPUs (0 in a build without the GPU backend or on a machine without one).
+int gpu_count();
+
 // Makes GPU `index` current for this thread (with --device gpu; ignored for cpu). Throws input_error
 // naming `flag` when the machine has no such GPU.
 void select_gpu(compute_device device, int index, const std::string& flag = "--device");

@@ -18,4 +18,15 @@ class check_failed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A failure of a multi-process run that another process of the run reports (docs/scaling.md): this
+// process only exits with `code`, printing nothing, so the message appears once.
+class reported_elsewhere : public std::runtime_error {
+ public:
+  explicit reported_elsewhere(int code) : std::runtime_error("reported by another process"), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
 }  // namespace mxscope

@@ -32,6 +32,8 @@ int execute(const command& chosen, std::ostream& out, std::ostream& err) {
   int code = 2;
   try {
     code = chosen.run(out, err);
+  } catch (const reported_elsewhere& error) {
+    code = error.code();
   } catch (const input_error& error) {
     err << prefix << ": error: " << error.what() << '\n';
     code = 2;

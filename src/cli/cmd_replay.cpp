@@ -1,11 +1,15 @@
 // mxscope replay DUMP --analysis A.toml --out RUN [--device cpu|gpu] [--threads N] [--resume]
 //                [--layers RE] [--steps LIST] [--attribute]
+// Started by an MPI launcher (mpirun -np N mxscope replay ..., srun), the ranks share the work
+// (docs/scaling.md); rank 0 alone prints the outcome.
 #include <unistd.h>
 
 #include <iostream>
+#include <memory>
 #include <ostream>
 
 #include "commands.hpp"
+#include "mxscope/parallel.hpp"
 #include "mxscope/replay.hpp"
 
 namespace mxscope::cli {
@@ -41,10 +45,22 @@ void add_replay_command(CLI::App& app, command_list& commands) {
                         if (layers_option->count() > 0) chosen.layers = *layers;
                         if (steps_option->count() > 0) chosen.steps = *steps;
                         chosen.progress = isatty(STDERR_FILENO) != 0 && &err == &std::cerr;
+                        const std::unique_ptr<process_group> processes = join_launched_processes();
+                        chosen.processes = processes.get();
+                        chosen.device_index = processes->local_rank();
                         const replay_outcome outcome = run_replay(chosen, err);
+                        if (processes->rank() != 0) return 0;
                         if (outcome.complete) {
-                          out_stream << "replay: " << outcome.entries << " entries replayed";
-                          if (outcome.layers_resumed > 0) out_stream << ", " << outcome.layers_resumed << " layers kept from the interrupted run";
+                          if (processes->size() > 1) {
+                            out_stream << "replay: " << outcome.units_total - outcome.units_resumed
+                                       << " units replayed by " << processes->size() << " ranks";
+                          } else {
+                            out_stream << "replay: " << outcome.entries << " entries replayed";
+                          }
+                          if (outcome.units_resumed > 0) {
+                            out_stream << ", " << outcome.units_resumed << " of " << outcome.units_total
+                                       << " units kept from the interrupted run";
+                          }
                           out_stream << "\nreplay: wrote " << (chosen.out / "steps.csv").string() << ", "
                                      << (chosen.out / "accumulation.csv").string() << ", "
                                      << (chosen.out / "summary.json").string() << "\n";
