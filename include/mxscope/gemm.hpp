@@ -118,14 +118,14 @@ enum class compute_device : std::uint8_t { cpu, gpu };
 
 struct gemm_options {
   accumulation_path path = accumulation_path::automatic;
+  // Use the SIMD kernels this CPU offers (AVX2 on x86-64) where they apply; false keeps the
+  // portable kernels. The results are identical either way.
+  bool vector_kernels = true;
   compute_device device = compute_device::cpu;
   // run_gemm also multiplies the same quantized operands under the `exact` model (fp32 output) and
   // keeps the result in gemm_result::exact_of_quantized: the quantization-only error, without
   // quantizing twice. Ignored when the strategy's model is `exact` (its `exact` field is that).
   bool exact_too = false;
-  // Use the SIMD kernels this CPU offers (AVX2 on x86-64) where they apply; false keeps the
-  // portable kernels. The results are identical either way.
-  bool vector_kernels = true;
 };
 
 struct product_result {
