@@ -900,7 +900,8 @@ std::vector<self_test_row> self_test(self_test_device device, std::uint64_t seed
 #else
   throw input_error(
       "conform --self-test: field '--device': gpu: this mxscope was built without a GPU backend (configure with "
-      "MXSCOPE_ENABLE_CUDA=ON on a machine with nvcc, see docs/gpu.md); the CPU self-test is --device cpu");
+      "MXSCOPE_ENABLE_CUDA=ON on a machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); the CPU "
+      "self-test is --device cpu");
 #endif
 }
 

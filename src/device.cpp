@@ -21,7 +21,7 @@ compute_device parse_compute_device(const std::string& name, const std::string& 
 #else
   throw input_error(fmt::format(
       "{} gpu: this mxscope was built without the GPU backend (configure with MXSCOPE_ENABLE_CUDA=ON on a machine with "
-      "nvcc, see docs/gpu.md); use {} cpu",
+      "nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); use {} cpu",
       flag, flag));
 #endif
 }

@@ -129,7 +129,7 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
 #else
     throw input_error(
         "--device gpu: this mxscope was built without the GPU backend (configure with MXSCOPE_ENABLE_CUDA=ON on a "
-        "machine with nvcc, see docs/gpu.md); use --device cpu");
+        "machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); use --device cpu");
 #endif
   }
 
