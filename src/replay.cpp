@@ -454,6 +454,32 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Relative cost of one operand's format in the CPU emulator, in quarters of an MXFP4 fp32-block
+// product (measured on the sample Wgrad ablation, one thread: docs/scaling.md). Formats with an
+// integer block kernel are cheap; e5m2 elements and per-tensor scales go through slower paths.
+std::uint64_t operand_weight(const quantize_options& options) {
+  const bool e5m2 = options.format.element == core::element_kind::fp8_e5m2;
+  switch (options.format.scheme) {
+    case quant_scheme::mx:
+      if (e5m2) return 400;
+      return core::spec(options.format.element).bits <= 6 ? 4 : 20;
+    case quant_scheme::nvfp4: return 32;
+    case quant_scheme::per_tensor: return e5m2 ? 400 : 32;
+    default: return 10;  // bf16 and fp32
+  }
+}
+
+// The weight of a strategy: its costlier operand, times the model's factor (the per-entry models
+// trunc-align and trunc-promote cost about 3 to 4 times a block model).
+std::uint64_t strategy_weight(const strategy& chosen) {
+  const std::uint64_t operand = std::max(operand_weight(chosen.a.quantize), operand_weight(chosen.b.quantize));
+  switch (chosen.accumulation.kind) {
+    case accumulation_kind::trunc_align: return operand * 3;
+    case accumulation_kind::trunc_promote: return operand * 4;
+    default: return operand;
+  }
+}
+
 // One (layer, gemm, strategy) unit, by its indices into the plan, the analysis's gemms and its
 // strategies. Its canonical index is (layer * gemms + gemm) * strategies + strategy.
 struct unit_index {
@@ -688,6 +714,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       cost += static_cast<std::uint64_t>(entry->tokens) * static_cast<std::uint64_t>(entry->in_features) *
               static_cast<std::uint64_t>(entry->out_features);
     }
+    const unit_index unit = unit_at(index);
+    cost *= strategy_weight(parsed.strategies[unit.strategy].for_gemm(parsed.gemms[unit.gemm]));
     pending.push_back(index);
     costs.push_back(cost);
   }
