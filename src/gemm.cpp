@@ -1746,6 +1746,25 @@ bool gpu_multiplies(const quantized_tensor& a, const quantized_tensor& b, const 
 #endif
 }
 
+// The exact model of two unscaled operands (fp32 or bf16, finite) with fp32 output: the GPU's exact
+// reference kernel computes it.
+bool gpu_reference_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                              output_rounding output) {
+#ifdef MXSCOPE_HAVE_CUDA
+  const auto plain = [](const quantized_tensor& q) {
+    const quant_scheme scheme = q.options.format.scheme;
+    if (scheme != quant_scheme::none && scheme != quant_scheme::bf16) return false;
+    if (q.tensor_scale != 1.0f) return false;
+    return std::all_of(q.dequantized.values.begin(), q.dequantized.values.end(),
+                       [](float v) { return std::isfinite(v); });
+  };
+  return model.kind == accumulation_kind::exact && output == output_rounding::fp32 && plain(a) && plain(b);
+#else
+  (void)a, (void)b, (void)model, (void)output;
+  return false;
+#endif
+}
+
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
                              std::string_view a_name, std::string_view b_name) {
@@ -1793,6 +1812,21 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   if (options.device == compute_device::gpu && gpu_multiplies(a, b, model)) {
 #ifdef MXSCOPE_HAVE_CUDA
     product_result on_gpu = gpu::emulate_product(a, b, model, output);
+    on_gpu.product_on_gpu = true;
+    return on_gpu;
+#endif
+  }
+  if (options.device == compute_device::gpu && gpu_reference_multiplies(a, b, model, output)) {
+#ifdef MXSCOPE_HAVE_CUDA
+    // Unscaled operands (fp32, bf16): the exact model is the exact sum of the dequantized values'
+    // products rounded once, which is what the reference kernel computes (tests/test_gemm.cpp,
+    // ExactModelOfPlainOperandsIsTheExactReference).
+    const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
+    const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
+    const reference_result reference = gpu::reference_gemm(left, right);
+    product_result on_gpu;
+    on_gpu.out = reference.fp32;
+    on_gpu.exact = reference.fp64;
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif

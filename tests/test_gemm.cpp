@@ -7,16 +7,20 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "exact_oracle.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
+#include "mxscope/quantize.hpp"
+#include "mxscope/reference.hpp"
 
 namespace {
 
@@ -400,6 +404,48 @@ TEST(Exact, MatchesBoostMultiprecision) {
   check_exact(gemm_kind::dgrad, "fp8_e4m3", 10, 12, 70, 42);
   check_exact(gemm_kind::wgrad, "bf16", 50, 9, 7, 43);
   check_exact(gemm_kind::fprop, "fp32", 6, 45, 8, 44);
+}
+
+// The exact model of unscaled operands (fp32, bf16) is the exact reference of their dequantized
+// values: the exact sum of the products, rounded once to fp32 and to fp64, zero signs included. The
+// GPU computes that model with its reference kernel (src/gemm.cpp, gpu_reference_multiplies).
+TEST(Exact, ExactModelOfPlainOperandsIsTheExactReference) {
+  layer_tensors cancelling = random_layer(64, 9, 7, 51);
+  for (std::int64_t k = 1; k < 64; k += 2) {  // token pairs that cancel exactly in dw = dy^T x
+    for (std::int64_t c = 0; c < cancelling.x.cols; ++c) cancelling.x(k, c) = cancelling.x(k - 1, c);
+    for (std::int64_t c = 0; c < cancelling.dy.cols; ++c) cancelling.dy(k, c) = -cancelling.dy(k - 1, c);
+  }
+  const std::vector<std::pair<std::string, layer_tensors>> layers = {
+      {"random", random_layer(70, 12, 10, 52)},
+      {"extreme", random_layer(96, 11, 13, 53, true)},
+      {"cancelling", cancelling}};
+  for (const auto& [label, layer] : layers) {
+    for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop, gemm_kind::dgrad}) {
+      for (const auto& [format_a, format_b] : std::vector<std::pair<std::string, std::string>>{
+               {"bf16", "bf16"}, {"fp32", "fp32"}, {"bf16", "fp32"}}) {
+        const std::string what = fmt::format("{} {} {} x {}", label, mxscope::gemm_kind_name(kind), format_a, format_b);
+        const mxscope::strategy chosen = make_strategy(format_a, format_b, "exact");
+        const auto model = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+        const mxscope::gemm_layout layout = mxscope::layout_of(kind);
+        const auto canonical = [&](std::string_view name, const mxscope::operand_strategy& side, int axis) {
+          const matrix& tensor = name == "x" ? layer.x : name == "dy" ? layer.dy : layer.w;
+          mxscope::quantize_options options = side.quantize;
+          options.axis = axis;
+          const matrix values = mxscope::quantize(tensor, options).dequantized;
+          return axis == 1 ? values : mxscope::transposed(values);
+        };
+        const auto reference =
+            mxscope::reference_gemm(canonical(layout.a_name, chosen.a, layout.a_axis),
+                                    canonical(layout.b_name, chosen.b, layout.b_axis), mxscope::reference_kind::exact);
+        expect_same_bits(reference.fp32, model.out, what + " fp32");
+        ASSERT_EQ(reference.fp64.values.size(), model.exact.values.size()) << what;
+        for (std::size_t i = 0; i < model.exact.values.size(); ++i) {
+          ASSERT_EQ(std::bit_cast<std::uint64_t>(reference.fp64.values[i]), std::bit_cast<std::uint64_t>(model.exact.values[i]))
+              << what << " fp64 entry " << i;
+        }
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
