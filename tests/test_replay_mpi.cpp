@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -151,6 +152,27 @@ rotation = "hadamard:16"
   return path;
 }
 
+// Whether a rank's state file lists a unit "(layer, gemm, strategy)" of write_ablation's analysis on
+// data/sample whose fragment ("<layer index>-<layer>.<gemm>.<strategy index>.unit", src/replay.cpp)
+// is not written yet.
+bool owns_unfinished_unit(const fs::path& partial, const nlohmann::json& state) {
+  const std::vector<std::string> layers = {"layers.1.attn.o_proj", "layers.2.mlp.down_proj"};
+  const std::vector<std::string> strategies = {"bf16", "mxfp4-rne", "mxfp4-sr", "mxfp4-h16"};
+  if (!state.contains("units")) return false;
+  for (const auto& item : state["units"]) {
+    const std::string text = item.get<std::string>();  // "(layer, gemm, strategy)"
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      for (std::size_t k = 0; k < strategies.size(); ++k) {
+        if (text != "(" + layers[l] + ", wgrad, " + strategies[k] + ")") continue;
+        char name[160];
+        std::snprintf(name, sizeof(name), "%05zu-%s.wgrad.%03zu.unit", l, layers[l].c_str(), k);
+        if (!fs::exists(partial / name)) return true;
+      }
+    }
+  }
+  return false;
+}
+
 TEST(ReplayMpi, TwoAndThreeRanksGiveTheBytesOfOneProcess) {
   SKIP_WITHOUT_MPI();
   const fs::path root = fresh_directory("bytes");
@@ -201,6 +223,10 @@ TEST(ReplayMpi, KilledRankStopsTheRunAndResumeWithOtherRankCountFinishes) {
       const auto state = nlohmann::json::parse(read_text(out / ".partial" / ("rank-0000" + std::to_string(r) + ".json")),
                                                nullptr, false);
       if (state.is_object() && state.value("state", "") == "working") {
+        // Only while one of its own units is unfinished: a rank that has written its last
+        // fragment still says "working" for a moment, and killing it then would leave the other
+        // ranks to finish every unit, with nothing left to resume.
+        if (!owns_unfinished_unit(out / ".partial", state)) continue;
         ::kill(static_cast<pid_t>(state["pid"].get<std::int64_t>()), SIGKILL);
         victim = r;
       }
