@@ -1765,6 +1765,17 @@ bool gpu_reference_multiplies(const quantized_tensor& a, const quantized_tensor&
 #endif
 }
 
+// fp32-block, fp32-group:G and fp32-seq of two unscaled operands (fp32 or bf16, finite) with fp32
+// output: the GPU's generic kernel computes them with unit block scales.
+bool gpu_plain_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                          output_rounding output) {
+  const bool models = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
+                      model.kind == accumulation_kind::fp32_seq;
+  accumulation_model exact_model;
+  exact_model.kind = accumulation_kind::exact;
+  return models && gpu_reference_multiplies(a, b, exact_model, output);
+}
+
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
                              std::string_view a_name, std::string_view b_name) {
@@ -1827,6 +1838,17 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     product_result on_gpu;
     on_gpu.out = reference.fp32;
     on_gpu.exact = reference.fp64;
+    on_gpu.product_on_gpu = true;
+    return on_gpu;
+#endif
+  }
+  if (options.device == compute_device::gpu && gpu_plain_multiplies(a, b, model, output)) {
+#ifdef MXSCOPE_HAVE_CUDA
+    // Unscaled operands (fp32, bf16): block scales and tensor scales are 1, so the GPU's generic
+    // kernel on the dequantized values computes the model (block = the common K-block).
+    const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
+    const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
+    product_result on_gpu = gpu::emulate_plain_product(left, right, block, model, output);
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif

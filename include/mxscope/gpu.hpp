@@ -275,6 +275,12 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic);
 
+// The product of unscaled operands A [M, K] and B [N, K] (fp32 values; bf16 operands as their fp32
+// values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every block
+// scale 1: what mxscope::emulate_product computes for fp32 and bf16 operands (generic path).
+product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
+                                     output_rounding output = output_rounding::fp32);
+
 // The exact reference (reference_kind::exact) of A [M, K] and B [N, K]; stats count entries and
 // non-finite entries (every entry is exact: there is no certification step on the GPU).
 reference_result reference_gemm(const matrix& a, const matrix& b);

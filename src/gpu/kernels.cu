@@ -1953,6 +1953,51 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
   return result;
 }
 
+product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
+                                     output_rounding output) {
+  if (a.cols != b.cols) {
+    throw input_error("gpu gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
+  }
+  if (block < 1) throw input_error("gpu gemm: field 'block' must be positive");
+  if (model.kind != accumulation_kind::fp32_block && model.kind != accumulation_kind::fp32_group &&
+      model.kind != accumulation_kind::fp32_seq) {
+    throw input_error("gpu gemm: unscaled operands run fp32-block, fp32-group:G and fp32-seq on the GPU");
+  }
+  if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
+    throw input_error("gpu gemm: field 'accum': G must be positive");
+  }
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const std::int64_t depth = a.cols;
+  product_result result;
+  result.out = matrix(m, n);
+  if (m == 0 || n == 0) return result;
+  const std::int64_t blocks = (depth + block - 1) / block;
+  const device_buffer left = upload_vector(a.values);
+  const device_buffer right = upload_vector(b.values);
+  // Every block scale is 2^0: the exponent buffers [blocks, rows] are zero.
+  device_buffer left_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * m, 1)) * sizeof(std::int32_t));
+  device_buffer right_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * n, 1)) * sizeof(std::int32_t));
+  left_exponents.fill_bytes(0);
+  right_exponents.fill_bytes(0);
+  device_buffer out(static_cast<std::size_t>(m * n) * sizeof(float));
+  const unsigned grid = grid_for(m * n, 128);
+  const auto* ae = left.as<const float>();
+  const auto* be = right.as<const float>();
+  const auto* ax = left_exponents.as<const std::int32_t>();
+  const auto* bx = right_exponents.as<const std::int32_t>();
+  if (model.kind == accumulation_kind::fp32_seq) {
+    runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, depth, block,
+                    1, output, out.as<float>(), static_cast<double*>(nullptr));
+  } else {
+    runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, depth, block,
+                    model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
+                    out.as<float>(), static_cast<double*>(nullptr));
+  }
+  out.download(result.out.data(), out.bytes());
+  return result;
+}
+
 reference_result reference_gemm(const matrix& a, const matrix& b) {
   if (a.cols != b.cols) {
     throw input_error("gpu reference_gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
