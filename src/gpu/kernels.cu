@@ -537,6 +537,42 @@ __device__ inline void load_block(const std::uint16_t* input, std::int64_t first
   }
 }
 
+// The start of a fused block: load its 32 elements, rotate them in registers (signs first, as
+// core::rotate_segment does), count nonzero and non-finite inputs and find the largest finite
+// magnitude. Shared by the fused quantizer and the gfx950 native one.
+struct block_scan {
+  float amax;
+  bool nonfinite;
+};
+template <int Rotation, class Input>
+__device__ inline block_scan load_and_scan_block(const Input* input, std::int64_t first, std::int64_t b,
+                                                 const float* signs, float (&v)[fused_block],
+                                                 unsigned long long (&counts)[mx_counter_count]) {
+  load_block(input, first, v);
+  if constexpr (Rotation > 0) {
+    // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
+    if (signs != nullptr) {
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) v[i] = v[i] * signs[b * fused_block + i];
+    }
+#pragma unroll
+    for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+  }
+  block_scan scan{0.0f, false};
+#pragma unroll
+  for (int i = 0; i < fused_block; ++i) {
+    counts[counter_nonzero] += v[i] != 0.0f;
+    if (!is_finite(v[i])) {
+      scan.nonfinite = true;
+      ++counts[counter_nonfinite];
+    } else {
+      const float magnitude = fabsf(v[i]);
+      if (scan.amax < magnitude) scan.amax = magnitude;
+    }
+  }
+  return scan;
+}
+
 template <class Input, int Rotation, int KindIndex>
 __global__ void mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
                                 const float* signs, mx_device_output output) {
@@ -553,29 +589,9 @@ __global__ void mx_fused_kernel(const Input* input, std::int64_t rows, std::int6
     const std::int64_t b = g % blocks_per_row;
     const std::int64_t first = r * cols + b * fused_block;
     float v[fused_block];
-    load_block(input, first, v);
-    if constexpr (Rotation > 0) {
-      // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
-      if (signs != nullptr) {
-#pragma unroll
-        for (int i = 0; i < fused_block; ++i) v[i] = v[i] * signs[b * fused_block + i];
-      }
-#pragma unroll
-      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
-    }
-    float amax = 0.0f;
-    bool nonfinite = false;
-#pragma unroll
-    for (int i = 0; i < fused_block; ++i) {
-      counts[counter_nonzero] += v[i] != 0.0f;
-      if (!is_finite(v[i])) {
-        nonfinite = true;
-        ++counts[counter_nonfinite];
-      } else {
-        const float magnitude = fabsf(v[i]);
-        if (amax < magnitude) amax = magnitude;
-      }
-    }
+    const block_scan scan = load_and_scan_block<Rotation>(input, first, b, signs, v, counts);
+    const float amax = scan.amax;
+    const bool nonfinite = scan.nonfinite;
     std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
     if (nonfinite) {
       output.scales[g] = core_ns::scale_nan_code;

@@ -1,5 +1,5 @@
 // The gfx950 (MI355X) native MX path: kernels and host launchers (rules and hypotheses in
-// native_gfx950.hpp). Included once by kernels.cu, inside namespace mxscope::gpu, after its helpers (load_block, add_counters,
+// native_gfx950.hpp). Included once by kernels.cu, inside namespace mxscope::gpu, after its helpers (load_and_scan_block, add_counters,
 // make_signs, load_code, finish_output, prepared_operand::storage). The device code exists only in
 // the HIP device pass for gfx950 (__gfx950__); nvcc, the CPU simulation and other AMD targets see
 // host stubs, and native_gfx950::present() is false there, so nothing selects this path.
@@ -43,28 +43,9 @@ __global__ void __launch_bounds__(256)
     const std::int64_t b = g % blocks_per_row;
     const std::int64_t first = r * cols + b * fused_block;
     float v[fused_block];
-    load_block(input, first, v);
-    if constexpr (Rotation > 0) {
-      if (signs != nullptr) {
-#pragma unroll
-        for (int i = 0; i < fused_block; ++i) v[i] = v[i] * signs[b * fused_block + i];
-      }
-#pragma unroll
-      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
-    }
-    float amax = 0.0f;
-    bool nonfinite = false;
-#pragma unroll
-    for (int i = 0; i < fused_block; ++i) {
-      counts[counter_nonzero] += v[i] != 0.0f;
-      if (!is_finite(v[i])) {
-        nonfinite = true;
-        ++counts[counter_nonfinite];
-      } else {
-        const float magnitude = fabsf(v[i]);
-        if (amax < magnitude) amax = magnitude;
-      }
-    }
+    const block_scan scan = load_and_scan_block<Rotation>(input, first, b, signs, v, counts);
+    const float amax = scan.amax;
+    const bool nonfinite = scan.nonfinite;
     std::uint32_t words[4] = {0, 0, 0, 0};  // 32 fp4 codes, element 2p in the low nibble of byte p
     if (nonfinite) {
       output.scales[g] = core_ns::scale_nan_code;
