@@ -224,27 +224,14 @@ MXSCOPE_HD constexpr double truncate_to_multiple(double value, int unit) {
   return parts.negative ? -magnitude : magnitude;
 }
 
-// One group of the trunc-align model: the accumulator and the group's products (all finite) are
-// aligned to the largest exponent E among the nonzero ones, each is truncated toward zero to a
-// multiple of 2^(E - fraction_bits), the truncated terms are summed exactly, and the sum is
-// rounded to fp32 by `mode`.
-MXSCOPE_HD constexpr float trunc_align_sum(float accumulator, const double* products, int count, int fraction_bits,
-                                           alignment_rounding mode) {
-  int leading = -2000;
-  if (accumulator != 0.0f) leading = floor_log2(accumulator < 0.0f ? -accumulator : accumulator);
-  for (int i = 0; i < count; ++i) {
-    const double product = products[i];
-    if (product != 0.0) {
-      const int product_leading = floor_log2(product < 0.0 ? -product : product);
-      if (product_leading > leading) leading = product_leading;
-    }
-  }
-  if (leading == -2000) return 0.0f;
-  const int unit = leading - fraction_bits;
-  const bool toward_zero = mode == alignment_rounding::rtz;
-  // Each truncated term is an integer multiple of 2^unit below 2^(fraction_bits + 1) in magnitude.
+// The exact sum of the accumulator and the products, each truncated toward zero to a multiple of
+// 2^unit, rounded once to `target` (toward zero, or to nearest even). Every truncated term is below
+// 2^term_bits units in magnitude: the sum then fits 128-bit integers when term_bits plus the carry
+// bits of count + 1 terms stay within 126, and goes through a long accumulator otherwise.
+MXSCOPE_HD constexpr double sum_truncated_terms(float accumulator, const double* products, int count, int unit,
+                                                int term_bits, binary_format target, bool toward_zero) {
   const int carry_bits = bit_length(static_cast<uint128>(count) + 1U);
-  if (fraction_bits + 1 + carry_bits <= 126) {
+  if (term_bits + carry_bits <= 126) {
     int128 sum = 0;
     const auto add = [&](double value) {
       if (value == 0.0) return;
@@ -262,12 +249,34 @@ MXSCOPE_HD constexpr float trunc_align_sum(float accumulator, const double* prod
     for (int i = 0; i < count; ++i) add(products[i]);
     const bool negative = sum < 0;
     const uint128 magnitude = negative ? -static_cast<uint128>(sum) : static_cast<uint128>(sum);
-    return static_cast<float>(round_scaled_integer(magnitude, negative, unit, binary32, toward_zero));
+    return round_scaled_integer(magnitude, negative, unit, target, toward_zero);
   }
   long_accumulator total;
   total.add(truncate_to_multiple(static_cast<double>(accumulator), unit));
   for (int i = 0; i < count; ++i) total.add(truncate_to_multiple(products[i], unit));
-  return static_cast<float>(round_long_accumulator(total, binary32, toward_zero));
+  return round_long_accumulator(total, target, toward_zero);
+}
+
+// One group of the trunc-align model: the accumulator and the group's products (all finite) are
+// aligned to the largest exponent E among the nonzero ones, each is truncated toward zero to a
+// multiple of 2^(E - fraction_bits), the truncated terms are summed exactly, and the sum is
+// rounded to fp32 by `mode`.
+MXSCOPE_HD constexpr float trunc_align_sum(float accumulator, const double* products, int count, int fraction_bits,
+                                           alignment_rounding mode) {
+  int leading = -2000;
+  if (accumulator != 0.0f) leading = floor_log2(accumulator < 0.0f ? -accumulator : accumulator);
+  for (int i = 0; i < count; ++i) {
+    const double product = products[i];
+    if (product != 0.0) {
+      const int product_leading = floor_log2(product < 0.0 ? -product : product);
+      if (product_leading > leading) leading = product_leading;
+    }
+  }
+  if (leading == -2000) return 0.0f;
+  const int unit = leading - fraction_bits;
+  // Each truncated term is an integer multiple of 2^unit below 2^(fraction_bits + 1) in magnitude.
+  return static_cast<float>(sum_truncated_terms(accumulator, products, count, unit, fraction_bits + 1, binary32,
+                                                mode == alignment_rounding::rtz));
 }
 
 // One step of the trunc-promote model. The inner accumulator and the step's products (all finite)
@@ -290,31 +299,8 @@ MXSCOPE_HD constexpr float trunc_promote_step(float accumulator, const double* p
   const binary_format narrow{step_bits, binary32.min_exponent, binary32.max_exponent};
   // Each truncated term is below 2^(fraction_bits + 2) units of 2^unit (a product is below
   // 2^(e + 2), the accumulator below 2^(E + 1)).
-  const int carry_bits = bit_length(static_cast<uint128>(count) + 1U);
-  if (fraction_bits + 2 + carry_bits <= 126) {
-    int128 sum = 0;
-    const auto add = [&](double value) {
-      if (value == 0.0) return;
-      const double_parts parts = decompose(value);
-      const int shift = parts.exponent - unit;
-      uint128 magnitude = 0;
-      if (shift >= 0) {
-        magnitude = static_cast<uint128>(parts.significand) << shift;
-      } else if (-shift < 64) {
-        magnitude = parts.significand >> -shift;
-      }
-      sum += parts.negative ? -static_cast<int128>(magnitude) : static_cast<int128>(magnitude);
-    };
-    add(static_cast<double>(accumulator));
-    for (int i = 0; i < count; ++i) add(products[i]);
-    const bool negative = sum < 0;
-    const uint128 magnitude = negative ? -static_cast<uint128>(sum) : static_cast<uint128>(sum);
-    return static_cast<float>(round_scaled_integer(magnitude, negative, unit, narrow, true));
-  }
-  long_accumulator total;
-  total.add(truncate_to_multiple(static_cast<double>(accumulator), unit));
-  for (int i = 0; i < count; ++i) total.add(truncate_to_multiple(products[i], unit));
-  return static_cast<float>(round_long_accumulator(total, narrow, true));
+  return static_cast<float>(
+      sum_truncated_terms(accumulator, products, count, unit, fraction_bits + 2, narrow, /*toward_zero=*/true));
 }
 
 // Splits a finite double into high + low (exact) where high keeps the top `high_bits` bits of the
