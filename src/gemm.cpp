@@ -92,6 +92,20 @@ int parse_bounded_integer(std::string_view digits, int low, int high, std::strin
 
 }  // namespace
 
+namespace {
+// "a,b,c" -> {"a", "b", "c"} (empty fields kept, so that the caller's count check sees them).
+std::vector<std::string_view> split_commas(std::string_view rest) {
+  std::vector<std::string_view> parts;
+  while (true) {
+    const auto comma = rest.find(',');
+    parts.push_back(rest.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return parts;
+}
+}  // namespace
+
 accumulation_model parse_accumulation_model(std::string_view text, std::string_view field) {
   accumulation_model model;
   if (text == "exact") {
@@ -116,14 +130,7 @@ accumulation_model parse_accumulation_model(std::string_view text, std::string_v
   }
   if (text.starts_with(align_prefix)) {
     model.kind = accumulation_kind::trunc_align;
-    std::string_view rest = text.substr(align_prefix.size());
-    std::vector<std::string_view> parts;
-    while (true) {
-      const auto comma = rest.find(',');
-      parts.push_back(rest.substr(0, comma));
-      if (comma == std::string_view::npos) break;
-      rest = rest.substr(comma + 1);
-    }
+    const std::vector<std::string_view> parts = split_commas(text.substr(align_prefix.size()));
     if (parts.size() < 2 || parts.size() > 3) bad_model(field, text, "trunc-align takes n,G or n,G,mode");
     model.fraction_bits =
         parse_bounded_integer(parts[0], 0, core_ns::trunc_align_fraction_bits_max, field, text, "n");
@@ -144,14 +151,7 @@ accumulation_model parse_accumulation_model(std::string_view text, std::string_v
     model.kind = accumulation_kind::trunc_promote;
     model.blocks_per_group = 1;
     model.rounding = alignment_rounding::rtz;
-    std::string_view rest = text.substr(promote_prefix.size());
-    std::vector<std::string_view> parts;
-    while (true) {
-      const auto comma = rest.find(',');
-      parts.push_back(rest.substr(0, comma));
-      if (comma == std::string_view::npos) break;
-      rest = rest.substr(comma + 1);
-    }
+    const std::vector<std::string_view> parts = split_commas(text.substr(promote_prefix.size()));
     if (parts.size() < 3 || parts.size() > 4) bad_model(field, text, "trunc-promote takes n,k,w or n,k,w,c");
     model.fraction_bits =
         parse_bounded_integer(parts[0], 0, core_ns::trunc_align_fraction_bits_max, field, text, "n");
