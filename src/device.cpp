@@ -61,6 +61,7 @@ void placement_counts::count(const gemm_result& result) {
   (result.a.quantized_on_gpu ? quantize_gpu : quantize_cpu) += 1;
   (result.b.quantized_on_gpu ? quantize_gpu : quantize_cpu) += 1;
   (result.product_on_gpu ? product_gpu : product_cpu) += 1;
+  if (result.exact_of_quantized.size() != 0) (result.exact_of_quantized_on_gpu ? product_gpu : product_cpu) += 1;
 }
 
 reference_result reference_on(compute_device device, const matrix& a, const matrix& b, reference_kind kind,

@@ -913,9 +913,6 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             // The same quantized operands under the exact model separate quantization from accumulation.
             const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
             placed.count(result);
-            if (result.exact_of_quantized.size() != 0) {
-              (result.exact_of_quantized_on_gpu ? placed.product_gpu : placed.product_cpu) += 1;
-            }
             const matrix64& exact_result =
                 chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
             unit.stage_seconds[0] += seconds_since(unit_started);

@@ -39,7 +39,7 @@ struct placement_counts {
   std::int64_t product_gpu = 0, product_cpu = 0;
   std::int64_t reference_gpu = 0, reference_cpu = 0;
   std::int64_t compare_gpu = 0, compare_cpu = 0;
-  void count(const gemm_result& result);
+  void count(const gemm_result& result);  // its two quantizations and its products (exact_too's included)
 };
 
 // reference_gemm on `device` (see the list above).
