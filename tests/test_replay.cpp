@@ -32,16 +32,15 @@
 #include "mxscope/reference.hpp"
 #include "mxscope/replay.hpp"
 
+#include "test_files.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path fresh_directory(const std::string& name) {
-  const fs::path path = fs::temp_directory_path() / ("mxscope-test-replay-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(path);
-  fs::create_directories(path);
-  return path;
-}
+using mxscope::testing::read_text;
+
+fs::path fresh_directory(const std::string& name) { return mxscope::testing::fresh_directory("replay", name); }
 
 // Random operands with a realistic spread of magnitudes (log-normal), so that MXFP4 flushes and clips.
 mxscope::matrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
@@ -81,13 +80,6 @@ void write_dump(const fs::path& directory, const std::vector<std::string>& layer
 }
 
 void write_text(const fs::path& path, const std::string& text) { std::ofstream(path) << text; }
-
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
 
 // A CSV as rows of column -> text.
 std::vector<std::map<std::string, std::string>> read_csv(const fs::path& path) {

@@ -27,25 +27,18 @@
 #include "mxscope/parallel.hpp"
 #include "mxscope/replay.hpp"
 
+#include "test_files.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
 
 const fs::path source_dir = MXSCOPE_SOURCE_DIR;
 
-fs::path fresh_directory(const std::string& name) {
-  const fs::path path = fs::temp_directory_path() / ("mxscope-test-mpi-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(path);
-  fs::create_directories(path);
-  return path;
-}
+using mxscope::testing::read_text;
+using mxscope::testing::wait_for;
 
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
+fs::path fresh_directory(const std::string& name) { return mxscope::testing::fresh_directory("mpi", name); }
 
 std::string find_mpirun() {
   const char* path = std::getenv("PATH");
@@ -68,32 +61,12 @@ std::string find_mpirun() {
 
 // Starts `mpirun -np ranks mxscope replay ...` with stdout and stderr going to `log`.
 pid_t start_mpirun(int ranks, const std::vector<std::string>& replay_arguments, const fs::path& log) {
-  // Test machines and containers often run as root, which OpenMPI refuses unless told.
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   std::vector<std::string> arguments = {find_mpirun(), "-np", std::to_string(ranks), "--oversubscribe",
                                         MXSCOPE_CLI_PATH, "replay"};
   arguments.insert(arguments.end(), replay_arguments.begin(), replay_arguments.end());
-  const pid_t child = fork();
-  if (child == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    std::vector<char*> argv;
-    for (auto& argument : arguments) argv.push_back(argument.data());
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    _exit(127);
-  }
-  return child;
-}
-
-int wait_for(pid_t child) {
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  // Test machines and containers often run as root, which OpenMPI refuses unless told.
+  return mxscope::testing::spawn_logged(arguments, log,
+                                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
 }
 
 int run_mpirun(int ranks, const std::vector<std::string>& replay_arguments, const fs::path& log) {

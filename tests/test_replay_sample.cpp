@@ -42,6 +42,8 @@
 #include "mxscope/analysis.hpp"
 #include "mxscope/io/dump.hpp"
 
+#include "test_files.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -55,20 +57,9 @@ const std::vector<std::string> sample_layers = {"layers.1.attn.o_proj", "layers.
 const std::vector<std::int64_t> window = {400, 401, 402, 403};
 const char* window_text = "400-403";
 
-fs::path fresh_directory(const std::string& name) {
-  const fs::path path =
-      fs::temp_directory_path() / ("mxscope-test-replay-sample-" + std::to_string(::getpid()) + "-" + name);
-  fs::remove_all(path);
-  fs::create_directories(path);
-  return path;
-}
+using mxscope::testing::read_text;
 
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
+fs::path fresh_directory(const std::string& name) { return mxscope::testing::fresh_directory("replay-sample", name); }
 
 std::vector<std::string> split(const std::string& line, char separator) {
   std::vector<std::string> cells;
@@ -163,27 +154,15 @@ std::vector<std::string> strategy_names(const fs::path& analysis_file) {
 // child wait passively: on a busy two-core machine spinning threads burn CPU time for nothing
 // (the results do not depend on it).
 pid_t spawn_cli(const std::vector<std::string>& arguments, const fs::path& log) {
-  const std::string log_path = log.string();
-  const pid_t child = fork();
-  if (child == 0) {
-    std::vector<const char*> argv{MXSCOPE_CLI_PATH};
-    for (const auto& argument : arguments) argv.push_back(argument.c_str());
-    argv.push_back(nullptr);
-    if (std::FILE* out = std::freopen(log_path.c_str(), "w", stdout)) dup2(fileno(out), STDERR_FILENO);
-    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-    execv(MXSCOPE_CLI_PATH, const_cast<char* const*>(argv.data()));
-    _exit(127);
-  }
-  return child;
+  std::vector<std::string> argv{MXSCOPE_CLI_PATH};
+  argv.insert(argv.end(), arguments.begin(), arguments.end());
+  return mxscope::testing::spawn_logged(argv, log, {{"OMP_WAIT_POLICY", "PASSIVE"}});
 }
 
-// Runs the CLI binary to the end; its exit code (-1 when it did not exit normally).
+// Runs the CLI binary to the end; its exit code (128 + signal when a signal ended it).
 int run_child(const std::vector<std::string>& arguments, const fs::path& log) {
   const pid_t child = spawn_cli(arguments, log);
-  if (child < 0) return -1;
-  int status = 0;
-  if (waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
-  return WEXITSTATUS(status);
+  return child < 0 ? -1 : mxscope::testing::wait_for(child);
 }
 
 void replay_or_fail(const std::vector<std::string>& arguments) {
