@@ -515,7 +515,7 @@ std::vector<std::string> together(process_group& world, const std::function<std:
   for (std::size_t r = 0; r < all.size(); ++r) {
     if (all[r].starts_with("failed\n")) {
       if (static_cast<int>(r) == world.rank()) std::rethrow_exception(failure);
-      throw reported_elsewhere(2);
+      throw reported_elsewhere(0);  // the reporting rank exits 2 (errors.hpp)
     }
   }
   for (auto& item : all) item.erase(0, 3);
@@ -1108,7 +1108,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     all_input = all_input && item["failure_kind"] == "input";
   }
   if (!failures.empty()) {
-    if (rank != 0) throw reported_elsewhere(2);
+    if (rank != 0) throw reported_elsewhere(0);  // the reporting rank exits 2 (errors.hpp)
     const std::string message = fmt::format(
         "{}\n{} of {} units are complete and kept in {}; finish the run with --resume (with any number of ranks)",
         failures, outcome.units_resumed + units_done_now, unit_count, partial.string());

@@ -19,7 +19,10 @@ class check_failed : public std::runtime_error {
 };
 
 // A failure of a multi-process run that another process of the run reports (docs/scaling.md): this
-// process only exits with `code`, printing nothing, so the message appears once.
+// process only exits with `code`, printing nothing, so the message appears once. The replay gives
+// code 0 here: a launcher (mpirun, srun --kill-on-bad-exit) ends the whole job when any rank exits
+// non-zero, which could kill the reporting rank before its message is out; that rank's own exit
+// code (2) is the job's.
 class reported_elsewhere : public std::runtime_error {
  public:
   explicit reported_elsewhere(int code) : std::runtime_error("reported by another process"), code_(code) {}
