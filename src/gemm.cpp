@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -1776,6 +1777,91 @@ bool gpu_plain_multiplies(const quantized_tensor& a, const quantized_tensor& b, 
   return models && gpu_reference_multiplies(a, b, exact_model, output);
 }
 
+}  // namespace
+
+namespace detail {
+
+bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantized_tensor& b,
+                                       const accumulation_model& model) {
+  const bool models = model.kind == accumulation_kind::exact || model.kind == accumulation_kind::fp32_block ||
+                      model.kind == accumulation_kind::fp32_group;
+  if (!models) return false;
+  if (a.options.format.scheme != quant_scheme::per_tensor || b.options.format.scheme != quant_scheme::per_tensor) {
+    return false;
+  }
+  const auto integer_max = [](element_kind kind) {
+    return core_ns::max_normal(kind) * core_ns::pow2(-core_ns::subnormal_ulp_exponent(kind));
+  };
+  const double depth = static_cast<double>(a.options.axis == 1 ? a.cols : a.rows);
+  if (depth * integer_max(a.options.format.element) * integer_max(b.options.format.element) >= 0x1p53) return false;
+  const auto finite = [](const quantized_tensor& q) {
+    const element_kind kind = q.options.format.element;
+    bool table[256] = {};
+    const int codes = 1 << core_ns::spec(kind).bits;
+    for (int code = 0; code < codes; ++code) {
+      table[code] = std::isfinite(core_ns::decode(kind, static_cast<std::uint32_t>(code)));
+    }
+    bool all = true;
+    const auto size = static_cast<std::int64_t>(q.codes.size());
+#pragma omp parallel for schedule(static) reduction(&& : all) if (size >= parallel_elements)
+    for (std::int64_t i = 0; i < size; ++i) all = all && table[q.codes[static_cast<std::size_t>(i)]];
+    return all;
+  };
+  return finite(a) && finite(b);
+}
+
+quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block) {
+  quantized_tensor out;
+  out.options = q.options;
+  out.options.format.scheme = quant_scheme::mx;
+  out.options.format.default_block = block;
+  out.options.block = block;
+  out.block = block;
+  out.rows = q.rows;
+  out.cols = q.cols;
+  out.codes = q.codes;
+  if (q.options.axis == 1) {
+    out.scale_rows = q.rows;
+    out.scale_cols = (q.cols + block - 1) / block;
+  } else {
+    out.scale_rows = (q.rows + block - 1) / block;
+    out.scale_cols = q.cols;
+  }
+  out.scales.assign(static_cast<std::size_t>(out.scale_rows * out.scale_cols), core_ns::scale_code(0));  // 2^0
+  return out;
+}
+
+product_result per_tensor_by_unit_scales(
+    const quantized_tensor& a, const quantized_tensor& b, int block, const accumulation_model& model,
+    output_rounding output,
+    const std::function<product_result(const quantized_tensor&, const quantized_tensor&)>& multiply) {
+  product_result result = multiply(unit_scaled_mx(a, block), unit_scaled_mx(b, block));
+  const auto size = static_cast<std::int64_t>(result.out.values.size());
+  if (model.kind == accumulation_kind::exact) {
+    const tensor_scale_product scale = make_scale_product(a.tensor_scale, b.tensor_scale);
+#pragma omp parallel for schedule(static) if (size >= parallel_elements / 8)
+    for (std::int64_t e = 0; e < size; ++e) {
+      const auto at = static_cast<std::size_t>(e);
+      core_ns::long_accumulator total;
+      add_scaled_exactly(total, result.exact.values[at], scale);  // the unscaled sum is exact here
+      result.out.values[at] = round_output(total.round_to_float(), output);
+      result.exact.values[at] = total.round_to_double();
+    }
+  } else {
+    const float alpha = a.tensor_scale * b.tensor_scale;
+#pragma omp parallel for schedule(static) if (size >= parallel_elements)
+    for (std::int64_t e = 0; e < size; ++e) {
+      const auto at = static_cast<std::size_t>(e);
+      result.out.values[at] = round_output(epilogue(result.out.values[at], alpha), output);
+    }
+  }
+  return result;
+}
+
+}  // namespace detail
+
+namespace {
+
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
                              std::string_view a_name, std::string_view b_name) {
@@ -1827,6 +1913,17 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     return on_gpu;
 #endif
   }
+#ifdef MXSCOPE_HAVE_CUDA
+  // Per-tensor fp8 (finite elements): the GPU multiplies the elements as MX operands with every
+  // block scale 2^0 and the host applies the tensor scales (detail::per_tensor_by_unit_scales).
+  if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model)) {
+    product_result on_gpu = detail::per_tensor_by_unit_scales(
+        a, b, block, model, output,
+        [&](const quantized_tensor& x, const quantized_tensor& y) { return gpu::emulate_product(x, y, model); });
+    on_gpu.product_on_gpu = true;
+    return on_gpu;
+  }
+#endif
   if (options.device == compute_device::gpu && gpu_reference_multiplies(a, b, model, output)) {
 #ifdef MXSCOPE_HAVE_CUDA
     // Unscaled operands (fp32, bf16): the exact model is the exact sum of the dequantized values'

@@ -861,6 +861,75 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
   EXPECT_LT(ordinary_bf16.fallback_entries, ordinary_bf16.out.size() / 4);
 }
 
+// Per-tensor fp8 operands as the GPU multiplies them (--device gpu): MX operands with the same
+// element codes and every block scale 2^0, then the tensor scales applied on the host. Here the MX
+// product runs on the CPU, so the test checks the reduction itself: it must give the bits of the
+// direct per-tensor product for every model it claims, both output roundings and both axes.
+TEST(PerTensor, UnitScaledMxProductWithTensorScalesIsTheDirectProduct) {
+  struct pairing {
+    std::string_view a, b;
+  };
+  for (const bool extreme : {false, true}) {
+    const layer_tensors layer = random_layer(100, 36, 28, extreme ? 140 : 141, extreme);
+    for (const auto& [format_a, format_b] : {pairing{"fp8_e4m3", "fp8_e4m3"}, pairing{"fp8_e5m2", "fp8_e4m3"}}) {
+      const bool e5m2 = format_a == "fp8_e5m2";
+      for (const int axis : {0, 1}) {
+        mxscope::quantize_options a_options;
+        a_options.format = *mxscope::parse_format(format_a);
+        a_options.axis = axis;
+        mxscope::quantize_options b_options = a_options;
+        b_options.format = *mxscope::parse_format(format_b);
+        // Operands that share the reduction axis: dy [K, n_out] and x [K, n_in] along K (axis 0), or
+        // their transposes along axis 1.
+        const quantized_tensor a = mxscope::quantize(axis == 0 ? layer.dy : mxscope::transposed(layer.dy), a_options);
+        const quantized_tensor b = mxscope::quantize(axis == 0 ? layer.x : mxscope::transposed(layer.x), b_options);
+        ASSERT_NE(a.tensor_scale, 1.0f);
+        for (const std::string_view name : {"fp32-block", "fp32-group:4", "exact"}) {
+          const mxscope::accumulation_model model = mxscope::parse_accumulation_model(name);
+          // e5m2 x e4m3: K * 57344 * 2^16 * 448 * 2^9 exceeds 2^53 from K = 8 on, so at K = 100 the
+          // unscaled sum need not be an fp64 value and the product stays on the CPU's own path.
+          ASSERT_EQ(mxscope::detail::per_tensor_by_unit_scales_applies(a, b, model), !e5m2) << name;
+          if (e5m2) continue;
+          for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+            const auto direct = mxscope::emulate_product(a, b, model, output);
+            const auto via = mxscope::detail::per_tensor_by_unit_scales(
+                a, b, 32, model, output,
+                [&](const quantized_tensor& x, const quantized_tensor& y) { return mxscope::emulate_product(x, y, model); });
+            const std::string what = fmt::format("{} x {} axis {} {} {}{}", format_a, format_b, axis, name,
+                                                 output == mxscope::output_rounding::bf16 ? "bf16" : "fp32",
+                                                 extreme ? " extreme" : "");
+            expect_same_bits(direct.out, via.out, what);
+            if (model.kind == mxscope::accumulation_kind::exact) {
+              ASSERT_EQ(direct.exact.size(), via.exact.size()) << what;
+              for (std::int64_t i = 0; i < direct.exact.size(); ++i) {
+                ASSERT_TRUE(oracle::same(direct.exact.values[i], via.exact.values[i])) << what << " fp64 entry " << i;
+              }
+            }
+          }
+        }
+        // What the reduction does not claim: other models, other schemes.
+        for (const std::string_view name : {"fp32-seq", "trunc-align:14,1", "trunc-promote:13,32,14,128"}) {
+          EXPECT_FALSE(mxscope::detail::per_tensor_by_unit_scales_applies(a, b, mxscope::parse_accumulation_model(name)))
+              << name;
+        }
+      }
+    }
+  }
+  // A NaN element (from a NaN input) and an MX operand are left to the CPU's own paths.
+  matrix with_nan = random_matrix(64, 8, 142);
+  with_nan(5, 3) = std::numeric_limits<float>::quiet_NaN();
+  mxscope::quantize_options options;
+  options.format = *mxscope::parse_format("fp8_e4m3");
+  options.axis = 0;
+  const quantized_tensor finite = mxscope::quantize(random_matrix(64, 8, 143), options);
+  const quantized_tensor nan = mxscope::quantize(with_nan, options);
+  const auto block = mxscope::parse_accumulation_model("fp32-block");
+  EXPECT_TRUE(mxscope::detail::per_tensor_by_unit_scales_applies(finite, finite, block));
+  EXPECT_FALSE(mxscope::detail::per_tensor_by_unit_scales_applies(finite, nan, block));
+  options.format = *mxscope::parse_format("mxfp8_e4m3");
+  EXPECT_FALSE(mxscope::detail::per_tensor_by_unit_scales_applies(finite, mxscope::quantize(random_matrix(64, 8, 143), options), block));
+}
+
 TEST(FastPath, NanBlocksPropagate) {
   layer_tensors layer = random_layer(64, 8, 8, 130);
   layer.dy(5, 3) = NAN;  // wgrad: dy's block (tokens 0..31, column 3) becomes a NaN block

@@ -3,8 +3,10 @@
 // either device; the GPU takes the stages it has kernels for and leaves the rest to the CPU:
 // - quantize: MX formats on the GPU; NVFP4, per-tensor fp8, bf16 and fp32 on the CPU;
 // - product: MX x MX under exact, fp32-block, fp32-group:G, fp32-seq on the GPU, and finite
-//   bf16/fp32 operands (fp32 output) under the same models (exact through the reference kernel);
-//   trunc-align, trunc-promote, NVFP4 and per-tensor fp8 operands on the CPU;
+//   bf16/fp32 operands (fp32 output) under the same models (exact through the reference kernel),
+//   and per-tensor fp8 operands with finite elements under exact, fp32-block, fp32-group:G (the
+//   codes as MX operands with unit block scales, the tensor scales applied on the host);
+//   trunc-align, trunc-promote, NVFP4 and the remaining per-tensor fp8 cases on the CPU;
 // - reference: `exact` on the GPU; `fp64` (with its per-entry bounds) on the CPU;
 // - comparison sums: on the GPU, in the canonical order of compare.hpp.
 #pragma once

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -149,6 +150,24 @@ struct gemm_result : product_result {
 // Throws input_error when the reduction lengths or the block sizes along it differ.
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output = output_rounding::fp32, const gemm_options& options = {});
+
+namespace detail {
+// Per-tensor fp8 operands multiplied as MX operands with every block scale 2^0 (the same element
+// codes, so the same exact block dots and accumulator steps), followed by the tensor scales as the
+// CPU applies them: alpha = fl32(sa sb) times the fp32 accumulator (then the output rounding), or,
+// for the exact model, the exact unscaled sum times sa sb rounded once to fp32 and fp64. `multiply`
+// computes the MX product with fp32 output (the GPU backend with --device gpu; tests use the CPU).
+// Applies (per_tensor_by_unit_scales_applies) to exact, fp32-block and fp32-group:G with finite
+// elements on both sides and K * max|qa| * max|qb| below 2^53 in units of the elements' subnormal
+// spacing, so that the exact unscaled sum is an fp64 value (fp8 e4m3: any K below 2^17).
+bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantized_tensor& b,
+                                       const accumulation_model& model);
+quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block);
+product_result per_tensor_by_unit_scales(
+    const quantized_tensor& a, const quantized_tensor& b, int block, const accumulation_model& model,
+    output_rounding output,
+    const std::function<product_result(const quantized_tensor&, const quantized_tensor&)>& multiply);
+}  // namespace detail
 
 // Rotates and quantizes the operands of `kind` as `chosen` says, then emulates the product.
 // Throws input_error naming the tensor and field when an operand is missing, the shapes disagree
