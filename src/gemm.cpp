@@ -18,11 +18,13 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <vector>
 
+#include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/reference.hpp"
 #ifdef MXSCOPE_HAVE_CUDA
@@ -2031,14 +2033,16 @@ operand_summary summarize(std::string_view name, int axis, const matrix& input, 
   summary.flushed = q.flushed;
   summary.saturated = q.saturated;
   summary.nonfinite_inputs = q.nonfinite_inputs;
-  // Sequential fp64 sums in row-major order: the same bits for any thread count.
-  for (std::int64_t i = 0; i < input.size(); ++i) {
+  // fp64 sums in the canonical order of compare.hpp (row-major terms, fixed chunks, fixed tree):
+  // the same bits for any thread count. Non-finite pairs contribute nothing.
+  const auto energies = canonical_sums<2>(input.size(), [&](std::int64_t i) {
     const double value = input.values[static_cast<std::size_t>(i)];
     const double dequantized = q.dequantized.values[static_cast<std::size_t>(i)];
-    if (!std::isfinite(value) || !std::isfinite(dequantized)) continue;
-    summary.signal_energy += value * value;
-    summary.error_energy += (value - dequantized) * (value - dequantized);
-  }
+    if (!std::isfinite(value) || !std::isfinite(dequantized)) return std::array<double, 2>{0.0, 0.0};
+    return std::array<double, 2>{value * value, (value - dequantized) * (value - dequantized)};
+  });
+  summary.signal_energy = energies[0];
+  summary.error_energy = energies[1];
   return summary;
 }
 
@@ -2111,7 +2115,10 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     quantize_with.stream = core_ns::random_stream{chosen.seed, core_ns::policy_step(operand.seeds, context.step),
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
-    const matrix rotated = rotated_operand(tensor, axis, chosen, context, operand_what);
+    // Without a rotation the operand is quantized as captured (no copy).
+    std::optional<matrix> rotated_copy;
+    if (chosen.rotation_size != 0) rotated_copy = rotated_operand(tensor, axis, chosen, context, operand_what);
+    const matrix& rotated = rotated_copy ? *rotated_copy : tensor;
     const bool on_gpu = options.device == compute_device::gpu && gpu_quantizes(quantize_with);
     quantized_tensor quantized;
 #ifdef MXSCOPE_HAVE_CUDA
@@ -2123,19 +2130,30 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     return quantized;
   };
 
+  using clock = std::chrono::steady_clock;
+  const auto seconds_since = [](clock::time_point start) {
+    return std::chrono::duration<double>(clock::now() - start).count();
+  };
   gemm_result result;
   result.kind = kind;
+  auto mark = clock::now();
   const quantized_tensor a = prepare(*a_tensor, chosen.a, layout.a_axis, layout.a_role, layout.a_name, result.a);
   const quantized_tensor b = prepare(*b_tensor, chosen.b, layout.b_axis, layout.b_role, layout.b_name, result.b);
+  const double quantize_seconds = seconds_since(mark);
+  mark = clock::now();
   static_cast<product_result&>(result) =
       emulate_named(a, b, chosen.accumulation, chosen.output, options, what, layout.a_name, layout.b_name);
+  result.quantize_seconds = quantize_seconds;
+  result.product_seconds = seconds_since(mark);
   if (options.exact_too && chosen.accumulation.kind != accumulation_kind::exact) {
+    mark = clock::now();
     accumulation_model exact_model;
     exact_model.kind = accumulation_kind::exact;
     product_result exact = emulate_named(a, b, exact_model, output_rounding::fp32, options, what, layout.a_name,
                                          layout.b_name);
     result.exact_of_quantized = std::move(exact.exact);
     result.exact_of_quantized_on_gpu = exact.product_on_gpu;
+    result.exact_product_seconds = seconds_since(mark);
   }
   return result;
 }

@@ -205,7 +205,7 @@ struct unit_state {
   std::string accumulation_rows;  // and of accumulation.csv
   double seconds = 0.0;           // wall time of its steps (for run.json, not for the results)
   // ... split into: rotate + quantize + model and exact products; comparison; the other metrics
-  std::array<double, 3> stage_seconds{};
+  std::array<double, 6> stage_seconds{};  // gemm, compare, metrics; gemm = quantize + product + exact product
 };
 
 // The state shared by every strategy of one (layer, gemm): the reference side.
@@ -916,6 +916,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             const matrix64& exact_result =
                 chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
             unit.stage_seconds[0] += seconds_since(unit_started);
+            unit.stage_seconds[3] += result.quantize_seconds;
+            unit.stage_seconds[4] += result.product_seconds;
+            unit.stage_seconds[5] += result.exact_product_seconds;
             auto stage_mark = clock_type::now();
             const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
             unit.stage_seconds[1] += seconds_since(stage_mark);
@@ -1063,7 +1066,10 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           fragment["seconds"] = unit.seconds;
           fragment["stage_seconds"] = {{"gemm", unit.stage_seconds[0]},
                                        {"compare", unit.stage_seconds[1]},
-                                       {"metrics", unit.stage_seconds[2]}};
+                                       {"metrics", unit.stage_seconds[2]},
+                                       {"gemm_quantize", unit.stage_seconds[3]},
+                                       {"gemm_product", unit.stage_seconds[4]},
+                                       {"gemm_exact_product", unit.stage_seconds[5]}};
           io::write_file_atomically(partial / fragment_name(unit_indices[gi][u]), fragment.dump() + "\n");
           ++outcome.units_done;
         }
@@ -1164,7 +1170,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       units.push_back(fragment["summary"]);
       strategy_seconds[unit_at(index).strategy] += fragment.value("seconds", 0.0);
       if (fragment.contains("stage_seconds")) {
-        for (const char* stage : {"gemm", "compare", "metrics"}) {
+        for (const char* stage : {"gemm", "compare", "metrics", "gemm_quantize", "gemm_product", "gemm_exact_product"}) {
           strategy_stage_seconds[unit_at(index).strategy][stage] =
               strategy_stage_seconds[unit_at(index).strategy].value(stage, 0.0) +
               fragment["stage_seconds"].value(stage, 0.0);

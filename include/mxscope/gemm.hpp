@@ -142,6 +142,11 @@ struct gemm_result : product_result {
   bool exact_of_quantized_on_gpu = false;
   operand_summary a;
   operand_summary b;
+  // Wall seconds of run_gemm's parts: rotating, quantizing and summarizing both operands; the
+  // strategy's product; the exact_too product (0 without it).
+  double quantize_seconds = 0.0;
+  double product_seconds = 0.0;
+  double exact_product_seconds = 0.0;
 };
 
 // The emulated product of two quantized operands, C = A B^T, where each operand's reduction axis
