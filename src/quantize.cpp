@@ -575,24 +575,47 @@ void rotate(matrix& values, int axis, const rotation_options& options, const std
   const bool use_signs = options.signs != sign_policy::none;
   const std::int64_t lines = axis == 1 ? values.rows : values.cols;
   const std::int64_t segments = length / options.size;
+  // Along axis 0 a segment runs down a column; segments of `width` neighbouring columns are
+  // gathered together so that every row access reads a contiguous run (each segment is rotated
+  // by itself, as along axis 1, so the grouping does not change any value).
+  constexpr std::int64_t width = 16;
+  const std::int64_t line_groups = axis == 1 ? lines : (lines + width - 1) / width;
+  const auto size = static_cast<std::size_t>(options.size);
 #pragma omp parallel
   {
-    std::vector<float> segment(static_cast<std::size_t>(options.size));
+    std::vector<float> segment(size * width);
 #pragma omp for schedule(static)
-    for (std::int64_t line = 0; line < lines; ++line) {
+    for (std::int64_t group = 0; group < line_groups; ++group) {
+      const std::int64_t first = axis == 1 ? group : group * width;
+      const std::int64_t count = axis == 1 ? 1 : std::min(width, lines - first);
       for (std::int64_t s = 0; s < segments; ++s) {
         const std::int64_t begin = s * options.size;
-        for (int i = 0; i < options.size; ++i) {
-          segment[static_cast<std::size_t>(i)] = axis == 1 ? values(line, begin + i) : values(begin + i, line);
+        if (axis == 1) {
+          for (int i = 0; i < options.size; ++i) segment[static_cast<std::size_t>(i)] = values(first, begin + i);
+        } else {
+          for (int i = 0; i < options.size; ++i) {
+            for (std::int64_t c = 0; c < count; ++c) {
+              segment[static_cast<std::size_t>(c) * size + static_cast<std::size_t>(i)] = values(begin + i, first + c);
+            }
+          }
         }
         const float* segment_signs = use_signs ? signs.data() + begin : nullptr;
-        if (inverse) {
-          core_ns::unrotate_segment(segment.data(), options.size, segment_signs);
-        } else {
-          core_ns::rotate_segment(segment.data(), options.size, segment_signs);
+        for (std::int64_t c = 0; c < count; ++c) {
+          float* one = segment.data() + static_cast<std::size_t>(c) * size;
+          if (inverse) {
+            core_ns::unrotate_segment(one, options.size, segment_signs);
+          } else {
+            core_ns::rotate_segment(one, options.size, segment_signs);
+          }
         }
-        for (int i = 0; i < options.size; ++i) {
-          (axis == 1 ? values(line, begin + i) : values(begin + i, line)) = segment[static_cast<std::size_t>(i)];
+        if (axis == 1) {
+          for (int i = 0; i < options.size; ++i) values(first, begin + i) = segment[static_cast<std::size_t>(i)];
+        } else {
+          for (int i = 0; i < options.size; ++i) {
+            for (std::int64_t c = 0; c < count; ++c) {
+              values(begin + i, first + c) = segment[static_cast<std::size_t>(c) * size + static_cast<std::size_t>(i)];
+            }
+          }
         }
       }
     }

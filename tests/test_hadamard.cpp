@@ -401,6 +401,31 @@ TEST(RotateMatrix, ExactForSmallIntegersAlongBothAxes) {
   }
 }
 
+// Along axis 0 the rotation gathers several columns at a time; each column must still get exactly
+// the bits that the same segment gets along axis 1 (random floats, so any change in the operation
+// order shows; 37 columns leave a partial group).
+TEST(RotateMatrix, AxisZeroIsAxisOneOfTheTransposeBitForBit) {
+  std::mt19937 generator(8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int size : {2, 16, 128}) {
+    for (const auto policy : {mxscope::sign_policy::none, mxscope::sign_policy::per_step}) {
+      mxscope::matrix values(2 * size, 37);
+      for (auto& v : values.values) v = normal(generator);
+      mxscope::matrix transposed = mxscope::transposed(values);
+      const auto options = rotation(size, policy, 12);
+      for (const bool inverse : {false, true}) {
+        mxscope::rotate(values, 0, options, "test", inverse);
+        mxscope::rotate(transposed, 1, options, "test", inverse);
+        const mxscope::matrix back = mxscope::transposed(transposed);
+        for (std::size_t i = 0; i < values.values.size(); ++i) {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(values.values[i]), std::bit_cast<std::uint32_t>(back.values[i]))
+              << "b " << size << " signs " << policy_label(policy) << (inverse ? " inverse" : "") << " flat index " << i;
+        }
+      }
+    }
+  }
+}
+
 // Odd log2 sizes (the scale is a rounded fl32(1/sqrt b)): within the forward bound.
 TEST(RotateMatrix, OddLog2SizesWithinBoundAlongBothAxes) {
   std::mt19937 generator(7);
