@@ -1812,6 +1812,29 @@ bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantize
   return finite(a) && finite(b);
 }
 
+scaled_exact round_scaled_exact(double sum, float sa, float sb) {
+  const double scale = static_cast<double>(sa) * static_cast<double>(sb);  // exact: 48 significant bits
+  const double high = sum * scale;
+  const double low = std::fma(sum, scale, -high);  // high + low == sum * scale exactly (no underflow below)
+  float fp32 = static_cast<float>(high);
+  bool ambiguous = !std::isfinite(high) || !std::isfinite(fp32) ||
+                   (std::fabs(high) < 0x1p-900 && high != 0.0);  // far below: fma's low part may be inexact
+  if (!ambiguous && low != 0.0 && static_cast<double>(fp32) != high) {
+    // high + low rounds to fp32 unless high lies exactly halfway between fp32 and its neighbour on
+    // high's side: every such midpoint is an fp64 value, and |low| <= ulp(high) / 2 cannot carry the
+    // sum across one otherwise. At a midpoint the sign of low decides, which the long accumulator
+    // below does.
+    const float neighbour = std::nextafter(fp32, high > static_cast<double>(fp32) ? std::numeric_limits<float>::infinity()
+                                                                                  : -std::numeric_limits<float>::infinity());
+    const double midpoint = static_cast<double>(fp32) + (static_cast<double>(neighbour) - static_cast<double>(fp32)) * 0.5;
+    ambiguous = midpoint == high;
+  }
+  if (!ambiguous) return {fp32, high};
+  core_ns::long_accumulator total;
+  add_scaled_exactly(total, sum, make_scale_product(sa, sb));
+  return {total.round_to_float(), total.round_to_double()};
+}
+
 quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block) {
   quantized_tensor out;
   out.options = q.options;
@@ -1840,14 +1863,13 @@ product_result per_tensor_by_unit_scales(
   product_result result = multiply(unit_scaled_mx(a, block), unit_scaled_mx(b, block));
   const auto size = static_cast<std::int64_t>(result.out.values.size());
   if (model.kind == accumulation_kind::exact) {
-    const tensor_scale_product scale = make_scale_product(a.tensor_scale, b.tensor_scale);
 #pragma omp parallel for schedule(static) if (size >= parallel_elements / 8)
     for (std::int64_t e = 0; e < size; ++e) {
       const auto at = static_cast<std::size_t>(e);
-      core_ns::long_accumulator total;
-      add_scaled_exactly(total, result.exact.values[at], scale);  // the unscaled sum is exact here
-      result.out.values[at] = round_output(total.round_to_float(), output);
-      result.exact.values[at] = total.round_to_double();
+      // The unscaled sum is exact here (the bound of per_tensor_by_unit_scales_applies).
+      const scaled_exact rounded = round_scaled_exact(result.exact.values[at], a.tensor_scale, b.tensor_scale);
+      result.out.values[at] = round_output(rounded.fp32, output);
+      result.exact.values[at] = rounded.fp64;
     }
   } else {
     const float alpha = a.tensor_scale * b.tensor_scale;

@@ -930,6 +930,42 @@ TEST(PerTensor, UnitScaledMxProductWithTensorScalesIsTheDirectProduct) {
   EXPECT_FALSE(mxscope::detail::per_tensor_by_unit_scales_applies(finite, mxscope::quantize(random_matrix(64, 8, 143), options), block));
 }
 
+// round_scaled_exact against the long accumulator on random sums and scales, and on sums built so
+// that sum * scale rounds in fp64 to an exact fp32 midpoint with a nonzero remainder (where the
+// sign of the remainder decides the fp32 result).
+TEST(PerTensor, RoundScaledExactIsCorrectlyRounded) {
+  std::mt19937_64 generator(144);
+  std::uniform_real_distribution<double> unit(0.5, 1.0);
+  std::uniform_int_distribution<int> exponent(-60, 60);
+  const auto oracle_of = [](double sum, float sa, float sb) {
+    // sa * sb is exact in fp64; Boost's integers give the exact product and its roundings.
+    const auto exact = oracle::product(sum, static_cast<double>(sa) * static_cast<double>(sb));
+    return std::pair{oracle::round_to_float(exact), oracle::round_to_double(exact)};
+  };
+  int midpoints = 0;
+  for (int trial = 0; trial < 100000; ++trial) {
+    float sa = static_cast<float>(std::ldexp(unit(generator), exponent(generator)));
+    float sb = static_cast<float>(std::ldexp(unit(generator), exponent(generator)));
+    double sum = std::ldexp(unit(generator), exponent(generator)) * (trial % 2 == 0 ? 1 : -1);
+    if (trial % 4 >= 2) {
+      // A midpoint between two fp32 values (25 significant bits, the last one set), divided by the
+      // scale: the product lands on or next to it.
+      sb = 1.0f;
+      sa = 3.0f;
+      const double midpoint = std::ldexp(static_cast<double>((std::uint64_t{1} << 24) + 2 * (trial % 4096) + 1),
+                                         exponent(generator) - 24);
+      sum = midpoint / 3.0;
+      const double high = sum * 3.0;
+      if (high == midpoint && std::fma(sum, 3.0, -high) != 0.0) ++midpoints;
+    }
+    const auto [fp32, fp64] = oracle_of(sum, sa, sb);
+    const auto rounded = mxscope::detail::round_scaled_exact(sum, sa, sb);
+    ASSERT_TRUE(oracle::same(fp32, rounded.fp32)) << std::hexfloat << sum << " " << sa << " " << sb;
+    ASSERT_TRUE(oracle::same(fp64, rounded.fp64)) << std::hexfloat << sum << " " << sa << " " << sb;
+  }
+  EXPECT_GT(midpoints, 1000);  // the hard case was exercised
+}
+
 TEST(FastPath, NanBlocksPropagate) {
   layer_tensors layer = random_layer(64, 8, 8, 130);
   layer.dy(5, 3) = NAN;  // wgrad: dy's block (tokens 0..31, column 3) becomes a NaN block

@@ -168,6 +168,14 @@ namespace detail {
 bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantized_tensor& b,
                                        const accumulation_model& model);
 quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block);
+// sum * sa * sb (sum a finite fp64 value, sa and sb finite fp32) rounded once (RNE) to fp32 and to
+// fp64: fma's exact split where it decides the fp32 rounding, the long accumulator where it does not
+// (at an fp32 midpoint, near overflow or far below 1).
+struct scaled_exact {
+  float fp32;
+  double fp64;
+};
+scaled_exact round_scaled_exact(double sum, float sa, float sb);
 product_result per_tensor_by_unit_scales(
     const quantized_tensor& a, const quantized_tensor& b, int block, const accumulation_model& model,
     output_rounding output,
