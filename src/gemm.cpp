@@ -2046,15 +2046,20 @@ rotation_options rotation_for(const strategy& chosen, const gemm_context& contex
   return rotation;
 }
 
-operand_summary summarize(std::string_view name, int axis, const matrix& input, const quantized_tensor& q) {
+operand_summary summarize_counts(std::string_view name, int axis, std::int64_t elements, const quantized_tensor& q) {
   operand_summary summary;
   summary.name = std::string(name);
   summary.axis = axis;
-  summary.elements = input.size();
+  summary.elements = elements;
   summary.nonzero_inputs = q.nonzero_inputs;
   summary.flushed = q.flushed;
   summary.saturated = q.saturated;
   summary.nonfinite_inputs = q.nonfinite_inputs;
+  return summary;
+}
+
+operand_summary summarize(std::string_view name, int axis, const matrix& input, const quantized_tensor& q) {
+  operand_summary summary = summarize_counts(name, axis, input.size(), q);
   // fp64 sums in the canonical order of compare.hpp (row-major terms, fixed chunks, fixed tree):
   // the same bits for any thread count. Non-finite pairs contribute nothing.
   const auto energies = canonical_sums<2>(input.size(), [&](std::int64_t i) {
@@ -2137,18 +2142,29 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     quantize_with.stream = core_ns::random_stream{chosen.seed, core_ns::policy_step(operand.seeds, context.step),
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
+    const bool on_gpu = options.device == compute_device::gpu && gpu_quantizes(quantize_with);
+#ifdef MXSCOPE_HAVE_CUDA
+    if (on_gpu) {
+      // The rotation, the quantizer and the operand's energies on the GPU; the dequantized values
+      // stay there unless a CPU product needs them (fp32-seq's generic path reads them).
+      check_rotation(tensor, axis, rotation_for(chosen, context), operand_what);
+      gpu::operand_energies energies;
+      quantized_tensor quantized =
+          gpu::quantize_with_energies(tensor, quantize_with, rotation_for(chosen, context),
+                                      chosen.accumulation.kind == accumulation_kind::fp32_seq, energies);
+      summary = summarize_counts(name, axis, tensor.size(), quantized);
+      summary.signal_energy = energies.signal;
+      summary.error_energy = energies.error;
+      summary.quantized_on_gpu = true;
+      return quantized;
+    }
+#endif
     // Without a rotation the operand is quantized as captured (no copy).
     std::optional<matrix> rotated_copy;
     if (chosen.rotation_size != 0) rotated_copy = rotated_operand(tensor, axis, chosen, context, operand_what);
     const matrix& rotated = rotated_copy ? *rotated_copy : tensor;
-    const bool on_gpu = options.device == compute_device::gpu && gpu_quantizes(quantize_with);
-    quantized_tensor quantized;
-#ifdef MXSCOPE_HAVE_CUDA
-    if (on_gpu) quantized = gpu::quantize(rotated, quantize_with);
-#endif
-    if (!on_gpu) quantized = quantize(rotated, quantize_with);
+    quantized_tensor quantized = quantize(rotated, quantize_with);
     summary = summarize(name, axis, rotated, quantized);
-    summary.quantized_on_gpu = on_gpu;
     return quantized;
   };
 

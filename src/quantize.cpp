@@ -371,8 +371,11 @@ void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
 void quantize_per_tensor(const matrix& input, quantized_tensor& out) {
   const auto& options = out.options;
   const element_kind kind = options.format.element;
-  float amax = 0.0f;
-  for (float v : input.values) {
+  float amax = 0.0f;  // a maximum: the same for any order and thread count
+  const auto size = static_cast<std::int64_t>(input.values.size());
+#pragma omp parallel for schedule(static) reduction(max : amax)
+  for (std::int64_t i = 0; i < size; ++i) {
+    const float v = input.values[static_cast<std::size_t>(i)];
     if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
   }
   const float scale = amax > 0.0f ? amax / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
@@ -559,7 +562,7 @@ std::vector<float> rotation_signs(std::int64_t length, const rotation_options& o
   return signs;
 }
 
-void rotate(matrix& values, int axis, const rotation_options& options, const std::string& what, bool inverse) {
+void check_rotation(const matrix& values, int axis, const rotation_options& options, const std::string& what) {
   if (options.size == 0) return;
   if (axis != 0 && axis != 1) throw input_error(fmt::format("{}: rotation axis must be 0 or 1, got {}", what, axis));
   const std::int64_t length = axis == 1 ? values.cols : values.rows;
@@ -571,6 +574,12 @@ void rotate(matrix& values, int axis, const rotation_options& options, const std
     throw input_error(fmt::format("{}: field 'rotation': size {} does not divide the length {} of axis {}", what,
                                   options.size, length, axis));
   }
+}
+
+void rotate(matrix& values, int axis, const rotation_options& options, const std::string& what, bool inverse) {
+  if (options.size == 0) return;
+  check_rotation(values, axis, options, what);
+  const std::int64_t length = axis == 1 ? values.cols : values.rows;
   const std::vector<float> signs = rotation_signs(length, options);
   const bool use_signs = options.signs != sign_policy::none;
   const std::int64_t lines = axis == 1 ? values.rows : values.cols;

@@ -270,6 +270,19 @@ matrix rotate(const matrix& values, int axis, const rotation_options& options);
 quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation = {},
                           quantize_path path = quantize_path::automatic);
 
+// quantize() as run_gemm needs it on the GPU: the rotation runs on the device (then the quantizer
+// without one, which gives the same bits as the fused path), and the operand's energies (the sums
+// of x^2 and of (x - dequantized)^2 over the rotated input's pairs where both are finite, in the
+// canonical order of compare.hpp, as the CPU's operand summary) come back instead of the
+// dequantized values: out.dequantized stays empty unless keep_dequantized.
+struct operand_energies {
+  double signal = 0.0;
+  double error = 0.0;
+};
+quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
+                                        const rotation_options& rotation, bool keep_dequantized,
+                                        operand_energies& energies);
+
 // The emulated product of two MX quantized tensors (as mxscope::emulate_product). Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,

@@ -104,6 +104,10 @@ struct rotation_options {
 // The +-1 sign vector for positions 0..length-1 along the axis (all +1 for `none`).
 std::vector<float> rotation_signs(std::int64_t length, const rotation_options& options);
 
+// The checks of rotate() without rotating: throws input_error naming `what` when the axis is not 0
+// or 1, or the size is invalid or does not divide the axis length. Size 0 (none) always passes.
+void check_rotation(const matrix& values, int axis, const rotation_options& options, const std::string& what);
+
 // Rotates (or, with inverse, un-rotates) `values` in place along `axis`. Throws input_error
 // naming `what` when the size is invalid or does not divide the axis length.
 void rotate(matrix& values, int axis, const rotation_options& options, const std::string& what, bool inverse = false);

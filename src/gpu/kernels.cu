@@ -1208,6 +1208,12 @@ constexpr int integer_chunk = 32;
 
 enum class integer_mode : int { block = 0, group = 1, exact = 2 };
 
+// Storage for a long accumulator that is not constructed (no clearing) until clear() is called.
+union uninitialized_accumulator {
+  core_ns::long_accumulator value;
+  __host__ __device__ uninitialized_accumulator() {}
+};
+
 template <class Dot, integer_mode Mode>
 __global__ void integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
                                        const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
@@ -1225,7 +1231,13 @@ __global__ void integer_product_kernel(const std::int32_t* a_values, const std::
   const bool active = i < m && j < n;
 
   float accumulator = 0.0f;
-  [[maybe_unused]] core_ns::long_accumulator total;
+  // Exact mode: the exact sum is running + (total once spilled); the long accumulator (560 bytes of
+  // per-thread memory) is cleared and rounded only for entries where an addition of `running`
+  // rounded, so it stays uninitialized until then.
+  [[maybe_unused]] uninitialized_accumulator lazy;
+  [[maybe_unused]] core_ns::long_accumulator& total = lazy.value;
+  [[maybe_unused]] double running = 0.0;
+  [[maybe_unused]] bool spilled = false;
   [[maybe_unused]] bool nan_entry = false;
   [[maybe_unused]] double terms[Mode == integer_mode::group ? integer_max_group : 1];
   const int group = Mode == integer_mode::group ? blocks_per_group : 1;
@@ -1260,7 +1272,20 @@ __global__ void integer_product_kernel(const std::int32_t* a_values, const std::
         if (contribution != contribution) {
           nan_entry = true;
         } else {
-          total.add(contribution);
+          // TwoSum (Knuth): sum + error == running + contribution exactly for finite doubles (these
+          // stay far below overflow), so total + running keeps the exact sum while the long
+          // accumulator is touched only when an addition rounds, which block dots of a few binades
+          // apart never do.
+          const double sum = running + contribution;
+          const double virtual_contribution = sum - running;
+          const double virtual_running = sum - virtual_contribution;
+          const double error = (running - virtual_running) + (contribution - virtual_contribution);
+          running = sum;
+          if (error != 0.0) {
+            if (!spilled) total.clear();
+            spilled = true;
+            total.add(error);
+          }
         }
       }
     }
@@ -1286,7 +1311,13 @@ __global__ void integer_product_kernel(const std::int32_t* a_values, const std::
     if (nan_entry) {
       out[entry] = finish_output(canonical_nan_float(), output);
       if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
+    } else if (!spilled) {
+      // `running` is the exact sum: the fp64 result itself, and one correctly rounded conversion
+      // to fp32.
+      out[entry] = finish_output(static_cast<float>(running), output);
+      if (exact_out != nullptr) exact_out[entry] = running;
     } else {
+      total.add(running);
       out[entry] = finish_output(round_total_to_float(total), output);
       if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
     }
@@ -1851,6 +1882,30 @@ __global__ void column_chunks_kernel(const float* estimate, const double* refere
   }
 }
 
+// The operand energies of quantize_with_energies: one thread per canonical chunk, in fp64.
+__global__ void energy_chunks_kernel(const float* input, const float* dequantized, std::int64_t count,
+                                     std::int64_t chunk_count, double* partials) {
+  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
+    double signal = 0.0;
+    double error = 0.0;
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const double value = static_cast<double>(input[i]);
+      const double rounded = static_cast<double>(dequantized[i]);
+      if (!is_finite(value) || !is_finite(rounded)) {
+        signal = signal + 0.0;
+        error = error + 0.0;
+        continue;
+      }
+      signal = signal + value * value;
+      error = error + (value - rounded) * (value - rounded);
+    }
+    partials[chunk] = signal;
+    partials[chunk_count + chunk] = error;
+  }
+}
+
 double tree_of(std::vector<double>& values, std::size_t offset, std::size_t count) {
   return canonical_tree(std::span<double>(values.data() + offset, count));
 }
@@ -1914,6 +1969,60 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
   codes.download(out.codes.data(), out.codes.size());
   scales.download(out.scales.data(), out.scales.size());
   dequantized.download(out.dequantized.data(), dequantized.bytes());
+  unsigned long long counts[mx_counter_count] = {};
+  counters.download(counts, sizeof(counts));
+  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
+  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
+  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
+  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+  return out;
+}
+
+quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
+                                        const rotation_options& rotation, bool keep_dequantized,
+                                        operand_energies& energies) {
+  const mx_plan plan = make_mx_plan(options);
+  const rotation_plan rotation_resolved = make_rotation_plan(rotation);
+  check_rotation(rotation_resolved, input.rows, input.cols, plan.axis, "gpu quantize");
+  quantized_tensor out;
+  out.rows = input.rows;
+  out.cols = input.cols;
+  out.options = options;
+  out.block = plan.block;
+  out.scale_rows = mx_scale_rows(plan, input.rows, input.cols);
+  out.scale_cols = mx_scale_cols(plan, input.rows, input.cols);
+  out.codes.resize(static_cast<std::size_t>(mx_code_bytes(plan, input.rows, input.cols)));
+  out.scales.resize(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+  energies = {};
+  if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
+  if (input.size() == 0) return out;
+  device_buffer values = upload_vector(input.values);
+  if (rotation_resolved.size > 0) {
+    rotate_on_device(values.as<float>(), input.rows, input.cols, plan.axis, rotation_resolved);
+  }
+  device_buffer codes(out.codes.size());
+  device_buffer scales(out.scales.size());
+  device_buffer dequantized(static_cast<std::size_t>(input.size()) * sizeof(float));
+  device_buffer counters(mx_counter_count * sizeof(unsigned long long));
+  counters.fill_bytes(0);
+  mx_device_output destination;
+  destination.codes = codes.as<std::uint8_t>();
+  destination.scales = scales.as<std::uint8_t>();
+  destination.dequantized = dequantized.as<float>();
+  destination.counters = counters.as<unsigned long long>();
+  quantize_on_device(values.get(), input_format::fp32, input.rows, input.cols, plan, rotation_plan{}, destination);
+  const std::int64_t count = input.size();
+  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+  device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
+  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, values.as<const float>(),
+                  dequantized.as<const float>(), count, chunk_count, partials.as<double>());
+  std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
+  partials.download(host_partials.data(), partials.bytes());
+  energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
+  energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
+  codes.download(out.codes.data(), out.codes.size());
+  scales.download(out.scales.data(), out.scales.size());
+  if (keep_dequantized) dequantized.download(out.dequantized.data(), dequantized.bytes());
   unsigned long long counts[mx_counter_count] = {};
   counters.download(counts, sizeof(counts));
   out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);

@@ -300,6 +300,80 @@ void quantize_sweep(bool small) {
   }
 }
 
+// quantize_with_energies (what run_gemm uses on the GPU): the rotation on the device, then the
+// quantizer, and the operand energies in the canonical order instead of the dequantized values.
+// Expected: the host reference's rotation and quantizer, and compare.hpp's canonical sums of x^2 and
+// (x - dequantized)^2 over the finite pairs, as src/gemm.cpp's CPU summary computes them.
+void quantize_energies(bool small) {
+  struct energy_case {
+    int format;
+    int axis;
+    int rotation;
+    mxscope::sign_policy signs;
+    std::int64_t rows, cols;
+  };
+  const energy_case cases[] = {{0, 0, 0, mxscope::sign_policy::none, 96, 40},
+                               {0, 0, 16, mxscope::sign_policy::none, 4160, 3},
+                               {0, 1, 32, mxscope::sign_policy::per_step, 9, 512},
+                               {3, 0, 16, mxscope::sign_policy::fixed, 64, 77},
+                               {4, 1, 0, mxscope::sign_policy::none, 5, 8200},
+                               {5, 0, 64, mxscope::sign_policy::per_step, 128, 33}};
+  int index = 0;
+  for (const energy_case& c : cases) {
+    ++index;
+    if (small && index % 2 == 0) continue;
+    const std::uint64_t seed = next_seed();
+    const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+    const matrix input = test_inputs::make_matrix(c.rows, c.cols, kind, seed);
+    const auto options = mx_options(c.format, 32, c.axis, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 1);
+    mxscope::rotation_options rotation;
+    rotation.size = c.rotation;
+    rotation.signs = c.signs;
+    rotation.seed = seed + 2;
+    rotation.step = 5;
+    rotation.layer_hash = 0x1234U;
+    const std::string name = std::string("quantize with energies ") + format_names[c.format] + " axis " +
+                             std::to_string(c.axis) + " H" + std::to_string(c.rotation) + " signs " +
+                             sign_names[static_cast<int>(c.signs)] + " " + std::to_string(c.rows) + "x" +
+                             std::to_string(c.cols) + " " + std::string(test_inputs::value_kind_name(kind));
+    run_case(name, [&]() -> std::string {
+      matrix rotated = input;
+      host_reference::rotate(rotated, c.axis, rotation);
+      const mxscope::quantized_tensor expected = host_reference::quantize_mx(rotated, options);
+      const auto want = mxscope::canonical_sums<2>(rotated.size(), [&](std::int64_t i) {
+        const double value = rotated.values[static_cast<std::size_t>(i)];
+        const double rounded = expected.dequantized.values[static_cast<std::size_t>(i)];
+        if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
+        return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
+      });
+      for (const bool keep : {false, true}) {
+        gpu::operand_energies energies;
+        const mxscope::quantized_tensor got = gpu::quantize_with_energies(input, options, rotation, keep, energies);
+        const std::string policy = describe(options, rotation) + (keep ? " (dequantized kept)" : "");
+        if (got.codes != expected.codes) return "codes differ; " + policy;
+        if (got.scales != expected.scales) return "scales differ; " + policy;
+        if (got.nonzero_inputs != expected.nonzero_inputs || got.flushed != expected.flushed ||
+            got.saturated != expected.saturated || got.nonfinite_inputs != expected.nonfinite_inputs) {
+          return "counters differ; " + policy;
+        }
+        if (!same(want[0], energies.signal)) {
+          return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal) + "; " + policy;
+        }
+        if (!same(want[1], energies.error)) {
+          return "error energy: expected " + show(want[1]) + " got " + show(energies.error) + "; " + policy;
+        }
+        if (keep != (got.dequantized.size() == input.size())) return "dequantized kept or dropped wrongly; " + policy;
+        for (std::int64_t i = 0; keep && i < input.size(); ++i) {
+          if (!same(expected.dequantized.values[static_cast<std::size_t>(i)], got.dequantized.values[static_cast<std::size_t>(i)])) {
+            return "dequantized element " + std::to_string(i) + " differs; " + policy;
+          }
+        }
+      }
+      return "";
+    });
+  }
+}
+
 // The fused one-pass quantizer (axis 1, block 32, rotation none / 16 / 32) on fp32 and bf16 inputs, and
 // the generic path on the same inputs (bf16 widening and rotation through an fp32 copy).
 void quantize_fused(bool small) {
@@ -1012,6 +1086,7 @@ int main(int argc, char** argv) {
   timed("quantize sweep", [&] { quantize_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
+  timed("quantize with energies", [&] { quantize_energies(small); });
   timed("quantize native", [&] { quantize_native(small); });
   if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
   timed("gemm sweep", [&] { gemm_sweep(small); });
