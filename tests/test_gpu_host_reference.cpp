@@ -272,6 +272,56 @@ TEST(GpuHostReference, ProductMatchesLibraryForEveryModel) {
   }
 }
 
+// Unscaled operands (fp32, bf16): plain_product_entry on the dequantized values is what the
+// library's emulate_product computes (its K-block is 32 for such operands).
+TEST(GpuHostReference, PlainProductMatchesLibrary) {
+  struct input {
+    const char* name;
+    matrix a, b;
+  };
+  const input inputs[] = {
+      {"bf16 narrow", test_inputs::make_bf16_matrix(9, 101, 2, 901), test_inputs::make_bf16_matrix(7, 101, 2, 902)},
+      {"bf16 wide", test_inputs::make_bf16_matrix(9, 101, 24, 903), test_inputs::make_bf16_matrix(7, 101, 24, 904)},
+      {"banded", test_inputs::make_matrix(9, 70, value_kind::banded, 905),
+       test_inputs::make_matrix(7, 70, value_kind::banded, 906)},
+      {"extreme", test_inputs::make_matrix(9, 70, value_kind::extreme, 907),
+       test_inputs::make_matrix(7, 70, value_kind::extreme, 908)},
+  };
+  const mxscope::quant_scheme schemes[] = {mxscope::quant_scheme::bf16, mxscope::quant_scheme::none};
+  int index = 0;
+  for (const input& in : inputs) {
+    for (const auto a_scheme : schemes) {
+      for (const auto b_scheme : schemes) {
+        for (const auto kind : {mxscope::accumulation_kind::fp32_block, mxscope::accumulation_kind::fp32_group,
+                                mxscope::accumulation_kind::fp32_seq}) {
+          ++index;
+          mxscope::quantize_options a_options, b_options;
+          a_options.format.scheme = a_scheme;
+          b_options.format.scheme = b_scheme;
+          a_options.axis = 1;
+          b_options.axis = 1;
+          const auto qa = mxscope::quantize(in.a, a_options);
+          const auto qb = mxscope::quantize(in.b, b_options);
+          mxscope::accumulation_model model;
+          model.kind = kind;
+          model.blocks_per_group = kind == mxscope::accumulation_kind::fp32_group ? 2 + index % 2 : 1;
+          const auto output = index % 3 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+          const auto got = mxscope::emulate_product(qa, qb, model, output, mxscope::gemm_options{});
+          for (std::int64_t i = 0; i < in.a.rows; ++i) {
+            for (std::int64_t j = 0; j < in.b.rows; ++j) {
+              const float want =
+                  host_reference::plain_product_entry(qa.dequantized, qb.dequantized, i, j, 32, model, output);
+              ASSERT_TRUE(same_bits(want, got.out(i, j)))
+                  << in.name << " " << mxscope::accumulation_model_name(model) << " entry (" << i << ", " << j
+                  << ") expected " << want << " (" << hex(core::float_bits(want)) << ") got " << got.out(i, j);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(GpuHostReference, ReferenceEntriesMatchLibrary) {
   int index = 0;
   for (const value_kind values : {value_kind::banded, value_kind::extreme, value_kind::ties, value_kind::nonfinite}) {

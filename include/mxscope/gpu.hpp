@@ -248,6 +248,12 @@ gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, 
 void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
                          float* out32);
 
+// The product of unscaled fp32 A [m x k] and B [n x k] (row-major, device; bf16 operands as their
+// fp32 values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every
+// block scale 1, into out [m x n]: the device part of emulate_plain_product. Returns when done.
+void plain_product_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k,
+                             int block, const accumulation_model& model, output_rounding output, float* out);
+
 // Self-test of the fused quantizer's element encoder (src/gpu/fast_encode.hpp) against the core, on
 // the device: for the fp32 bit patterns first, first + stride, ... (count of them, modulo 2^32;
 // non-finite patterns skipped) it compares codes, flags and dequantized values of one float element

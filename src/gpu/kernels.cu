@@ -1120,14 +1120,38 @@ __device__ inline double scaled_block_dot(double dot, std::int32_t exponent_a, s
 
 enum class generic_mode : int { grouped = 0, exact = 1, sequential = 2 };
 
+// Unscaled operands (fp32 / bf16 values): the per-row exponent ranges that decide which entries the
+// tiled kernel of the next section computes (plain_fits); the per-product kernels skip those.
+// Operands with block scales pass none (null pointers): every entry is computed.
+struct plain_rows_view {
+  const std::int32_t* low = nullptr;   // [rows] lowest set-bit exponent of the row's values
+  const std::int32_t* high = nullptr;  // [rows] largest leading exponent (or a marker, see below)
+};
+
+// Markers of plain_rows_view::high: a row without nonzero values, a row holding inf or NaN.
+constexpr std::int32_t plain_empty_high = -4096;
+constexpr std::int32_t plain_nonfinite_high = 1 << 20;
+// An entry's exact sum is held as a 128-bit integer (the next section): it needs this many bits.
+constexpr int plain_window_bits = 126;
+
+__device__ inline bool plain_fits(std::int32_t low_a, std::int32_t high_a, std::int32_t low_b, std::int32_t high_b,
+                                  int depth_bits) {
+  return high_a + high_b + 2 + depth_bits - (low_a + low_b) <= plain_window_bits;
+}
+
 template <generic_mode Mode>
 __global__ void generic_product_kernel(const float* a_elements, const std::int32_t* a_exponents,
                                        const float* b_elements, const std::int32_t* b_exponents, std::int64_t m,
                                        std::int64_t n, std::int64_t depth, int block, int blocks_per_group,
-                                       output_rounding output, float* out, double* exact_out) {
+                                       output_rounding output, float* out, double* exact_out, plain_rows_view a_plain,
+                                       plain_rows_view b_plain, int depth_bits) {
   MXSCOPE_GRID_LOOP(entry, m * n) {
     const std::int64_t i = entry / n;
     const std::int64_t j = entry % n;
+    if (a_plain.low != nullptr &&
+        plain_fits(a_plain.low[i], a_plain.high[i], b_plain.low[j], b_plain.high[j], depth_bits)) {
+      continue;  // computed by plain_tile_kernel
+    }
     const float* a_row = a_elements + i * depth;
     const float* b_row = b_elements + j * depth;
     const auto scaled_a = [&](std::int64_t k) {
@@ -1195,6 +1219,350 @@ __global__ void generic_product_kernel(const float* a_elements, const std::int32
       out[entry] = finish_output(accumulator * 1.0f, output);  // epilogue: alpha = 1 for MX operands
     }
   }
+}
+
+// -------------------------------------------------------------------------------------------
+// Unscaled operands (fp32 or bf16 values, every block scale 1): the exact reference (section
+// "Exact reference" below) and the fp32-block / fp32-group:G products, tiled, with the products
+// of each K-chunk of 32 summed by plain fp64 FMAs wherever that sum is exact.
+//
+// Exactness. Over a chunk's nonzero finite values of one operand row, let hi be the largest
+// leading exponent (|v| < 2^(hi + 1)) and lo the smallest exponent of a lowest set significand bit
+// (every value is a multiple of 2^lo); spread = hi - lo. Every product of the chunk is then a
+// multiple of 2^(lo_a + lo_b) below 2^(hi_a + hi_b + 2), and every partial sum of at most 32 of
+// them, in any order, a multiple of 2^(lo_a + lo_b) below 2^(hi_a + hi_b + 7): an integer of at most
+// spread_a + spread_b + 7 bits times a power of two between 2^-298 and 2^254. When that is at most
+// 53 bits (spread_a + spread_b <= 46) every partial sum is a double, so each FMA of the chain rounds
+// a representable value, i.e. not at all, and the chain's result d is the chunk's exact sum. A
+// chunk of bf16 values (8 significant bits, spread 7 within one binade) passes unless its two
+// operands span more than 39 binades together; fp32 values with full significands mostly fail and
+// take the per-product path of their chunk.
+//
+// Across chunks, an entry's exact sum is a 128-bit integer in units of 2^base with base =
+// lo_a + lo_b over the two whole rows: every product and chunk sum is a multiple of 2^base, and
+// every partial sum is below depth * 2^(hi_a + hi_b + 2) (the rows' hi), an integer of at most
+// hi_a + hi_b + 2 + bits(depth) - base bits (plain_fits: at most 126). The model steps then use
+// the core's rounding functions on that exact value: add_exact_value with d for an fp32-block step
+// of one chunk, core::add_exactly_to_float for a group (or a chunk that took the per-product
+// path), core::round_scaled_integer for the reference. Entries whose rows do not fit, or hold inf
+// or NaN, are left to the per-product kernels (generic_product_kernel, reference_kernel), which
+// skip every other entry.
+
+constexpr int plain_tile = 64;              // entries per thread block along M and N
+constexpr int plain_chunk = 32;             // K per chunk (shared-memory stage)
+constexpr int plain_side = plain_tile / 16;  // entries per thread along M and N (16 x 16 threads)
+constexpr int plain_chunk_budget = 53 - 7;   // spread_a + spread_b of a chunk summed in fp64
+constexpr std::int8_t plain_empty_spread = -128;  // a chunk without nonzero finite values
+
+enum class plain_mode : int { exact = 0, block = 1, group = 2 };
+
+__device__ inline double fma_exact(double x, double y, double z) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return std::fma(x, y, z);
+#elif defined(__HIP__)
+  return __builtin_fma(x, y, z);
+#else
+  return __fma_rn(x, y, z);
+#endif
+}
+
+// sum += value (a multiple of 2^base, inside the window) as an integer in units of 2^base.
+__device__ inline void add_in_units(core_ns::int128& sum, double value, int base) {
+  if (value == 0.0) return;
+  const core_ns::double_parts parts = core_ns::decompose(value);
+  const int shift = parts.exponent - base;  // below 0 only where the low significand bits are zero
+  const core_ns::uint128 magnitude = shift >= 0 ? static_cast<core_ns::uint128>(parts.significand) << shift
+                                                : static_cast<core_ns::uint128>(parts.significand >> -shift);
+  sum += parts.negative ? -static_cast<core_ns::int128>(magnitude) : static_cast<core_ns::int128>(magnitude);
+}
+
+// The exact sum of a chunk's products (column kk of both shared-memory tiles, `stride` apart), in
+// units of 2^base: the per-product path of a chunk whose fp64 sum might round.
+__device__ __noinline__ core_ns::int128 chunk_products_in_units(const double* a_column, const double* b_column,
+                                                                int stride, int base) {
+  core_ns::int128 sum = 0;
+  for (int kk = 0; kk < plain_chunk; ++kk) add_in_units(sum, a_column[kk * stride] * b_column[kk * stride], base);
+  return sum;
+}
+
+// fl32(accumulator + sum * 2^base), exact sum rounded once: the sum goes to add_exactly_to_float
+// as three doubles of 42 bits each (|sum| < 2^126), all exact.
+__device__ __noinline__ float add_units_to_float(float accumulator, core_ns::int128 sum, int base) {
+  if (!is_finite(accumulator)) return nonfinite_step(accumulator, 0.0);
+  const bool negative = sum < 0;
+  const core_ns::uint128 magnitude = negative ? -static_cast<core_ns::uint128>(sum) : static_cast<core_ns::uint128>(sum);
+  constexpr std::uint64_t piece_mask = (std::uint64_t{1} << 42) - 1U;
+  double terms[3];
+  for (int t = 0; t < 3; ++t) {
+    const auto piece = static_cast<std::uint64_t>(magnitude >> (42 * t)) & piece_mask;
+    const double value = static_cast<double>(piece) * core_ns::pow2(base + 42 * t);
+    terms[t] = negative ? -value : value;
+  }
+  return core_ns::add_exactly_to_float(accumulator, terms, 3);
+}
+
+// add_exact_value for a finite exact dot, inline: fl32(accumulator + dot) rounded once (core
+// add_to_float), an exactly zero sum +0; an infinite accumulator stays (acc + dot).
+__device__ inline float add_exact_dot(float accumulator, double dot) {
+  if (!is_finite(accumulator)) return nonfinite_step(accumulator, dot);
+  return core_ns::add_to_float(accumulator, dot + 0.0);
+}
+
+__device__ __noinline__ void round_units(core_ns::int128 sum, int base, double& out64, float& out32) {
+  const bool negative = sum < 0;
+  const core_ns::uint128 magnitude = negative ? -static_cast<core_ns::uint128>(sum) : static_cast<core_ns::uint128>(sum);
+  out64 = core_ns::round_scaled_integer(magnitude, negative, base, core_ns::binary64, false);
+  out32 = static_cast<float>(core_ns::round_scaled_integer(magnitude, negative, base, core_ns::binary32, false));
+}
+
+// Per (chunk, row) of a canonical operand [rows, depth]: the spread of the chunk (clamped to 127;
+// plain_empty_spread without nonzero finite values) and its lo and hi for the row pass.
+__global__ void plain_chunks_kernel(const float* values, std::int64_t rows, std::int64_t depth, std::int64_t chunks,
+                                    std::int8_t* spreads, std::int32_t* lows, std::int32_t* highs) {
+  MXSCOPE_GRID_LOOP(t, chunks * rows) {
+    const std::int64_t chunk = t / rows;
+    const std::int64_t row = t % rows;
+    const std::int64_t k0 = chunk * plain_chunk;
+    const std::int64_t end = depth - k0 < plain_chunk ? depth : k0 + plain_chunk;
+    int low = std::numeric_limits<int>::max();
+    int high = plain_empty_high;
+    bool nonfinite = false;
+    for (std::int64_t k = k0; k < end; ++k) {
+      const std::uint32_t bits = core_ns::float_bits(values[row * depth + k]);
+      const int field = static_cast<int>((bits >> 23) & 0xffU);
+      if (field == 0xff) {
+        nonfinite = true;
+        continue;
+      }
+      const std::uint32_t significand = field == 0 ? (bits & 0x7fffffU) : ((bits & 0x7fffffU) | 0x800000U);
+      if (significand == 0) continue;
+      const int unit = field == 0 ? -149 : field - 150;  // value = significand * 2^unit
+      const int leading = unit + 31 - __builtin_clz(significand);
+      const int lowest = unit + 31 - __builtin_clz(significand & (0U - significand));
+      if (leading > high) high = leading;
+      if (lowest < low) low = lowest;
+    }
+    if (nonfinite) {
+      spreads[t] = 127;
+      lows[t] = 0;
+      highs[t] = plain_nonfinite_high;
+    } else if (high == plain_empty_high) {
+      spreads[t] = plain_empty_spread;
+      lows[t] = std::numeric_limits<int>::max();
+      highs[t] = plain_empty_high;
+    } else {
+      spreads[t] = static_cast<std::int8_t>(high - low > 127 ? 127 : high - low);
+      lows[t] = low;
+      highs[t] = high;
+    }
+  }
+}
+
+// Per row: lo and hi over its chunks (0 and plain_empty_high for a row of zeros; the nonfinite
+// marker wins).
+__global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int32_t* chunk_highs, std::int64_t rows,
+                                  std::int64_t chunks, std::int32_t* lows, std::int32_t* highs) {
+  MXSCOPE_GRID_LOOP(row, rows) {
+    int low = std::numeric_limits<int>::max();
+    int high = plain_empty_high;
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const int chunk_low = chunk_lows[c * rows + row];
+      const int chunk_high = chunk_highs[c * rows + row];
+      if (chunk_low < low) low = chunk_low;
+      if (chunk_high > high) high = chunk_high;
+    }
+    lows[row] = high == plain_empty_high || high == plain_nonfinite_high ? 0 : low;
+    highs[row] = high;
+  }
+}
+
+// One 64 x 64 tile of C per thread block of 16 x 16 threads, 4 x 4 entries per thread (rows
+// ty + 16 r, columns tx + 16 c: conflict-free shared-memory reads); per chunk the two operand
+// tiles are staged in shared memory as doubles ([k][row]), then every thread runs its 16 FMA
+// chains and the model step of each of its entries.
+template <plain_mode Mode>
+__global__ void __launch_bounds__(256)
+    plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
+                      plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
+                      std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
+                      float* out32, double* out64) {
+  constexpr int stride = plain_tile + 1;
+  __shared__ double a_tile[plain_chunk * stride];
+  __shared__ double b_tile[plain_chunk * stride];
+  __shared__ int a_spread_tile[plain_tile];
+  __shared__ int b_spread_tile[plain_tile];
+  const int tx = static_cast<int>(threadIdx.x % 16);
+  const int ty = static_cast<int>(threadIdx.x / 16);
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * plain_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * plain_tile;
+  const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
+
+  int a_low[plain_side], a_high[plain_side], b_low[plain_side], b_high[plain_side];
+#pragma unroll
+  for (int s = 0; s < plain_side; ++s) {
+    const std::int64_t i = i0 + ty + 16 * s;
+    const std::int64_t j = j0 + tx + 16 * s;
+    a_low[s] = i < m ? a_rows.low[i] : 0;
+    a_high[s] = i < m ? a_rows.high[i] : plain_nonfinite_high;
+    b_low[s] = j < n ? b_rows.low[j] : 0;
+    b_high[s] = j < n ? b_rows.high[j] : plain_nonfinite_high;
+  }
+  bool active[plain_side][plain_side];
+  [[maybe_unused]] core_ns::int128 sums[plain_side][plain_side];
+  [[maybe_unused]] float accumulators[plain_side][plain_side];
+#pragma unroll
+  for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+    for (int c = 0; c < plain_side; ++c) {
+      active[r][c] = plain_fits(a_low[r], a_high[r], b_low[c], b_high[c], depth_bits);
+      sums[r][c] = 0;
+      accumulators[r][c] = 0.0f;
+    }
+  }
+
+  for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const std::int64_t k0 = chunk * plain_chunk;
+    const std::int64_t length = depth - k0 < plain_chunk ? depth - k0 : plain_chunk;
+    for (int t = static_cast<int>(threadIdx.x); t < plain_tile * plain_chunk; t += static_cast<int>(blockDim.x)) {
+      const int row = t / plain_chunk;
+      const int kk = t % plain_chunk;
+      const bool inside = kk < length;
+      a_tile[kk * stride + row] =
+          (inside && i0 + row < m) ? static_cast<double>(a[(i0 + row) * depth + k0 + kk]) : 0.0;
+      b_tile[kk * stride + row] =
+          (inside && j0 + row < n) ? static_cast<double>(b[(j0 + row) * depth + k0 + kk]) : 0.0;
+    }
+    if (threadIdx.x < plain_tile) {
+      const std::int64_t i = i0 + threadIdx.x;
+      a_spread_tile[threadIdx.x] = i < m ? a_spreads[chunk * m + i] : plain_empty_spread;
+    } else if (threadIdx.x < 2 * plain_tile) {
+      const std::int64_t j = j0 + threadIdx.x - plain_tile;
+      b_spread_tile[threadIdx.x - plain_tile] = j < n ? b_spreads[chunk * n + j] : plain_empty_spread;
+    }
+    __syncthreads();
+
+    double dots[plain_side][plain_side];
+#pragma unroll
+    for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+      for (int c = 0; c < plain_side; ++c) dots[r][c] = 0.0;
+    }
+#pragma unroll 8
+    for (int kk = 0; kk < plain_chunk; ++kk) {
+      double av[plain_side], bv[plain_side];
+#pragma unroll
+      for (int s = 0; s < plain_side; ++s) {
+        av[s] = a_tile[kk * stride + ty + 16 * s];
+        bv[s] = b_tile[kk * stride + tx + 16 * s];
+      }
+#pragma unroll
+      for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < plain_side; ++c) dots[r][c] = fma_exact(av[r], bv[c], dots[r][c]);
+      }
+    }
+
+    // The chunk's step for every entry whose fp64 dot is exact; the others (rare for bf16 values)
+    // are marked and take the per-product path below, out of the hot loop.
+    unsigned per_product = 0;
+#pragma unroll
+    for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+      for (int c = 0; c < plain_side; ++c) {
+        if (!active[r][c]) continue;
+        if (a_spread_tile[ty + 16 * r] + b_spread_tile[tx + 16 * c] > plain_chunk_budget) {
+          per_product |= 1U << (r * plain_side + c);
+        } else if constexpr (Mode == plain_mode::block) {
+          accumulators[r][c] = add_exact_dot(accumulators[r][c], dots[r][c]);
+        } else {
+          add_in_units(sums[r][c], dots[r][c], a_low[r] + b_low[c]);
+        }
+      }
+    }
+    if (per_product != 0) {
+#pragma unroll
+      for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < plain_side; ++c) {
+          if ((per_product & (1U << (r * plain_side + c))) == 0) continue;
+          const int base = a_low[r] + b_low[c];
+          const core_ns::int128 products =
+              chunk_products_in_units(a_tile + ty + 16 * r, b_tile + tx + 16 * c, stride, base);
+          if constexpr (Mode == plain_mode::block) {
+            accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
+          } else {
+            sums[r][c] += products;
+          }
+        }
+      }
+    }
+    if (Mode == plain_mode::group && ((chunk + 1) % chunks_per_group == 0 || chunk + 1 == chunks)) {
+#pragma unroll
+      for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < plain_side; ++c) {
+          if (!active[r][c]) continue;
+          accumulators[r][c] = add_units_to_float(accumulators[r][c], sums[r][c], a_low[r] + b_low[c]);
+          sums[r][c] = 0;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+    for (int c = 0; c < plain_side; ++c) {
+      if (!active[r][c]) continue;
+      const std::int64_t entry = (i0 + ty + 16 * r) * n + j0 + tx + 16 * c;
+      if constexpr (Mode == plain_mode::exact) {
+        double value64 = 0.0;
+        float value32 = 0.0f;
+        round_units(sums[r][c], a_low[r] + b_low[c], value64, value32);
+        if (out64 != nullptr) out64[entry] = value64;
+        if (out32 != nullptr) out32[entry] = value32;
+      } else {
+        out32[entry] = finish_output(accumulators[r][c] * 1.0f, output);  // epilogue: alpha = 1
+      }
+    }
+  }
+}
+
+// The row metadata of one unscaled operand on the device.
+struct plain_rows_data {
+  device_buffer spreads;  // int8 [chunks, rows]
+  device_buffer lows;     // int32 [rows]
+  device_buffer highs;    // int32 [rows]
+  plain_rows_view view() const { return {lows.as<const std::int32_t>(), highs.as<const std::int32_t>()}; }
+};
+
+plain_rows_data describe_plain_rows(const float* values, std::int64_t rows, std::int64_t depth) {
+  const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
+  plain_rows_data out;
+  out.spreads = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(chunks * rows, 1)));
+  out.lows = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t));
+  out.highs = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t));
+  if (rows == 0) return out;
+  const std::size_t chunk_bytes = static_cast<std::size_t>(std::max<std::int64_t>(chunks * rows, 1)) * sizeof(std::int32_t);
+  device_buffer chunk_lows(chunk_bytes);
+  device_buffer chunk_highs(chunk_bytes);
+  if (chunks > 0) {
+    runtime::launch(plain_chunks_kernel, grid_for(chunks * rows), threads_per_block, 0, values, rows, depth, chunks,
+                    out.spreads.as<std::int8_t>(), chunk_lows.as<std::int32_t>(), chunk_highs.as<std::int32_t>());
+  }
+  runtime::launch(plain_rows_kernel, grid_for(rows), threads_per_block, 0, chunk_lows.as<const std::int32_t>(),
+                  chunk_highs.as<const std::int32_t>(), rows, chunks, out.lows.as<std::int32_t>(),
+                  out.highs.as<std::int32_t>());
+  synchronize();  // the chunk buffers must outlive the kernels
+  return out;
+}
+
+int depth_bits_of(std::int64_t depth) { return core_ns::bit_length(static_cast<core_ns::uint128>(depth)); }
+
+dim3 plain_grid(std::int64_t m, std::int64_t n) {
+  return dim3(static_cast<unsigned>((n + plain_tile - 1) / plain_tile),
+              static_cast<unsigned>((m + plain_tile - 1) / plain_tile));
 }
 
 // -------------------------------------------------------------------------------------------
@@ -1634,17 +2002,17 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       switch (model.kind) {
         case accumulation_kind::exact:
           runtime::launch(generic_product_kernel<generic_mode::exact>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
-                          a.block, 1, output, out, exact_out);
+                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
           break;
         case accumulation_kind::fp32_seq:
           runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
-                          a.block, 1, output, out, exact_out);
+                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
           break;
         case accumulation_kind::fp32_block:
         case accumulation_kind::fp32_group:
           runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
                           a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
-                          out, exact_out);
+                          out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
           break;
         default:
           // trunc-align and trunc-promote have no device kernel (gemm_path_covers refuses them first).
@@ -1681,35 +2049,38 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
 }
 
 // ================================================================================================
-// Exact reference of fp32 operands (NUMERICS.md section 8): one thread per entry adds every
-// product (exact in fp64) to a long accumulator and rounds once to fp64 and to fp32. Entries
-// whose rows hold inf or NaN are the IEEE fp64 sum in ascending k, as src/reference.cpp defines.
+// Exact reference of fp32 operands (NUMERICS.md section 8): the exact sum of the products rounded
+// once to fp64 and to fp32. plain_tile_kernel (exact mode) computes every entry whose rows fit its
+// 128-bit window; reference_kernel the others: one thread per entry adds every product (exact in
+// fp64) to a long accumulator, or, where a row holds inf or NaN, forms the IEEE fp64 sum in
+// ascending k, as src/reference.cpp defines.
 
 namespace {
-
-__global__ void nonfinite_rows_kernel(const float* values, std::int64_t rows, std::int64_t cols, int* flags) {
-  MXSCOPE_GRID_LOOP(r, rows) {
-    int flag = 0;
-    for (std::int64_t k = 0; k < cols; ++k) flag |= !is_finite(values[r * cols + k]);
-    flags[r] = flag;
-  }
-}
 
 constexpr int reference_tile = 16;
 constexpr int reference_chunk = 32;
 
-__global__ void reference_kernel(const float* a, const float* b, const int* a_nonfinite, const int* b_nonfinite,
-                                 std::int64_t m, std::int64_t n, std::int64_t depth, double* out64, float* out32) {
+__global__ void reference_kernel(const float* a, const float* b, plain_rows_view a_rows, plain_rows_view b_rows,
+                                 std::int64_t m, std::int64_t n, std::int64_t depth, int depth_bits, double* out64,
+                                 float* out32) {
   __shared__ float a_tile[reference_tile][reference_chunk + 1];
   __shared__ float b_tile[reference_tile][reference_chunk + 1];
+  __shared__ int tile_needed;
   const int tx = threadIdx.x % reference_tile;
   const int ty = threadIdx.x / reference_tile;
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * reference_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * reference_tile;
   const std::int64_t i = i0 + ty;
   const std::int64_t j = j0 + tx;
-  const bool active = i < m && j < n;
-  const bool ieee = active && (a_nonfinite[i] != 0 || b_nonfinite[j] != 0);
+  const bool active =
+      i < m && j < n && !plain_fits(a_rows.low[i], a_rows.high[i], b_rows.low[j], b_rows.high[j], depth_bits);
+  // A tile without such entries leaves at once (the same decision for every thread of the block).
+  if (threadIdx.x == 0) tile_needed = 0;
+  __syncthreads();
+  if (active) tile_needed = 1;
+  __syncthreads();
+  if (tile_needed == 0) return;
+  const bool ieee = active && (a_rows.high[i] == plain_nonfinite_high || b_rows.high[j] == plain_nonfinite_high);
   core_ns::long_accumulator total;
   double sum = 0.0;
   for (std::int64_t k0 = 0; k0 < depth; k0 += reference_chunk) {
@@ -1750,15 +2121,69 @@ __global__ void reference_kernel(const float* a, const float* b, const int* a_no
 void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
                          float* out32) {
   if (m == 0 || n == 0) return;
-  device_buffer a_flags(static_cast<std::size_t>(m) * sizeof(int));
-  device_buffer b_flags(static_cast<std::size_t>(n) * sizeof(int));
-  runtime::launch(nonfinite_rows_kernel, grid_for(m), threads_per_block, 0, a, m, k, a_flags.as<int>());
-  runtime::launch(nonfinite_rows_kernel, grid_for(n), threads_per_block, 0, b, n, k, b_flags.as<int>());
+  const plain_rows_data a_rows = describe_plain_rows(a, m, k);
+  const plain_rows_data b_rows = describe_plain_rows(b, n, k);
+  const int depth_bits = depth_bits_of(k);
+  runtime::launch(plain_tile_kernel<plain_mode::exact>, plain_grid(m, n), 256, 0, a, b,
+                  a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(), a_rows.view(),
+                  b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64);
   const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
                   static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
-  runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_flags.as<const int>(),
-                  b_flags.as<const int>(), m, n, k, out64, out32);
-  synchronize();  // the flag buffers must outlive the kernel
+  runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m, n,
+                  k, depth_bits, out64, out32);
+  synchronize();  // the row metadata must outlive the kernels
+}
+
+void plain_product_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t depth,
+                             int block, const accumulation_model& model, output_rounding output, float* out) {
+  if (block < 1) throw input_error("gpu gemm: field 'block' must be positive");
+  if (model.kind != accumulation_kind::fp32_block && model.kind != accumulation_kind::fp32_group &&
+      model.kind != accumulation_kind::fp32_seq) {
+    throw input_error("gpu gemm: unscaled operands run fp32-block, fp32-group:G and fp32-seq on the GPU");
+  }
+  if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
+    throw input_error("gpu gemm: field 'accum': G must be positive");
+  }
+  if (m == 0 || n == 0) return;
+  const std::int64_t blocks = (depth + block - 1) / block;
+  // Every block scale is 2^0: the exponent buffers [blocks, rows] of the per-product kernel are zero.
+  device_buffer a_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * m, 1)) * sizeof(std::int32_t));
+  device_buffer b_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * n, 1)) * sizeof(std::int32_t));
+  a_exponents.fill_bytes(0);
+  b_exponents.fill_bytes(0);
+  const unsigned grid = grid_for(m * n, 128);
+  const auto* ax = a_exponents.as<const std::int32_t>();
+  const auto* bx = b_exponents.as<const std::int32_t>();
+  const int group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
+  const std::int64_t group_length = static_cast<std::int64_t>(block) * group;
+  if (model.kind == accumulation_kind::fp32_seq) {
+    runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, a, ax, b, bx, m, n, depth, block,
+                    1, output, out, static_cast<double*>(nullptr), plain_rows_view{}, plain_rows_view{}, 0);
+  } else if (group_length % plain_chunk != 0) {
+    // Steps that end inside a chunk: the per-product kernel for every entry.
+    runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, a, ax, b, bx, m, n, depth, block,
+                    group, output, out, static_cast<double*>(nullptr), plain_rows_view{}, plain_rows_view{}, 0);
+  } else {
+    // The tiled kernel for the entries whose rows fit its window, the per-product kernel for the rest.
+    const plain_rows_data a_rows = describe_plain_rows(a, m, depth);
+    const plain_rows_data b_rows = describe_plain_rows(b, n, depth);
+    const int depth_bits = depth_bits_of(depth);
+    const std::int64_t chunks_per_group = group_length / plain_chunk;
+    const auto* a_spreads = a_rows.spreads.as<const std::int8_t>();
+    const auto* b_spreads = b_rows.spreads.as<const std::int8_t>();
+    if (chunks_per_group == 1) {
+      runtime::launch(plain_tile_kernel<plain_mode::block>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
+                      a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
+                      static_cast<double*>(nullptr));
+    } else {
+      runtime::launch(plain_tile_kernel<plain_mode::group>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
+                      a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
+                      static_cast<double*>(nullptr));
+    }
+    runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, a, ax, b, bx, m, n, depth, block,
+                    group, output, out, static_cast<double*>(nullptr), a_rows.view(), b_rows.view(), depth_bits);
+  }
+  synchronize();  // the buffers above must outlive the kernels
 }
 
 // ================================================================================================
@@ -2083,42 +2508,13 @@ product_result emulate_plain_product(const matrix& a, const matrix& b, int block
   if (a.cols != b.cols) {
     throw input_error("gpu gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
   }
-  if (block < 1) throw input_error("gpu gemm: field 'block' must be positive");
-  if (model.kind != accumulation_kind::fp32_block && model.kind != accumulation_kind::fp32_group &&
-      model.kind != accumulation_kind::fp32_seq) {
-    throw input_error("gpu gemm: unscaled operands run fp32-block, fp32-group:G and fp32-seq on the GPU");
-  }
-  if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
-    throw input_error("gpu gemm: field 'accum': G must be positive");
-  }
-  const std::int64_t m = a.rows;
-  const std::int64_t n = b.rows;
-  const std::int64_t depth = a.cols;
   product_result result;
-  result.out = matrix(m, n);
-  if (m == 0 || n == 0) return result;
-  const std::int64_t blocks = (depth + block - 1) / block;
+  result.out = matrix(a.rows, b.rows);
   const device_buffer left = upload_vector(a.values);
   const device_buffer right = upload_vector(b.values);
-  // Every block scale is 2^0: the exponent buffers [blocks, rows] are zero.
-  device_buffer left_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * m, 1)) * sizeof(std::int32_t));
-  device_buffer right_exponents(static_cast<std::size_t>(std::max<std::int64_t>(blocks * n, 1)) * sizeof(std::int32_t));
-  left_exponents.fill_bytes(0);
-  right_exponents.fill_bytes(0);
-  device_buffer out(static_cast<std::size_t>(m * n) * sizeof(float));
-  const unsigned grid = grid_for(m * n, 128);
-  const auto* ae = left.as<const float>();
-  const auto* be = right.as<const float>();
-  const auto* ax = left_exponents.as<const std::int32_t>();
-  const auto* bx = right_exponents.as<const std::int32_t>();
-  if (model.kind == accumulation_kind::fp32_seq) {
-    runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, depth, block,
-                    1, output, out.as<float>(), static_cast<double*>(nullptr));
-  } else {
-    runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, depth, block,
-                    model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
-                    out.as<float>(), static_cast<double*>(nullptr));
-  }
+  device_buffer out(static_cast<std::size_t>(a.rows * b.rows) * sizeof(float));
+  plain_product_on_device(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols, block, model,
+                          output, out.as<float>());
   out.download(result.out.data(), out.bytes());
   return result;
 }

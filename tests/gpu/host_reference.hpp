@@ -6,7 +6,8 @@
 // - quantize_mx:   src/quantize.cpp quantize_mx() (amax, shared exponent, per-element encode,
 //                  the fp4 packing, the counters);
 // - product_entry: src/gemm.cpp generic_entry() (exact, fp32-block, fp32-group:G) and the fp32-seq
-//                  definition (one fmaf per product in ascending K);
+//                  definition (one fmaf per product in ascending K); plain_product_entry the same
+//                  for unscaled (fp32 / bf16) operands;
 // - reference_entry: the exact sum of the fp32 products rounded once (long accumulator), or the
 //                  IEEE fp64 sum for rows with inf or NaN (src/reference.cpp).
 //
@@ -304,6 +305,44 @@ inline entry_value product_entry(const operand_reader& a, const operand_reader& 
     accumulator = core::add_exactly_to_float(accumulator, products.data(), static_cast<int>(products.size()));
   }
   return {round_output(accumulator * 1.0f, output), 0.0};
+}
+
+// One entry of the product of unscaled operands A [m, k] and B [n, k] (fp32 values, bf16 ones as
+// their fp32 values; every block scale 1) under fp32-block, fp32-group:G or fp32-seq with K-blocks of
+// `block`: product_entry's definition on the plain values (src/gemm.cpp generic_entry).
+inline float plain_product_entry(const matrix& a, const matrix& b, std::int64_t i, std::int64_t j, int block,
+                                 const mxscope::accumulation_model& model, mxscope::output_rounding output) {
+  using mxscope::accumulation_kind;
+  const std::int64_t depth = a.cols;
+  if (model.kind == accumulation_kind::fp32_seq) {
+    float accumulator = 0.0f;
+    for (std::int64_t k = 0; k < depth; ++k) accumulator = std::fmaf(a(i, k), b(j, k), accumulator);
+    return round_output(accumulator, output);
+  }
+  const std::int64_t group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
+  const std::int64_t group_length = static_cast<std::int64_t>(block) * group;
+  float accumulator = 0.0f;
+  std::vector<double> products;
+  for (std::int64_t begin = 0; begin < depth; begin += group_length) {
+    const std::int64_t end = std::min(depth, begin + group_length);
+    products.clear();
+    double nonfinite_sum = 0.0;
+    bool nonfinite = false;
+    for (std::int64_t k = begin; k < end; ++k) {
+      const double product = static_cast<double>(a(i, k)) * static_cast<double>(b(j, k));
+      if (!std::isfinite(product)) {
+        nonfinite = true;
+        nonfinite_sum += product;
+      }
+      products.push_back(product);
+    }
+    if (nonfinite || !std::isfinite(accumulator)) {
+      accumulator = static_cast<float>(static_cast<double>(accumulator) + nonfinite_sum);
+      continue;
+    }
+    accumulator = core::add_exactly_to_float(accumulator, products.data(), static_cast<int>(products.size()));
+  }
+  return round_output(accumulator * 1.0f, output);
 }
 
 // Every entry (or the listed (i, j) entries, in that order, as a 1 x count result).

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -883,6 +884,50 @@ void gemm_large() {
 // ------------------------------------------------------------------------------------------------
 // Reference GEMM and metrics.
 
+// The device reference of A and B (outputs poisoned with 0xFF first) against the definition, entry
+// by entry, and the host convenience function against the same.
+std::string check_reference(const matrix& a, const matrix& b, const std::string& replay) {
+  const std::int64_t m = a.rows, n = b.rows, k = a.cols;
+  gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
+  left.upload(a.data(), left.bytes());
+  right.upload(b.data(), right.bytes());
+  gpu::device_buffer out64(static_cast<std::size_t>(m * n) * 8), out32(static_cast<std::size_t>(m * n) * 4);
+  out64.fill_bytes(0xFF);
+  out32.fill_bytes(0xFF);
+  gpu::reference_on_device(left.as<const float>(), right.as<const float>(), m, n, k, out64.as<double>(),
+                           out32.as<float>());
+  gpu::synchronize();
+  matrix64 got64(m, n);
+  matrix got32(m, n);
+  out64.download(got64.data(), out64.bytes());
+  out32.download(got32.data(), out32.bytes());
+  std::vector<host_reference::reference_value> expected(static_cast<std::size_t>(m * n));
+  host_reference::parallel_for(m, [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t i = first; i < last; ++i) {
+      for (std::int64_t j = 0; j < n; ++j)
+        expected[static_cast<std::size_t>(i * n + j)] = host_reference::reference_entry(a, b, i, j);
+    }
+  });
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    const auto& want = expected[static_cast<std::size_t>(e)];
+    if (!same(want.fp64, got64.values[static_cast<std::size_t>(e)]) ||
+        !same(want.fp32, got32.values[static_cast<std::size_t>(e)])) {
+      return "entry (" + std::to_string(e / n) + ", " + std::to_string(e % n) + "): expected fp64 " +
+             show(want.fp64) + " fp32 " + show(want.fp32) + ", got fp64 " +
+             show(got64.values[static_cast<std::size_t>(e)]) + " fp32 " +
+             show(got32.values[static_cast<std::size_t>(e)]) + "; " + replay;
+    }
+  }
+  const mxscope::reference_result api = gpu::reference_gemm(a, b);
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)].fp64, api.fp64.values[static_cast<std::size_t>(e)]) ||
+        !same(expected[static_cast<std::size_t>(e)].fp32, api.fp32.values[static_cast<std::size_t>(e)])) {
+      return "gpu::reference_gemm entry " + std::to_string(e) + " differs; " + replay;
+    }
+  }
+  return "";
+}
+
 void reference_checks(bool small) {
   struct shape {
     std::int64_t m, n, k;
@@ -907,49 +952,139 @@ void reference_checks(bool small) {
       const std::string name = "reference exact M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" +
                                std::to_string(s.k) + " " +
                                std::string(test_inputs::value_kind_name(static_cast<value_kind>(kind)));
-      run_case(name, [&]() -> std::string {
-        gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
-        left.upload(a.data(), left.bytes());
-        right.upload(b.data(), right.bytes());
-        gpu::device_buffer out64(static_cast<std::size_t>(s.m * s.n) * 8),
-            out32(static_cast<std::size_t>(s.m * s.n) * 4);
-        out64.fill_bytes(0xFF);
-        out32.fill_bytes(0xFF);
-        gpu::reference_on_device(left.as<const float>(), right.as<const float>(), s.m, s.n, s.k, out64.as<double>(),
-                                 out32.as<float>());
-        gpu::synchronize();
-        matrix64 got64(s.m, s.n);
-        matrix got32(s.m, s.n);
-        out64.download(got64.data(), out64.bytes());
-        out32.download(got32.data(), out32.bytes());
-        std::vector<host_reference::reference_value> expected(static_cast<std::size_t>(s.m * s.n));
-        host_reference::parallel_for(s.m, [&](std::int64_t first, std::int64_t last) {
-          for (std::int64_t i = first; i < last; ++i) {
-            for (std::int64_t j = 0; j < s.n; ++j)
-              expected[static_cast<std::size_t>(i * s.n + j)] = host_reference::reference_entry(a, b, i, j);
-          }
-        });
-        for (std::int64_t e = 0; e < s.m * s.n; ++e) {
-          const auto& want = expected[static_cast<std::size_t>(e)];
-          if (!same(want.fp64, got64.values[static_cast<std::size_t>(e)]) ||
-              !same(want.fp32, got32.values[static_cast<std::size_t>(e)])) {
-            return "entry (" + std::to_string(e / s.n) + ", " + std::to_string(e % s.n) + "): expected fp64 " +
-                   show(want.fp64) + " fp32 " + show(want.fp32) + ", got fp64 " +
-                   show(got64.values[static_cast<std::size_t>(e)]) + " fp32 " +
-                   show(got32.values[static_cast<std::size_t>(e)]) + "; seed " + hex64(seed);
-          }
-        }
-        // The host convenience function agrees with the device function.
-        const mxscope::reference_result api = gpu::reference_gemm(a, b);
-        for (std::int64_t e = 0; e < s.m * s.n; ++e) {
-          if (!same(expected[static_cast<std::size_t>(e)].fp64, api.fp64.values[static_cast<std::size_t>(e)])) {
-            return "gpu::reference_gemm entry " + std::to_string(e) + " differs";
-          }
-        }
-        return "";
-      });
+      run_case(name, [&] { return check_reference(a, b, "seed " + hex64(seed)); });
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Unscaled operands (fp32, bf16 values): the tiled kernels that sum each K-chunk of 32 products in
+// fp64 where that is exact, and their fallbacks, against the definitions.
+
+struct plain_input {
+  std::string name;
+  matrix a, b;
+};
+
+// Inputs for every branch: bf16 chunks whose products sum exactly in fp64 (narrow); chunks too wide
+// for that (wide bf16, fp32 significands) in rows that still fit the 128-bit window of an entry;
+// and, mixed into one product with narrow rows, a row that does not fit that window, a row of
+// zeros, one wide chunk in a narrow row, NaN and infinity (the per-product kernels).
+std::vector<plain_input> plain_inputs(std::int64_t m, std::int64_t n, std::int64_t k, std::uint64_t seed) {
+  std::vector<plain_input> out;
+  out.push_back({"bf16 narrow", test_inputs::make_bf16_matrix(m, k, 2, seed),
+                 test_inputs::make_bf16_matrix(n, k, 2, seed + 1)});
+  out.push_back({"bf16 wide", test_inputs::make_bf16_matrix(m, k, 24, seed + 2),
+                 test_inputs::make_bf16_matrix(n, k, 24, seed + 3)});
+  out.push_back({"fp32 banded", test_inputs::make_matrix(m, k, value_kind::banded, seed + 4),
+                 test_inputs::make_matrix(n, k, value_kind::banded, seed + 5)});
+  plain_input mixed{"bf16 mixed rows", test_inputs::make_bf16_matrix(m, k, 3, seed + 6),
+                    test_inputs::make_bf16_matrix(n, k, 3, seed + 7)};
+  if (k >= 2) {
+    mixed.a(0, 0) = 0x1p100f;  // row 0 of A spans 2^-120 .. 2^100: beyond the window
+    mixed.a(0, k - 1) = 0x1p-120f;
+  }
+  if (m >= 3) {
+    for (std::int64_t c = 0; c < k; ++c) mixed.a(1, c) = 0.0f;
+    mixed.a(2, k / 2) *= 0x1p40f;  // one chunk of row 2 too wide for fp64, the row within the window
+  }
+  if (n >= 2) mixed.b(n - 1, k / 3) = std::numeric_limits<float>::quiet_NaN();
+  if (n >= 3) mixed.b(n / 2, k - 1) = -std::numeric_limits<float>::infinity();
+  out.push_back(std::move(mixed));
+  out.push_back({"extreme", test_inputs::make_matrix(m, k, value_kind::extreme, seed + 8),
+                 test_inputs::make_matrix(n, k, value_kind::extreme, seed + 9)});
+  return out;
+}
+
+// plain_product_on_device into a poisoned buffer against host_reference::plain_product_entry.
+std::string check_plain_product(const plain_input& in, int block, const mxscope::accumulation_model& model,
+                                mxscope::output_rounding output, const std::string& replay) {
+  const std::int64_t m = in.a.rows, n = in.b.rows, k = in.a.cols;
+  gpu::device_buffer left(in.a.values.size() * 4), right(in.b.values.size() * 4);
+  left.upload(in.a.data(), left.bytes());
+  right.upload(in.b.data(), right.bytes());
+  gpu::device_buffer out(static_cast<std::size_t>(m * n) * 4);
+  out.fill_bytes(0xFF);
+  gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), m, n, k, block, model, output,
+                               out.as<float>());
+  matrix got(m, n);
+  out.download(got.data(), out.bytes());
+  std::vector<float> expected(static_cast<std::size_t>(m * n));
+  host_reference::parallel_for(m, [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t i = first; i < last; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        expected[static_cast<std::size_t>(i * n + j)] =
+            host_reference::plain_product_entry(in.a, in.b, i, j, block, model, output);
+      }
+    }
+  });
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)], got.values[static_cast<std::size_t>(e)])) {
+      return "entry (" + std::to_string(e / n) + ", " + std::to_string(e % n) + "): expected " +
+             show(expected[static_cast<std::size_t>(e)]) + " got " + show(got.values[static_cast<std::size_t>(e)]) +
+             "; " + replay;
+    }
+  }
+  return "";
+}
+
+void plain_checks(bool small) {
+  struct shape {
+    std::int64_t m, n, k;
+  };
+  // Odd sizes, K below, at and past multiples of 32, tiles of 64 x 64 cut at both edges.
+  const shape shapes[] = {{1, 1, 1}, {3, 5, 31}, {37, 29, 70}, {67, 65, 97}, {130, 70, 300}, {200, 150, 1030}};
+  struct model_case {
+    const char* name;
+    int block;
+    mxscope::accumulation_model model;
+  };
+  const model_case models[] = {
+      {"fp32-block", 32, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-group:2", 32, model_of(mxscope::accumulation_kind::fp32_group, 2)},
+      {"fp32-group:3", 32, model_of(mxscope::accumulation_kind::fp32_group, 3)},
+      {"fp32-block block 64", 64, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-block block 16", 16, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-seq", 32, model_of(mxscope::accumulation_kind::fp32_seq)},
+  };
+  int index = 0;
+  for (const shape& s : shapes) {
+    if (small && s.m > 70) continue;
+    const std::uint64_t seed = next_seed();
+    const std::vector<plain_input> inputs = plain_inputs(s.m, s.n, s.k, seed);
+    const std::string dims = " M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k);
+    for (const plain_input& in : inputs) {
+      run_case("plain reference" + dims + " " + in.name,
+               [&] { return check_reference(in.a, in.b, "seed " + hex64(seed)); });
+      for (const model_case& mc : models) {
+        ++index;
+        const auto output = index % 4 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        run_case("plain " + std::string(mc.name) + dims + " " + in.name +
+                     (output == mxscope::output_rounding::bf16 ? " bf16 out" : ""),
+                 [&] { return check_plain_product(in, mc.block, mc.model, output, "seed " + hex64(seed)); });
+      }
+    }
+  }
+  // The host convenience function runs the same device code.
+  const std::uint64_t seed = next_seed();
+  const std::vector<plain_input> inputs = plain_inputs(21, 19, 45, seed);
+  run_case("plain gpu::emulate_plain_product M21 N19 K45", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    for (const plain_input& in : inputs) {
+      const mxscope::product_result got = gpu::emulate_plain_product(in.a, in.b, 32, model);
+      for (std::int64_t i = 0; i < in.a.rows; ++i) {
+        for (std::int64_t j = 0; j < in.b.rows; ++j) {
+          const float want =
+              host_reference::plain_product_entry(in.a, in.b, i, j, 32, model, mxscope::output_rounding::fp32);
+          if (!same(want, got.out(i, j))) {
+            return in.name + " entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(want) +
+                   " got " + show(got.out(i, j)) + "; seed " + hex64(seed);
+          }
+        }
+      }
+    }
+    return "";
+  });
 }
 
 std::string compare_fields(const mxscope::comparison& want, const mxscope::comparison& got) {
@@ -1093,6 +1228,7 @@ int main(int argc, char** argv) {
   timed("gemm edges", [&] { gemm_edges(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
   timed("reference", [&] { reference_checks(small); });
+  timed("plain products", [&] { plain_checks(small); });
   timed("compare", [&] { compare_checks(small); });
 
   std::printf("%d passed, %d failed\n", results.passed, results.failed);

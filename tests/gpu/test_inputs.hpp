@@ -81,6 +81,11 @@ inline matrix make_matrix(std::int64_t rows, std::int64_t cols, value_kind kind,
   return out;
 }
 
+// bf16 values (exact in fp32): Gaussian entries times 2^e, e drawn per element from
+// [-binades, binades]. A 32-value chunk then spans about 2 * binades + 8 bits of significance:
+// small `binades` give chunks whose products sum exactly in fp64, large ones chunks that do not.
+inline matrix make_bf16_matrix(std::int64_t rows, std::int64_t cols, int binades, std::uint64_t seed);
+
 // fp32 -> bf16 bit patterns (round to nearest even), and the exact fp32 values of those patterns:
 // the bf16 input of the quantizer benchmark and of the bf16 input tests.
 inline std::uint16_t to_bf16_bits(float value) {
@@ -97,6 +102,17 @@ inline float from_bf16_bits(std::uint16_t bits) {
   float value = 0.0f;
   __builtin_memcpy(&value, &wide, sizeof(value));
   return value;
+}
+
+inline matrix make_bf16_matrix(std::int64_t rows, std::int64_t cols, int binades, std::uint64_t seed) {
+  std::mt19937_64 random(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-binades, binades);
+  matrix out(rows, cols);
+  for (float& value : out.values) {
+    value = from_bf16_bits(to_bf16_bits(static_cast<float>(std::ldexp(normal(random), exponent(random)))));
+  }
+  return out;
 }
 
 }  // namespace test_inputs
