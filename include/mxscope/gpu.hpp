@@ -202,8 +202,9 @@ struct mx_operand_view {
 // - integer: exact integer block dots (int32/int64 on element codes scaled to integers), then the
 //   model's rounding steps; every MX element format except fp8 e5m2;
 // - tensor_core: int8 tensor-core block dots (mma m16n8k32 on 2q / 8q / 64q integers, a fresh
-//   accumulator per 32-block) then the canonical fp32 scale-add; fp32-block model, block 32, fp4 /
-//   fp6 e2m3 / int8 elements on both sides, sm_80 or newer;
+//   accumulator per 32-block) then the canonical fp32 scale-add (fp32-block) or an fp64 running
+//   sum checked by TwoSum at every addition, with a long-accumulator pass over the entries where
+//   one rounded (exact); block 32, fp4 / fp6 e2m3 / int8 elements on both sides, sm_80 or newer;
 // - native_mfma: gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4), one fp32 rounding per
 //   128-k instruction; MXFP4 x MXFP4, block 32, and only the fp32-group:4 model, which that
 //   instruction implements by hypothesis (unverified until measured on an MI355X: docs/gpu.md);

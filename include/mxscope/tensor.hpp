@@ -27,12 +27,25 @@ struct basic_matrix {
 using matrix = basic_matrix<float>;
 using matrix64 = basic_matrix<double>;
 
-// Transposed copy.
+// Transposed copy, in 32 x 32 tiles (each tile reads and writes whole cache lines), tile rows
+// spread over the OpenMP threads where the caller is compiled with OpenMP.
 template <class T>
 basic_matrix<T> transposed(const basic_matrix<T>& input) {
   basic_matrix<T> out(input.cols, input.rows);
-  for (std::int64_t r = 0; r < input.rows; ++r) {
-    for (std::int64_t c = 0; c < input.cols; ++c) out(c, r) = input(r, c);
+  constexpr std::int64_t tile = 32;
+  const std::int64_t row_tiles = (input.rows + tile - 1) / tile;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (input.size() >= (std::int64_t{1} << 18))
+#endif
+  for (std::int64_t row_tile = 0; row_tile < row_tiles; ++row_tile) {
+    const std::int64_t r0 = row_tile * tile;
+    const std::int64_t r1 = r0 + tile < input.rows ? r0 + tile : input.rows;
+    for (std::int64_t c0 = 0; c0 < input.cols; c0 += tile) {
+      const std::int64_t c1 = c0 + tile < input.cols ? c0 + tile : input.cols;
+      for (std::int64_t c = c0; c < c1; ++c) {
+        for (std::int64_t r = r0; r < r1; ++r) out(c, r) = input(r, c);
+      }
+    }
   }
   return out;
 }

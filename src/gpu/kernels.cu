@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "fast_encode.hpp"
@@ -985,8 +986,8 @@ bool gemm_path_covers(gemm_path path, element_kind a, element_kind b, int block,
       if (kind == accumulation_kind::fp32_group && model.blocks_per_group > integer_max_group) return false;
       return integer_element(a) && integer_element(b) && block_dot_bits(a, b, block) <= 53;
     case gemm_path::tensor_core:
-      return tensor_cores_present() && kind == accumulation_kind::fp32_block && block == 32 && tensor_core_element(a) &&
-             tensor_core_element(b);
+      return tensor_cores_present() && (kind == accumulation_kind::fp32_block || kind == accumulation_kind::exact) &&
+             block == 32 && tensor_core_element(a) && tensor_core_element(b);
     case gemm_path::native_mfma:
       return native_gfx950::gemm_fits(a, b, block, model) && native_gfx950::present();
   }
@@ -1743,6 +1744,9 @@ constexpr int tc_stages = 3;
 constexpr int tc_row_stride = 48;  // bytes per smem row: 32 data + 16 pad (conflict-free fragment loads)
 constexpr int tc_fast_k_low = -126;
 constexpr int tc_fast_k_high = 100;
+// Exact: 2^k is a normal double and |D| 2^k stays far from overflow.
+constexpr int tc_exact_k_low = -1000;
+constexpr int tc_exact_k_high = 900;
 
 struct alignas(16) tc_stage {
   std::uint8_t a[tc_tile * tc_row_stride];
@@ -1834,10 +1838,17 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
   }
 }
 
+// Exact: instead of the fp32 step, each entry keeps a running fp64 sum of the scaled block dots
+// D * 2^k (exact doubles: |D| < 2^20) and checks every addition with TwoSum; an entry whose sum
+// ever rounded (or that meets a NaN block or an extreme k) is flagged in `flagged` and left to
+// tensor_core_exact_fixup_kernel. Unflagged entries' running sums are the exact sums, written as
+// the fp64 result and converted once (RNE) to fp32.
+template <bool Exact>
 __global__ void __launch_bounds__(256)
     tensor_core_product_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
                                const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
-                               std::int64_t blocks, int fraction_total, output_rounding output, float* out) {
+                               std::int64_t blocks, int fraction_total, output_rounding output, float* out,
+                               double* exact_out, std::uint8_t* flagged) {
   __shared__ tc_stage stages[tc_stages];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -1848,13 +1859,15 @@ __global__ void __launch_bounds__(256)
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tc_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_tile;
 
-  float accumulators[4][4][4];
+  using accumulator_type = std::conditional_t<Exact, double, float>;
+  accumulator_type accumulators[4][4][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
+  [[maybe_unused]] std::uint64_t flags = 0;  // Exact: bit mi * 16 + ni * 4 + e for a flagged entry
 
 #pragma unroll
   for (int s = 0; s < tc_stages - 1; ++s) {
@@ -1910,7 +1923,7 @@ __global__ void __launch_bounds__(256)
       col_low = min(col_low, col_exponents[q / 2][q % 2]);
       col_high = max(col_high, col_exponents[q / 2][q % 2]);
     }
-    const bool fast =
+    [[maybe_unused]] const bool fast =
         row_low + col_low - fraction_total >= tc_fast_k_low && row_high + col_high - fraction_total <= tc_fast_k_high;
     std::uint32_t row_fields[4][2];
     std::uint32_t col_fields[4][2];
@@ -1928,13 +1941,31 @@ __global__ void __launch_bounds__(256)
         // d0, d1: row g, columns 2t, 2t+1; d2, d3: row g + 8, the same columns.
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float& accumulator = accumulators[mi][ni][e];
-          if (fast) {
-            const float power = core_ns::bits_float(row_fields[mi][e / 2] + col_fields[ni][e % 2]);
-            accumulator = __fadd_rn(accumulator, __fmul_rn(static_cast<float>(d[e]), power));
+          if constexpr (Exact) {
+            const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
+            const std::uint64_t bit = std::uint64_t{1} << (mi * 16 + ni * 4 + e);
+            if (k < tc_exact_k_low || k > tc_exact_k_high) {  // NaN markers make k huge
+              flags |= bit;
+              continue;
+            }
+            const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
+            const double contribution = static_cast<double>(d[e]) * power;  // exact
+            double& running = accumulators[mi][ni][e];
+            const double sum = running + contribution;
+            const double virtual_contribution = sum - running;
+            const double virtual_running = sum - virtual_contribution;
+            const double error = (running - virtual_running) + (contribution - virtual_contribution);
+            running = sum;
+            if (error != 0.0) flags |= bit;
           } else {
-            accumulator =
-                tensor_core_step(accumulator, d[e], row_exponents[mi][e / 2], col_exponents[ni][e % 2], fraction_total);
+            float& accumulator = accumulators[mi][ni][e];
+            if (fast) {
+              const float power = core_ns::bits_float(row_fields[mi][e / 2] + col_fields[ni][e % 2]);
+              accumulator = __fadd_rn(accumulator, __fmul_rn(static_cast<float>(d[e]), power));
+            } else {
+              accumulator = tensor_core_step(accumulator, d[e], row_exponents[mi][e / 2], col_exponents[ni][e % 2],
+                                             fraction_total);
+            }
           }
         }
       }
@@ -1950,8 +1981,56 @@ __global__ void __launch_bounds__(256)
       for (int e = 0; e < 4; ++e) {
         const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
         const std::int64_t j = j0 + warp_n * 32 + ni * 8 + 2 * thread_in_group + e % 2;
-        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+        if (i >= m || j >= n) continue;
+        if constexpr (Exact) {
+          if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
+            flagged[i * n + j] = 1;
+          } else {
+            const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
+            out[i * n + j] = finish_output(static_cast<float>(sum), output);
+            if (exact_out != nullptr) exact_out[i * n + j] = sum;
+          }
+        } else {
+          out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+        }
       }
+    }
+  }
+}
+
+// The entries tensor_core_product_kernel<true> flagged, one thread each: the block dots again from
+// the same int8 operands, every scaled dot added to a long accumulator, rounded once (NaN blocks
+// give the canonical NaN, as the integer path does).
+__global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::int32_t* a_exponents,
+                                               const std::int8_t* b, const std::int32_t* b_exponents, std::int64_t m,
+                                               std::int64_t n, std::int64_t stride, std::int64_t blocks,
+                                               int fraction_total, output_rounding output,
+                                               const std::uint8_t* flagged, float* out, double* exact_out) {
+  MXSCOPE_GRID_LOOP(entry, m * n) {
+    if (flagged[entry] == 0) continue;
+    const std::int64_t i = entry / n;
+    const std::int64_t j = entry % n;
+    core_ns::long_accumulator total;
+    bool nan_entry = false;
+    for (std::int64_t block = 0; block < blocks; ++block) {
+      const std::int8_t* a_block = a + i * stride + block * 32;
+      const std::int8_t* b_block = b + j * stride + block * 32;
+      int dot = 0;
+      for (int t = 0; t < 32; ++t) dot += static_cast<int>(a_block[t]) * static_cast<int>(b_block[t]);
+      const double contribution = scaled_block_dot(static_cast<double>(dot), a_exponents[block * m + i],
+                                                   b_exponents[block * n + j], fraction_total);
+      if (contribution != contribution) {
+        nan_entry = true;
+      } else {
+        total.add(contribution);
+      }
+    }
+    if (nan_entry) {
+      out[entry] = finish_output(canonical_nan_float(), output);
+      if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
+    } else {
+      out[entry] = finish_output(round_total_to_float(total), output);
+      if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
     }
   }
 }
@@ -2032,9 +2111,24 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
       const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile),
                       static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
-      runtime::launch(tensor_core_product_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
-                      a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
-                      b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output, out);
+      if (model.kind == accumulation_kind::exact) {
+        device_buffer flagged(static_cast<std::size_t>(m * n));
+        flagged.fill_bytes(0);
+        runtime::launch(tensor_core_product_kernel<true>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
+                        out, exact_out, flagged.as<std::uint8_t>());
+        runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
+                        a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
+                        b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
+                        a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
+        synchronize();  // the flag buffer must outlive both kernels
+      } else {
+        runtime::launch(tensor_core_product_kernel<false>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
+                        out, nullptr, nullptr);
+      }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");
 #endif
