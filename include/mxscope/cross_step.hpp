@@ -4,9 +4,11 @@
 // replays fed the strategy's result Ghat_t. One call per step updates a state and returns the norms
 // and inner products the accumulation.csv columns are ratios of.
 //
-// Every returned sum is a canonical sum (include/mxscope/compare.hpp) of terms whose arithmetic is
-// that of the definition, element by element, so each value is the same as computing it on its own
-// and does not depend on the number of OpenMP threads.
+// A step is one pass over the output, chunk by chunk in the canonical order of
+// include/mxscope/compare.hpp: each element's state is updated and its terms added to every sum of
+// the step at once. Each term's arithmetic is that of the definition and each sum is a canonical sum,
+// so every returned value is the one a separate canonical_sum would give and does not depend on the
+// number of OpenMP threads the chunks run on.
 #pragma once
 
 #include <cstdint>
@@ -57,8 +59,7 @@ struct unit_accumulators {
   matrix64 sgd_displacement;
   matrix64 adamw_first;
   matrix64 adamw_second;
-  matrix64 adamw_direction;
-  matrix64 adamw_displacement;
+  matrix64 adamw_displacement;  // (the update itself is only compared with the reference's, not kept)
 };
 
 struct unit_step_norms {
