@@ -21,8 +21,9 @@
 // The metrics cases (BM_Metrics*) time the cross-step state alone, at T >= 2, on synthetic fp64
 // outputs of MXSCOPE_BENCH_METRICS_SHAPE (rows x cols, default 4096x4096) with 1 and 2 OpenMP
 // threads: reference_step (per (layer, GEMM) and step) and unit_step (per unit and step), against
-// memcpy of one fp64 output matrix in the same run. They need no GEMM and take seconds; run them
-// alone with MXSCOPE_BENCH_FILTER=BM_Metrics.
+// memcpy of one fp64 output matrix in the same run, with the CPU seconds of the process as a
+// counter (cpu_ms). They need no GEMM and take seconds; run them alone with
+// MXSCOPE_BENCH_FILTER=BM_Metrics.
 //
 // One iteration each (minutes of work); run it with MXSCOPE_BENCH_REPETITIONS=1. Memory: about
 // 11 GiB at full size. MXSCOPE_BENCH_REPLAY_SCALE=k divides all three dimensions by k (a quick
@@ -36,6 +37,7 @@
 
 #include <Eigen/Core>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -461,17 +463,33 @@ void BM_MetricsMemcpy(benchmark::State& state) {
 BENCHMARK(BM_MetricsMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(10);
 
 // reference_step at T >= 2 (the first, allocating step untimed).
+// CPU seconds of the whole process (every OpenMP thread): on a shared machine the wall time also
+// counts the waiting for a CPU. Run with OMP_WAIT_POLICY=PASSIVE so that idle threads do not spin.
+double process_cpu_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+void set_cpu_counter(benchmark::State& state, double cpu_seconds) {
+  state.counters["cpu_ms"] = benchmark::Counter(1e3 * cpu_seconds, benchmark::Counter::kAvgIterations);
+}
+
 void BM_MetricsReference(benchmark::State& state) {
   const thread_count threads(static_cast<int>(state.range(0)));
   const metrics_fixture& m = metrics_data();
   mxscope::reference_accumulators reference;
   mxscope::reference_step(reference, m.g, m.settings);
+  double cpu = 0.0;
   for (auto _ : state) {
+    const double cpu_mark = process_cpu_seconds();
     const mxscope::reference_step_norms norms = mxscope::reference_step(reference, m.g, m.settings);
+    cpu += process_cpu_seconds() - cpu_mark;
     benchmark::DoNotOptimize(norms.sum);
   }
   state.SetBytesProcessed(state.iterations() * m.bytes());
   set_metrics_counters(state);
+  set_cpu_counter(state, cpu);
 }
 BENCHMARK(BM_MetricsReference)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(8);
 
@@ -483,15 +501,19 @@ void BM_MetricsUnit(benchmark::State& state) {
   mxscope::unit_accumulators unit;
   mxscope::reference_step(reference, m.g, m.settings);
   mxscope::unit_step(unit, reference, m.estimate, m.exact, m.g, m.settings);
+  double cpu = 0.0;
   for (auto _ : state) {
     mxscope::reference_step(reference, m.g, m.settings);
     const auto mark = clock_type::now();
+    const double cpu_mark = process_cpu_seconds();
     const mxscope::unit_step_norms norms = mxscope::unit_step(unit, reference, m.estimate, m.exact, m.g, m.settings);
+    cpu += process_cpu_seconds() - cpu_mark;
     state.SetIterationTime(seconds_since(mark));
     benchmark::DoNotOptimize(norms.error_sum);
   }
   state.SetBytesProcessed(state.iterations() * m.bytes());
   set_metrics_counters(state);
+  set_cpu_counter(state, cpu);
 }
 BENCHMARK(BM_MetricsUnit)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseManualTime()->Iterations(8);
 
