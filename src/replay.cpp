@@ -24,6 +24,7 @@
 
 #include "mxscope/analysis.hpp"
 #include "mxscope/compare.hpp"
+#include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/device.hpp"
@@ -71,121 +72,10 @@ json json_number(double value) {
   return json(number(value));  // JSON has no NaN or infinity: write them as strings
 }
 
-// Elementwise loops over result-sized matrices (order-free: each element on its own) run on every
-// thread; the reductions go through canonical_sum, whose order does not depend on the thread count.
-#ifdef _OPENMP
-#define MXSCOPE_ELEMENTWISE _Pragma("omp parallel for schedule(static)")
-#else
-#define MXSCOPE_ELEMENTWISE
-#endif
-
 double ratio(double numerator, double denominator) {
   if (denominator == 0.0) return numerator == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
   return numerator / denominator;
 }
-
-// ---------------------------------------------------------------------------------------------
-// Elementwise helpers over matrix64 with canonical reductions.
-
-double squared_norm(const matrix64& m) {
-  return canonical_sum(m.size(), [&](std::int64_t i) {
-    const double v = m.values[static_cast<std::size_t>(i)];
-    return v * v;
-  });
-}
-
-double dot(const matrix64& a, const matrix64& b) {
-  return canonical_sum(a.size(), [&](std::int64_t i) {
-    return a.values[static_cast<std::size_t>(i)] * b.values[static_cast<std::size_t>(i)];
-  });
-}
-
-double difference_norm(const matrix64& a, const matrix64& b) {
-  return std::sqrt(canonical_sum(a.size(), [&](std::int64_t i) {
-    const double d = a.values[static_cast<std::size_t>(i)] - b.values[static_cast<std::size_t>(i)];
-    return d * d;
-  }));
-}
-
-matrix64 widen(const matrix& m) {
-  matrix64 out(m.rows, m.cols);
-  const std::int64_t count = static_cast<std::int64_t>(m.values.size());
-  MXSCOPE_ELEMENTWISE
-  for (std::int64_t i = 0; i < count; ++i) out.values[static_cast<std::size_t>(i)] = static_cast<double>(m.values[static_cast<std::size_t>(i)]);
-  return out;
-}
-
-// sum += term, elementwise.
-void add_to(matrix64& sum, const matrix64& term) {
-  const std::int64_t count = static_cast<std::int64_t>(term.values.size());
-  MXSCOPE_ELEMENTWISE
-  for (std::int64_t i = 0; i < count; ++i) sum.values[static_cast<std::size_t>(i)] += term.values[static_cast<std::size_t>(i)];
-}
-
-// a - b, elementwise.
-matrix64 difference(const matrix64& a, const matrix64& b) {
-  matrix64 out(a.rows, a.cols);
-  const std::int64_t count = static_cast<std::int64_t>(a.values.size());
-  MXSCOPE_ELEMENTWISE
-  for (std::int64_t i = 0; i < count; ++i) {
-    const auto j = static_cast<std::size_t>(i);
-    out.values[j] = a.values[j] - b.values[j];
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Optimizer replay states (docs/metrics.md): open loop, from zero state.
-
-struct sgd_state {
-  matrix64 momentum;
-  matrix64 displacement;  // sum of the update directions
-  void step(const matrix64& gradient, double beta) {
-    if (momentum.size() == 0) {
-      momentum = matrix64(gradient.rows, gradient.cols);
-      displacement = matrix64(gradient.rows, gradient.cols);
-    }
-    const std::int64_t count = static_cast<std::int64_t>(gradient.values.size());
-    MXSCOPE_ELEMENTWISE
-    for (std::int64_t j = 0; j < count; ++j) {
-      const auto i = static_cast<std::size_t>(j);
-      momentum.values[i] = beta * momentum.values[i] + gradient.values[i];
-      displacement.values[i] += momentum.values[i];
-    }
-  }
-  const matrix64& update() const { return momentum; }
-};
-
-struct adamw_state {
-  matrix64 first;
-  matrix64 second;
-  matrix64 direction;
-  matrix64 displacement;
-  void step(const matrix64& gradient, const optimizer_settings& settings, std::int64_t t) {
-    if (first.size() == 0) {
-      first = matrix64(gradient.rows, gradient.cols);
-      second = matrix64(gradient.rows, gradient.cols);
-      direction = matrix64(gradient.rows, gradient.cols);
-      displacement = matrix64(gradient.rows, gradient.cols);
-    }
-    const double beta1 = settings.adamw_beta1;
-    const double beta2 = settings.adamw_beta2;
-    const double correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
-    const double correction2 = 1.0 - std::pow(beta2, static_cast<double>(t));
-    const std::int64_t count = static_cast<std::int64_t>(gradient.values.size());
-    MXSCOPE_ELEMENTWISE
-    for (std::int64_t j = 0; j < count; ++j) {
-      const auto i = static_cast<std::size_t>(j);
-      const double g = gradient.values[i];
-      first.values[i] = beta1 * first.values[i] + (1.0 - beta1) * g;
-      second.values[i] = beta2 * second.values[i] + (1.0 - beta2) * g * g;
-      const double mean = first.values[i] / correction1;
-      const double variance = second.values[i] / correction2;
-      direction.values[i] = mean / (std::sqrt(variance) + settings.adamw_eps);
-      displacement.values[i] += direction.values[i];
-    }
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Cross-step accumulators of one (layer, gemm, strategy) unit.
@@ -193,13 +83,12 @@ struct adamw_state {
 struct unit_state {
   std::string strategy_name;
   const strategy* chosen = nullptr;
-  matrix64 error_sum;       // sum_t E_t
-  matrix64 previous_error;  // E_{t-1}
+  unit_accumulators accumulators;  // error sum, previous error, optimizer replays
   double error_energy_sum = 0.0;  // sum_t ||E_t||^2
   double lag1_cosine_sum = 0.0;
   std::vector<double> error_sum_norms;  // ||sum_{t<=s} E_t|| for s = 1..T
-  sgd_state sgd;
-  adamw_state adamw;
+  double sgd_disp_err = 0.0;            // of the last step (for the summary)
+  double adamw_disp_err = 0.0;
   std::vector<std::array<double, step_metric_count>> step_metrics;  // per step, for the summary
   std::string steps_rows;         // this unit's rows of steps.csv, in step order
   std::string accumulation_rows;  // and of accumulation.csv
@@ -211,9 +100,8 @@ struct unit_state {
 // The state shared by every strategy of one (layer, gemm): the reference side.
 struct gemm_state {
   gemm_kind kind;
-  matrix64 reference_sum;  // sum_t G_t
-  sgd_state sgd;
-  adamw_state adamw;
+  reference_accumulators reference;  // sum_t G_t and the optimizer replays fed G_t
+  double reference_sum_norm = 0.0;   // ||sum_t G_t|| after the last step
   std::vector<unit_state> units;
 };
 
@@ -842,7 +730,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       std::vector<std::vector<std::size_t>> unit_indices;  // per gemm state, per unit: canonical index
       for (std::size_t gi = 0; gi < gemm_count; ++gi) {
         const gemm_kind kind = parsed.gemms[gi];
-        gemm_state state{kind, {}, {}, {}, {}};
+        gemm_state state{kind, {}, 0.0, {}};
         std::vector<std::size_t> indices;
         for (const std::size_t index : owned) {
           const unit_index unit = unit_at(index);
@@ -892,16 +780,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           const reference_result reference =
               reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
           const matrix64& g = reference.fp64;
-          const double reference_norm = std::sqrt(squared_norm(g));
-          if (state.reference_sum.size() == 0) state.reference_sum = matrix64(g.rows, g.cols);
-          add_to(state.reference_sum, g);
-          state.sgd.step(g, parsed.optimizer.sgd_momentum);
-          state.adamw.step(g, parsed.optimizer, t);
-          const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
-          const double sgd_update_norm = std::sqrt(squared_norm(state.sgd.update()));
-          const double sgd_displacement_norm = std::sqrt(squared_norm(state.sgd.displacement));
-          const double adamw_update_norm = std::sqrt(squared_norm(state.adamw.direction));
-          const double adamw_displacement_norm = std::sqrt(squared_norm(state.adamw.displacement));
+          const reference_step_norms reference_norms = reference_step(state.reference, g, parsed.optimizer);
+          const double reference_norm = reference_norms.reference;
+          state.reference_sum_norm = reference_norms.sum;
           seconds_reference += seconds_since(mark);
 
           mark = clock_type::now();
@@ -923,9 +804,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
             unit.stage_seconds[1] += seconds_since(stage_mark);
             stage_mark = clock_type::now();
-            const matrix64 estimate = widen(result.out);
-            const double quant_err = ratio(difference_norm(exact_result, g), reference_norm);
-            const double accum_err = ratio(difference_norm(estimate, exact_result), reference_norm);
+            // One pass over the output for every norm of this step and the cross-step state.
+            const unit_step_norms norms = unit_step(unit.accumulators, state.reference, result.out, exact_result, g,
+                                                    parsed.optimizer);
+            const double quant_err = ratio(norms.quantization, reference_norm);
+            const double accum_err = ratio(norms.accumulation, reference_norm);
             std::array<double, 6> attributed;
             attributed.fill(std::numeric_limits<double>::quiet_NaN());
             if (attribute) attributed = attribution(state.kind, entry, chosen, reference_norm);
@@ -968,39 +851,33 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             unit.steps_rows += '\n';
 
             // Cross-step accumulators.
-            matrix64 error = difference(estimate, g);
-            if (unit.error_sum.size() == 0) unit.error_sum = matrix64(g.rows, g.cols);
-            add_to(unit.error_sum, error);
-            const double error_energy = squared_norm(error);
+            const double error_energy = norms.error_energy;
             unit.error_energy_sum += error_energy;
             if (t > 1) {
-              const double norms = std::sqrt(squared_norm(unit.previous_error) * error_energy);
-              unit.lag1_cosine_sum += norms == 0.0 ? 0.0 : dot(unit.previous_error, error) / norms;
+              const double lag1_norms = std::sqrt(norms.previous_error_energy * error_energy);
+              unit.lag1_cosine_sum += lag1_norms == 0.0 ? 0.0 : norms.lag1_dot / lag1_norms;
             }
-            const double error_sum_norm = std::sqrt(squared_norm(unit.error_sum));
+            const double error_sum_norm = norms.error_sum;
             unit.error_sum_norms.push_back(error_sum_norm);
-            unit.sgd.step(estimate, parsed.optimizer.sgd_momentum);
-            unit.adamw.step(estimate, parsed.optimizer, t);
             const double nan = std::numeric_limits<double>::quiet_NaN();
-            const double acc_err = ratio(error_sum_norm, reference_sum_norm);
+            const double acc_err = ratio(error_sum_norm, reference_norms.sum);
             const double coherence = ratio(error_sum_norm, std::sqrt(unit.error_energy_sum));
             const double alpha = growth_exponent(unit.error_sum_norms);
             const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
             const double structural =
                 ratio(error_sum_norm * error_sum_norm, static_cast<double>(t) * unit.error_energy_sum);
-            const double sgd_upd_err = ratio(difference_norm(unit.sgd.update(), state.sgd.update()), sgd_update_norm);
-            const double sgd_disp_err =
-                ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement), sgd_displacement_norm);
-            const double adamw_upd_err =
-                ratio(difference_norm(unit.adamw.direction, state.adamw.direction), adamw_update_norm);
+            const double sgd_upd_err = ratio(norms.sgd_update_difference, reference_norms.sgd_update);
+            const double sgd_disp_err = ratio(norms.sgd_displacement_difference, reference_norms.sgd_displacement);
+            const double adamw_upd_err = ratio(norms.adamw_update_difference, reference_norms.adamw_update);
             const double adamw_disp_err =
-                ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement), adamw_displacement_norm);
+                ratio(norms.adamw_displacement_difference, reference_norms.adamw_displacement);
+            unit.sgd_disp_err = sgd_disp_err;
+            unit.adamw_disp_err = adamw_disp_err;
             unit.accumulation_rows += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", layer.name,
                                              gemm_kind_name(state.kind), unit.strategy_name, t, entry.info.step,
                                              number(acc_err), number(coherence), number(alpha), number(lag1),
                                              number(structural), number(sgd_upd_err), number(sgd_disp_err),
                                              number(adamw_upd_err), number(adamw_disp_err));
-            unit.previous_error = std::move(error);
             unit.stage_seconds[2] += seconds_since(stage_mark);
             unit.seconds += seconds_since(unit_started);
           }
@@ -1050,18 +927,16 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           record["mean"] = mean;
           record["last"] = last;
           const double error_sum_norm = unit.error_sum_norms.back();
-          const double reference_sum_norm = std::sqrt(squared_norm(state.reference_sum));
+          const double reference_sum_norm = state.reference_sum_norm;
           const double total_steps = static_cast<double>(unit.step_metrics.size());
           record["alpha"] = json_number(growth_exponent(unit.error_sum_norms));
           record["acc_err"] = json_number(ratio(error_sum_norm, reference_sum_norm));
           record["coherence"] = json_number(ratio(error_sum_norm, std::sqrt(unit.error_energy_sum)));
           record["structural_share"] =
               json_number(ratio(error_sum_norm * error_sum_norm, total_steps * unit.error_energy_sum));
-          record["sgd_disp_err"] = json_number(ratio(difference_norm(unit.sgd.displacement, state.sgd.displacement),
-                                                     std::sqrt(squared_norm(state.sgd.displacement))));
-          record["adamw_disp_err"] =
-              json_number(ratio(difference_norm(unit.adamw.displacement, state.adamw.displacement),
-                                std::sqrt(squared_norm(state.adamw.displacement))));
+          // The values of the last accumulation.csv row (docs/metrics.md).
+          record["sgd_disp_err"] = json_number(unit.sgd_disp_err);
+          record["adamw_disp_err"] = json_number(unit.adamw_disp_err);
           fragment["summary"] = record;
           fragment["seconds"] = unit.seconds;
           fragment["stage_seconds"] = {{"gemm", unit.stage_seconds[0]},

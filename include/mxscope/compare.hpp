@@ -48,23 +48,23 @@ inline double canonical_tree(std::span<double> partials) {
   return partials[0];
 }
 
-// Sums `width` interleaved quantities term(i) -> std::array<double, width>, i in [0, count), each in
-// the canonical order. Identical to `width` separate canonical sums. `parallel` spreads the chunks
-// over OpenMP threads (the result does not change); pass false inside an already parallel loop.
-template <std::size_t width, class Terms>
-std::array<double, width> canonical_sums(std::int64_t count, Terms&& terms, bool parallel = true) {
+// The canonical order with the chunk sums left to the caller: sum_chunk(begin, end, accumulators)
+// must add the terms of [begin, end) to the `width` accumulators (each starting at +0.0), each
+// sequentially in ascending index order; the partials are then combined by canonical_tree. One call
+// per chunk, each chunk on one thread. `parallel` spreads the chunks over OpenMP threads (the result
+// does not change); pass false inside an already parallel loop. A caller may split a chunk into
+// several loops as long as each accumulator still sees its terms in index order.
+template <std::size_t width, class SumChunk>
+std::array<double, width> canonical_chunk_sums(std::int64_t count, SumChunk&& sum_chunk, bool parallel = true) {
   std::array<double, width> totals{};
   if (count <= 0) return totals;
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   std::vector<double> partials(static_cast<std::size_t>(chunk_count * static_cast<std::int64_t>(width)));
-  const auto sum_chunk = [&](std::int64_t chunk) {
+  const auto one_chunk = [&](std::int64_t chunk) {
     std::array<double, width> accumulators{};
     const std::int64_t begin = chunk * canonical_chunk;
     const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const std::array<double, width> values = terms(i);
-      for (std::size_t w = 0; w < width; ++w) accumulators[w] = accumulators[w] + values[w];
-    }
+    sum_chunk(begin, end, accumulators);
     for (std::size_t w = 0; w < width; ++w) {
       partials[static_cast<std::size_t>(static_cast<std::int64_t>(w) * chunk_count + chunk)] = accumulators[w];
     }
@@ -73,15 +73,31 @@ std::array<double, width> canonical_sums(std::int64_t count, Terms&& terms, bool
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static)
 #endif
-    for (std::int64_t chunk = 0; chunk < chunk_count; ++chunk) sum_chunk(chunk);
+    for (std::int64_t chunk = 0; chunk < chunk_count; ++chunk) one_chunk(chunk);
   } else {
-    for (std::int64_t chunk = 0; chunk < chunk_count; ++chunk) sum_chunk(chunk);
+    for (std::int64_t chunk = 0; chunk < chunk_count; ++chunk) one_chunk(chunk);
   }
   for (std::size_t w = 0; w < width; ++w) {
     totals[w] = canonical_tree(std::span<double>(partials.data() + w * static_cast<std::size_t>(chunk_count),
                                                  static_cast<std::size_t>(chunk_count)));
   }
   return totals;
+}
+
+// Sums `width` interleaved quantities term(i) -> std::array<double, width>, i in [0, count), each in
+// the canonical order. Identical to `width` separate canonical sums. term(i) is called exactly once
+// per i. `parallel` as for canonical_chunk_sums.
+template <std::size_t width, class Terms>
+std::array<double, width> canonical_sums(std::int64_t count, Terms&& terms, bool parallel = true) {
+  return canonical_chunk_sums<width>(
+      count,
+      [&](std::int64_t begin, std::int64_t end, std::array<double, width>& accumulators) {
+        for (std::int64_t i = begin; i < end; ++i) {
+          const std::array<double, width> values = terms(i);
+          for (std::size_t w = 0; w < width; ++w) accumulators[w] = accumulators[w] + values[w];
+        }
+      },
+      parallel);
 }
 
 // The canonical sum of term(i), i in [0, count).

@@ -12,10 +12,18 @@
 //     run_gemm      run_gemm under the strategy's model (quantize both + emulated GEMM), as replay
 //     run_gemm_exact  the same under the `exact` model (replay's quant/accum split runs it too)
 //     compare       compare(): the per-step metrics of the result against the reference
-//     accumulate    quant/accum norms, the error sums, lag-1 product and the SGD and AdamW replays
-//                   fed the estimate (the cross-step work of one unit at T >= 2)
+//     accumulate    unit_step (include/mxscope/cross_step.hpp): quant/accum norms, the error sums,
+//                   lag-1 product and the SGD and AdamW replays fed the estimate (the cross-step work
+//                   of one unit at T >= 2, replay's "metrics" stage)
 // plus, measured in the same run as baselines: memcpy of x, and Eigen fp32 and fp64 GEMMs of the
 // same shape (OpenMP threads as configured, like the replay's default of all cores).
+//
+// The metrics cases (BM_Metrics*) time the cross-step state alone, at T >= 2, on synthetic fp64
+// outputs of MXSCOPE_BENCH_METRICS_SHAPE (rows x cols, default 4096x4096) with 1 and 2 OpenMP
+// threads: reference_step (per (layer, GEMM) and step) and unit_step (per unit and step), against
+// memcpy of one fp64 output matrix in the same run, with the CPU seconds of the process as a
+// counter (cpu_ms). They need no GEMM and take seconds; run them alone with
+// MXSCOPE_BENCH_FILTER=BM_Metrics.
 //
 // One iteration each (minutes of work); run it with MXSCOPE_BENCH_REPETITIONS=1. Memory: about
 // 11 GiB at full size. MXSCOPE_BENCH_REPLAY_SCALE=k divides all three dimensions by k (a quick
@@ -29,6 +37,7 @@
 
 #include <Eigen/Core>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -46,6 +55,7 @@
 
 #include "mxscope/analysis.hpp"
 #include "mxscope/compare.hpp"
+#include "mxscope/cross_step.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/io/dump.hpp"
 #include "mxscope/io/safetensors.hpp"
@@ -141,8 +151,7 @@ struct fixture {
   std::optional<mxscope::reference_result> reference;
   double reference_norm = 0.0;
   // The reference side of the cross-step state.
-  mxscope::matrix64 reference_sum, sgd_momentum, sgd_displacement, adam_first, adam_second, adam_direction,
-      adam_displacement;
+  mxscope::reference_accumulators reference_state;
 
   fixture() {
     directory = fs::temp_directory_path() / ("mxscope-bench-replay-" + std::to_string(::getpid()));
@@ -188,47 +197,6 @@ struct fixture {
 fixture& data() {
   static fixture instance;
   return instance;
-}
-
-double squared_norm(const mxscope::matrix64& m) {
-  return mxscope::canonical_sum(m.size(), [&](std::int64_t i) {
-    const double v = m.values[static_cast<std::size_t>(i)];
-    return v * v;
-  });
-}
-
-double difference_norm(const mxscope::matrix64& a, const mxscope::matrix64& b) {
-  return std::sqrt(mxscope::canonical_sum(a.size(), [&](std::int64_t i) {
-    const double d = a.values[static_cast<std::size_t>(i)] - b.values[static_cast<std::size_t>(i)];
-    return d * d;
-  }));
-}
-
-double dot(const mxscope::matrix64& a, const mxscope::matrix64& b) {
-  return mxscope::canonical_sum(a.size(), [&](std::int64_t i) {
-    return a.values[static_cast<std::size_t>(i)] * b.values[static_cast<std::size_t>(i)];
-  });
-}
-
-// The SGD and AdamW replay steps of src/replay.cpp (t = 2).
-void sgd_step(mxscope::matrix64& momentum, mxscope::matrix64& displacement, const mxscope::matrix64& g, double beta) {
-  for (std::size_t i = 0; i < g.values.size(); ++i) {
-    momentum.values[i] = beta * momentum.values[i] + g.values[i];
-    displacement.values[i] += momentum.values[i];
-  }
-}
-
-void adamw_step(mxscope::matrix64& first, mxscope::matrix64& second, mxscope::matrix64& direction,
-                mxscope::matrix64& displacement, const mxscope::matrix64& g, const mxscope::optimizer_settings& s) {
-  const double correction1 = 1.0 - std::pow(s.adamw_beta1, 2.0);
-  const double correction2 = 1.0 - std::pow(s.adamw_beta2, 2.0);
-  for (std::size_t i = 0; i < g.values.size(); ++i) {
-    const double v = g.values[i];
-    first.values[i] = s.adamw_beta1 * first.values[i] + (1.0 - s.adamw_beta1) * v;
-    second.values[i] = s.adamw_beta2 * second.values[i] + (1.0 - s.adamw_beta2) * v * v;
-    direction.values[i] = (first.values[i] / correction1) / (std::sqrt(second.values[i] / correction2) + s.adamw_eps);
-    displacement.values[i] += direction.values[i];
-  }
 }
 
 void set_shape_counters(benchmark::State& state) {
@@ -305,24 +273,12 @@ void compute_reference(fixture& f, benchmark::State* state) {
   f.reference = mxscope::reference_gemm(a, b, f.parsed.reference);
   const double gemm_s = seconds_since(mark);
   const mxscope::matrix64& g = f.reference->fp64;
-  const auto zeros = [&] { return mxscope::matrix64(g.rows, g.cols); };
-  f.reference_sum = zeros();
-  f.sgd_momentum = zeros();
-  f.sgd_displacement = zeros();
-  f.adam_first = zeros();
-  f.adam_second = zeros();
-  f.adam_direction = zeros();
-  f.adam_displacement = zeros();
+  // The reference side at T >= 2 (replay allocates the state at T = 1 only): one step untimed.
+  f.reference_state = {};
+  mxscope::reference_step(f.reference_state, g, f.parsed.optimizer);
   mark = clock_type::now();
-  f.reference_norm = std::sqrt(squared_norm(g));
-  for (std::size_t i = 0; i < g.values.size(); ++i) f.reference_sum.values[i] += g.values[i];
-  sgd_step(f.sgd_momentum, f.sgd_displacement, g, f.parsed.optimizer.sgd_momentum);
-  adamw_step(f.adam_first, f.adam_second, f.adam_direction, f.adam_displacement, g, f.parsed.optimizer);
-  double norms = 0.0;
-  for (const auto* m : {&f.reference_sum, &f.sgd_momentum, &f.sgd_displacement, &f.adam_direction, &f.adam_displacement}) {
-    norms += std::sqrt(squared_norm(*m));
-  }
-  benchmark::DoNotOptimize(norms);
+  f.reference_norm = mxscope::reference_step(f.reference_state, g, f.parsed.optimizer).reference;
+  benchmark::DoNotOptimize(f.reference_norm);
   const double accumulate_s = seconds_since(mark);
   if (state != nullptr) {
     state->SetIterationTime(orient_s + gemm_s + accumulate_s);
@@ -391,30 +347,18 @@ void BM_Strategy(benchmark::State& state, const char* name) {
     benchmark::DoNotOptimize(metrics.rel_err);
     const double compare_s = seconds_since(mark);
 
-    // The unit's cross-step work at T >= 2 (state zero-filled beforehand, untimed: replay
-    // allocates it at T = 1 only).
-    mxscope::matrix64 error_sum(g.rows, g.cols), previous_error(g.rows, g.cols);
-    mxscope::matrix64 momentum(g.rows, g.cols), sgd_displacement(g.rows, g.cols);
-    mxscope::matrix64 first(g.rows, g.cols), second(g.rows, g.cols), direction(g.rows, g.cols),
-        adam_displacement(g.rows, g.cols);
+    // The unit's cross-step work at T >= 2, as replay does it. Untimed: a reference state at
+    // step 1, the unit's first step (replay allocates the state then) and the reference's step 2.
+    mxscope::unit_accumulators unit;
+    f.reference_state = {};
+    mxscope::reference_step(f.reference_state, g, f.parsed.optimizer);
+    mxscope::unit_step(unit, f.reference_state, result.out, exact_result, g, f.parsed.optimizer);
+    mxscope::reference_step(f.reference_state, g, f.parsed.optimizer);
     mark = clock_type::now();
     {
-      mxscope::matrix64 estimate(result.out.rows, result.out.cols);
-      for (std::size_t i = 0; i < estimate.values.size(); ++i) estimate.values[i] = result.out.values[i];
-      double sink = difference_norm(exact_result, g) / f.reference_norm;
-      sink += difference_norm(estimate, exact_result) / f.reference_norm;
-      mxscope::matrix64 error(g.rows, g.cols);
-      for (std::size_t i = 0; i < g.values.size(); ++i) error.values[i] = estimate.values[i] - g.values[i];
-      for (std::size_t i = 0; i < g.values.size(); ++i) error_sum.values[i] += error.values[i];
-      const double error_energy = squared_norm(error);
-      sink += dot(previous_error, error) / std::sqrt(squared_norm(previous_error) * error_energy + 1.0);
-      sink += std::sqrt(squared_norm(error_sum));
-      sgd_step(momentum, sgd_displacement, estimate, f.parsed.optimizer.sgd_momentum);
-      adamw_step(first, second, direction, adam_displacement, estimate, f.parsed.optimizer);
-      sink += difference_norm(momentum, f.sgd_momentum) + difference_norm(sgd_displacement, f.sgd_displacement) +
-              difference_norm(direction, f.adam_direction) + difference_norm(adam_displacement, f.adam_displacement);
-      benchmark::DoNotOptimize(sink);
-      previous_error = std::move(error);
+      const mxscope::unit_step_norms norms =
+          mxscope::unit_step(unit, f.reference_state, result.out, exact_result, g, f.parsed.optimizer);
+      benchmark::DoNotOptimize(norms.error_sum);
     }
     const double accumulate_s = seconds_since(mark);
 
@@ -436,6 +380,142 @@ BENCHMARK_CAPTURE(BM_Strategy, fp8-e4m3-tensor, "fp8-e4m3-tensor")
     ->Unit(benchmark::kSecond)
     ->UseManualTime()
     ->Iterations(1);
+
+// ---------------------------------------------------------------------------------------------
+// The cross-step state alone ("metrics" stage), on synthetic outputs of one shape.
+
+struct metrics_fixture {
+  std::int64_t rows = 4096;
+  std::int64_t cols = 4096;
+  mxscope::matrix64 g, exact;  // G_t and X_t
+  mxscope::matrix estimate;    // Ghat_t
+  mxscope::optimizer_settings settings;
+
+  metrics_fixture() {
+    if (const char* text = std::getenv("MXSCOPE_BENCH_METRICS_SHAPE")) {
+      char* end = nullptr;
+      rows = std::strtol(text, &end, 10);
+      cols = *end == 'x' ? std::strtol(end + 1, nullptr, 10) : rows;
+    }
+    g = mxscope::matrix64(rows, cols);
+    exact = mxscope::matrix64(rows, cols);
+    estimate = mxscope::matrix(rows, cols);
+    std::mt19937_64 random(7);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (std::size_t i = 0; i < g.values.size(); ++i) {
+      g.values[i] = normal(random);
+      exact.values[i] = g.values[i] + 1e-3 * normal(random);
+      estimate.values[i] = static_cast<float>(exact.values[i] + 1e-3 * normal(random));
+    }
+  }
+  std::int64_t bytes() const { return rows * cols * static_cast<std::int64_t>(sizeof(double)); }
+};
+
+metrics_fixture& metrics_data() {
+  static metrics_fixture instance;
+  return instance;
+}
+
+void set_metrics_counters(benchmark::State& state) {
+  const metrics_fixture& m = metrics_data();
+  state.counters["rows"] = static_cast<double>(m.rows);
+  state.counters["cols"] = static_cast<double>(m.cols);
+#ifdef _OPENMP
+  state.counters["threads"] = omp_get_max_threads();
+#endif
+}
+
+// Sets the OpenMP thread count for one benchmark and restores the previous one after it.
+class thread_count {
+ public:
+  explicit thread_count(int threads) {
+#ifdef _OPENMP
+    previous_ = omp_get_max_threads();
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+  }
+  ~thread_count() {
+#ifdef _OPENMP
+    omp_set_num_threads(previous_);
+#endif
+  }
+  thread_count(const thread_count&) = delete;
+  thread_count& operator=(const thread_count&) = delete;
+
+ private:
+  int previous_ = 1;
+};
+
+// Baseline: memcpy of one fp64 output matrix (on the calling thread).
+void BM_MetricsMemcpy(benchmark::State& state) {
+  const metrics_fixture& m = metrics_data();
+  std::vector<double> copy(m.g.values.size());
+  for (auto _ : state) {
+    std::memcpy(copy.data(), m.g.values.data(), static_cast<std::size_t>(m.bytes()));
+    benchmark::DoNotOptimize(copy.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * m.bytes());
+  set_metrics_counters(state);
+}
+BENCHMARK(BM_MetricsMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(10);
+
+// reference_step at T >= 2 (the first, allocating step untimed).
+// CPU seconds of the whole process (every OpenMP thread): on a shared machine the wall time also
+// counts the waiting for a CPU. Run with OMP_WAIT_POLICY=PASSIVE so that idle threads do not spin.
+double process_cpu_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+void set_cpu_counter(benchmark::State& state, double cpu_seconds) {
+  state.counters["cpu_ms"] = benchmark::Counter(1e3 * cpu_seconds, benchmark::Counter::kAvgIterations);
+}
+
+void BM_MetricsReference(benchmark::State& state) {
+  const thread_count threads(static_cast<int>(state.range(0)));
+  const metrics_fixture& m = metrics_data();
+  mxscope::reference_accumulators reference;
+  mxscope::reference_step(reference, m.g, m.settings);
+  double cpu = 0.0;
+  for (auto _ : state) {
+    const double cpu_mark = process_cpu_seconds();
+    const mxscope::reference_step_norms norms = mxscope::reference_step(reference, m.g, m.settings);
+    cpu += process_cpu_seconds() - cpu_mark;
+    benchmark::DoNotOptimize(norms.sum);
+  }
+  state.SetBytesProcessed(state.iterations() * m.bytes());
+  set_metrics_counters(state);
+  set_cpu_counter(state, cpu);
+}
+BENCHMARK(BM_MetricsReference)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(8);
+
+// unit_step at T >= 2 (untimed: the unit's first, allocating step and each step of the reference).
+void BM_MetricsUnit(benchmark::State& state) {
+  const thread_count threads(static_cast<int>(state.range(0)));
+  const metrics_fixture& m = metrics_data();
+  mxscope::reference_accumulators reference;
+  mxscope::unit_accumulators unit;
+  mxscope::reference_step(reference, m.g, m.settings);
+  mxscope::unit_step(unit, reference, m.estimate, m.exact, m.g, m.settings);
+  double cpu = 0.0;
+  for (auto _ : state) {
+    mxscope::reference_step(reference, m.g, m.settings);
+    const auto mark = clock_type::now();
+    const double cpu_mark = process_cpu_seconds();
+    const mxscope::unit_step_norms norms = mxscope::unit_step(unit, reference, m.estimate, m.exact, m.g, m.settings);
+    cpu += process_cpu_seconds() - cpu_mark;
+    state.SetIterationTime(seconds_since(mark));
+    benchmark::DoNotOptimize(norms.error_sum);
+  }
+  state.SetBytesProcessed(state.iterations() * m.bytes());
+  set_metrics_counters(state);
+  set_cpu_counter(state, cpu);
+}
+BENCHMARK(BM_MetricsUnit)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseManualTime()->Iterations(8);
 
 }  // namespace
 
