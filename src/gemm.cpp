@@ -1727,11 +1727,16 @@ int common_block(const quantized_tensor& a, const quantized_tensor& b, std::stri
   return 32;
 }
 
-// What the GPU backend computes (gpu.hpp): MX operands on both sides, and a model it has. A build
-// without the backend computes nothing there (compute_device::gpu then means the CPU).
-bool gpu_quantizes(const quantize_options& options) {
+// What the GPU backend computes (gpu.hpp). A build without the backend computes nothing there
+// (compute_device::gpu then means the CPU).
+
+// What run_gemm prepares on the GPU (gpu::quantize_with_energies): MX and per-tensor fp8 operands.
+bool gpu_prepares(const quantize_options& options) {
 #ifdef MXSCOPE_HAVE_CUDA
-  return options.format.scheme == quant_scheme::mx;
+  const auto scheme = options.format.scheme;
+  return scheme == quant_scheme::mx ||
+         (scheme == quant_scheme::per_tensor && (options.format.element == element_kind::fp8_e4m3 ||
+                                                 options.format.element == element_kind::fp8_e5m2));
 #else
   (void)options;
   return false;
@@ -2142,7 +2147,7 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     quantize_with.stream = core_ns::random_stream{chosen.seed, core_ns::policy_step(operand.seeds, context.step),
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
-    const bool on_gpu = options.device == compute_device::gpu && gpu_quantizes(quantize_with);
+    const bool on_gpu = options.device == compute_device::gpu && gpu_prepares(quantize_with);
 #ifdef MXSCOPE_HAVE_CUDA
     if (on_gpu) {
       // The rotation, the quantizer and the operand's energies on the GPU; the dequantized values

@@ -281,7 +281,9 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 // without one, which gives the same bits as the fused path), and the operand's energies (the sums
 // of x^2 and of (x - dequantized)^2 over the rotated input's pairs where both are finite, in the
 // canonical order of compare.hpp, as the CPU's operand summary) come back instead of the
-// dequantized values: out.dequantized stays empty unless keep_dequantized.
+// dequantized values: out.dequantized stays empty unless keep_dequantized. MX formats and
+// per-tensor fp8 (e4m3, e5m2; the CPU's quantize_per_tensor: amax, scale = fl32(amax / max_normal),
+// elements encoded from the fp64 quotient).
 struct operand_energies {
   double signal = 0.0;
   double error = 0.0;

@@ -2401,6 +2401,49 @@ __global__ void column_chunks_kernel(const float* estimate, const double* refere
   }
 }
 
+// Per-tensor fp8 (src/quantize.cpp quantize_per_tensor): amax over the finite inputs (a maximum:
+// order-free, taken on the bits of |v|, whose order is the order of the values), then every element
+// encoded from the fp64 quotient v / scale, dequantized as fl32(decode(code) * scale).
+__global__ void per_tensor_amax_kernel(const float* input, std::int64_t count, unsigned* amax_bits) {
+  unsigned local = 0;
+  MXSCOPE_GRID_LOOP(i, count) {
+    const float v = input[i];
+    if (is_finite(v)) {
+      const unsigned bits = core_ns::float_bits(v) & 0x7FFFFFFFU;
+      local = bits > local ? bits : local;
+    }
+  }
+  atomicMax(amax_bits, local);
+}
+
+__global__ void per_tensor_element_kernel(const float* input, std::int64_t count, element_kind kind, float scale,
+                                          core_ns::rounding_mode rounding, int sr_bits, core_ns::random_stream stream,
+                                          std::uint8_t* codes, float* dequantized, unsigned long long* counters) {
+  unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
+  const bool stochastic = rounding == core_ns::rounding_mode::sr;
+  MXSCOPE_GRID_LOOP(i, count) {
+    const float v = input[i];
+    if (v != 0.0f) ++nonzero;
+    if (!is_finite(v)) {
+      ++nonfinite;
+      codes[i] = static_cast<std::uint8_t>(core_ns::nan_code(kind) | (core_ns::float_bits(v) >> 31 != 0 ? core_ns::sign_bit(kind) : 0U));
+      dequantized[i] = canonical_nan_float();
+      continue;
+    }
+    const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
+    const auto encoded =
+        core_ns::encode(kind, static_cast<double>(v) / static_cast<double>(scale), rounding, word, sr_bits);
+    codes[i] = static_cast<std::uint8_t>(encoded.code);
+    dequantized[i] = __fmul_rn(static_cast<float>(core_ns::decode(kind, encoded.code)), scale);
+    flushed += encoded.flushed;
+    saturated += encoded.saturated;
+  }
+  if (nonzero != 0) atomicAdd(&counters[counter_nonzero], nonzero);
+  if (flushed != 0) atomicAdd(&counters[counter_flushed], flushed);
+  if (saturated != 0) atomicAdd(&counters[counter_saturated], saturated);
+  if (nonfinite != 0) atomicAdd(&counters[counter_nonfinite], nonfinite);
+}
+
 // The operand energies of quantize_with_energies: one thread per canonical chunk, in fp64.
 __global__ void energy_chunks_kernel(const float* input, const float* dequantized, std::int64_t count,
                                      std::int64_t chunk_count, double* partials) {
@@ -2497,9 +2540,77 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
   return out;
 }
 
+namespace {
+
+// Per-tensor fp8 with energies (quantize_with_energies for quant_scheme::per_tensor).
+quantized_tensor per_tensor_with_energies(const matrix& input, const quantize_options& options,
+                                          const rotation_options& rotation, bool keep_dequantized,
+                                          operand_energies& energies) {
+  const element_kind kind = options.format.element;
+  if (kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
+    throw input_error("gpu quantize: field 'format': per-tensor scaling takes fp8 e4m3 or e5m2 elements");
+  }
+  const rotation_plan rotation_resolved = make_rotation_plan(rotation);
+  check_rotation(rotation_resolved, input.rows, input.cols, options.axis, "gpu quantize");
+  quantized_tensor out;
+  out.rows = input.rows;
+  out.cols = input.cols;
+  out.options = options;
+  out.block = 0;
+  out.codes.resize(static_cast<std::size_t>(input.size()));
+  energies = {};
+  if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
+  out.tensor_scale = 1.0f;
+  if (input.size() == 0) return out;
+  device_buffer values = upload_vector(input.values);
+  if (rotation_resolved.size > 0) {
+    rotate_on_device(values.as<float>(), input.rows, input.cols, options.axis, rotation_resolved);
+  }
+  const std::int64_t count = input.size();
+  device_buffer amax(sizeof(unsigned));
+  amax.fill_bytes(0);
+  runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+                  amax.as<unsigned>());
+  unsigned amax_bits = 0;
+  amax.download(&amax_bits, sizeof(amax_bits));
+  const float largest = core_ns::bits_float(amax_bits);
+  // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
+  const float scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
+  out.tensor_scale = scale;
+  device_buffer codes(out.codes.size());
+  device_buffer dequantized(static_cast<std::size_t>(count) * sizeof(float));
+  device_buffer counters(mx_counter_count * sizeof(unsigned long long));
+  counters.fill_bytes(0);
+  runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+                  kind, scale, options.rounding, options.sr_bits, options.stream, codes.as<std::uint8_t>(),
+                  dequantized.as<float>(), counters.as<unsigned long long>());
+  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+  device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
+  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, values.as<const float>(),
+                  dequantized.as<const float>(), count, chunk_count, partials.as<double>());
+  std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
+  partials.download(host_partials.data(), partials.bytes());
+  energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
+  energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
+  codes.download(out.codes.data(), out.codes.size());
+  if (keep_dequantized) dequantized.download(out.dequantized.data(), dequantized.bytes());
+  unsigned long long counts[mx_counter_count] = {};
+  counters.download(counts, sizeof(counts));
+  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
+  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
+  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
+  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+  return out;
+}
+
+}  // namespace
+
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
                                         operand_energies& energies) {
+  if (options.format.scheme == quant_scheme::per_tensor) {
+    return per_tensor_with_energies(input, options, rotation, keep_dequantized, energies);
+  }
   const mx_plan plan = make_mx_plan(options);
   const rotation_plan rotation_resolved = make_rotation_plan(rotation);
   check_rotation(rotation_resolved, input.rows, input.cols, plan.axis, "gpu quantize");

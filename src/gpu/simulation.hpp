@@ -77,6 +77,13 @@ inline unsigned long long atomicMax(unsigned long long* address, unsigned long l
   }
   return seen;
 }
+inline unsigned atomicMax(unsigned* address, unsigned value) {
+  std::atomic_ref<unsigned> target(*address);
+  unsigned seen = target.load();
+  while (seen < value && !target.compare_exchange_weak(seen, value)) {
+  }
+  return seen;
+}
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
   std::atomic_ref<unsigned long long> target(*address);
   unsigned long long seen = target.load();

@@ -17,6 +17,7 @@
 //   --only   run the suites whose name contains SUITE (e.g. "gemm", "quantize", "reference")
 //   --seed S replay a run (the seed is printed at the start; MXSCOPE_GPU_TEST_SEED works too)
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -370,6 +371,94 @@ void quantize_energies(bool small) {
           }
         }
       }
+      return "";
+    });
+  }
+}
+
+// Per-tensor fp8 through quantize_with_energies, against the definition of src/quantize.cpp written
+// out here: scale = fl32(amax / max_normal) over the finite inputs (1 when there are none), codes
+// encoded from the fp64 quotient v / scale (sr words from the stream at the flat index),
+// dequantized fl32(decode * scale), NaN codes with the input's sign for non-finite inputs.
+void quantize_per_tensor_energies(bool small) {
+  struct per_tensor_case {
+    core::element_kind kind;
+    core::rounding_mode rounding;
+    int rotation;
+    std::int64_t rows, cols;
+  };
+  const per_tensor_case cases[] = {{core::element_kind::fp8_e4m3, core::rounding_mode::rne, 0, 70, 130},
+                                   {core::element_kind::fp8_e5m2, core::rounding_mode::rne, 16, 64, 33},
+                                   {core::element_kind::fp8_e4m3, core::rounding_mode::sr, 0, 3, 9000},
+                                   {core::element_kind::fp8_e4m3, core::rounding_mode::rtz, 32, 96, 5}};
+  int index = 0;
+  for (const per_tensor_case& c : cases) {
+    ++index;
+    if (small && index % 2 == 0) continue;
+    const std::uint64_t seed = next_seed();
+    const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+    const matrix input = test_inputs::make_matrix(c.rows, c.cols, kind, seed);
+    mxscope::quantize_options options;
+    options.format = {mxscope::quant_scheme::per_tensor, c.kind, 0};
+    options.axis = 0;
+    options.rounding = c.rounding;
+    std::uint64_t state = seed + 1;
+    options.stream = core::random_stream{split_mix(state), 7, static_cast<std::uint32_t>(split_mix(state))};
+    mxscope::rotation_options rotation;
+    rotation.size = c.rotation;
+    rotation.seed = seed + 2;
+    const std::string name = std::string("quantize per-tensor with energies ") + core::spec(c.kind).name + " " +
+                             rounding_names[static_cast<int>(c.rounding)] + " H" + std::to_string(c.rotation) + " " +
+                             std::to_string(c.rows) + "x" + std::to_string(c.cols) + " " +
+                             std::string(test_inputs::value_kind_name(kind));
+    run_case(name, [&]() -> std::string {
+      matrix rotated = input;
+      host_reference::rotate(rotated, 0, rotation);
+      float amax = 0.0f;
+      for (const float v : rotated.values) {
+        if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+      }
+      const float scale = amax > 0.0f ? amax / static_cast<float>(core::max_normal(c.kind)) : 1.0f;
+      std::vector<std::uint8_t> codes(rotated.values.size());
+      matrix dequantized(c.rows, c.cols);
+      std::int64_t counts[4] = {};
+      for (std::size_t i = 0; i < codes.size(); ++i) {
+        const float v = rotated.values[i];
+        if (v != 0.0f) ++counts[0];
+        if (!std::isfinite(v)) {
+          ++counts[3];
+          codes[i] = static_cast<std::uint8_t>(core::nan_code(c.kind) | (std::signbit(v) ? core::sign_bit(c.kind) : 0U));
+          dequantized.values[i] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        const std::uint32_t word =
+            c.rounding == core::rounding_mode::sr ? options.stream.word(static_cast<std::uint64_t>(i)) : 0U;
+        const auto encoded = core::encode(c.kind, static_cast<double>(v) / static_cast<double>(scale), c.rounding, word,
+                                          options.sr_bits);
+        codes[i] = static_cast<std::uint8_t>(encoded.code);
+        dequantized.values[i] = static_cast<float>(core::decode(c.kind, encoded.code)) * scale;
+        counts[1] += encoded.flushed;
+        counts[2] += encoded.saturated;
+      }
+      const auto want = mxscope::canonical_sums<2>(rotated.size(), [&](std::int64_t i) {
+        const double value = rotated.values[static_cast<std::size_t>(i)];
+        const double rounded = dequantized.values[static_cast<std::size_t>(i)];
+        if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
+        return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
+      });
+      gpu::operand_energies energies;
+      const mxscope::quantized_tensor got = gpu::quantize_with_energies(input, options, rotation, true, energies);
+      if (!same(scale, got.tensor_scale)) return "tensor scale: expected " + show(scale) + " got " + show(got.tensor_scale);
+      if (got.codes != codes) return "codes differ";
+      for (std::size_t i = 0; i < codes.size(); ++i) {
+        if (!same(dequantized.values[i], got.dequantized.values[i])) return "dequantized element " + std::to_string(i);
+      }
+      if (got.nonzero_inputs != counts[0] || got.flushed != counts[1] || got.saturated != counts[2] ||
+          got.nonfinite_inputs != counts[3]) {
+        return "counters differ";
+      }
+      if (!same(want[0], energies.signal)) return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal);
+      if (!same(want[1], energies.error)) return "error energy: expected " + show(want[1]) + " got " + show(energies.error);
       return "";
     });
   }
@@ -1221,7 +1310,7 @@ int main(int argc, char** argv) {
   timed("quantize sweep", [&] { quantize_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
-  timed("quantize with energies", [&] { quantize_energies(small); });
+  timed("quantize with energies", [&] { quantize_energies(small); quantize_per_tensor_energies(small); });
   timed("quantize native", [&] { quantize_native(small); });
   if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
   timed("gemm sweep", [&] { gemm_sweep(small); });
