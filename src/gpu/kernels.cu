@@ -2802,7 +2802,12 @@ __global__ void unit_cross_step_kernel(core_ns::unit_state_view state, core_ns::
 }
 
 std::string shape_text(std::int64_t rows, std::int64_t cols) {
-  return "[" + to_text(rows) + ", " + to_text(cols) + "]";
+  std::string text = "[";  // appended piece by piece: "[" + std::string trips GCC 12's -Wrestrict
+  text += to_text(rows);
+  text += ", ";
+  text += to_text(cols);
+  text += "]";
+  return text;
 }
 
 void require_cross_step_shape(std::int64_t rows, std::int64_t cols, std::int64_t want_rows, std::int64_t want_cols,
