@@ -317,13 +317,22 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
 //
 // The device memory (seven fp64 matrices of the output's shape per state, plus G_t and the upload
 // buffers of a unit's inputs in the reference state) is allocated and zeroed at the first step; when
-// that allocation fails the step throws gpu_error and leaves the state unchanged (at step 0), so the
-// caller can run that state on the host instead from the same step on.
+// that allocation fails, or would leave less device memory free than the state's reserve, the step
+// throws gpu_error and leaves the state unchanged (at step 0), so the caller can run that state on
+// the host instead from the same step on.
+
+// Device memory a state leaves free when it allocates, for the other GPU stages of a replay at the
+// same output shape (operands, products, reference, comparison): fixed + per_element x the output's
+// element count.
+struct cross_step_reserve {
+  std::uint64_t fixed = std::uint64_t{4} << 30;
+  std::uint64_t per_element = 64;
+};
 
 // The reference side of one (layer, GEMM).
 class reference_cross_step {
  public:
-  reference_cross_step();
+  explicit reference_cross_step(cross_step_reserve reserve = {});
   ~reference_cross_step();
   reference_cross_step(reference_cross_step&&) noexcept;
   reference_cross_step& operator=(reference_cross_step&&) noexcept;
@@ -345,7 +354,7 @@ class reference_cross_step {
 // One (layer, GEMM, strategy) unit.
 class unit_cross_step {
  public:
-  unit_cross_step();
+  explicit unit_cross_step(cross_step_reserve reserve = {});
   ~unit_cross_step();
   unit_cross_step(unit_cross_step&&) noexcept;
   unit_cross_step& operator=(unit_cross_step&&) noexcept;

@@ -2835,6 +2835,18 @@ core_ns::adamw_step_constants adamw_constants_of(const optimizer_settings& setti
   return core_ns::make_adamw_step_constants(settings.adamw_beta1, settings.adamw_beta2, settings.adamw_eps, t);
 }
 
+// Throws gpu_error when allocating `bytes` now would leave less than the reserve free.
+void require_cross_step_room(std::size_t bytes, std::int64_t count, const cross_step_reserve& reserve,
+                             const char* what) {
+  std::size_t free_bytes = 0, total_bytes = 0;
+  MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
+  const std::uint64_t keep = reserve.fixed + reserve.per_element * static_cast<std::uint64_t>(count);
+  if (static_cast<std::uint64_t>(free_bytes) < keep || static_cast<std::uint64_t>(free_bytes) - keep < bytes) {
+    throw gpu_error(std::string(what) + ": " + std::to_string(bytes) + " bytes of device memory would leave less than " +
+                    std::to_string(keep) + " of the " + std::to_string(free_bytes) + " free");
+  }
+}
+
 // Downloads matrix `index` of a state allocation of `count` elements per matrix.
 void download_state_matrix(const device_buffer& state, int index, std::int64_t rows, std::int64_t cols,
                            matrix64& out) {
@@ -2846,6 +2858,7 @@ void download_state_matrix(const device_buffer& state, int index, std::int64_t r
 }  // namespace
 
 struct reference_cross_step::storage {
+  cross_step_reserve reserve;
   std::int64_t steps = 0;
   std::int64_t rows = 0;
   std::int64_t cols = 0;
@@ -2861,7 +2874,9 @@ struct reference_cross_step::storage {
   double* matrix_at(int index) const { return state.as<double>() + static_cast<std::int64_t>(index) * count(); }
 };
 
-reference_cross_step::reference_cross_step() : storage_(std::make_unique<storage>()) {}
+reference_cross_step::reference_cross_step(cross_step_reserve reserve) : storage_(std::make_unique<storage>()) {
+  storage_->reserve = reserve;
+}
 reference_cross_step::~reference_cross_step() = default;
 reference_cross_step::reference_cross_step(reference_cross_step&&) noexcept = default;
 reference_cross_step& reference_cross_step::operator=(reference_cross_step&&) noexcept = default;
@@ -2874,10 +2889,15 @@ reference_step_norms reference_cross_step::step(const matrix64& g, const optimiz
     const std::int64_t count = g.rows * g.cols;
     const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(double);
+    const std::size_t partial_bytes =
+        static_cast<std::size_t>(core_ns::reference_sum_count * chunk_count) * sizeof(double);
+    const std::size_t estimate_bytes = static_cast<std::size_t>(count) * sizeof(float);
+    require_cross_step_room((cross_step_matrices + 2) * bytes + partial_bytes + estimate_bytes, count, s.reserve,
+                            "reference_cross_step");
     device_buffer state(cross_step_matrices * bytes);
     device_buffer gradient(bytes);
-    device_buffer partials(static_cast<std::size_t>(core_ns::reference_sum_count * chunk_count) * sizeof(double));
-    device_buffer estimate(static_cast<std::size_t>(count) * sizeof(float));
+    device_buffer partials(partial_bytes);
+    device_buffer estimate(estimate_bytes);
     device_buffer exact(bytes);
     state.fill_bytes(0);  // +0.0, as a fresh matrix64
     s.state = std::move(state);
@@ -2929,6 +2949,7 @@ void reference_cross_step::download(reference_accumulators& out) const {
 }
 
 struct unit_cross_step::storage {
+  cross_step_reserve reserve;
   std::int64_t steps = 0;
   std::int64_t rows = 0;
   std::int64_t cols = 0;
@@ -2940,7 +2961,9 @@ struct unit_cross_step::storage {
   double* matrix_at(int index) const { return state.as<double>() + static_cast<std::int64_t>(index) * count(); }
 };
 
-unit_cross_step::unit_cross_step() : storage_(std::make_unique<storage>()) {}
+unit_cross_step::unit_cross_step(cross_step_reserve reserve) : storage_(std::make_unique<storage>()) {
+  storage_->reserve = reserve;
+}
 unit_cross_step::~unit_cross_step() = default;
 unit_cross_step::unit_cross_step(unit_cross_step&&) noexcept = default;
 unit_cross_step& unit_cross_step::operator=(unit_cross_step&&) noexcept = default;
@@ -2959,8 +2982,11 @@ unit_step_norms unit_cross_step::step(const reference_cross_step& reference, con
   const std::int64_t count = r.count();
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   if (s.steps == 0) {
-    device_buffer state(cross_step_matrices * static_cast<std::size_t>(count) * sizeof(double));
-    device_buffer partials(static_cast<std::size_t>(core_ns::unit_sum_count * chunk_count) * sizeof(double));
+    const std::size_t state_bytes = cross_step_matrices * static_cast<std::size_t>(count) * sizeof(double);
+    const std::size_t partial_bytes = static_cast<std::size_t>(core_ns::unit_sum_count * chunk_count) * sizeof(double);
+    require_cross_step_room(state_bytes + partial_bytes, count, s.reserve, "unit_cross_step");
+    device_buffer state(state_bytes);
+    device_buffer partials(partial_bytes);
     state.fill_bytes(0);
     s.state = std::move(state);
     s.partials = std::move(partials);

@@ -1330,6 +1330,38 @@ void cross_step_checks(bool small) {
     if (!refused || unit.steps() != 1) return "a unit step ahead of the reference was accepted";
     return "";
   });
+  // A state that cannot keep its reserve free refuses its first step and stays at step 0, so the
+  // replay can run it on the host; the other states are unaffected.
+  run_case("cross-step reserve", []() -> std::string {
+    const mxscope::optimizer_settings settings;
+    const gpu::cross_step_reserve impossible{~std::uint64_t{0}, 0};
+    matrix64 g(4, 6);
+    for (std::size_t i = 0; i < g.values.size(); ++i) g.values[i] = static_cast<double>(i) - 7.5;
+    gpu::reference_cross_step crowded(impossible);
+    bool refused = false;
+    try {
+      crowded.step(g, settings);
+    } catch (const gpu::gpu_error&) {
+      refused = true;
+    }
+    if (!refused || crowded.steps() != 0) return "a reference state allocated beyond its reserve";
+    gpu::reference_cross_step reference;
+    const mxscope::reference_step_norms norms = reference.step(g, settings);
+    mxscope::reference_accumulators host;
+    const mxscope::reference_step_norms want = mxscope::reference_step(host, g, settings);
+    if (core::double_bits(norms.adamw_displacement) != core::double_bits(want.adamw_displacement)) {
+      return "the reference after a refused state differs";
+    }
+    gpu::unit_cross_step unit(impossible);
+    refused = false;
+    try {
+      unit.step(reference, matrix(4, 6), matrix64(4, 6), settings);
+    } catch (const gpu::gpu_error&) {
+      refused = true;
+    }
+    if (!refused || unit.steps() != 0) return "a unit state allocated beyond its reserve";
+    return "";
+  });
 }
 
 }  // namespace
