@@ -1,7 +1,5 @@
 #include "mxscope/cross_step.hpp"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -10,6 +8,7 @@
 #include <string>
 
 #include "mxscope/compare.hpp"
+#include "mxscope/core/cross_step.hpp"
 #include "mxscope/errors.hpp"
 
 namespace mxscope {
@@ -20,7 +19,9 @@ template <class T>
 void require_shape(const basic_matrix<T>& m, std::int64_t rows, std::int64_t cols, const char* what,
                    const char* where) {
   if (m.rows != rows || m.cols != cols) {
-    throw input_error(fmt::format("{}: {} is [{}, {}], expected [{}, {}]", where, what, m.rows, m.cols, rows, cols));
+    throw input_error(std::string(where) + ": " + what + " is [" + std::to_string(m.rows) + ", " +
+                      std::to_string(m.cols) + "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                      "]");
   }
 }
 
@@ -28,16 +29,9 @@ void allocate(std::initializer_list<matrix64*> matrices, std::int64_t rows, std:
   for (matrix64* m : matrices) *m = matrix64(rows, cols);
 }
 
-// The AdamW bias corrections 1 - beta^t of step t.
-struct adamw_constants {
-  double beta1, beta2, eps, correction1, correction2;
-  adamw_constants(const optimizer_settings& settings, std::int64_t t)
-      : beta1(settings.adamw_beta1),
-        beta2(settings.adamw_beta2),
-        eps(settings.adamw_eps),
-        correction1(1.0 - std::pow(beta1, static_cast<double>(t))),
-        correction2(1.0 - std::pow(beta2, static_cast<double>(t))) {}
-};
+core::adamw_step_constants adamw_constants(const optimizer_settings& settings, std::int64_t t) {
+  return core::make_adamw_step_constants(settings.adamw_beta1, settings.adamw_beta2, settings.adamw_eps, t);
+}
 
 }  // namespace
 
@@ -75,25 +69,12 @@ static_assert(canonical_chunk % block == 0);
 
 // One AdamW step of `count` elements fed `gradient`: the moments, the update (into `direction`) and
 // the displacement. No sums here, so the loop vectorizes.
-void adamw_update(const adamw_constants& constants, const double* __restrict gradient, double* __restrict first,
-                  double* __restrict second, double* __restrict direction, double* __restrict displacement,
-                  std::size_t count) {
-  const double beta1 = constants.beta1;
-  const double beta2 = constants.beta2;
-  const double correction1 = constants.correction1;
-  const double correction2 = constants.correction2;
-  const double eps = constants.eps;
+void adamw_update(const core::adamw_step_constants& constants, const double* __restrict gradient,
+                  double* __restrict first, double* __restrict second, double* __restrict direction,
+                  double* __restrict displacement, std::size_t count) {
+  const core::adamw_step_constants c = constants;
   for (std::size_t i = 0; i < count; ++i) {
-    const double g = gradient[i];
-    const double f = beta1 * first[i] + (1.0 - beta1) * g;
-    const double q = beta2 * second[i] + (1.0 - beta2) * g * g;
-    first[i] = f;
-    second[i] = q;
-    const double mean = f / correction1;
-    const double variance = q / correction2;
-    const double u = mean / (std::sqrt(variance) + eps);
-    direction[i] = u;
-    displacement[i] += u;
+    direction[i] = core::adamw_element(c, gradient[i], first[i], second[i], displacement[i]);
   }
 }
 
@@ -109,7 +90,7 @@ reference_step_norms reference_step(reference_accumulators& state, const matrix6
   require_shape(g, state.sum.rows, state.sum.cols, "G", "reference_step");
   const std::int64_t t = ++state.steps;
   const double beta = settings.sgd_momentum;
-  const adamw_constants adamw(settings, t);
+  const core::adamw_step_constants adamw = adamw_constants(settings, t);
   const double* gradient = g.data();
   double* sum = state.sum.data();
   double* momentum = state.sgd_momentum.data();
@@ -119,32 +100,20 @@ reference_step_norms reference_step(reference_accumulators& state, const matrix6
   double* direction = state.adamw_direction.data();
   double* adamw_displacement = state.adamw_displacement.data();
   // Sums: ||G||^2, ||sum G||^2, SGD update and displacement, AdamW update and displacement.
-  const auto sums = canonical_chunk_sums<6>(g.size(), [&](std::int64_t begin, std::int64_t end,
-                                                         std::array<double, 6>& partials) {
-    std::array<double, 6> acc = partials;  // in registers: the stores below cannot touch it
+  const auto sums = canonical_chunk_sums<core::reference_sum_count>(g.size(), [&](std::int64_t begin, std::int64_t end,
+                                                         std::array<double, core::reference_sum_count>& partials) {
+    std::array<double, core::reference_sum_count> acc = partials;  // in registers: the stores below cannot touch it
     for (std::int64_t low = begin; low < end; low += block) {
       const auto first_index = static_cast<std::size_t>(low);
       const auto last_index = static_cast<std::size_t>(std::min(low + block, end));
+      for (std::size_t i = first_index; i < last_index; ++i) core::reference_sum_stage(gradient[i], sum[i], acc.data());
       for (std::size_t i = first_index; i < last_index; ++i) {
-        const double v = gradient[i];
-        const double s = sum[i] + v;
-        sum[i] = s;
-        acc[0] = acc[0] + v * v;
-        acc[1] = acc[1] + s * s;
-      }
-      for (std::size_t i = first_index; i < last_index; ++i) {
-        const double m = beta * momentum[i] + gradient[i];
-        const double d = sgd_displacement[i] + m;
-        momentum[i] = m;
-        sgd_displacement[i] = d;
-        acc[2] = acc[2] + m * m;
-        acc[3] = acc[3] + d * d;
+        core::reference_sgd_stage(beta, gradient[i], momentum[i], sgd_displacement[i], acc.data());
       }
       adamw_update(adamw, gradient + first_index, first + first_index, second + first_index,
                    direction + first_index, adamw_displacement + first_index, last_index - first_index);
       for (std::size_t i = first_index; i < last_index; ++i) {
-        acc[4] = acc[4] + direction[i] * direction[i];
-        acc[5] = acc[5] + adamw_displacement[i] * adamw_displacement[i];
+        core::reference_adamw_terms(direction[i], adamw_displacement[i], acc.data());
       }
     }
     partials = acc;
@@ -164,8 +133,8 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
   require_shape(exact, g.rows, g.cols, "the exact product X", "unit_step");
   require_shape(estimate, g.rows, g.cols, "the estimate Ghat", "unit_step");
   if (reference.steps != state.steps + 1) {
-    throw std::logic_error(fmt::format("unit_step: step {} of a unit needs the reference at that step, not at step {}",
-                                       state.steps + 1, reference.steps));
+    throw std::logic_error("unit_step: step " + std::to_string(state.steps + 1) +
+                           " of a unit needs the reference at that step, not at step " + std::to_string(reference.steps));
   }
   require_shape(reference.sum, g.rows, g.cols, "the reference state", "unit_step");
   if (state.steps == 0) {
@@ -176,7 +145,7 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
   require_shape(state.error_sum, g.rows, g.cols, "the unit state", "unit_step");
   const std::int64_t t = ++state.steps;
   const double beta = settings.sgd_momentum;
-  const adamw_constants adamw(settings, t);
+  const core::adamw_step_constants adamw = adamw_constants(settings, t);
   const float* ghat = estimate.data();
   const double* x = exact.data();
   const double* gradient = g.data();
@@ -193,9 +162,9 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
   const double* reference_adamw_displacement = reference.adamw_displacement.data();
   // Sums: ||X - G||^2, ||Ghat - X||^2, ||E||^2, <E_{t-1}, E>, ||sum E||^2, and the squared distances
   // of the SGD update and displacement and of the AdamW update and displacement from the reference's.
-  const auto sums = canonical_chunk_sums<9>(g.size(), [&](std::int64_t begin, std::int64_t end,
-                                                         std::array<double, 9>& partials) {
-    std::array<double, 9> acc = partials;  // in registers: the stores below cannot touch it
+  const auto sums = canonical_chunk_sums<core::unit_sum_count>(g.size(), [&](std::int64_t begin, std::int64_t end,
+                                                         std::array<double, core::unit_sum_count>& partials) {
+    std::array<double, core::unit_sum_count> acc = partials;  // in registers: the stores below cannot touch it
     double widened[block];  // Ghat (fp32 -> fp64 is exact)
     double error[block];    // E = Ghat - G
     double direction[block];  // the AdamW update
@@ -206,25 +175,12 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
       const double* x_block = x + offset;
       const double* g_block = gradient + offset;
       for (std::size_t k = 0; k < count; ++k) {
-        const double e = static_cast<double>(ghat_block[k]);
-        const double quantization = x_block[k] - g_block[k];
-        const double accumulation = e - x_block[k];
-        const double difference = e - g_block[k];
-        widened[k] = e;
-        error[k] = difference;
-        acc[0] = acc[0] + quantization * quantization;
-        acc[1] = acc[1] + accumulation * accumulation;
-        acc[2] = acc[2] + difference * difference;
+        error[k] = core::unit_error_stage(ghat_block[k], x_block[k], g_block[k], widened[k], acc.data());
       }
       double* previous_block = previous_error + offset;
       double* error_sum_block = error_sum + offset;
       for (std::size_t k = 0; k < count; ++k) {
-        const double previous = previous_block[k];
-        const double s = error_sum_block[k] + error[k];
-        previous_block[k] = error[k];
-        error_sum_block[k] = s;
-        acc[3] = acc[3] + previous * error[k];
-        acc[4] = acc[4] + s * s;
+        core::unit_error_sum_stage(error[k], previous_block[k], error_sum_block[k], acc.data());
       }
       // The optimizer replays fed Ghat_t, as those of the reference are fed G_t.
       double* momentum_block = momentum + offset;
@@ -232,14 +188,8 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
       const double* reference_momentum_block = reference_momentum + offset;
       const double* reference_sgd_displacement_block = reference_sgd_displacement + offset;
       for (std::size_t k = 0; k < count; ++k) {
-        const double m = beta * momentum_block[k] + widened[k];
-        const double d = sgd_displacement_block[k] + m;
-        momentum_block[k] = m;
-        sgd_displacement_block[k] = d;
-        const double update_difference = m - reference_momentum_block[k];
-        const double displacement_difference = d - reference_sgd_displacement_block[k];
-        acc[5] = acc[5] + update_difference * update_difference;
-        acc[6] = acc[6] + displacement_difference * displacement_difference;
+        core::unit_sgd_stage(beta, widened[k], momentum_block[k], sgd_displacement_block[k], reference_momentum_block[k],
+                             reference_sgd_displacement_block[k], acc.data());
       }
       double* first_block = first + offset;
       double* second_block = second + offset;
@@ -248,12 +198,8 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
       const double* reference_adamw_displacement_block = reference_adamw_displacement + offset;
       adamw_update(adamw, widened, first_block, second_block, direction, adamw_displacement_block, count);
       for (std::size_t k = 0; k < count; ++k) {
-        const double u = direction[k];
-        const double d = adamw_displacement_block[k];
-        const double update_difference = u - reference_direction_block[k];
-        const double displacement_difference = d - reference_adamw_displacement_block[k];
-        acc[7] = acc[7] + update_difference * update_difference;
-        acc[8] = acc[8] + displacement_difference * displacement_difference;
+        core::unit_adamw_terms(direction[k], adamw_displacement_block[k], reference_direction_block[k],
+                               reference_adamw_displacement_block[k], acc.data());
       }
     }
     partials = acc;

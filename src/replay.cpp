@@ -28,6 +28,9 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/device.hpp"
+#ifdef MXSCOPE_HAVE_CUDA
+#include "mxscope/gpu.hpp"
+#endif
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/dump.hpp"
 #include "mxscope/io/sha256.hpp"
@@ -84,6 +87,11 @@ struct unit_state {
   std::string strategy_name;
   const strategy* chosen = nullptr;
   unit_accumulators accumulators;  // error sum, previous error, optimizer replays
+#ifdef MXSCOPE_HAVE_CUDA
+  // With --device gpu the same state in device memory, unless that was short at its first step:
+  // then `accumulators` holds it (the results are the same bits either way).
+  std::optional<gpu::unit_cross_step> device_accumulators;
+#endif
   double error_energy_sum = 0.0;  // sum_t ||E_t||^2
   double lag1_cosine_sum = 0.0;
   std::vector<double> error_sum_norms;  // ||sum_{t<=s} E_t|| for s = 1..T
@@ -103,7 +111,63 @@ struct gemm_state {
   reference_accumulators reference;  // sum_t G_t and the optimizer replays fed G_t
   double reference_sum_norm = 0.0;   // ||sum_t G_t|| after the last step
   std::vector<unit_state> units;
+#ifdef MXSCOPE_HAVE_CUDA
+  // With --device gpu the reference state in device memory (as for a unit's). A unit that runs on
+  // the host reads `reference`, downloaded from here once per step when such a unit needs it.
+  std::optional<gpu::reference_cross_step> device_reference;
+#endif
 };
+
+// The reference step of one (layer, GEMM): on the GPU where its state lives there, else on the host.
+reference_step_norms cross_step_reference(gemm_state& state, const matrix64& g, const optimizer_settings& settings,
+                                          placement_counts& placed, std::ostream& log) {
+#ifdef MXSCOPE_HAVE_CUDA
+  if (state.device_reference) {
+    try {
+      const reference_step_norms norms = state.device_reference->step(g, settings);
+      ++placed.cross_step_gpu;
+      return norms;
+    } catch (const gpu::gpu_error& error) {
+      if (state.device_reference->steps() != 0) throw;  // only the first step's allocation may fall back
+      log << "replay: the cross-step state of a " << gemm_kind_name(state.kind)
+          << " reference stays on the host (GPU: " << error.what() << ")\n";
+      state.device_reference.reset();
+      for (auto& unit : state.units) unit.device_accumulators.reset();  // they read the reference's state
+    }
+  }
+#else
+  (void)log;
+#endif
+  ++placed.cross_step_cpu;
+  return reference_step(state.reference, g, settings);
+}
+
+// The step of one unit, where its state lives (see unit_state and gemm_state).
+unit_step_norms cross_step_unit(gemm_state& state, unit_state& unit, const matrix& estimate, const matrix64& exact,
+                                const matrix64& g, const optimizer_settings& settings, placement_counts& placed,
+                                std::ostream& log) {
+#ifdef MXSCOPE_HAVE_CUDA
+  if (unit.device_accumulators) {
+    try {
+      const unit_step_norms norms = unit.device_accumulators->step(*state.device_reference, estimate, exact, settings);
+      ++placed.cross_step_gpu;
+      return norms;
+    } catch (const gpu::gpu_error& error) {
+      if (unit.device_accumulators->steps() != 0) throw;
+      log << "replay: the cross-step state of a " << gemm_kind_name(state.kind) << " unit (" << unit.strategy_name
+          << ") stays on the host (GPU: " << error.what() << ")\n";
+      unit.device_accumulators.reset();
+    }
+  }
+  if (state.device_reference && state.reference.steps != state.device_reference->steps()) {
+    state.device_reference->download(state.reference);
+  }
+#else
+  (void)log;
+#endif
+  ++placed.cross_step_cpu;
+  return unit_step(unit.accumulators, state.reference, estimate, exact, g, settings);
+}
 
 // Least-squares slope of log(norms[s-1]) against log(s), s = 1..T; NaN for T < 2 or a zero norm.
 double growth_exponent(const std::vector<double>& norms) {
@@ -730,7 +794,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       std::vector<std::vector<std::size_t>> unit_indices;  // per gemm state, per unit: canonical index
       for (std::size_t gi = 0; gi < gemm_count; ++gi) {
         const gemm_kind kind = parsed.gemms[gi];
-        gemm_state state{kind, {}, 0.0, {}};
+        gemm_state state{};
+        state.kind = kind;
         std::vector<std::size_t> indices;
         for (const std::size_t index : owned) {
           const unit_index unit = unit_at(index);
@@ -743,6 +808,12 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           indices.push_back(index);
         }
         if (state.units.empty()) continue;
+#ifdef MXSCOPE_HAVE_CUDA
+        if (device == compute_device::gpu) {
+          state.device_reference.emplace();
+          for (auto& unit : state.units) unit.device_accumulators.emplace();
+        }
+#endif
         gemms.push_back(std::move(state));
         unit_indices.push_back(std::move(indices));
       }
@@ -780,7 +851,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           const reference_result reference =
               reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
           const matrix64& g = reference.fp64;
-          const reference_step_norms reference_norms = reference_step(state.reference, g, parsed.optimizer);
+          const reference_step_norms reference_norms = cross_step_reference(state, g, parsed.optimizer, placed, log);
           const double reference_norm = reference_norms.reference;
           state.reference_sum_norm = reference_norms.sum;
           seconds_reference += seconds_since(mark);
@@ -805,8 +876,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             unit.stage_seconds[1] += seconds_since(stage_mark);
             stage_mark = clock_type::now();
             // One pass over the output for every norm of this step and the cross-step state.
-            const unit_step_norms norms = unit_step(unit.accumulators, state.reference, result.out, exact_result, g,
-                                                    parsed.optimizer);
+            const unit_step_norms norms =
+                cross_step_unit(state, unit, result.out, exact_result, g, parsed.optimizer, placed, log);
             const double quant_err = ratio(norms.quantization, reference_norm);
             const double accum_err = ratio(norms.accumulation, reference_norm);
             std::array<double, 6> attributed;
@@ -1093,7 +1164,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   run["placement"] = {{"quantize", {{"gpu", placed.quantize_gpu}, {"cpu", placed.quantize_cpu}}},
                       {"product", {{"gpu", placed.product_gpu}, {"cpu", placed.product_cpu}}},
                       {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
-                      {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}}};
+                      {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}},
+                      {"cross_step", {{"gpu", placed.cross_step_gpu}, {"cpu", placed.cross_step_cpu}}}};
   run["threads"] = threads;
   run["ranks"] = ranks;
   run["resumed_layers"] = outcome.layers_resumed;

@@ -42,6 +42,7 @@ struct placement_counts {
   std::int64_t product_gpu = 0, product_cpu = 0;
   std::int64_t reference_gpu = 0, reference_cpu = 0;
   std::int64_t compare_gpu = 0, compare_cpu = 0;
+  std::int64_t cross_step_gpu = 0, cross_step_cpu = 0;  // replay's cross-step state updates (reference and unit steps)
   void count(const gemm_result& result);  // its two quantizations and its products (exact_too's included)
 };
 

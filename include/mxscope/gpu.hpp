@@ -31,6 +31,7 @@
 #include "mxscope/core/accumulate.hpp"
 #include "mxscope/core/mx.hpp"
 #include "mxscope/core/philox.hpp"
+#include "mxscope/cross_step.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/quantize.hpp"
 #include "mxscope/reference.hpp"
@@ -309,5 +310,71 @@ reference_result reference_gemm(const matrix& a, const matrix& b);
 
 // The metrics of mxscope::compare with every sum in the canonical order, computed on the GPU.
 comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32);
+
+// ------------------------------------------------------------------------------------------------
+// The replay's cross-step state (include/mxscope/cross_step.hpp) kept in device memory: the same
+// updates and norms as reference_step and unit_step, bit for bit. A step is one kernel launch, one
+// thread per canonical chunk running the per-element functions of include/mxscope/core/cross_step.hpp
+// in index order; the chunk partials are combined on the host by canonical_tree.
+//
+// The device memory (seven fp64 matrices of the output's shape per state, plus G_t and the upload
+// buffers of a unit's inputs in the reference state) is allocated and zeroed at the first step; when
+// that allocation fails, or would leave less device memory free than the state's reserve, the step
+// throws gpu_error and leaves the state unchanged (at step 0), so the caller can run that state on
+// the host instead from the same step on.
+
+// Device memory a state leaves free when it allocates, for the other GPU stages of a replay at the
+// same output shape (operands, products, reference, comparison): fixed + per_element x the output's
+// element count.
+struct cross_step_reserve {
+  std::uint64_t fixed = std::uint64_t{4} << 30;
+  std::uint64_t per_element = 64;
+};
+
+// The reference side of one (layer, GEMM).
+class reference_cross_step {
+ public:
+  explicit reference_cross_step(cross_step_reserve reserve = {});
+  ~reference_cross_step();
+  reference_cross_step(reference_cross_step&&) noexcept;
+  reference_cross_step& operator=(reference_cross_step&&) noexcept;
+
+  std::int64_t steps() const;
+  // Step t = steps() + 1 of reference_step: uploads G_t (kept for the units of this step) and
+  // updates the state. Throws input_error when G's shape differs from that of the earlier steps.
+  reference_step_norms step(const matrix64& g, const optimizer_settings& settings);
+  // The state as reference_step would hold it (for a unit that runs on the host).
+  void download(reference_accumulators& out) const;
+
+  struct storage;
+  storage& data() const { return *storage_; }
+
+ private:
+  std::unique_ptr<storage> storage_;
+};
+
+// One (layer, GEMM, strategy) unit.
+class unit_cross_step {
+ public:
+  explicit unit_cross_step(cross_step_reserve reserve = {});
+  ~unit_cross_step();
+  unit_cross_step(unit_cross_step&&) noexcept;
+  unit_cross_step& operator=(unit_cross_step&&) noexcept;
+
+  std::int64_t steps() const;
+  // Step t = steps() + 1 of unit_step, with G_t the one of `reference`'s last step: `estimate` is
+  // Ghat_t, `exact` X_t. Throws input_error on a shape mismatch and std::logic_error when
+  // `reference` is not at step t.
+  unit_step_norms step(const reference_cross_step& reference, const matrix& estimate, const matrix64& exact,
+                       const optimizer_settings& settings);
+  // The state as unit_step would hold it.
+  void download(unit_accumulators& out) const;
+
+  struct storage;
+  storage& data() const { return *storage_; }
+
+ private:
+  std::unique_ptr<storage> storage_;
+};
 
 }  // namespace mxscope::gpu

@@ -11,10 +11,12 @@
 // 3. the build never contracts a multiply and an add into an FMA (nvcc --fmad=false, clang
 //    -ffp-contract=off), and fp32 arithmetic keeps subnormals (no flush to zero).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <span>
 #include <string>
 #include <tuple>
@@ -24,6 +26,7 @@
 #include "fast_encode.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/core/accumulate.hpp"
+#include "mxscope/core/cross_step.hpp"
 #include "mxscope/core/exact_sum.hpp"
 #include "mxscope/core/hadamard.hpp"
 #include "mxscope/core/mx.hpp"
@@ -2870,6 +2873,284 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
     out.column_error_norms[static_cast<std::size_t>(c)] = std::sqrt(canonical_tree(column));
   }
   return out;
+}
+
+// ================================================================================================
+// The replay's cross-step state on the device: one thread per canonical chunk runs the shared
+// per-element functions (include/mxscope/core/cross_step.hpp) over its elements in index order, so
+// each state element and each chunk partial has the CPU's bits; the host combines the partials by
+// canonical_tree and takes the square roots as src/cross_step.cpp does.
+
+namespace {
+
+constexpr int cross_step_matrices = 7;  // fp64 state matrices per reference or unit state
+
+__global__ void reference_cross_step_kernel(core_ns::reference_state_view state, const double* g, double beta,
+                                            core_ns::adamw_step_constants adamw, std::int64_t count,
+                                            std::int64_t chunk_count, double* partials) {
+  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
+    double acc[core_ns::reference_sum_count] = {};
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t i = begin; i < end; ++i) core_ns::reference_element(state, beta, adamw, g[i], i, acc);
+    for (int s = 0; s < core_ns::reference_sum_count; ++s) partials[s * chunk_count + chunk] = acc[s];
+  }
+}
+
+__global__ void unit_cross_step_kernel(core_ns::unit_state_view state, core_ns::reference_optimizer_view reference,
+                                       const float* estimate, const double* exact, const double* g, double beta,
+                                       core_ns::adamw_step_constants adamw, std::int64_t count,
+                                       std::int64_t chunk_count, double* partials) {
+  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
+    double acc[core_ns::unit_sum_count] = {};
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t i = begin; i < end; ++i) {
+      core_ns::unit_element(state, reference, beta, adamw, estimate[i], exact[i], g[i], i, acc);
+    }
+    for (int s = 0; s < core_ns::unit_sum_count; ++s) partials[s * chunk_count + chunk] = acc[s];
+  }
+}
+
+std::string shape_text(std::int64_t rows, std::int64_t cols) {
+  std::string text = "[";  // appended piece by piece: "[" + std::string trips GCC 12's -Wrestrict
+  text += to_text(rows);
+  text += ", ";
+  text += to_text(cols);
+  text += "]";
+  return text;
+}
+
+void require_cross_step_shape(std::int64_t rows, std::int64_t cols, std::int64_t want_rows, std::int64_t want_cols,
+                              const char* what, const char* where) {
+  if (rows != want_rows || cols != want_cols) {
+    throw input_error(std::string(where) + ": " + what + " is " + shape_text(rows, cols) + ", expected " +
+                      shape_text(want_rows, want_cols));
+  }
+}
+
+// The canonical totals of `width` sums from their chunk partials on the device.
+template <int width>
+std::array<double, width> cross_step_totals(const device_buffer& partials, std::int64_t chunk_count) {
+  std::vector<double> host(static_cast<std::size_t>(width * chunk_count));
+  partials.download(host.data(), host.size() * sizeof(double));
+  std::array<double, width> totals{};
+  for (int s = 0; s < width; ++s) {
+    totals[static_cast<std::size_t>(s)] =
+        tree_of(host, static_cast<std::size_t>(s * chunk_count), static_cast<std::size_t>(chunk_count));
+  }
+  return totals;
+}
+
+core_ns::adamw_step_constants adamw_constants_of(const optimizer_settings& settings, std::int64_t t) {
+  return core_ns::make_adamw_step_constants(settings.adamw_beta1, settings.adamw_beta2, settings.adamw_eps, t);
+}
+
+// Throws gpu_error when allocating `bytes` now would leave less than the reserve free.
+void require_cross_step_room(std::size_t bytes, std::int64_t count, const cross_step_reserve& reserve,
+                             const char* what) {
+  std::size_t free_bytes = 0, total_bytes = 0;
+  MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
+  const std::uint64_t keep = reserve.fixed + reserve.per_element * static_cast<std::uint64_t>(count);
+  if (static_cast<std::uint64_t>(free_bytes) < keep || static_cast<std::uint64_t>(free_bytes) - keep < bytes) {
+    throw gpu_error(std::string(what) + ": " + std::to_string(bytes) + " bytes of device memory would leave less than " +
+                    std::to_string(keep) + " of the " + std::to_string(free_bytes) + " free");
+  }
+}
+
+// Downloads matrix `index` of a state allocation of `count` elements per matrix.
+void download_state_matrix(const device_buffer& state, int index, std::int64_t rows, std::int64_t cols,
+                           matrix64& out) {
+  out = matrix64(rows, cols);
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * sizeof(double);
+  if (bytes > 0) state.download(out.data(), bytes, static_cast<std::size_t>(index) * bytes);
+}
+
+}  // namespace
+
+struct reference_cross_step::storage {
+  cross_step_reserve reserve;
+  std::int64_t steps = 0;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  device_buffer state;     // sum, SGD momentum and displacement, AdamW first, second, direction, displacement
+  device_buffer g;         // G_t of the last step
+  device_buffer partials;  // reference_sum_count x chunks
+  // Upload buffers of a unit's Ghat_t and X_t, shared by the units of this (layer, GEMM) (one step
+  // at a time), allocated at the first step with the rest.
+  device_buffer estimate;
+  device_buffer exact;
+
+  std::int64_t count() const { return rows * cols; }
+  double* matrix_at(int index) const { return state.as<double>() + static_cast<std::int64_t>(index) * count(); }
+};
+
+reference_cross_step::reference_cross_step(cross_step_reserve reserve) : storage_(std::make_unique<storage>()) {
+  storage_->reserve = reserve;
+}
+reference_cross_step::~reference_cross_step() = default;
+reference_cross_step::reference_cross_step(reference_cross_step&&) noexcept = default;
+reference_cross_step& reference_cross_step::operator=(reference_cross_step&&) noexcept = default;
+std::int64_t reference_cross_step::steps() const { return storage_->steps; }
+
+reference_step_norms reference_cross_step::step(const matrix64& g, const optimizer_settings& settings) {
+  storage& s = *storage_;
+  if (s.steps == 0) {
+    // Everything first, then commit: a failed allocation leaves the state at step 0.
+    const std::int64_t count = g.rows * g.cols;
+    const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+    const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(double);
+    const std::size_t partial_bytes =
+        static_cast<std::size_t>(core_ns::reference_sum_count * chunk_count) * sizeof(double);
+    const std::size_t estimate_bytes = static_cast<std::size_t>(count) * sizeof(float);
+    require_cross_step_room((cross_step_matrices + 2) * bytes + partial_bytes + estimate_bytes, count, s.reserve,
+                            "reference_cross_step");
+    device_buffer state(cross_step_matrices * bytes);
+    device_buffer gradient(bytes);
+    device_buffer partials(partial_bytes);
+    device_buffer estimate(estimate_bytes);
+    device_buffer exact(bytes);
+    state.fill_bytes(0);  // +0.0, as a fresh matrix64
+    s.state = std::move(state);
+    s.g = std::move(gradient);
+    s.partials = std::move(partials);
+    s.estimate = std::move(estimate);
+    s.exact = std::move(exact);
+    s.rows = g.rows;
+    s.cols = g.cols;
+  }
+  require_cross_step_shape(g.rows, g.cols, s.rows, s.cols, "G", "reference_step");
+  const std::int64_t t = s.steps + 1;
+  const std::int64_t count = s.count();
+  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+  std::array<double, core_ns::reference_sum_count> sums{};
+  if (count > 0) {
+    s.g.upload(g.data(), static_cast<std::size_t>(count) * sizeof(double));
+    const core_ns::reference_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
+                                             s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
+    runtime::launch(reference_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, s.g.as<const double>(),
+                    settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
+                    s.partials.as<double>());
+    sums = cross_step_totals<core_ns::reference_sum_count>(s.partials, chunk_count);
+  }
+  s.steps = t;
+  reference_step_norms out;
+  out.reference = std::sqrt(sums[0]);
+  out.sum = std::sqrt(sums[1]);
+  out.sgd_update = std::sqrt(sums[2]);
+  out.sgd_displacement = std::sqrt(sums[3]);
+  out.adamw_update = std::sqrt(sums[4]);
+  out.adamw_displacement = std::sqrt(sums[5]);
+  return out;
+}
+
+void reference_cross_step::download(reference_accumulators& out) const {
+  const storage& s = *storage_;
+  out.steps = s.steps;
+  matrix64* matrices[cross_step_matrices] = {&out.sum,         &out.sgd_momentum, &out.sgd_displacement,
+                                             &out.adamw_first, &out.adamw_second, &out.adamw_direction,
+                                             &out.adamw_displacement};
+  for (int m = 0; m < cross_step_matrices; ++m) {
+    if (s.steps == 0) {
+      *matrices[m] = matrix64();
+    } else {
+      download_state_matrix(s.state, m, s.rows, s.cols, *matrices[m]);
+    }
+  }
+}
+
+struct unit_cross_step::storage {
+  cross_step_reserve reserve;
+  std::int64_t steps = 0;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  double previous_error_energy = 0.0;
+  device_buffer state;  // error sum, previous error, SGD momentum and displacement, AdamW first, second, displacement
+  device_buffer partials;
+
+  std::int64_t count() const { return rows * cols; }
+  double* matrix_at(int index) const { return state.as<double>() + static_cast<std::int64_t>(index) * count(); }
+};
+
+unit_cross_step::unit_cross_step(cross_step_reserve reserve) : storage_(std::make_unique<storage>()) {
+  storage_->reserve = reserve;
+}
+unit_cross_step::~unit_cross_step() = default;
+unit_cross_step::unit_cross_step(unit_cross_step&&) noexcept = default;
+unit_cross_step& unit_cross_step::operator=(unit_cross_step&&) noexcept = default;
+std::int64_t unit_cross_step::steps() const { return storage_->steps; }
+
+unit_step_norms unit_cross_step::step(const reference_cross_step& reference, const matrix& estimate,
+                                      const matrix64& exact, const optimizer_settings& settings) {
+  storage& s = *storage_;
+  reference_cross_step::storage& r = reference.data();  // its upload buffers are the unit's
+  require_cross_step_shape(exact.rows, exact.cols, r.rows, r.cols, "the exact product X", "unit_step");
+  require_cross_step_shape(estimate.rows, estimate.cols, r.rows, r.cols, "the estimate Ghat", "unit_step");
+  if (r.steps != s.steps + 1) {
+    throw std::logic_error("unit_step: step " + to_text(s.steps + 1) +
+                           " of a unit needs the reference at that step, not at step " + to_text(r.steps));
+  }
+  const std::int64_t count = r.count();
+  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
+  if (s.steps == 0) {
+    const std::size_t state_bytes = cross_step_matrices * static_cast<std::size_t>(count) * sizeof(double);
+    const std::size_t partial_bytes = static_cast<std::size_t>(core_ns::unit_sum_count * chunk_count) * sizeof(double);
+    require_cross_step_room(state_bytes + partial_bytes, count, s.reserve, "unit_cross_step");
+    device_buffer state(state_bytes);
+    device_buffer partials(partial_bytes);
+    state.fill_bytes(0);
+    s.state = std::move(state);
+    s.partials = std::move(partials);
+    s.rows = r.rows;
+    s.cols = r.cols;
+  }
+  require_cross_step_shape(s.rows, s.cols, r.rows, r.cols, "the unit state", "unit_step");
+  const std::int64_t t = s.steps + 1;
+  std::array<double, core_ns::unit_sum_count> sums{};
+  if (count > 0) {
+    r.estimate.upload(estimate.data(), static_cast<std::size_t>(count) * sizeof(float));
+    r.exact.upload(exact.data(), static_cast<std::size_t>(count) * sizeof(double));
+    const core_ns::unit_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
+                                        s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
+    const core_ns::reference_optimizer_view reference_view{r.matrix_at(1), r.matrix_at(2), r.matrix_at(5),
+                                                           r.matrix_at(6)};
+    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, reference_view,
+                    r.estimate.as<const float>(), r.exact.as<const double>(), r.g.as<const double>(),
+                    settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
+                    s.partials.as<double>());
+    sums = cross_step_totals<core_ns::unit_sum_count>(s.partials, chunk_count);
+  }
+  s.steps = t;
+  // The norms as src/cross_step.cpp forms them from the same sums.
+  unit_step_norms out;
+  out.quantization = std::sqrt(sums[0]);
+  out.accumulation = std::sqrt(sums[1]);
+  out.error_energy = sums[2];
+  out.previous_error_energy = s.previous_error_energy;
+  out.lag1_dot = t > 1 ? sums[3] : 0.0;
+  out.error_sum = std::sqrt(sums[4]);
+  out.sgd_update_difference = std::sqrt(sums[5]);
+  out.sgd_displacement_difference = std::sqrt(sums[6]);
+  out.adamw_update_difference = std::sqrt(sums[7]);
+  out.adamw_displacement_difference = std::sqrt(sums[8]);
+  s.previous_error_energy = out.error_energy;
+  return out;
+}
+
+void unit_cross_step::download(unit_accumulators& out) const {
+  const storage& s = *storage_;
+  out.steps = s.steps;
+  out.previous_error_energy = s.previous_error_energy;
+  matrix64* matrices[cross_step_matrices] = {&out.error_sum,   &out.previous_error, &out.sgd_momentum,
+                                             &out.sgd_displacement, &out.adamw_first, &out.adamw_second,
+                                             &out.adamw_displacement};
+  for (int m = 0; m < cross_step_matrices; ++m) {
+    if (s.steps == 0) {
+      *matrices[m] = matrix64();
+    } else {
+      download_state_matrix(s.state, m, s.rows, s.cols, *matrices[m]);
+    }
+  }
 }
 
 }  // namespace mxscope::gpu

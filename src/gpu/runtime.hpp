@@ -47,6 +47,7 @@ using simulation::get_device;
 using simulation::set_device;
 using simulation::last_error;
 using simulation::malloc;
+using simulation::memory_info;
 using simulation::memset;
 using simulation::properties;
 using simulation::synchronize;
@@ -59,6 +60,9 @@ inline constexpr error_t success = hipSuccess;
 inline const char* error_string(error_t error) { return hipGetErrorString(error); }
 inline error_t malloc(void** pointer, std::size_t bytes) { return hipMalloc(pointer, bytes); }
 inline error_t free(void* pointer) { return hipFree(pointer); }
+inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+  return hipMemGetInfo(free_bytes, total_bytes);
+}
 inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
   return hipMemcpy(to, from, bytes, hipMemcpyHostToDevice);
 }
@@ -96,6 +100,9 @@ inline constexpr error_t success = cudaSuccess;
 inline const char* error_string(error_t error) { return cudaGetErrorString(error); }
 inline error_t malloc(void** pointer, std::size_t bytes) { return cudaMalloc(pointer, bytes); }
 inline error_t free(void* pointer) { return cudaFree(pointer); }
+inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+  return cudaMemGetInfo(free_bytes, total_bytes);
+}
 inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
   return cudaMemcpy(to, from, bytes, cudaMemcpyHostToDevice);
 }

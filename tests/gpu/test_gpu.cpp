@@ -26,14 +26,18 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "host_reference.hpp"
 #include "mxscope/compare.hpp"
+#include "mxscope/cross_step.hpp"
+#include "mxscope/errors.hpp"
 #include "mxscope/gpu.hpp"
 #include "test_inputs.hpp"
 
@@ -1254,6 +1258,201 @@ void compare_checks(bool small) {
   }
 }
 
+// The replay's cross-step state: T steps of the reference and of two units fed the same inputs on
+// the CPU (src/cross_step.cpp) and on the GPU; every returned norm and, after the last step, every
+// state element must have the same bits.
+std::string same_matrix(const char* what, const matrix64& want, const matrix64& got) {
+  if (want.rows != got.rows || want.cols != got.cols) return std::string(what) + ": shapes differ";
+  for (std::size_t i = 0; i < want.values.size(); ++i) {
+    if (core::double_bits(want.values[i]) != core::double_bits(got.values[i])) {
+      return std::string(what) + "[" + std::to_string(i) + "]: expected " + show(want.values[i]) + " got " +
+             show(got.values[i]);
+    }
+  }
+  return "";
+}
+
+std::string same_norms(const char* what, int step, std::initializer_list<std::tuple<const char*, double, double>> fields) {
+  for (const auto& [field, expected, actual] : fields) {
+    if (core::double_bits(expected) != core::double_bits(actual)) {
+      return std::string(what) + " step " + std::to_string(step) + " " + field + ": expected " + show(expected) +
+             " got " + show(actual);
+    }
+  }
+  return "";
+}
+
+void cross_step_checks(bool small) {
+  struct shape {
+    std::int64_t rows, cols;
+  };
+  const shape shapes[] = {{1, 1}, {37, 300}, {5, 8200}, {3, 4096}, {300, 300}};
+  constexpr int steps = 3;
+  for (const shape& s : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      if (small && s.rows * s.cols > 50000 && variant != 0) continue;
+      const std::uint64_t seed = next_seed();
+      const std::string name = "cross-step " + std::to_string(s.rows) + "x" + std::to_string(s.cols) +
+                               (variant == 0   ? " random"
+                                : variant == 1 ? " zero reference and an exact unit"
+                                               : " scales and zeros");
+      run_case(name, [&]() -> std::string {
+        std::mt19937_64 random(seed);
+        std::normal_distribution<double> normal(0.0, 1.0);
+        mxscope::optimizer_settings settings;
+        if (variant == 2) {
+          settings.sgd_momentum = 0.5;
+          settings.adamw_beta1 = 0.8;
+          settings.adamw_beta2 = 0.999;
+          settings.adamw_eps = 1e-6;
+        }
+        mxscope::reference_accumulators cpu_reference;
+        std::vector<mxscope::unit_accumulators> cpu_units(2);
+        gpu::reference_cross_step gpu_reference;
+        std::vector<gpu::unit_cross_step> gpu_units(2);
+        const std::int64_t count = s.rows * s.cols;
+        for (int t = 1; t <= steps; ++t) {
+          matrix64 g(s.rows, s.cols);
+          for (std::int64_t i = 0; i < count; ++i) {
+            double value = normal(random) * std::ldexp(1.0, static_cast<int>(random() % 17) - 8);
+            if (variant == 1) value = 0.0;
+            if (variant == 2 && random() % 5 == 0) value = 0.0;
+            g.values[static_cast<std::size_t>(i)] = value;
+          }
+          const mxscope::reference_step_norms want = mxscope::reference_step(cpu_reference, g, settings);
+          const mxscope::reference_step_norms got = gpu_reference.step(g, settings);
+          std::string problem =
+              same_norms("reference", t, {{"reference", want.reference, got.reference},
+                                          {"sum", want.sum, got.sum},
+                                          {"sgd_update", want.sgd_update, got.sgd_update},
+                                          {"sgd_displacement", want.sgd_displacement, got.sgd_displacement},
+                                          {"adamw_update", want.adamw_update, got.adamw_update},
+                                          {"adamw_displacement", want.adamw_displacement, got.adamw_displacement}});
+          if (!problem.empty()) return problem + "; seed " + hex64(seed);
+          for (std::size_t u = 0; u < cpu_units.size(); ++u) {
+            // Unit 0: Ghat and X near G; unit 1: Ghat = X = G rounded to fp32 (zero errors where exact).
+            matrix estimate(s.rows, s.cols);
+            matrix64 exact(s.rows, s.cols);
+            for (std::int64_t i = 0; i < count; ++i) {
+              const double value = g.values[static_cast<std::size_t>(i)];
+              const double x = u == 0 ? value * (1.0 + 0x1p-20 * normal(random)) : value;
+              exact.values[static_cast<std::size_t>(i)] = x;
+              estimate.values[static_cast<std::size_t>(i)] =
+                  static_cast<float>(u == 0 ? x * (1.0 + 0x1p-12 * normal(random)) : x);
+            }
+            const mxscope::unit_step_norms w =
+                mxscope::unit_step(cpu_units[u], cpu_reference, estimate, exact, g, settings);
+            const mxscope::unit_step_norms h = gpu_units[u].step(gpu_reference, estimate, exact, settings);
+            problem = same_norms(
+                u == 0 ? "unit 0" : "unit 1", t,
+                {{"quantization", w.quantization, h.quantization},
+                 {"accumulation", w.accumulation, h.accumulation},
+                 {"error_energy", w.error_energy, h.error_energy},
+                 {"previous_error_energy", w.previous_error_energy, h.previous_error_energy},
+                 {"lag1_dot", w.lag1_dot, h.lag1_dot},
+                 {"error_sum", w.error_sum, h.error_sum},
+                 {"sgd_update_difference", w.sgd_update_difference, h.sgd_update_difference},
+                 {"sgd_displacement_difference", w.sgd_displacement_difference, h.sgd_displacement_difference},
+                 {"adamw_update_difference", w.adamw_update_difference, h.adamw_update_difference},
+                 {"adamw_displacement_difference", w.adamw_displacement_difference,
+                  h.adamw_displacement_difference}});
+            if (!problem.empty()) return problem + "; seed " + hex64(seed);
+          }
+        }
+        // The states themselves (what a unit on the host would read from a device reference).
+        mxscope::reference_accumulators downloaded;
+        gpu_reference.download(downloaded);
+        if (downloaded.steps != cpu_reference.steps) return "reference steps differ";
+        for (const auto& [what, want, got] :
+             {std::tuple{"sum", &cpu_reference.sum, &downloaded.sum},
+              std::tuple{"sgd_momentum", &cpu_reference.sgd_momentum, &downloaded.sgd_momentum},
+              std::tuple{"sgd_displacement", &cpu_reference.sgd_displacement, &downloaded.sgd_displacement},
+              std::tuple{"adamw_first", &cpu_reference.adamw_first, &downloaded.adamw_first},
+              std::tuple{"adamw_second", &cpu_reference.adamw_second, &downloaded.adamw_second},
+              std::tuple{"adamw_direction", &cpu_reference.adamw_direction, &downloaded.adamw_direction},
+              std::tuple{"adamw_displacement", &cpu_reference.adamw_displacement, &downloaded.adamw_displacement}}) {
+          const std::string problem = same_matrix(what, *want, *got);
+          if (!problem.empty()) return "reference state " + problem + "; seed " + hex64(seed);
+        }
+        for (std::size_t u = 0; u < cpu_units.size(); ++u) {
+          mxscope::unit_accumulators unit;
+          gpu_units[u].download(unit);
+          const mxscope::unit_accumulators& want = cpu_units[u];
+          if (unit.steps != want.steps) return "unit steps differ";
+          for (const auto& [what, w, h] :
+               {std::tuple{"error_sum", &want.error_sum, &unit.error_sum},
+                std::tuple{"previous_error", &want.previous_error, &unit.previous_error},
+                std::tuple{"sgd_momentum", &want.sgd_momentum, &unit.sgd_momentum},
+                std::tuple{"sgd_displacement", &want.sgd_displacement, &unit.sgd_displacement},
+                std::tuple{"adamw_first", &want.adamw_first, &unit.adamw_first},
+                std::tuple{"adamw_second", &want.adamw_second, &unit.adamw_second},
+                std::tuple{"adamw_displacement", &want.adamw_displacement, &unit.adamw_displacement}}) {
+            const std::string problem = same_matrix(what, *w, *h);
+            if (!problem.empty()) return "unit state " + problem + "; seed " + hex64(seed);
+          }
+        }
+        return "";
+      });
+    }
+  }
+  // Misuse is refused as on the CPU: a unit ahead of its reference, a shape that changes.
+  run_case("cross-step misuse", []() -> std::string {
+    const mxscope::optimizer_settings settings;
+    gpu::reference_cross_step reference;
+    gpu::unit_cross_step unit;
+    const matrix64 g(3, 5);
+    reference.step(g, settings);
+    bool refused = false;
+    try {
+      reference.step(matrix64(5, 3), settings);
+    } catch (const mxscope::input_error&) {
+      refused = true;
+    }
+    if (!refused || reference.steps() != 1) return "a G of another shape was accepted";
+    unit.step(reference, matrix(3, 5), matrix64(3, 5), settings);
+    refused = false;
+    try {
+      unit.step(reference, matrix(3, 5), matrix64(3, 5), settings);
+    } catch (const std::logic_error&) {
+      refused = true;
+    }
+    if (!refused || unit.steps() != 1) return "a unit step ahead of the reference was accepted";
+    return "";
+  });
+  // A state that cannot keep its reserve free refuses its first step and stays at step 0, so the
+  // replay can run it on the host; the other states are unaffected.
+  run_case("cross-step reserve", []() -> std::string {
+    const mxscope::optimizer_settings settings;
+    const gpu::cross_step_reserve impossible{~std::uint64_t{0}, 0};
+    matrix64 g(4, 6);
+    for (std::size_t i = 0; i < g.values.size(); ++i) g.values[i] = static_cast<double>(i) - 7.5;
+    gpu::reference_cross_step crowded(impossible);
+    bool refused = false;
+    try {
+      crowded.step(g, settings);
+    } catch (const gpu::gpu_error&) {
+      refused = true;
+    }
+    if (!refused || crowded.steps() != 0) return "a reference state allocated beyond its reserve";
+    gpu::reference_cross_step reference;
+    const mxscope::reference_step_norms norms = reference.step(g, settings);
+    mxscope::reference_accumulators host;
+    const mxscope::reference_step_norms want = mxscope::reference_step(host, g, settings);
+    if (core::double_bits(norms.adamw_displacement) != core::double_bits(want.adamw_displacement)) {
+      return "the reference after a refused state differs";
+    }
+    gpu::unit_cross_step unit(impossible);
+    refused = false;
+    try {
+      unit.step(reference, matrix(4, 6), matrix64(4, 6), settings);
+    } catch (const gpu::gpu_error&) {
+      refused = true;
+    }
+    if (!refused || unit.steps() != 0) return "a unit state allocated beyond its reserve";
+    return "";
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1319,6 +1518,7 @@ int main(int argc, char** argv) {
   timed("reference", [&] { reference_checks(small); });
   timed("plain products", [&] { plain_checks(small); });
   timed("compare", [&] { compare_checks(small); });
+  timed("cross-step", [&] { cross_step_checks(small); });
 
   std::printf("%d passed, %d failed\n", results.passed, results.failed);
   return results.failed == 0 ? 0 : 1;
