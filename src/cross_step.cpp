@@ -118,14 +118,7 @@ reference_step_norms reference_step(reference_accumulators& state, const matrix6
     }
     partials = acc;
   });
-  reference_step_norms out;
-  out.reference = std::sqrt(sums[0]);
-  out.sum = std::sqrt(sums[1]);
-  out.sgd_update = std::sqrt(sums[2]);
-  out.sgd_displacement = std::sqrt(sums[3]);
-  out.adamw_update = std::sqrt(sums[4]);
-  out.adamw_displacement = std::sqrt(sums[5]);
-  return out;
+  return reference_norms(sums);
 }
 
 unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators& reference, const matrix& estimate,
@@ -204,17 +197,7 @@ unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators
     }
     partials = acc;
   });
-  unit_step_norms out;
-  out.quantization = std::sqrt(sums[0]);
-  out.accumulation = std::sqrt(sums[1]);
-  out.error_energy = sums[2];
-  out.previous_error_energy = state.previous_error_energy;  // the canonical sum of E_{t-1}^2, kept from step t-1
-  out.lag1_dot = t > 1 ? sums[3] : 0.0;
-  out.error_sum = std::sqrt(sums[4]);
-  out.sgd_update_difference = std::sqrt(sums[5]);
-  out.sgd_displacement_difference = std::sqrt(sums[6]);
-  out.adamw_update_difference = std::sqrt(sums[7]);
-  out.adamw_displacement_difference = std::sqrt(sums[8]);
+  const unit_step_norms out = unit_norms(sums, t, state.previous_error_energy);
   state.previous_error_energy = out.error_energy;
   return out;
 }

@@ -15,6 +15,7 @@
 #include <omp.h>
 #endif
 
+#include "documented_order.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
 
@@ -55,24 +56,7 @@ matrix make32(std::int64_t rows, std::int64_t cols, std::vector<float> values) {
   return m;
 }
 
-// The documented order, written out again: chunks of 4096 summed from +0.0 in index order, then
-// adjacent pairs level by level, an odd last partial moving up unchanged.
-double documented_order(const std::vector<double>& values) {
-  std::vector<double> partials;
-  for (std::size_t begin = 0; begin < values.size(); begin += 4096) {
-    double chunk = 0.0;
-    for (std::size_t i = begin; i < std::min(values.size(), begin + 4096); ++i) chunk = chunk + values[i];
-    partials.push_back(chunk);
-  }
-  if (partials.empty()) return 0.0;
-  while (partials.size() > 1) {
-    std::vector<double> next;
-    for (std::size_t i = 0; i + 1 < partials.size(); i += 2) next.push_back(partials[i] + partials[i + 1]);
-    if (partials.size() % 2 == 1) next.push_back(partials.back());
-    partials = std::move(next);
-  }
-  return partials[0];
-}
+using test_order::documented_order;
 
 std::vector<double> wide_random(std::size_t count, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

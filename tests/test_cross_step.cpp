@@ -25,6 +25,7 @@
 #include <omp.h>
 #endif
 
+#include "documented_order.hpp"
 #include "mxscope/core/exact_sum.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
@@ -58,24 +59,7 @@ std::string hex(double v) {
   EXPECT_EQ(bits_of(actual), bits_of(expected)) << #actual << ": " << hex(actual) << ", expected " \
                                                 << hex(expected)
 
-// The canonical order of docs/numerics.md: chunks of 4096 terms summed from +0.0 in index order,
-// then adjacent partials added level by level, an odd last one moving up unchanged.
-double documented_order(const std::vector<double>& terms) {
-  std::vector<double> partials;
-  for (std::size_t begin = 0; begin < terms.size(); begin += 4096) {
-    double chunk = 0.0;
-    for (std::size_t i = begin; i < std::min(terms.size(), begin + 4096); ++i) chunk = chunk + terms[i];
-    partials.push_back(chunk);
-  }
-  if (partials.empty()) return 0.0;
-  while (partials.size() > 1) {
-    std::vector<double> next;
-    for (std::size_t i = 0; i + 1 < partials.size(); i += 2) next.push_back(partials[i] + partials[i + 1]);
-    if (partials.size() % 2 == 1) next.push_back(partials.back());
-    partials = std::move(next);
-  }
-  return partials[0];
-}
+using test_order::documented_order;
 
 // One step's inputs: G_t, X_t and Ghat_t.
 struct step_inputs {

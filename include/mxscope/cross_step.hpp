@@ -11,9 +11,12 @@
 // number of OpenMP threads the chunks run on.
 #pragma once
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 
 #include "mxscope/analysis.hpp"
+#include "mxscope/core/cross_step.hpp"
 #include "mxscope/tensor.hpp"
 
 namespace mxscope {
@@ -81,5 +84,35 @@ struct unit_step_norms {
 // mismatch and std::logic_error when `reference` is not at step t.
 unit_step_norms unit_step(unit_accumulators& state, const reference_accumulators& reference, const matrix& estimate,
                           const matrix64& exact, const matrix64& g, const optimizer_settings& settings);
+
+// The norms a step returns, formed from its canonical sums (the slots of core/cross_step.hpp); the
+// CPU pass and the GPU state (gpu.hpp) share them. `previous_error_energy` is ||E_{t-1}||^2, kept
+// from step t - 1.
+inline reference_step_norms reference_norms(const std::array<double, core::reference_sum_count>& sums) {
+  reference_step_norms out;
+  out.reference = std::sqrt(sums[0]);
+  out.sum = std::sqrt(sums[1]);
+  out.sgd_update = std::sqrt(sums[2]);
+  out.sgd_displacement = std::sqrt(sums[3]);
+  out.adamw_update = std::sqrt(sums[4]);
+  out.adamw_displacement = std::sqrt(sums[5]);
+  return out;
+}
+
+inline unit_step_norms unit_norms(const std::array<double, core::unit_sum_count>& sums, std::int64_t step,
+                                  double previous_error_energy) {
+  unit_step_norms out;
+  out.quantization = std::sqrt(sums[0]);
+  out.accumulation = std::sqrt(sums[1]);
+  out.error_energy = sums[2];
+  out.previous_error_energy = previous_error_energy;
+  out.lag1_dot = step > 1 ? sums[3] : 0.0;
+  out.error_sum = std::sqrt(sums[4]);
+  out.sgd_update_difference = std::sqrt(sums[5]);
+  out.sgd_displacement_difference = std::sqrt(sums[6]);
+  out.adamw_update_difference = std::sqrt(sums[7]);
+  out.adamw_displacement_difference = std::sqrt(sums[8]);
+  return out;
+}
 
 }  // namespace mxscope

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <memory>
 #include <span>
 #include <string>
@@ -2502,6 +2503,20 @@ matrix rotate(const matrix& values, int axis, const rotation_options& options) {
   return out;
 }
 
+namespace {
+
+// The quantizer's four device counters into the host tensor.
+void take_counters(const device_buffer& counters, quantized_tensor& out) {
+  unsigned long long counts[mx_counter_count] = {};
+  counters.download(counts, sizeof(counts));
+  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
+  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
+  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
+  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+}
+
+}  // namespace
+
 quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation,
                           quantize_path path) {
   const mx_plan plan = make_mx_plan(options);
@@ -2534,117 +2549,67 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
   codes.download(out.codes.data(), out.codes.size());
   scales.download(out.scales.data(), out.scales.size());
   dequantized.download(out.dequantized.data(), dequantized.bytes());
-  unsigned long long counts[mx_counter_count] = {};
-  counters.download(counts, sizeof(counts));
-  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
-  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
-  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
-  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+  take_counters(counters, out);
   return out;
 }
-
-namespace {
-
-// Per-tensor fp8 with energies (quantize_with_energies for quant_scheme::per_tensor).
-quantized_tensor per_tensor_with_energies(const matrix& input, const quantize_options& options,
-                                          const rotation_options& rotation, bool keep_dequantized,
-                                          operand_energies& energies) {
-  const element_kind kind = options.format.element;
-  if (kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
-    throw input_error("gpu quantize: field 'format': per-tensor scaling takes fp8 e4m3 or e5m2 elements");
-  }
-  const rotation_plan rotation_resolved = make_rotation_plan(rotation);
-  check_rotation(rotation_resolved, input.rows, input.cols, options.axis, "gpu quantize");
-  quantized_tensor out;
-  out.rows = input.rows;
-  out.cols = input.cols;
-  out.options = options;
-  out.block = 0;
-  out.codes.resize(static_cast<std::size_t>(input.size()));
-  energies = {};
-  if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
-  out.tensor_scale = 1.0f;
-  if (input.size() == 0) return out;
-  device_buffer values = upload_vector(input.values);
-  if (rotation_resolved.size > 0) {
-    rotate_on_device(values.as<float>(), input.rows, input.cols, options.axis, rotation_resolved);
-  }
-  const std::int64_t count = input.size();
-  device_buffer amax(sizeof(unsigned));
-  amax.fill_bytes(0);
-  runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
-                  amax.as<unsigned>());
-  unsigned amax_bits = 0;
-  amax.download(&amax_bits, sizeof(amax_bits));
-  const float largest = core_ns::bits_float(amax_bits);
-  // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
-  const float scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
-  out.tensor_scale = scale;
-  device_buffer codes(out.codes.size());
-  device_buffer dequantized(static_cast<std::size_t>(count) * sizeof(float));
-  device_buffer counters(mx_counter_count * sizeof(unsigned long long));
-  counters.fill_bytes(0);
-  runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
-                  kind, scale, options.rounding, options.sr_bits, options.stream, codes.as<std::uint8_t>(),
-                  dequantized.as<float>(), counters.as<unsigned long long>());
-  const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
-  device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
-  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, values.as<const float>(),
-                  dequantized.as<const float>(), count, chunk_count, partials.as<double>());
-  std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
-  partials.download(host_partials.data(), partials.bytes());
-  energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
-  energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
-  codes.download(out.codes.data(), out.codes.size());
-  if (keep_dequantized) dequantized.download(out.dequantized.data(), dequantized.bytes());
-  unsigned long long counts[mx_counter_count] = {};
-  counters.download(counts, sizeof(counts));
-  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
-  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
-  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
-  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
-  return out;
-}
-
-}  // namespace
 
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
                                         operand_energies& energies) {
-  if (options.format.scheme == quant_scheme::per_tensor) {
-    return per_tensor_with_energies(input, options, rotation, keep_dequantized, energies);
+  const bool per_tensor = options.format.scheme == quant_scheme::per_tensor;
+  const element_kind kind = options.format.element;
+  if (per_tensor && kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
+    throw input_error("gpu quantize: field 'format': per-tensor scaling takes fp8 e4m3 or e5m2 elements");
   }
-  const mx_plan plan = make_mx_plan(options);
+  const std::optional<mx_plan> plan = per_tensor ? std::nullopt : std::optional<mx_plan>(make_mx_plan(options));
+  const int axis = plan ? plan->axis : options.axis;
   const rotation_plan rotation_resolved = make_rotation_plan(rotation);
-  check_rotation(rotation_resolved, input.rows, input.cols, plan.axis, "gpu quantize");
+  check_rotation(rotation_resolved, input.rows, input.cols, axis, "gpu quantize");
   quantized_tensor out;
   out.rows = input.rows;
   out.cols = input.cols;
   out.options = options;
-  out.block = plan.block;
-  out.scale_rows = mx_scale_rows(plan, input.rows, input.cols);
-  out.scale_cols = mx_scale_cols(plan, input.rows, input.cols);
-  out.codes.resize(static_cast<std::size_t>(mx_code_bytes(plan, input.rows, input.cols)));
-  out.scales.resize(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+  if (plan) {
+    out.block = plan->block;
+    out.scale_rows = mx_scale_rows(*plan, input.rows, input.cols);
+    out.scale_cols = mx_scale_cols(*plan, input.rows, input.cols);
+    out.codes.resize(static_cast<std::size_t>(mx_code_bytes(*plan, input.rows, input.cols)));
+    out.scales.resize(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+  } else {
+    out.codes.resize(static_cast<std::size_t>(input.size()));
+  }
   energies = {};
   if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
   if (input.size() == 0) return out;
   device_buffer values = upload_vector(input.values);
-  if (rotation_resolved.size > 0) {
-    rotate_on_device(values.as<float>(), input.rows, input.cols, plan.axis, rotation_resolved);
-  }
+  if (rotation_resolved.size > 0) rotate_on_device(values.as<float>(), input.rows, input.cols, axis, rotation_resolved);
+  const std::int64_t count = input.size();
   device_buffer codes(out.codes.size());
   device_buffer scales(out.scales.size());
-  device_buffer dequantized(static_cast<std::size_t>(input.size()) * sizeof(float));
+  device_buffer dequantized(static_cast<std::size_t>(count) * sizeof(float));
   device_buffer counters(mx_counter_count * sizeof(unsigned long long));
   counters.fill_bytes(0);
-  mx_device_output destination;
-  destination.codes = codes.as<std::uint8_t>();
-  destination.scales = scales.as<std::uint8_t>();
-  destination.dequantized = dequantized.as<float>();
-  destination.counters = counters.as<unsigned long long>();
-  quantize_on_device(values.get(), input_format::fp32, input.rows, input.cols, plan, rotation_plan{}, destination);
-  const std::int64_t count = input.size();
+  if (plan) {
+    mx_device_output destination;
+    destination.codes = codes.as<std::uint8_t>();
+    destination.scales = scales.as<std::uint8_t>();
+    destination.dequantized = dequantized.as<float>();
+    destination.counters = counters.as<unsigned long long>();
+    quantize_on_device(values.get(), input_format::fp32, input.rows, input.cols, *plan, rotation_plan{}, destination);
+  } else {
+    device_buffer amax(sizeof(unsigned));
+    amax.fill_bytes(0);
+    runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+                    amax.as<unsigned>());
+    unsigned amax_bits = 0;
+    amax.download(&amax_bits, sizeof(amax_bits));
+    const float largest = core_ns::bits_float(amax_bits);
+    // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
+    out.tensor_scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
+    runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+                    kind, out.tensor_scale, options.rounding, options.sr_bits, options.stream,
+                    codes.as<std::uint8_t>(), dequantized.as<float>(), counters.as<unsigned long long>());
+  }
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
   runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, values.as<const float>(),
@@ -2654,14 +2619,9 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
   energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
   codes.download(out.codes.data(), out.codes.size());
-  scales.download(out.scales.data(), out.scales.size());
+  if (!out.scales.empty()) scales.download(out.scales.data(), out.scales.size());
   if (keep_dequantized) dequantized.download(out.dequantized.data(), dequantized.bytes());
-  unsigned long long counts[mx_counter_count] = {};
-  counters.download(counts, sizeof(counts));
-  out.nonzero_inputs = static_cast<std::int64_t>(counts[counter_nonzero]);
-  out.flushed = static_cast<std::int64_t>(counts[counter_flushed]);
-  out.saturated = static_cast<std::int64_t>(counts[counter_saturated]);
-  out.nonfinite_inputs = static_cast<std::int64_t>(counts[counter_nonfinite]);
+  take_counters(counters, out);
   return out;
 }
 
@@ -3034,14 +2994,7 @@ reference_step_norms reference_cross_step::step(const matrix64& g, const optimiz
     sums = cross_step_totals<core_ns::reference_sum_count>(s.partials, chunk_count);
   }
   s.steps = t;
-  reference_step_norms out;
-  out.reference = std::sqrt(sums[0]);
-  out.sum = std::sqrt(sums[1]);
-  out.sgd_update = std::sqrt(sums[2]);
-  out.sgd_displacement = std::sqrt(sums[3]);
-  out.adamw_update = std::sqrt(sums[4]);
-  out.adamw_displacement = std::sqrt(sums[5]);
-  return out;
+  return reference_norms(sums);
 }
 
 void reference_cross_step::download(reference_accumulators& out) const {
@@ -3121,18 +3074,7 @@ unit_step_norms unit_cross_step::step(const reference_cross_step& reference, con
     sums = cross_step_totals<core_ns::unit_sum_count>(s.partials, chunk_count);
   }
   s.steps = t;
-  // The norms as src/cross_step.cpp forms them from the same sums.
-  unit_step_norms out;
-  out.quantization = std::sqrt(sums[0]);
-  out.accumulation = std::sqrt(sums[1]);
-  out.error_energy = sums[2];
-  out.previous_error_energy = s.previous_error_energy;
-  out.lag1_dot = t > 1 ? sums[3] : 0.0;
-  out.error_sum = std::sqrt(sums[4]);
-  out.sgd_update_difference = std::sqrt(sums[5]);
-  out.sgd_displacement_difference = std::sqrt(sums[6]);
-  out.adamw_update_difference = std::sqrt(sums[7]);
-  out.adamw_displacement_difference = std::sqrt(sums[8]);
+  const unit_step_norms out = unit_norms(sums, t, s.previous_error_energy);  // as src/cross_step.cpp
   s.previous_error_energy = out.error_energy;
   return out;
 }

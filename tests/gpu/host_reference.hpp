@@ -254,6 +254,35 @@ inline float round_output(float value, mxscope::output_rounding output) {
   return core::bf16_to_float(core::float_to_bf16(value, core::rounding_mode::rne));
 }
 
+// fp32-block / fp32-group: for each group of `group_length` products in ascending K (product(k) an
+// exact double), acc = fl32(acc + the group's exact sum); a non-finite product or accumulator takes
+// the IEEE sum instead (src/gemm.cpp generic_entry).
+template <class Product>
+float grouped_accumulation(std::int64_t depth, std::int64_t group_length, Product&& product) {
+  float accumulator = 0.0f;
+  std::vector<double> products;
+  for (std::int64_t begin = 0; begin < depth; begin += group_length) {
+    const std::int64_t end = std::min(depth, begin + group_length);
+    products.clear();
+    double nonfinite_sum = 0.0;
+    bool nonfinite = false;
+    for (std::int64_t k = begin; k < end; ++k) {
+      const double value = product(k);
+      if (!std::isfinite(value)) {
+        nonfinite = true;
+        nonfinite_sum += value;
+      }
+      products.push_back(value);
+    }
+    if (nonfinite || !std::isfinite(accumulator)) {
+      accumulator = static_cast<float>(static_cast<double>(accumulator) + nonfinite_sum);
+      continue;
+    }
+    accumulator = core::add_exactly_to_float(accumulator, products.data(), static_cast<int>(products.size()));
+  }
+  return accumulator;
+}
+
 // One entry of the emulated product, by the definition (src/gemm.cpp generic_entry).
 inline entry_value product_entry(const operand_reader& a, const operand_reader& b, std::int64_t i, std::int64_t j,
                                  const mxscope::accumulation_model& model, mxscope::output_rounding output) {
@@ -282,28 +311,8 @@ inline entry_value product_entry(const operand_reader& a, const operand_reader& 
     return {round_output(total.round_to_float(), output), total.round_to_double()};
   }
   const std::int64_t group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
-  const std::int64_t group_length = static_cast<std::int64_t>(a.q->block) * group;
-  float accumulator = 0.0f;
-  std::vector<double> products;
-  for (std::int64_t begin = 0; begin < depth; begin += group_length) {
-    const std::int64_t end = std::min(depth, begin + group_length);
-    products.clear();
-    double nonfinite_sum = 0.0;
-    bool nonfinite = false;
-    for (std::int64_t k = begin; k < end; ++k) {
-      const double product = a.scaled(i, k) * b.scaled(j, k);
-      if (!std::isfinite(product)) {
-        nonfinite = true;
-        nonfinite_sum += product;
-      }
-      products.push_back(product);
-    }
-    if (nonfinite || !std::isfinite(accumulator)) {
-      accumulator = static_cast<float>(static_cast<double>(accumulator) + nonfinite_sum);
-      continue;
-    }
-    accumulator = core::add_exactly_to_float(accumulator, products.data(), static_cast<int>(products.size()));
-  }
+  const float accumulator = grouped_accumulation(depth, static_cast<std::int64_t>(a.q->block) * group,
+                                                 [&](std::int64_t k) { return a.scaled(i, k) * b.scaled(j, k); });
   return {round_output(accumulator * 1.0f, output), 0.0};
 }
 
@@ -320,28 +329,9 @@ inline float plain_product_entry(const matrix& a, const matrix& b, std::int64_t 
     return round_output(accumulator, output);
   }
   const std::int64_t group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
-  const std::int64_t group_length = static_cast<std::int64_t>(block) * group;
-  float accumulator = 0.0f;
-  std::vector<double> products;
-  for (std::int64_t begin = 0; begin < depth; begin += group_length) {
-    const std::int64_t end = std::min(depth, begin + group_length);
-    products.clear();
-    double nonfinite_sum = 0.0;
-    bool nonfinite = false;
-    for (std::int64_t k = begin; k < end; ++k) {
-      const double product = static_cast<double>(a(i, k)) * static_cast<double>(b(j, k));
-      if (!std::isfinite(product)) {
-        nonfinite = true;
-        nonfinite_sum += product;
-      }
-      products.push_back(product);
-    }
-    if (nonfinite || !std::isfinite(accumulator)) {
-      accumulator = static_cast<float>(static_cast<double>(accumulator) + nonfinite_sum);
-      continue;
-    }
-    accumulator = core::add_exactly_to_float(accumulator, products.data(), static_cast<int>(products.size()));
-  }
+  const float accumulator =
+      grouped_accumulation(depth, static_cast<std::int64_t>(block) * group,
+                           [&](std::int64_t k) { return static_cast<double>(a(i, k)) * static_cast<double>(b(j, k)); });
   return round_output(accumulator * 1.0f, output);
 }
 
