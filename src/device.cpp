@@ -61,18 +61,21 @@ void placement_counts::count(const gemm_result& result) {
   (result.a.quantized_on_gpu ? quantize_gpu : quantize_cpu) += 1;
   (result.b.quantized_on_gpu ? quantize_gpu : quantize_cpu) += 1;
   (result.product_on_gpu ? product_gpu : product_cpu) += 1;
-  if (result.exact_of_quantized.size() != 0) (result.exact_of_quantized_on_gpu ? product_gpu : product_cpu) += 1;
+  if (result.exact_of_quantized.size() != 0 || result.device_exact_of_quantized) {
+    (result.exact_of_quantized_on_gpu ? product_gpu : product_cpu) += 1;
+  }
 }
 
 reference_result reference_on(compute_device device, const matrix& a, const matrix& b, reference_kind kind,
-                              placement_counts* placed) {
+                              placement_counts* placed, bool keep_on_device) {
 #ifdef MXSCOPE_HAVE_CUDA
   if (device == compute_device::gpu && kind == reference_kind::exact) {
     if (placed != nullptr) ++placed->reference_gpu;
-    return gpu::reference_gemm(a, b);
+    return gpu::reference_gemm(a, b, keep_on_device);
   }
 #else
   (void)device;
+  (void)keep_on_device;
 #endif
   if (placed != nullptr) ++placed->reference_cpu;
   return reference_gemm(a, b, kind);

@@ -1763,8 +1763,14 @@ bool gpu_reference_multiplies(const quantized_tensor& a, const quantized_tensor&
     const quant_scheme scheme = q.options.format.scheme;
     if (scheme != quant_scheme::none && scheme != quant_scheme::bf16) return false;
     if (q.tensor_scale != 1.0f) return false;
-    return std::all_of(q.dequantized.values.begin(), q.dequantized.values.end(),
-                       [](float v) { return std::isfinite(v); });
+    const float* values = q.dequantized.data();
+    const std::int64_t count = q.dequantized.size();
+    std::int64_t nonfinite = 0;
+#ifdef _OPENMP
+#pragma omp parallel for reduction(+ : nonfinite) schedule(static) if (count >= (std::int64_t{1} << 20))
+#endif
+    for (std::int64_t i = 0; i < count; ++i) nonfinite += !std::isfinite(values[i]);
+    return nonfinite == 0;
   };
   return model.kind == accumulation_kind::exact && output == output_rounding::fp32 && plain(a) && plain(b);
 #else
@@ -1937,7 +1943,8 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   const int block = common_block(a, b, what, a_name, b_name);
   if (options.device == compute_device::gpu && gpu_multiplies(a, b, model)) {
 #ifdef MXSCOPE_HAVE_CUDA
-    product_result on_gpu = gpu::emulate_product(a, b, model, output);
+    product_result on_gpu =
+        gpu::emulate_product(a, b, model, output, gpu::gemm_path::automatic, options.keep_on_device);
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif
@@ -1960,10 +1967,12 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     // ExactModelOfPlainOperandsIsTheExactReference).
     const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
     const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
-    const reference_result reference = gpu::reference_gemm(left, right);
+    reference_result reference = gpu::reference_gemm(left, right, options.keep_on_device);
     product_result on_gpu;
-    on_gpu.out = reference.fp32;
-    on_gpu.exact = reference.fp64;
+    on_gpu.out = std::move(reference.fp32);
+    on_gpu.exact = std::move(reference.fp64);
+    on_gpu.device_out = std::move(reference.device_fp32);
+    on_gpu.device_exact = std::move(reference.device_fp64);
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif
@@ -1974,7 +1983,7 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     // kernel on the dequantized values computes the model (block = the common K-block).
     const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
     const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
-    product_result on_gpu = gpu::emulate_plain_product(left, right, block, model, output);
+    product_result on_gpu = gpu::emulate_plain_product(left, right, block, model, output, options.keep_on_device);
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif
@@ -2154,9 +2163,13 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
       // stay there unless a CPU product needs them (fp32-seq's generic path reads them).
       check_rotation(tensor, axis, rotation_for(chosen, context), operand_what);
       gpu::operand_energies energies;
+      const gpu::device_matrix* resident = nullptr;
+      for (const auto& [host, device] : options.resident_operands) {
+        if (host == &tensor && device) resident = device.get();
+      }
       quantized_tensor quantized =
           gpu::quantize_with_energies(tensor, quantize_with, rotation_for(chosen, context),
-                                      chosen.accumulation.kind == accumulation_kind::fp32_seq, energies);
+                                      chosen.accumulation.kind == accumulation_kind::fp32_seq, energies, resident);
       summary = summarize_counts(name, axis, tensor.size(), quantized);
       summary.signal_energy = energies.signal;
       summary.error_energy = energies.error;
@@ -2195,6 +2208,7 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     product_result exact = emulate_named(a, b, exact_model, output_rounding::fp32, options, what, layout.a_name,
                                          layout.b_name);
     result.exact_of_quantized = std::move(exact.exact);
+    result.device_exact_of_quantized = std::move(exact.device_exact);
     result.exact_of_quantized_on_gpu = exact.product_on_gpu;
     result.exact_product_seconds = seconds_since(mark);
   }

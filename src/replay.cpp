@@ -17,6 +17,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -118,13 +119,48 @@ struct gemm_state {
 #endif
 };
 
+// One result of a step where it lives: with --device gpu in device memory (left there by the GPU,
+// or uploaded once when it was computed on the host), with a host copy made only when a stage on
+// the host asks for it; on the CPU, the host matrix.
+template <class Matrix>
+class located {
+ public:
+  located(Matrix host, device_matrix_ptr device) : host_(std::move(host)), device_(std::move(device)) {
+    host_valid_ = !device_;
+  }
+  const Matrix& host() {
+#ifdef MXSCOPE_HAVE_CUDA
+    if (!host_valid_) {
+      if constexpr (std::is_same_v<Matrix, matrix>) {
+        host_ = device_->download32();
+      } else {
+        host_ = device_->download64();
+      }
+      host_valid_ = true;
+    }
+#endif
+    return host_;
+  }
+#ifdef MXSCOPE_HAVE_CUDA
+  const gpu::device_matrix& device() {
+    if (!device_) device_ = std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(host_));
+    return *device_;
+  }
+#endif
+
+ private:
+  Matrix host_;
+  device_matrix_ptr device_;
+  bool host_valid_ = true;
+};
+
 // The reference step of one (layer, GEMM): on the GPU where its state lives there, else on the host.
-reference_step_norms cross_step_reference(gemm_state& state, const matrix64& g, const optimizer_settings& settings,
+reference_step_norms cross_step_reference(gemm_state& state, located<matrix64>& g, const optimizer_settings& settings,
                                           placement_counts& placed, std::ostream& log) {
 #ifdef MXSCOPE_HAVE_CUDA
   if (state.device_reference) {
     try {
-      const reference_step_norms norms = state.device_reference->step(g, settings);
+      const reference_step_norms norms = state.device_reference->step(g.device(), settings);
       ++placed.cross_step_gpu;
       return norms;
     } catch (const gpu::gpu_error& error) {
@@ -139,17 +175,18 @@ reference_step_norms cross_step_reference(gemm_state& state, const matrix64& g, 
   (void)log;
 #endif
   ++placed.cross_step_cpu;
-  return reference_step(state.reference, g, settings);
+  return reference_step(state.reference, g.host(), settings);
 }
 
 // The step of one unit, where its state lives (see unit_state and gemm_state).
-unit_step_norms cross_step_unit(gemm_state& state, unit_state& unit, const matrix& estimate, const matrix64& exact,
-                                const matrix64& g, const optimizer_settings& settings, placement_counts& placed,
-                                std::ostream& log) {
+unit_step_norms cross_step_unit(gemm_state& state, unit_state& unit, located<matrix>& estimate,
+                                located<matrix64>& exact, located<matrix64>& g, const optimizer_settings& settings,
+                                placement_counts& placed, std::ostream& log) {
 #ifdef MXSCOPE_HAVE_CUDA
   if (unit.device_accumulators) {
     try {
-      const unit_step_norms norms = unit.device_accumulators->step(*state.device_reference, estimate, exact, settings);
+      const unit_step_norms norms =
+          unit.device_accumulators->step(*state.device_reference, estimate.device(), exact.device(), settings);
       ++placed.cross_step_gpu;
       return norms;
     } catch (const gpu::gpu_error& error) {
@@ -166,7 +203,19 @@ unit_step_norms cross_step_unit(gemm_state& state, unit_state& unit, const matri
   (void)log;
 #endif
   ++placed.cross_step_cpu;
-  return unit_step(unit.accumulators, state.reference, estimate, exact, g, settings);
+  return unit_step(unit.accumulators, state.reference, estimate.host(), exact.host(), g.host(), settings);
+}
+
+// The comparison of a step's estimate with the reference, on `device`: on the GPU from device memory.
+comparison compare_located(compute_device device, located<matrix>& estimate, located<matrix64>& g,
+                           located<matrix>& g32, placement_counts& placed) {
+#ifdef MXSCOPE_HAVE_CUDA
+  if (device == compute_device::gpu) {
+    ++placed.compare_gpu;
+    return gpu::compare(estimate.device(), g.device(), g32.device());
+  }
+#endif
+  return compare_on(device, estimate.host(), g.host(), g32.host(), &placed);
 }
 
 // Least-squares slope of log(norms[s-1]) against log(s), s = 1..T; NaN for T < 2 or a zero norm.
@@ -502,6 +551,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     if (device == compute_device::gpu) select_gpu(device, options.device_index % gpu_count());
     compute.device = device;
     compute.exact_too = true;  // quant_err needs the exact product of the same quantized operands
+    // The GPU's products stay in device memory for the comparison and the cross-step state.
+    compute.keep_on_device = device == compute_device::gpu;
 #ifdef _OPENMP
     if (options.threads > 0) omp_set_num_threads(options.threads);
 #endif
@@ -839,6 +890,18 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         }
         seconds_read += seconds_since(mark);
         const gemm_operands operands{&entry.x, &entry.dy, entry.w ? &*entry.w : nullptr};
+#ifdef MXSCOPE_HAVE_CUDA
+        // The step's operands go to the GPU once, for every strategy's quantizer.
+        compute.resident_operands.clear();
+        if (device == compute_device::gpu) {
+          for (const matrix* operand : {operands.x, operands.dy, operands.w}) {
+            if (operand != nullptr) {
+              compute.resident_operands.emplace_back(
+                  operand, std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(*operand)));
+            }
+          }
+        }
+#endif
         const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
         for (std::size_t gi = 0; gi < gemms.size(); ++gi) {
           auto& state = gemms[gi];
@@ -848,9 +911,10 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           mark = clock_type::now();
           const canonical_operands canonical =
               orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
-          const reference_result reference =
-              reference_on(device, canonical.a, canonical.b, parsed.reference, &placed);
-          const matrix64& g = reference.fp64;
+          reference_result reference =
+              reference_on(device, canonical.a, canonical.b, parsed.reference, &placed, compute.keep_on_device);
+          located<matrix64> g(std::move(reference.fp64), std::move(reference.device_fp64));
+          located<matrix> g32(std::move(reference.fp32), std::move(reference.device_fp32));
           const reference_step_norms reference_norms = cross_step_reference(state, g, parsed.optimizer, placed, log);
           const double reference_norm = reference_norms.reference;
           state.reference_sum_norm = reference_norms.sum;
@@ -863,21 +927,24 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             doing = fmt::format("unit {} at step {}", unit_text(unit_indices[gi][u]), info->step);
             const strategy& chosen = *unit.chosen;
             // The same quantized operands under the exact model separate quantization from accumulation.
-            const gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
+            gemm_result result = run_gemm(state.kind, operands, chosen, context, compute);
             placed.count(result);
-            const matrix64& exact_result =
-                chosen.accumulation.kind == accumulation_kind::exact ? result.exact : result.exact_of_quantized;
+            const bool exact_model = chosen.accumulation.kind == accumulation_kind::exact;
+            located<matrix> estimate(std::move(result.out), std::move(result.device_out));
+            located<matrix64> exact_result(
+                std::move(exact_model ? result.exact : result.exact_of_quantized),
+                std::move(exact_model ? result.device_exact : result.device_exact_of_quantized));
             unit.stage_seconds[0] += seconds_since(unit_started);
             unit.stage_seconds[3] += result.quantize_seconds;
             unit.stage_seconds[4] += result.product_seconds;
             unit.stage_seconds[5] += result.exact_product_seconds;
             auto stage_mark = clock_type::now();
-            const comparison metrics = compare_on(device, result.out, g, reference.fp32, &placed);
+            const comparison metrics = compare_located(device, estimate, g, g32, placed);
             unit.stage_seconds[1] += seconds_since(stage_mark);
             stage_mark = clock_type::now();
             // One pass over the output for every norm of this step and the cross-step state.
             const unit_step_norms norms =
-                cross_step_unit(state, unit, result.out, exact_result, g, parsed.optimizer, placed, log);
+                cross_step_unit(state, unit, estimate, exact_result, g, parsed.optimizer, placed, log);
             const double quant_err = ratio(norms.quantization, reference_norm);
             const double accum_err = ratio(norms.accumulation, reference_norm);
             std::array<double, 6> attributed;
@@ -954,6 +1021,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           }
           seconds_strategies += seconds_since(mark);
         }
+        compute.resident_operands.clear();  // they copy this entry's operands
         ++entries_seen;
         ++outcome.entries;
         if (options.progress) {

@@ -24,6 +24,13 @@
 
 namespace {
 
+mxscope::gemm_options gemm_options_of(mxscope::accumulation_path path, bool vector_kernels = true) {
+  mxscope::gemm_options options;
+  options.path = path;
+  options.vector_kernels = vector_kernels;
+  return options;
+}
+
 using mxscope::gemm_kind;
 using mxscope::matrix;
 using mxscope::quantized_tensor;
@@ -624,7 +631,7 @@ TEST(Fp32Seq, IsSequentialFusedMultiplyAdd) {
   for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop, gemm_kind::dgrad}) {
     const mxscope::strategy chosen = make_strategy("mxfp4", "mxfp4", "fp32-seq");
     const auto result = mxscope::run_gemm(kind, layer.operands(), chosen, context);
-    const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context, {mxscope::accumulation_path::automatic, false});
+    const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::automatic, false));
     const quantized_pair pair = quantize_like_the_spec(kind, layer, chosen);
     const test_operand a = view_of(pair.a, pair.a_axis, "mxfp4");
     const test_operand b = view_of(pair.b, pair.b_axis, "mxfp4");
@@ -829,8 +836,8 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
           const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
           const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
           const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context,
-                                                  {mxscope::accumulation_path::automatic, false});
-          const auto generic = mxscope::run_gemm(kind, layer.operands(), chosen, context, {mxscope::accumulation_path::generic});
+                                                  gemm_options_of(mxscope::accumulation_path::automatic, false));
+          const auto generic = mxscope::run_gemm(kind, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
           const std::string what = fmt::format("{} x {} {} {}{}", format_a, format_b, model, mxscope::gemm_kind_name(kind),
                                                extreme ? " extreme" : "");
           expect_same_bits(generic.out, fast.out, what);
@@ -849,7 +856,7 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
   const layer_tensors layer = random_layer(100, 40, 36, 120, true);
   for (const bool vector_kernels : {true, false}) {
     const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("mxfp4", "mxfp4", "fp32-block"),
-                                        context, {mxscope::accumulation_path::automatic, vector_kernels});
+                                        context, gemm_options_of(mxscope::accumulation_path::automatic, vector_kernels));
     EXPECT_GT(fast.fallback_entries, 0) << "vector kernels " << vector_kernels;
   }
   // bf16 blocks whose exponents spread beyond the fp64 budget are recomputed by the definition:

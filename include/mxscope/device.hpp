@@ -46,9 +46,10 @@ struct placement_counts {
   void count(const gemm_result& result);  // its two quantizations and its products (exact_too's included)
 };
 
-// reference_gemm on `device` (see the list above).
+// reference_gemm on `device` (see the list above). keep_on_device: a reference computed on the GPU
+// stays in device memory (reference_result::device_fp64, device_fp32; the host matrices empty).
 reference_result reference_on(compute_device device, const matrix& a, const matrix& b, reference_kind kind,
-                              placement_counts* placed = nullptr);
+                              placement_counts* placed = nullptr, bool keep_on_device = false);
 
 // compare on `device`.
 comparison compare_on(compute_device device, const matrix& estimate, const matrix64& reference,

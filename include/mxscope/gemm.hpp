@@ -25,6 +25,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "mxscope/core/accumulate.hpp"
 #include "mxscope/core/philox.hpp"
@@ -127,6 +129,15 @@ struct gemm_options {
   // keeps the result in gemm_result::exact_of_quantized: the quantization-only error, without
   // quantizing twice. Ignored when the strategy's model is `exact` (its `exact` field is that).
   bool exact_too = false;
+  // With device gpu: a product that runs on the GPU leaves its results in device memory
+  // (product_result::device_out and device_exact, gemm_result::device_exact_of_quantized) and the
+  // host matrices empty, for a caller that goes on on the GPU (replay). Products on the CPU fill
+  // the host matrices as always.
+  bool keep_on_device = false;
+  // With device gpu: operands the caller has already put in device memory, each beside the host
+  // matrix it copies (the caller keeps both unchanged while they are listed here). run_gemm's GPU
+  // quantizer reads such an operand there instead of uploading the host matrix again.
+  std::vector<std::pair<const matrix*, device_matrix_ptr>> resident_operands;
 };
 
 struct product_result {
@@ -134,12 +145,16 @@ struct product_result {
   matrix64 exact;   // `exact` model only: the exact result rounded once to fp64; empty otherwise
   std::int64_t fallback_entries = 0;  // entry-blocks the fast path handed to the exact slow step
   bool product_on_gpu = false;        // the product ran on the GPU (gemm_options::device)
+  // gemm_options::keep_on_device: `out` and `exact` in device memory instead (null otherwise).
+  device_matrix_ptr device_out;
+  device_matrix_ptr device_exact;
 };
 
 struct gemm_result : product_result {
   gemm_kind kind = gemm_kind::wgrad;
   matrix64 exact_of_quantized;  // gemm_options::exact_too only: the exact product of the quantized operands
   bool exact_of_quantized_on_gpu = false;
+  device_matrix_ptr device_exact_of_quantized;  // keep_on_device: exact_of_quantized in device memory
   operand_summary a;
   operand_summary b;
   // Wall seconds of run_gemm's parts: rotating, quantizing and summarizing both operands; the

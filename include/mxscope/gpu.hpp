@@ -90,6 +90,35 @@ class device_buffer {
   std::size_t bytes_ = 0;
 };
 
+// A row-major fp32 or fp64 matrix in device memory (move-only): a result that stays on the GPU
+// between stages (product -> comparison -> cross-step state) and comes to the host only on request.
+class device_matrix {
+ public:
+  enum class element : std::uint8_t { fp32, fp64 };
+  device_matrix() = default;
+  device_matrix(std::int64_t rows, std::int64_t cols, element kind);  // contents uninitialized
+  static device_matrix upload(const matrix& values);
+  static device_matrix upload(const matrix64& values);
+  device_matrix(device_matrix&&) noexcept = default;
+  device_matrix& operator=(device_matrix&&) noexcept = default;
+
+  std::int64_t rows() const { return rows_; }
+  std::int64_t cols() const { return cols_; }
+  std::int64_t size() const { return rows_ * cols_; }
+  element kind() const { return kind_; }
+  // The device pointer; throws std::logic_error for the other element type.
+  float* fp32() const;
+  double* fp64() const;
+  matrix download32() const;
+  matrix64 download64() const;
+
+ private:
+  device_buffer buffer_;
+  std::int64_t rows_ = 0;
+  std::int64_t cols_ = 0;
+  element kind_ = element::fp32;
+};
+
 // Waits for all queued device work; throws gpu_error if any of it failed.
 void synchronize();
 
@@ -289,27 +318,35 @@ struct operand_energies {
   double signal = 0.0;
   double error = 0.0;
 };
+// `resident`, when given, holds the same values as `input` in device memory and is read instead of
+// uploading `input` (it is not modified).
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
-                                        operand_energies& energies);
+                                        operand_energies& energies, const device_matrix* resident = nullptr);
 
 // The emulated product of two MX quantized tensors (as mxscope::emulate_product). Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
+// keep_on_device: the results stay in device memory (product_result::device_out, device_exact)
+// and the host matrices empty.
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                               output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic);
+                               output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,
+                               bool keep_on_device = false);
 
 // The product of unscaled operands A [M, K] and B [N, K] (fp32 values; bf16 operands as their fp32
 // values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every block
 // scale 1: what mxscope::emulate_product computes for fp32 and bf16 operands (generic path).
 product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
-                                     output_rounding output = output_rounding::fp32);
+                                     output_rounding output = output_rounding::fp32, bool keep_on_device = false);
 
 // The exact reference (reference_kind::exact) of A [M, K] and B [N, K]; stats count entries and
 // non-finite entries (every entry is exact: there is no certification step on the GPU).
-reference_result reference_gemm(const matrix& a, const matrix& b);
+// keep_on_device: fp64 and fp32 stay in device memory (reference_result::device_fp64, device_fp32).
+reference_result reference_gemm(const matrix& a, const matrix& b, bool keep_on_device = false);
 
 // The metrics of mxscope::compare with every sum in the canonical order, computed on the GPU.
 comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32);
+// The same on matrices in device memory (fp32 estimate, fp64 reference, fp32 reference).
+comparison compare(const device_matrix& estimate, const device_matrix& reference, const device_matrix& reference_fp32);
 
 // ------------------------------------------------------------------------------------------------
 // The replay's cross-step state (include/mxscope/cross_step.hpp) kept in device memory: the same
@@ -343,6 +380,8 @@ class reference_cross_step {
   // Step t = steps() + 1 of reference_step: uploads G_t (kept for the units of this step) and
   // updates the state. Throws input_error when G's shape differs from that of the earlier steps.
   reference_step_norms step(const matrix64& g, const optimizer_settings& settings);
+  // The same with G_t in device memory (fp64; copied into the state).
+  reference_step_norms step(const device_matrix& g, const optimizer_settings& settings);
   // The state as reference_step would hold it (for a unit that runs on the host).
   void download(reference_accumulators& out) const;
 
@@ -367,6 +406,9 @@ class unit_cross_step {
   // `reference` is not at step t.
   unit_step_norms step(const reference_cross_step& reference, const matrix& estimate, const matrix64& exact,
                        const optimizer_settings& settings);
+  // The same with Ghat_t (fp32) and X_t (fp64) in device memory.
+  unit_step_norms step(const reference_cross_step& reference, const device_matrix& estimate,
+                       const device_matrix& exact, const optimizer_settings& settings);
   // The state as unit_step would hold it.
   void download(unit_accumulators& out) const;
 
@@ -374,6 +416,8 @@ class unit_cross_step {
   storage& data() const { return *storage_; }
 
  private:
+  unit_step_norms step_on_device(const reference_cross_step& reference, const float* estimate, const double* exact,
+                                 const optimizer_settings& settings);
   std::unique_ptr<storage> storage_;
 };
 

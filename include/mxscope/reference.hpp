@@ -61,6 +61,10 @@ struct reference_result {
   // Empty for `exact`.
   matrix64 entry_error_bound;
   reference_stats stats;
+  // Computed on the GPU for a caller that keeps it there (reference_on with keep_on_device): fp64
+  // and fp32 in device memory, and the host matrices above empty.
+  device_matrix_ptr device_fp64;
+  device_matrix_ptr device_fp32;
 };
 
 // Throws input_error when a.cols != b.cols or K >= 2^43 (the bounds assume K u <= 2^-10).

@@ -3,9 +3,18 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace mxscope {
+
+namespace gpu {
+// A matrix in GPU memory (include/mxscope/gpu.hpp). Results that stay on the GPU between the stages
+// of a replay are held through std::shared_ptr<const gpu::device_matrix>, which any translation unit
+// can hold and destroy without the GPU backend's headers.
+class device_matrix;
+}  // namespace gpu
+using device_matrix_ptr = std::shared_ptr<const gpu::device_matrix>;
 
 template <class T>
 struct basic_matrix {

@@ -181,6 +181,46 @@ void device_buffer::fill_bytes(int value) {
   if (bytes_ > 0) MXSCOPE_GPU_CHECK(runtime::memset(data_, value, bytes_));
 }
 
+device_matrix::device_matrix(std::int64_t rows, std::int64_t cols, element kind)
+    : buffer_(static_cast<std::size_t>(rows * cols) * (kind == element::fp32 ? sizeof(float) : sizeof(double))),
+      rows_(rows),
+      cols_(cols),
+      kind_(kind) {}
+
+device_matrix device_matrix::upload(const matrix& values) {
+  device_matrix out(values.rows, values.cols, element::fp32);
+  out.buffer_.upload(values.data(), out.buffer_.bytes());
+  return out;
+}
+
+device_matrix device_matrix::upload(const matrix64& values) {
+  device_matrix out(values.rows, values.cols, element::fp64);
+  out.buffer_.upload(values.data(), out.buffer_.bytes());
+  return out;
+}
+
+float* device_matrix::fp32() const {
+  if (kind_ != element::fp32) throw std::logic_error("device_matrix: an fp64 matrix read as fp32");
+  return buffer_.as<float>();
+}
+
+double* device_matrix::fp64() const {
+  if (kind_ != element::fp64) throw std::logic_error("device_matrix: an fp32 matrix read as fp64");
+  return buffer_.as<double>();
+}
+
+matrix device_matrix::download32() const {
+  matrix out(rows_, cols_);
+  buffer_.download(out.data(), static_cast<std::size_t>(size()) * sizeof(float));
+  return out;
+}
+
+matrix64 device_matrix::download64() const {
+  matrix64 out(rows_, cols_);
+  buffer_.download(out.data(), static_cast<std::size_t>(size()) * sizeof(double));
+  return out;
+}
+
 void synchronize() {
   MXSCOPE_GPU_CHECK(runtime::synchronize());
   MXSCOPE_GPU_CHECK(runtime::last_error());
@@ -2216,11 +2256,34 @@ __global__ void reference_kernel(const float* a, const float* b, plain_rows_view
 
 }  // namespace
 
-void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
-                         float* out32) {
+namespace {
+
+// Adds to *count the rows marked as holding inf or NaN.
+__global__ void count_nonfinite_rows_kernel(const std::int32_t* highs, std::int64_t rows, unsigned long long* count) {
+  unsigned long long marked = 0;
+  MXSCOPE_GRID_LOOP(r, rows) { marked += highs[r] == plain_nonfinite_high; }
+  if (marked != 0) atomicAdd(count, marked);
+}
+
+// reference_on_device, and where nonfinite_rows is given, the number of rows of A and of B that
+// hold inf or NaN (from the row descriptions the kernels use) into nonfinite_rows[0] and [1].
+void reference_on_device_counting(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k,
+                                  double* out64, float* out32, std::int64_t* nonfinite_rows) {
   if (m == 0 || n == 0) return;
   const plain_rows_data a_rows = describe_plain_rows(a, m, k);
   const plain_rows_data b_rows = describe_plain_rows(b, n, k);
+  if (nonfinite_rows != nullptr) {
+    device_buffer counts(2 * sizeof(unsigned long long));
+    counts.fill_bytes(0);
+    runtime::launch(count_nonfinite_rows_kernel, grid_for(m), threads_per_block, 0, a_rows.highs.as<const std::int32_t>(),
+                    m, counts.as<unsigned long long>());
+    runtime::launch(count_nonfinite_rows_kernel, grid_for(n), threads_per_block, 0, b_rows.highs.as<const std::int32_t>(),
+                    n, counts.as<unsigned long long>() + 1);
+    unsigned long long host_counts[2] = {};
+    counts.download(host_counts, sizeof(host_counts));
+    nonfinite_rows[0] = static_cast<std::int64_t>(host_counts[0]);
+    nonfinite_rows[1] = static_cast<std::int64_t>(host_counts[1]);
+  }
   const int depth_bits = depth_bits_of(k);
   runtime::launch(plain_tile_kernel<plain_mode::exact>, plain_grid(m, n), 256, 0, a, b,
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(), a_rows.view(),
@@ -2230,6 +2293,13 @@ void reference_on_device(const float* a, const float* b, std::int64_t m, std::in
   runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m, n,
                   k, depth_bits, out64, out32);
   synchronize();  // the row metadata must outlive the kernels
+}
+
+}  // namespace
+
+void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
+                         float* out32) {
+  reference_on_device_counting(a, b, m, n, k, out64, out32, nullptr);
 }
 
 void plain_product_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t depth,
@@ -2472,6 +2542,17 @@ __global__ void energy_chunks_kernel(const float* input, const float* dequantize
   }
 }
 
+// The bits of the largest finite magnitude among values[0, count) (0 when none is finite and
+// nonzero): the bit patterns of non-negative doubles order as the values do.
+__global__ void largest_finite_magnitude_kernel(const double* values, std::int64_t count, unsigned long long* bits) {
+  unsigned long long largest = 0;
+  MXSCOPE_GRID_LOOP(i, count) {
+    const unsigned long long magnitude = core_ns::double_bits(values[i]) & 0x7FFFFFFFFFFFFFFFULL;
+    if (magnitude < 0x7FF0000000000000ULL && largest < magnitude) largest = magnitude;
+  }
+  if (largest != 0) atomicMax(bits, largest);
+}
+
 double tree_of(std::vector<double>& values, std::size_t offset, std::size_t count) {
   return canonical_tree(std::span<double>(values.data() + offset, count));
 }
@@ -2555,7 +2636,10 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
-                                        operand_energies& energies) {
+                                        operand_energies& energies, const device_matrix* resident) {
+  if (resident != nullptr && (resident->rows() != input.rows || resident->cols() != input.cols)) {
+    throw std::logic_error("gpu quantize: the resident operand's shape differs from the host operand's");
+  }
   const bool per_tensor = options.format.scheme == quant_scheme::per_tensor;
   const element_kind kind = options.format.element;
   if (per_tensor && kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
@@ -2581,9 +2665,24 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   energies = {};
   if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
   if (input.size() == 0) return out;
-  device_buffer values = upload_vector(input.values);
-  if (rotation_resolved.size > 0) rotate_on_device(values.as<float>(), input.rows, input.cols, axis, rotation_resolved);
+  // The operand on the device: the resident copy as it is, or a working copy the rotation changes.
   const std::int64_t count = input.size();
+  device_buffer working;
+  const float* operand = nullptr;
+  if (resident != nullptr && rotation_resolved.size == 0) {
+    operand = resident->fp32();
+  } else {
+    working = device_buffer(static_cast<std::size_t>(count) * sizeof(float));
+    if (resident != nullptr) {
+      copy_on_device(working.get(), resident->fp32(), working.bytes());
+    } else {
+      working.upload(input.data(), working.bytes());
+    }
+    if (rotation_resolved.size > 0) {
+      rotate_on_device(working.as<float>(), input.rows, input.cols, axis, rotation_resolved);
+    }
+    operand = working.as<const float>();
+  }
   device_buffer codes(out.codes.size());
   device_buffer scales(out.scales.size());
   device_buffer dequantized(static_cast<std::size_t>(count) * sizeof(float));
@@ -2595,24 +2694,24 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     destination.scales = scales.as<std::uint8_t>();
     destination.dequantized = dequantized.as<float>();
     destination.counters = counters.as<unsigned long long>();
-    quantize_on_device(values.get(), input_format::fp32, input.rows, input.cols, *plan, rotation_plan{}, destination);
+    quantize_on_device(operand, input_format::fp32, input.rows, input.cols, *plan, rotation_plan{}, destination);
   } else {
     device_buffer amax(sizeof(unsigned));
     amax.fill_bytes(0);
-    runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+    runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, operand, count,
                     amax.as<unsigned>());
     unsigned amax_bits = 0;
     amax.download(&amax_bits, sizeof(amax_bits));
     const float largest = core_ns::bits_float(amax_bits);
     // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
     out.tensor_scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
-    runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, values.as<const float>(), count,
+    runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, operand, count,
                     kind, out.tensor_scale, options.rounding, options.sr_bits, options.stream,
                     codes.as<std::uint8_t>(), dequantized.as<float>(), counters.as<unsigned long long>());
   }
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
-  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, values.as<const float>(),
+  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, operand,
                   dequantized.as<const float>(), count, chunk_count, partials.as<double>());
   std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
   partials.download(host_partials.data(), partials.bytes());
@@ -2626,7 +2725,7 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
 }
 
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                               output_rounding output, gemm_path path) {
+                               output_rounding output, gemm_path path, bool keep_on_device) {
   for (const quantized_tensor* q : {&a, &b}) {
     if (q->options.format.scheme != quant_scheme::mx) {
       throw input_error("gpu gemm: field 'format': the GPU backend multiplies MX operands only");
@@ -2659,78 +2758,84 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
     right = prepare_operand(b_view, chosen);
   }
   product_result result;
-  result.out = matrix(left.rows(), right.rows());
   const bool want_exact = model.kind == accumulation_kind::exact;
-  if (want_exact) result.exact = matrix64(left.rows(), right.rows());
-  const std::size_t entries = static_cast<std::size_t>(left.rows() * right.rows());
-  device_buffer out(entries * sizeof(float));
-  device_buffer exact(want_exact ? entries * sizeof(double) : 0);
-  multiply_prepared(left, right, model, output, out.as<float>(), want_exact ? exact.as<double>() : nullptr, chosen);
-  out.download(result.out.data(), out.bytes());
-  if (want_exact) exact.download(result.exact.data(), exact.bytes());
+  auto out = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp32);
+  auto exact = want_exact ? std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp64)
+                          : nullptr;
+  multiply_prepared(left, right, model, output, out->fp32(), want_exact ? exact->fp64() : nullptr, chosen);
+  if (keep_on_device) {
+    result.device_out = std::move(out);
+    result.device_exact = std::move(exact);
+  } else {
+    result.out = out->download32();
+    if (want_exact) result.exact = exact->download64();
+  }
   return result;
 }
 
 product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
-                                     output_rounding output) {
+                                     output_rounding output, bool keep_on_device) {
   if (a.cols != b.cols) {
     throw input_error("gpu gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
   }
   product_result result;
-  result.out = matrix(a.rows, b.rows);
   const device_buffer left = upload_vector(a.values);
   const device_buffer right = upload_vector(b.values);
-  device_buffer out(static_cast<std::size_t>(a.rows * b.rows) * sizeof(float));
+  auto out = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp32);
   plain_product_on_device(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols, block, model,
-                          output, out.as<float>());
-  out.download(result.out.data(), out.bytes());
+                          output, out->fp32());
+  if (keep_on_device) {
+    result.device_out = std::move(out);
+  } else {
+    result.out = out->download32();
+  }
   return result;
 }
 
-reference_result reference_gemm(const matrix& a, const matrix& b) {
+reference_result reference_gemm(const matrix& a, const matrix& b, bool keep_on_device) {
   if (a.cols != b.cols) {
     throw input_error("gpu reference_gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
   }
   reference_result out;
   out.kind = reference_kind::exact;
-  out.fp64 = matrix64(a.rows, b.rows);
-  out.fp32 = matrix(a.rows, b.rows);
   out.stats.entries = a.rows * b.rows;
+  auto out64 = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp64);
+  auto out32 = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp32);
+  // Statistics as the CPU reports them: rows with inf or NaN make their entries non-finite (counted
+  // on the device from the kernels' row descriptions).
+  std::int64_t bad_rows[2] = {0, 0};
   if (a.rows > 0 && b.rows > 0) {
     const device_buffer left = upload_vector(a.values);
     const device_buffer right = upload_vector(b.values);
-    device_buffer out64(out.fp64.values.size() * sizeof(double));
-    device_buffer out32(out.fp32.values.size() * sizeof(float));
-    reference_on_device(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols, out64.as<double>(),
-                        out32.as<float>());
-    out64.download(out.fp64.data(), out64.bytes());
-    out32.download(out.fp32.data(), out32.bytes());
+    reference_on_device_counting(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols,
+                                 out64->fp64(), out32->fp32(), bad_rows);
   }
-  // Statistics as the CPU reports them: rows with inf or NaN make their entries non-finite.
-  std::vector<bool> a_bad(static_cast<std::size_t>(a.rows)), b_bad(static_cast<std::size_t>(b.rows));
-  const auto finite = [](float v) { return (core_ns::float_bits(v) & 0x7f800000U) != 0x7f800000U; };
-  for (std::int64_t r = 0; r < a.rows; ++r) {
-    for (std::int64_t k = 0; k < a.cols; ++k)
-      a_bad[static_cast<std::size_t>(r)] = a_bad[static_cast<std::size_t>(r)] || !finite(a(r, k));
-  }
-  for (std::int64_t r = 0; r < b.rows; ++r) {
-    for (std::int64_t k = 0; k < b.cols; ++k)
-      b_bad[static_cast<std::size_t>(r)] = b_bad[static_cast<std::size_t>(r)] || !finite(b(r, k));
-  }
-  std::int64_t bad_a = 0, bad_b = 0;
-  for (const bool bad : a_bad) bad_a += bad;
-  for (const bool bad : b_bad) bad_b += bad;
+  const std::int64_t bad_a = bad_rows[0], bad_b = bad_rows[1];
   out.stats.nonfinite_entries = bad_a * b.rows + bad_b * a.rows - bad_a * bad_b;
   out.stats.certified_entries = out.stats.entries - out.stats.nonfinite_entries;
+  // The largest half ulp of a finite nonzero result: that of the largest finite magnitude (the half
+  // ulp grows with the magnitude), found on the device.
   double largest = 0.0;
-  for (const double value : out.fp64.values) {
-    const double magnitude = value < 0.0 ? -value : value;
-    if (magnitude == 0.0 || !(magnitude < std::numeric_limits<double>::infinity())) continue;
-    const double half_ulp =
-        magnitude < 0x1p-1021 ? core_ns::pow2(-1074) : core_ns::pow2(core_ns::floor_log2(magnitude) - 53);
-    largest = std::max(largest, half_ulp);
+  if (out64->size() > 0) {
+    device_buffer bits(sizeof(unsigned long long));
+    bits.fill_bytes(0);
+    runtime::launch(largest_finite_magnitude_kernel, grid_for(out64->size()), threads_per_block, 0,
+                    static_cast<const double*>(out64->fp64()), out64->size(), bits.as<unsigned long long>());
+    unsigned long long host_bits = 0;
+    bits.download(&host_bits, sizeof(host_bits));
+    const double magnitude = core_ns::bits_double(host_bits);
+    if (magnitude != 0.0) {
+      largest = magnitude < 0x1p-1021 ? core_ns::pow2(-1074) : core_ns::pow2(core_ns::floor_log2(magnitude) - 53);
+    }
   }
   out.error_bound = largest;
+  if (keep_on_device) {
+    out.device_fp64 = std::move(out64);
+    out.device_fp32 = std::move(out32);
+  } else {
+    out.fp64 = out64->download64();
+    out.fp32 = out32->download32();
+  }
   return out;
 }
 
@@ -2742,11 +2847,24 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
                         "] but the reference is [" + to_text(reference.rows) + ", " + to_text(reference.cols) + "]");
     }
   }
+  return compare(device_matrix::upload(estimate), device_matrix::upload(reference),
+                 device_matrix::upload(reference_fp32));
+}
+
+comparison compare(const device_matrix& estimate, const device_matrix& reference, const device_matrix& reference_fp32) {
+  for (const auto& [rows, cols, what] : {std::tuple{estimate.rows(), estimate.cols(), "the estimate"},
+                                         std::tuple{reference_fp32.rows(), reference_fp32.cols(), "the fp32 reference"}}) {
+    if (rows != reference.rows() || cols != reference.cols()) {
+      throw input_error(std::string("compare: ") + what + " is [" + to_text(rows) + ", " + to_text(cols) +
+                        "] but the reference is [" + to_text(reference.rows()) + ", " + to_text(reference.cols()) +
+                        "]");
+    }
+  }
   comparison out;
-  out.rows = estimate.rows;
-  out.cols = estimate.cols;
-  const std::int64_t rows = estimate.rows;
-  const std::int64_t cols = estimate.cols;
+  out.rows = estimate.rows();
+  out.cols = estimate.cols();
+  const std::int64_t rows = estimate.rows();
+  const std::int64_t cols = estimate.cols();
   const std::int64_t count = rows * cols;
   out.row_error_norms.assign(static_cast<std::size_t>(rows), 0.0);
   out.column_error_norms.assign(static_cast<std::size_t>(cols), 0.0);
@@ -2757,15 +2875,15 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
     out.cosine = 1.0;
     return out;
   }
-  const device_buffer hat = upload_vector(estimate.values);
-  const device_buffer g = upload_vector(reference.values);
-  const device_buffer g32 = upload_vector(reference_fp32.values);
+  const float* hat = estimate.fp32();
+  const double* g = reference.fp64();
+  const float* g32 = reference_fp32.fp32();
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   device_buffer partials(static_cast<std::size_t>(compare_sum_count * chunk_count) * sizeof(double));
   device_buffer counters(sizeof(compare_counters));
   counters.fill_bytes(0);
-  runtime::launch(compare_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat.as<const float>(), g.as<const double>(),
-                  g32.as<const float>(), count, chunk_count, partials.as<double>(), counters.as<compare_counters>());
+  runtime::launch(compare_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat, g,
+                  g32, count, chunk_count, partials.as<double>(), counters.as<compare_counters>());
   std::vector<double> host_partials(static_cast<std::size_t>(compare_sum_count * chunk_count));
   partials.download(host_partials.data(), partials.bytes());
   compare_counters host_counters{};
@@ -2792,8 +2910,8 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
     out.rel_err = out.error_norm / out.reference_norm;
     out.bias = out.error_dot_reference / sums[1];
     device_buffer orthogonal(static_cast<std::size_t>(chunk_count) * sizeof(double));
-    runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat.as<const float>(),
-                    g.as<const double>(), count, chunk_count, out.bias, orthogonal.as<double>());
+    runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat,
+                    g, count, chunk_count, out.bias, orthogonal.as<double>());
     std::vector<double> orthogonal_partials(static_cast<std::size_t>(chunk_count));
     orthogonal.download(orthogonal_partials.data(), orthogonal.bytes());
     out.orth_err = std::sqrt(canonical_tree(orthogonal_partials)) / out.reference_norm;
@@ -2811,8 +2929,8 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
 
   const std::int64_t chunks_per_row = (cols + canonical_chunk - 1) / canonical_chunk;
   device_buffer row_partials(static_cast<std::size_t>(rows * chunks_per_row) * sizeof(double));
-  runtime::launch(row_chunks_kernel, grid_for(rows * chunks_per_row), threads_per_block, 0, hat.as<const float>(),
-                  g.as<const double>(), rows, cols, chunks_per_row, row_partials.as<double>());
+  runtime::launch(row_chunks_kernel, grid_for(rows * chunks_per_row), threads_per_block, 0, hat,
+                  g, rows, cols, chunks_per_row, row_partials.as<double>());
   std::vector<double> host_rows(static_cast<std::size_t>(rows * chunks_per_row));
   row_partials.download(host_rows.data(), row_partials.bytes());
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -2821,8 +2939,8 @@ comparison compare(const matrix& estimate, const matrix64& reference, const matr
   }
   const std::int64_t chunks_per_column = (rows + canonical_chunk - 1) / canonical_chunk;
   device_buffer column_partials(static_cast<std::size_t>(chunks_per_column * cols) * sizeof(double));
-  runtime::launch(column_chunks_kernel, grid_for(chunks_per_column * cols), threads_per_block, 0, hat.as<const float>(),
-                  g.as<const double>(), rows, cols, chunks_per_column, column_partials.as<double>());
+  runtime::launch(column_chunks_kernel, grid_for(chunks_per_column * cols), threads_per_block, 0, hat,
+                  g, rows, cols, chunks_per_column, column_partials.as<double>());
   std::vector<double> host_columns(static_cast<std::size_t>(chunks_per_column * cols));
   column_partials.download(host_columns.data(), column_partials.bytes());
   std::vector<double> column(static_cast<std::size_t>(chunks_per_column));
@@ -2953,11 +3071,36 @@ reference_cross_step::reference_cross_step(reference_cross_step&&) noexcept = de
 reference_cross_step& reference_cross_step::operator=(reference_cross_step&&) noexcept = default;
 std::int64_t reference_cross_step::steps() const { return storage_->steps; }
 
+namespace {
+
+// The reference state's device memory, allocated and zeroed at its first step (everything first,
+// then commit: a failed allocation leaves the state at step 0); then the shape check.
+void prepare_reference_step(reference_cross_step::storage& s, std::int64_t rows, std::int64_t cols);
+
+// The step itself, once G_t is in s.g.
+reference_step_norms run_reference_step(reference_cross_step::storage& s, const optimizer_settings& settings);
+
+}  // namespace
+
 reference_step_norms reference_cross_step::step(const matrix64& g, const optimizer_settings& settings) {
   storage& s = *storage_;
+  prepare_reference_step(s, g.rows, g.cols);
+  s.g.upload(g.data(), static_cast<std::size_t>(s.count()) * sizeof(double));
+  return run_reference_step(s, settings);
+}
+
+reference_step_norms reference_cross_step::step(const device_matrix& g, const optimizer_settings& settings) {
+  storage& s = *storage_;
+  prepare_reference_step(s, g.rows(), g.cols());
+  copy_on_device(s.g.get(), g.fp64(), static_cast<std::size_t>(s.count()) * sizeof(double));
+  return run_reference_step(s, settings);
+}
+
+namespace {
+
+void prepare_reference_step(reference_cross_step::storage& s, std::int64_t rows, std::int64_t cols) {
   if (s.steps == 0) {
-    // Everything first, then commit: a failed allocation leaves the state at step 0.
-    const std::int64_t count = g.rows * g.cols;
+    const std::int64_t count = rows * cols;
     const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(double);
     const std::size_t partial_bytes =
@@ -2976,16 +3119,18 @@ reference_step_norms reference_cross_step::step(const matrix64& g, const optimiz
     s.partials = std::move(partials);
     s.estimate = std::move(estimate);
     s.exact = std::move(exact);
-    s.rows = g.rows;
-    s.cols = g.cols;
+    s.rows = rows;
+    s.cols = cols;
   }
-  require_cross_step_shape(g.rows, g.cols, s.rows, s.cols, "G", "reference_step");
+  require_cross_step_shape(rows, cols, s.rows, s.cols, "G", "reference_step");
+}
+
+reference_step_norms run_reference_step(reference_cross_step::storage& s, const optimizer_settings& settings) {
   const std::int64_t t = s.steps + 1;
   const std::int64_t count = s.count();
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   std::array<double, core_ns::reference_sum_count> sums{};
   if (count > 0) {
-    s.g.upload(g.data(), static_cast<std::size_t>(count) * sizeof(double));
     const core_ns::reference_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
                                              s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
     runtime::launch(reference_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, s.g.as<const double>(),
@@ -2996,6 +3141,8 @@ reference_step_norms reference_cross_step::step(const matrix64& g, const optimiz
   s.steps = t;
   return reference_norms(sums);
 }
+
+}  // namespace
 
 void reference_cross_step::download(reference_accumulators& out) const {
   const storage& s = *storage_;
@@ -3035,10 +3182,29 @@ std::int64_t unit_cross_step::steps() const { return storage_->steps; }
 
 unit_step_norms unit_cross_step::step(const reference_cross_step& reference, const matrix& estimate,
                                       const matrix64& exact, const optimizer_settings& settings) {
-  storage& s = *storage_;
   reference_cross_step::storage& r = reference.data();  // its upload buffers are the unit's
   require_cross_step_shape(exact.rows, exact.cols, r.rows, r.cols, "the exact product X", "unit_step");
   require_cross_step_shape(estimate.rows, estimate.cols, r.rows, r.cols, "the estimate Ghat", "unit_step");
+  const std::int64_t count = r.count();
+  if (count > 0) {
+    r.estimate.upload(estimate.data(), static_cast<std::size_t>(count) * sizeof(float));
+    r.exact.upload(exact.data(), static_cast<std::size_t>(count) * sizeof(double));
+  }
+  return step_on_device(reference, r.estimate.as<const float>(), r.exact.as<const double>(), settings);
+}
+
+unit_step_norms unit_cross_step::step(const reference_cross_step& reference, const device_matrix& estimate,
+                                      const device_matrix& exact, const optimizer_settings& settings) {
+  const reference_cross_step::storage& r = reference.data();
+  require_cross_step_shape(exact.rows(), exact.cols(), r.rows, r.cols, "the exact product X", "unit_step");
+  require_cross_step_shape(estimate.rows(), estimate.cols(), r.rows, r.cols, "the estimate Ghat", "unit_step");
+  return step_on_device(reference, estimate.fp32(), exact.fp64(), settings);
+}
+
+unit_step_norms unit_cross_step::step_on_device(const reference_cross_step& reference, const float* estimate,
+                                                const double* exact, const optimizer_settings& settings) {
+  storage& s = *storage_;
+  const reference_cross_step::storage& r = reference.data();
   if (r.steps != s.steps + 1) {
     throw std::logic_error("unit_step: step " + to_text(s.steps + 1) +
                            " of a unit needs the reference at that step, not at step " + to_text(r.steps));
@@ -3061,16 +3227,13 @@ unit_step_norms unit_cross_step::step(const reference_cross_step& reference, con
   const std::int64_t t = s.steps + 1;
   std::array<double, core_ns::unit_sum_count> sums{};
   if (count > 0) {
-    r.estimate.upload(estimate.data(), static_cast<std::size_t>(count) * sizeof(float));
-    r.exact.upload(exact.data(), static_cast<std::size_t>(count) * sizeof(double));
     const core_ns::unit_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
                                         s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
     const core_ns::reference_optimizer_view reference_view{r.matrix_at(1), r.matrix_at(2), r.matrix_at(5),
                                                            r.matrix_at(6)};
-    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, reference_view,
-                    r.estimate.as<const float>(), r.exact.as<const double>(), r.g.as<const double>(),
-                    settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
-                    s.partials.as<double>());
+    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, reference_view, estimate, exact,
+                    r.g.as<const double>(), settings.sgd_momentum, adamw_constants_of(settings, t), count,
+                    chunk_count, s.partials.as<double>());
     sums = cross_step_totals<core_ns::unit_sum_count>(s.partials, chunk_count);
   }
   s.steps = t;

@@ -893,6 +893,27 @@ void gemm_edges(bool small) {
     const auto model = model_of(mxscope::accumulation_kind::fp32_block);
     const mxscope::product_result result = gpu::emulate_product(qa, qb, model);
     gemm_output got{result.out, matrix64()};
+    std::string problem =
+        check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
+    if (!problem.empty()) return problem;
+    // The same product left in device memory.
+    const mxscope::product_result kept =
+        gpu::emulate_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, true);
+    if (!kept.out.values.empty() || !kept.device_out || kept.device_exact) {
+      return std::string("keep_on_device: the result is not (only) in device memory");
+    }
+    const gemm_output kept_out{kept.device_out->download32(), matrix64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, kept_out, {},
+                                 "keep_on_device, seed " + hex64(seed));
+  });
+  run_case("gemm host api gpu::emulate_product mxfp4 exact automatic keep_on_device", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::exact);
+    const mxscope::product_result kept =
+        gpu::emulate_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, true);
+    if (!kept.out.values.empty() || !kept.exact.values.empty() || !kept.device_out || !kept.device_exact) {
+      return std::string("keep_on_device: the result is not (only) in device memory");
+    }
+    const gemm_output got{kept.device_out->download32(), kept.device_exact->download64()};
     return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
   });
 }
@@ -1016,6 +1037,57 @@ std::string check_reference(const matrix& a, const matrix& b, const std::string&
     if (!same(expected[static_cast<std::size_t>(e)].fp64, api.fp64.values[static_cast<std::size_t>(e)]) ||
         !same(expected[static_cast<std::size_t>(e)].fp32, api.fp32.values[static_cast<std::size_t>(e)])) {
       return "gpu::reference_gemm entry " + std::to_string(e) + " differs; " + replay;
+    }
+  }
+  // The bound the CPU reports for `exact`: the largest half ulp of a finite nonzero result.
+  double bound = 0.0;
+  for (const auto& entry : expected) {
+    const double magnitude = std::fabs(entry.fp64);
+    if (magnitude == 0.0 || !std::isfinite(magnitude)) continue;
+    int exponent = 0;
+    (void)std::frexp(magnitude, &exponent);  // magnitude in [2^(exponent-1), 2^exponent)
+    bound = std::max(bound, magnitude < 0x1p-1021 ? 0x1p-1074 : std::ldexp(1.0, exponent - 1 - 53));
+  }
+  // The same result left in device memory.
+  const mxscope::reference_result kept = gpu::reference_gemm(a, b, true);
+  if (!kept.fp64.values.empty() || !kept.fp32.values.empty() || !kept.device_fp64 || !kept.device_fp32) {
+    return "gpu::reference_gemm(keep_on_device): the result is not (only) in device memory; " + replay;
+  }
+  const matrix64 kept64 = kept.device_fp64->download64();
+  const matrix kept32 = kept.device_fp32->download32();
+  if (kept64.rows != m || kept64.cols != n || kept32.rows != m || kept32.cols != n) {
+    return "gpu::reference_gemm(keep_on_device): wrong shape; " + replay;
+  }
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)].fp64, kept64.values[static_cast<std::size_t>(e)]) ||
+        !same(expected[static_cast<std::size_t>(e)].fp32, kept32.values[static_cast<std::size_t>(e)])) {
+      return "gpu::reference_gemm(keep_on_device) entry " + std::to_string(e) + " differs; " + replay;
+    }
+  }
+  // Entries in a row of A or of B that holds inf or NaN are the non-finite ones.
+  const auto bad_rows = [](const matrix& x) {
+    std::int64_t count = 0;
+    for (std::int64_t r = 0; r < x.rows; ++r) {
+      bool bad = false;
+      for (std::int64_t c = 0; c < x.cols; ++c) bad = bad || !std::isfinite(x(r, c));
+      count += bad;
+    }
+    return count;
+  };
+  const std::int64_t bad_a = bad_rows(a), bad_b = bad_rows(b);
+  const std::int64_t nonfinite = bad_a * n + bad_b * m - bad_a * bad_b;
+  for (const auto& [what, got] : {std::pair{"", &api}, std::pair{" (keep_on_device)", &kept}}) {
+    if (got->stats.entries != m * n || got->stats.nonfinite_entries != nonfinite ||
+        got->stats.certified_entries != m * n - nonfinite) {
+      return std::string("gpu::reference_gemm") + what + " stats: expected " + std::to_string(nonfinite) +
+             " non-finite of " + std::to_string(m * n) + ", got " + std::to_string(got->stats.nonfinite_entries) +
+             " of " + std::to_string(got->stats.entries) + "; " + replay;
+    }
+  }
+  for (const auto& [what, got] : {std::pair{"", api.error_bound}, std::pair{" (keep_on_device)", kept.error_bound}}) {
+    if (!same(bound, got)) {
+      return std::string("gpu::reference_gemm") + what + " error_bound: expected " + show(bound) + " got " +
+             show(got) + "; " + replay;
     }
   }
   return "";
@@ -1251,8 +1323,14 @@ void compare_checks(bool small) {
       run_case(name, [&]() -> std::string {
         const mxscope::comparison want = mxscope::compare(estimate, reference, reference32);
         const mxscope::comparison got = gpu::compare(estimate, reference, reference32);
-        const std::string problem = compare_fields(want, got);
-        return problem.empty() ? "" : problem + "; seed " + hex64(seed);
+        std::string problem = compare_fields(want, got);
+        if (!problem.empty()) return problem + "; seed " + hex64(seed);
+        // The overload on matrices already in device memory.
+        const mxscope::comparison resident =
+            gpu::compare(gpu::device_matrix::upload(estimate), gpu::device_matrix::upload(reference),
+                         gpu::device_matrix::upload(reference32));
+        problem = compare_fields(want, resident);
+        return problem.empty() ? "" : "device_matrix overload: " + problem + "; seed " + hex64(seed);
       });
     }
   }
@@ -1320,7 +1398,9 @@ void cross_step_checks(bool small) {
             g.values[static_cast<std::size_t>(i)] = value;
           }
           const mxscope::reference_step_norms want = mxscope::reference_step(cpu_reference, g, settings);
-          const mxscope::reference_step_norms got = gpu_reference.step(g, settings);
+          // Even steps take G from device memory (the replay's way), odd ones from the host.
+          const mxscope::reference_step_norms got =
+              t % 2 == 0 ? gpu_reference.step(gpu::device_matrix::upload(g), settings) : gpu_reference.step(g, settings);
           std::string problem =
               same_norms("reference", t, {{"reference", want.reference, got.reference},
                                           {"sum", want.sum, got.sum},
@@ -1342,7 +1422,11 @@ void cross_step_checks(bool small) {
             }
             const mxscope::unit_step_norms w =
                 mxscope::unit_step(cpu_units[u], cpu_reference, estimate, exact, g, settings);
-            const mxscope::unit_step_norms h = gpu_units[u].step(gpu_reference, estimate, exact, settings);
+            // Unit 0 reads its inputs from device memory, unit 1 from the host.
+            const mxscope::unit_step_norms h =
+                u == 0 ? gpu_units[u].step(gpu_reference, gpu::device_matrix::upload(estimate),
+                                           gpu::device_matrix::upload(exact), settings)
+                       : gpu_units[u].step(gpu_reference, estimate, exact, settings);
             problem = same_norms(
                 u == 0 ? "unit 0" : "unit 1", t,
                 {{"quantization", w.quantization, h.quantization},
