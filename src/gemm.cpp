@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/reference.hpp"
@@ -410,38 +411,10 @@ float round_output(float value, output_rounding output) {
   return core_ns::bf16_to_float(core_ns::float_to_bf16(value, core_ns::rounding_mode::rne));
 }
 
-// The exact products of the tensor scales, split so that each half times a short value is exact:
-// sa * sb has at most 48 significant bits (two fp32 significands), each half at most 24.
-struct tensor_scale_product {
-  bool is_one = true;
-  double high = 1.0;
-  double low = 0.0;
-};
-
-tensor_scale_product make_scale_product(float sa, float sb) {
-  const double product = static_cast<double>(sa) * static_cast<double>(sb);
-  tensor_scale_product out;
-  out.is_one = product == 1.0;
-  const auto split = core_ns::split_significand(product, 24);
-  out.high = split.high;
-  out.low = split.low;
-  return out;
-}
-
-// Adds value * (sa * sb) to an exact accumulator. `value` has at most 53 significant bits: its top
-// 27 and its remaining (at most 26) bits times a 24-bit half of the scale product stay within 51
-// bits, so all four products are exact.
-void add_scaled_exactly(core_ns::long_accumulator& total, double value, const tensor_scale_product& scale) {
-  if (scale.is_one) {
-    total.add(value);
-    return;
-  }
-  const auto split = core_ns::split_significand(value, 27);
-  total.add(split.high * scale.high);
-  total.add(split.high * scale.low);
-  total.add(split.low * scale.high);
-  total.add(split.low * scale.low);
-}
+// The tensor scales' exact product and its application: include/mxscope/core/tensor_scale.hpp.
+using core_ns::add_scaled_exactly;
+using core_ns::make_scale_product;
+using core_ns::tensor_scale_product;
 
 // ------------------------------------------------------------------------------------------------
 // The generic path: NUMERICS.md section 7 entry by entry.
@@ -1824,26 +1797,8 @@ bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantize
 }
 
 scaled_exact round_scaled_exact(double sum, float sa, float sb) {
-  const double scale = static_cast<double>(sa) * static_cast<double>(sb);  // exact: 48 significant bits
-  const double high = sum * scale;
-  const double low = std::fma(sum, scale, -high);  // high + low == sum * scale exactly (no underflow below)
-  float fp32 = static_cast<float>(high);
-  bool ambiguous = !std::isfinite(high) || !std::isfinite(fp32) ||
-                   (std::fabs(high) < 0x1p-900 && high != 0.0);  // far below: fma's low part may be inexact
-  if (!ambiguous && low != 0.0 && static_cast<double>(fp32) != high) {
-    // high + low rounds to fp32 unless high lies exactly halfway between fp32 and its neighbour on
-    // high's side: every such midpoint is an fp64 value, and |low| <= ulp(high) / 2 cannot carry the
-    // sum across one otherwise. At a midpoint the sign of low decides, which the long accumulator
-    // below does.
-    const float neighbour = std::nextafter(fp32, high > static_cast<double>(fp32) ? std::numeric_limits<float>::infinity()
-                                                                                  : -std::numeric_limits<float>::infinity());
-    const double midpoint = static_cast<double>(fp32) + (static_cast<double>(neighbour) - static_cast<double>(fp32)) * 0.5;
-    ambiguous = midpoint == high;
-  }
-  if (!ambiguous) return {fp32, high};
-  core_ns::long_accumulator total;
-  add_scaled_exactly(total, sum, make_scale_product(sa, sb));
-  return {total.round_to_float(), total.round_to_double()};
+  const core_ns::scaled_exact_value rounded = core_ns::round_scaled_exact(sum, sa, sb);
+  return {rounded.fp32, rounded.fp64};
 }
 
 quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block) {
@@ -1952,6 +1907,16 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
 #ifdef MXSCOPE_HAVE_CUDA
   // Per-tensor fp8 (finite elements): the GPU multiplies the elements as MX operands with every
   // block scale 2^0 and the host applies the tensor scales (detail::per_tensor_by_unit_scales).
+  if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model) &&
+      options.keep_on_device) {
+    // The same, with the tensor scales applied on the GPU to the product left there.
+    product_result on_gpu =
+        gpu::emulate_product(detail::unit_scaled_mx(a, block), detail::unit_scaled_mx(b, block), model,
+                             output_rounding::fp32, gpu::gemm_path::automatic, true);
+    gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, model.kind == accumulation_kind::exact, output);
+    on_gpu.product_on_gpu = true;
+    return on_gpu;
+  }
   if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model)) {
     product_result on_gpu = detail::per_tensor_by_unit_scales(
         a, b, block, model, output,

@@ -332,6 +332,13 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,
                                bool keep_on_device = false);
 
+// The tensor scales of per-tensor operands applied in place to a product of their element codes as
+// unit-scaled MX operands that was kept in device memory (detail::per_tensor_by_unit_scales, the
+// same bits): with `exact_model` every entry of device_exact (the exact unscaled sum) times sa sb
+// rounded once to fp64 (there) and to fp32 (into device_out, then the output rounding); otherwise
+// device_out times fl32(sa sb), then the output rounding.
+void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output);
+
 // The product of unscaled operands A [M, K] and B [N, K] (fp32 values; bf16 operands as their fp32
 // values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every block
 // scale 1: what mxscope::emulate_product computes for fp32 and bf16 operands (generic path).

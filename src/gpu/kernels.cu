@@ -32,6 +32,7 @@
 #include "mxscope/core/hadamard.hpp"
 #include "mxscope/core/mx.hpp"
 #include "mxscope/core/philox.hpp"
+#include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gpu.hpp"
 #include "native_gfx950.hpp"
@@ -2771,6 +2772,38 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
     if (want_exact) result.exact = exact->download64();
   }
   return result;
+}
+
+namespace {
+
+__global__ void tensor_scales_kernel(float* out, double* exact, std::int64_t count, float sa, float sb, float alpha,
+                                     output_rounding output) {
+  MXSCOPE_GRID_LOOP(i, count) {
+    if (exact != nullptr) {
+      const core_ns::scaled_exact_value rounded = core_ns::round_scaled_exact(exact[i], sa, sb);
+      out[i] = round_output(rounded.fp32, output);
+      exact[i] = rounded.fp64;
+    } else {
+      out[i] = round_output(out[i] * alpha, output);
+    }
+  }
+}
+
+}  // namespace
+
+void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output) {
+  if (!result.device_out || (exact_model && !result.device_exact)) {
+    throw std::logic_error("apply_tensor_scales: the product is not in device memory");
+  }
+  const std::int64_t count = result.device_out->size();
+  if (exact_model && result.device_exact->size() != count) {
+    throw std::logic_error("apply_tensor_scales: the fp32 and fp64 results differ in size");
+  }
+  if (count == 0) return;
+  const float alpha = sa * sb;  // as the CPU: fl32(sa sb)
+  runtime::launch(tensor_scales_kernel, grid_for(count), threads_per_block, 0, result.device_out->fp32(),
+                  exact_model ? result.device_exact->fp64() : static_cast<double*>(nullptr), count, sa, sb, alpha,
+                  output);
 }
 
 product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,

@@ -36,6 +36,7 @@
 
 #include "host_reference.hpp"
 #include "mxscope/compare.hpp"
+#include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gpu.hpp"
@@ -918,6 +919,107 @@ void gemm_edges(bool small) {
   });
 }
 
+// Per-tensor fp8 operands on the GPU: the element codes multiplied as MX operands with unit block
+// scales and kept in device memory, then gpu::apply_tensor_scales. Expected: the same product
+// brought to the host (checked against the host definition by the sweep above) with the tensor
+// scales applied by the host compiler's build of the shared rounding (core/tensor_scale.hpp, which
+// tests/test_gemm.cpp checks against Boost.Multiprecision).
+void tensor_scale_checks(bool small) {
+  const mxscope::accumulation_model models[] = {model_of(mxscope::accumulation_kind::exact),
+                                                model_of(mxscope::accumulation_kind::fp32_block),
+                                                model_of(mxscope::accumulation_kind::fp32_group, 4)};
+  int index = 0;
+  for (const auto& model : models) {
+    for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+      for (const gemm_layout_case& layout : gemm_layouts) {
+        ++index;
+        if (small && index % 3 != 1) continue;
+        const std::uint64_t seed = next_seed();
+        auto [qa, qb] = make_operands(33 + index % 5, 21 + index % 7, 96 + 29 * (index % 3), 3, 3, 32, layout,
+                                      value_kind::banded, seed);
+        for (auto* q : {&qa, &qb}) std::fill(q->scales.begin(), q->scales.end(), std::uint8_t{127});  // 2^0
+        std::mt19937_64 random(seed);
+        const float sa = std::ldexp(static_cast<float>(0.5 + 0.5 * (random() % 1000003) / 1000003.0), -9 + index % 5);
+        const float sb = std::ldexp(static_cast<float>(0.5 + 0.5 * (random() % 999983) / 999983.0), index % 3 - 13);
+        const bool exact_model = model.kind == mxscope::accumulation_kind::exact;
+        const std::string name = std::string("per-tensor scales on the device ") + model_name(model) +
+                                 (output == mxscope::output_rounding::bf16 ? " bf16 out " : " ") + layout.name;
+        run_case(name, [&]() -> std::string {
+          const mxscope::product_result plain = gpu::emulate_product(qa, qb, model);
+          const mxscope::product_result kept =
+              gpu::emulate_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, true);
+          gpu::apply_tensor_scales(kept, sa, sb, exact_model, output);
+          const matrix out = kept.device_out->download32();
+          const matrix64 exact = exact_model ? kept.device_exact->download64() : matrix64();
+          const float alpha = sa * sb;
+          for (std::int64_t e = 0; e < out.size(); ++e) {
+            const auto at = static_cast<std::size_t>(e);
+            float want = 0.0f;
+            double want64 = 0.0;
+            if (exact_model) {
+              const core::scaled_exact_value rounded = core::round_scaled_exact(plain.exact.values[at], sa, sb);
+              want = rounded.fp32;
+              want64 = rounded.fp64;
+            } else {
+              want = plain.out.values[at] * alpha;
+            }
+            if (output == mxscope::output_rounding::bf16) {
+              want = core::bf16_to_float(core::float_to_bf16(want, core::rounding_mode::rne));
+            }
+            if (!same(want, out.values[at]) || (exact_model && !same(want64, exact.values[at]))) {
+              return "entry " + std::to_string(e) + ": expected " + show(want) + " got " + show(out.values[at]) +
+                     "; seed " + hex64(seed);
+            }
+          }
+          return "";
+        });
+      }
+    }
+  }
+  // The exact rounding on constructed sums: near fp32 midpoints after scaling, far below 1, near
+  // overflow, and zeros.
+  run_case("per-tensor scales on the device, constructed sums", []() -> std::string {
+    std::mt19937_64 random(0x7e57c0de);
+    const std::int64_t count = 20000;
+    const float sa = 0x1.8p-3f, sb = 0x1.4p-6f;  // sa sb = 15 * 2^-11: three significant bits
+    const double scale = static_cast<double>(sa) * static_cast<double>(sb);
+    matrix64 sums(1, count);
+    for (std::int64_t e = 0; e < count; ++e) {
+      const int kind = static_cast<int>(e % 5);
+      double sum = 0.0;
+      if (kind <= 2) {
+        // A midpoint between two fp32 values, divided by the scale, nudged by -1, 0 or +1 fp64 ulp.
+        const float f = std::ldexp(static_cast<float>(1 + random() % 0xFFFFFF) / 0x1p24f, static_cast<int>(random() % 60) - 30);
+        const double midpoint = static_cast<double>(f) + static_cast<double>(std::nextafter(f, 2.0f * f) - f) * 0.5;
+        sum = midpoint / scale;
+        if (kind == 1) sum = std::nextafter(sum, 0.0);
+        if (kind == 2) sum = std::nextafter(sum, 2.0 * sum);
+      } else if (kind == 3) {
+        sum = std::ldexp(static_cast<double>(random() >> 11), static_cast<int>(random() % 200) - 1100);  // tiny
+      } else {
+        sum = e % 10 == 4 ? 0.0 : std::ldexp(static_cast<double>(random() >> 11), 81);  // near fp32 overflow
+      }
+      if (random() & 1) sum = -sum;
+      sums.values[static_cast<std::size_t>(e)] = sum;
+    }
+    mxscope::product_result result;
+    result.device_out = std::make_shared<gpu::device_matrix>(1, count, gpu::device_matrix::element::fp32);
+    result.device_exact = std::make_shared<gpu::device_matrix>(gpu::device_matrix::upload(sums));
+    gpu::apply_tensor_scales(result, sa, sb, true, mxscope::output_rounding::fp32);
+    const matrix out = result.device_out->download32();
+    const matrix64 exact = result.device_exact->download64();
+    for (std::int64_t e = 0; e < count; ++e) {
+      const auto at = static_cast<std::size_t>(e);
+      const core::scaled_exact_value want = core::round_scaled_exact(sums.values[at], sa, sb);
+      if (!same(want.fp32, out.values[at]) || !same(want.fp64, exact.values[at])) {
+        return "sum " + show(sums.values[at]) + ": expected " + show(want.fp32) + " / " + show(want.fp64) + ", got " +
+               show(out.values[at]) + " / " + show(exact.values[at]);
+      }
+    }
+    return "";
+  });
+}
+
 // 2048 x 2048 x 4096 wgrad (dy and x quantized along K on the GPU, checked against the host
 // quantizer in full), then the products: tensor-core and integer paths equal in every entry, and
 // sampled entries equal to the host definition.
@@ -1599,6 +1701,7 @@ int main(int argc, char** argv) {
   timed("gemm sweep", [&] { gemm_sweep(small); });
   timed("gemm edges", [&] { gemm_edges(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
+  timed("per-tensor scales", [&] { tensor_scale_checks(small); });
   timed("reference", [&] { reference_checks(small); });
   timed("plain products", [&] { plain_checks(small); });
   timed("compare", [&] { compare_checks(small); });
