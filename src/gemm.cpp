@@ -1707,7 +1707,7 @@ int common_block(const quantized_tensor& a, const quantized_tensor& b, std::stri
 bool gpu_prepares(const quantize_options& options) {
 #ifdef MXSCOPE_HAVE_CUDA
   const auto scheme = options.format.scheme;
-  return scheme == quant_scheme::mx ||
+  return scheme == quant_scheme::mx || scheme == quant_scheme::bf16 ||
          (scheme == quant_scheme::per_tensor && (options.format.element == element_kind::fp8_e4m3 ||
                                                  options.format.element == element_kind::fp8_e5m2));
 #else
@@ -1736,6 +1736,8 @@ bool gpu_reference_multiplies(const quantized_tensor& a, const quantized_tensor&
     const quant_scheme scheme = q.options.format.scheme;
     if (scheme != quant_scheme::none && scheme != quant_scheme::bf16) return false;
     if (q.tensor_scale != 1.0f) return false;
+    // bf16 values left on the GPU: non-finite exactly where the input was or the rounding overflowed.
+    if (q.device_dequantized) return q.nonfinite_inputs == 0 && q.saturated == 0;
     const float* values = q.dequantized.data();
     const std::int64_t count = q.dequantized.size();
     std::int64_t nonfinite = 0;
@@ -1762,6 +1764,30 @@ bool gpu_plain_multiplies(const quantized_tensor& a, const quantized_tensor& b, 
   exact_model.kind = accumulation_kind::exact;
   return models && gpu_reference_multiplies(a, b, exact_model, output);
 }
+
+#ifdef MXSCOPE_HAVE_CUDA
+// An unscaled operand's values as [rows, depth] in device memory: its GPU copy (transposed there when
+// it is blocked along axis 0), or its host values uploaded (then transposed there).
+device_matrix_ptr canonical_on_device(const quantized_tensor& q) {
+  device_matrix_ptr values = q.device_dequantized;
+  if (!values) values = std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(q.dequantized));
+  if (q.options.axis == 1) return values;
+  return std::make_shared<const gpu::device_matrix>(gpu::transposed(*values));
+}
+
+// Whether an operand quantized on the GPU left its values only there.
+bool values_only_on_device(const quantized_tensor& q) {
+  return q.device_dequantized && q.dequantized.size() != q.rows * q.cols;
+}
+
+// The operand with its values on the host (for the CPU's product paths).
+quantized_tensor with_host_values(const quantized_tensor& q) {
+  quantized_tensor out = q;
+  out.dequantized = q.device_dequantized->download32();
+  out.device_dequantized.reset();
+  return out;
+}
+#endif
 
 }  // namespace
 
@@ -1930,9 +1956,8 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     // Unscaled operands (fp32, bf16): the exact model is the exact sum of the dequantized values'
     // products rounded once, which is what the reference kernel computes (tests/test_gemm.cpp,
     // ExactModelOfPlainOperandsIsTheExactReference).
-    const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
-    const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
-    reference_result reference = gpu::reference_gemm(left, right, options.keep_on_device);
+    reference_result reference =
+        gpu::reference_gemm(*canonical_on_device(a), *canonical_on_device(b), options.keep_on_device);
     product_result on_gpu;
     on_gpu.out = std::move(reference.fp32);
     on_gpu.exact = std::move(reference.fp64);
@@ -1946,13 +1971,20 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
 #ifdef MXSCOPE_HAVE_CUDA
     // Unscaled operands (fp32, bf16): block scales and tensor scales are 1, so the GPU's generic
     // kernel on the dequantized values computes the model (block = the common K-block).
-    const matrix left = a.options.axis == 1 ? a.dequantized : transposed(a.dequantized);
-    const matrix right = b.options.axis == 1 ? b.dequantized : transposed(b.dequantized);
-    product_result on_gpu = gpu::emulate_plain_product(left, right, block, model, output, options.keep_on_device);
+    product_result on_gpu = gpu::emulate_plain_product(*canonical_on_device(a), *canonical_on_device(b), block, model,
+                                                       output, options.keep_on_device);
     on_gpu.product_on_gpu = true;
     return on_gpu;
 #endif
   }
+#ifdef MXSCOPE_HAVE_CUDA
+  // The CPU's paths read an operand's values on the host.
+  if (values_only_on_device(a) || values_only_on_device(b)) {
+    return emulate_named(values_only_on_device(a) ? with_host_values(a) : a,
+                         values_only_on_device(b) ? with_host_values(b) : b, model, output, options, what, a_name,
+                         b_name);
+  }
+#endif
   const bool keep_dequantized = model.kind == accumulation_kind::fp32_seq;
   const canonical_operand left = make_canonical(a, block, keep_dequantized);
   const canonical_operand right = make_canonical(b, block, keep_dequantized);

@@ -261,6 +261,40 @@ const matrix& captured(const io::dump_entry& entry, std::string_view name) {
   return *entry.w;
 }
 
+// The reference of one (layer, GEMM) at this entry. With --device gpu and the exact reference, from
+// the entry's operands already in device memory (compute.resident_operands), oriented there, and
+// left there (the host matrices of the result empty); otherwise oriented on the host.
+reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, reference_kind reference,
+                              compute_device device, const gemm_options& compute, placement_counts& placed) {
+  const gemm_layout layout = layout_of(kind);
+  const matrix& a = captured(entry, layout.a_name);
+  const matrix& b = captured(entry, layout.b_name);
+#ifdef MXSCOPE_HAVE_CUDA
+  if (device == compute_device::gpu && reference == reference_kind::exact) {
+    const auto resident = [&](const matrix& host) -> const gpu::device_matrix* {
+      for (const auto& [pointer, copy] : compute.resident_operands) {
+        if (pointer == &host && copy) return copy.get();
+      }
+      return nullptr;
+    };
+    const gpu::device_matrix* a_device = resident(a);
+    const gpu::device_matrix* b_device = resident(b);
+    if (a_device != nullptr && b_device != nullptr) {
+      const auto oriented = [](const gpu::device_matrix& values, int axis) {
+        return axis == 1 ? device_matrix_ptr(device_matrix_ptr(), &values)  // not owned: the entry's copy
+                         : std::make_shared<const gpu::device_matrix>(gpu::transposed(values));
+      };
+      const device_matrix_ptr left = oriented(*a_device, layout.a_axis);
+      const device_matrix_ptr right = oriented(*b_device, layout.b_axis);
+      ++placed.reference_gpu;
+      return gpu::reference_gemm(*left, *right, compute.keep_on_device);
+    }
+  }
+#endif
+  const canonical_operands canonical = orient(kind, a, b);
+  return reference_on(device, canonical.a, canonical.b, reference, &placed, compute.keep_on_device);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attribution (--attribute): split each operand's quantization error dv = deq(q(v)) - v into flush
 // (nonzero input quantized to zero), clip (input beyond the largest value its block can hold) and
@@ -909,10 +943,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           doing = fmt::format("the reference of ({}, {}) at step {}", layer.name, gemm_kind_name(state.kind),
                               info->step);
           mark = clock_type::now();
-          const canonical_operands canonical =
-              orient(state.kind, captured(entry, layout.a_name), captured(entry, layout.b_name));
-          reference_result reference =
-              reference_on(device, canonical.a, canonical.b, parsed.reference, &placed, compute.keep_on_device);
+          reference_result reference = reference_of(state.kind, entry, parsed.reference, device, compute, placed);
           located<matrix64> g(std::move(reference.fp64), std::move(reference.device_fp64));
           located<matrix> g32(std::move(reference.fp32), std::move(reference.device_fp32));
           const reference_step_norms reference_norms = cross_step_reference(state, g, parsed.optimizer, placed, log);

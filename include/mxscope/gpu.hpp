@@ -311,9 +311,10 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 // without one, which gives the same bits as the fused path), and the operand's energies (the sums
 // of x^2 and of (x - dequantized)^2 over the rotated input's pairs where both are finite, in the
 // canonical order of compare.hpp, as the CPU's operand summary) come back instead of the
-// dequantized values: out.dequantized stays empty unless keep_dequantized. MX formats and
-// per-tensor fp8 (e4m3, e5m2; the CPU's quantize_per_tensor: amax, scale = fl32(amax / max_normal),
-// elements encoded from the fp64 quotient).
+// dequantized values: out.dequantized stays empty unless keep_dequantized. MX formats, per-tensor
+// fp8 (e4m3, e5m2; the CPU's quantize_per_tensor: amax, scale = fl32(amax / max_normal), elements
+// encoded from the fp64 quotient) and bf16 (the CPU's quantize_bf16), whose dequantized values also
+// stay in device memory (out.device_dequantized) for the GPU's plain-operand products.
 struct operand_energies {
   double signal = 0.0;
   double error = 0.0;
@@ -323,6 +324,9 @@ struct operand_energies {
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
                                         operand_energies& energies, const device_matrix* resident = nullptr);
+
+// The transpose of a device matrix, in device memory.
+device_matrix transposed(const device_matrix& values);
 
 // The emulated product of two MX quantized tensors (as mxscope::emulate_product). Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
@@ -344,11 +348,16 @@ void apply_tensor_scales(const product_result& result, float sa, float sb, bool 
 // scale 1: what mxscope::emulate_product computes for fp32 and bf16 operands (generic path).
 product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
                                      output_rounding output = output_rounding::fp32, bool keep_on_device = false);
+// The same on fp32 operands in device memory.
+product_result emulate_plain_product(const device_matrix& a, const device_matrix& b, int block,
+                                     const accumulation_model& model, output_rounding output, bool keep_on_device);
 
 // The exact reference (reference_kind::exact) of A [M, K] and B [N, K]; stats count entries and
 // non-finite entries (every entry is exact: there is no certification step on the GPU).
 // keep_on_device: fp64 and fp32 stay in device memory (reference_result::device_fp64, device_fp32).
 reference_result reference_gemm(const matrix& a, const matrix& b, bool keep_on_device = false);
+// The same on fp32 operands in device memory.
+reference_result reference_gemm(const device_matrix& a, const device_matrix& b, bool keep_on_device);
 
 // The metrics of mxscope::compare with every sum in the canonical order, computed on the GPU.
 comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32);

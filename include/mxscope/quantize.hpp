@@ -68,6 +68,9 @@ struct quantized_tensor {
   // NVFP4: the fp32 global decode scale (amax / 2688); per-tensor fp8: the fp32 tensor scale.
   float tensor_scale = 1.0f;
   matrix dequantized;
+  // Quantized on the GPU for a product that runs there (run_gemm with device gpu, bf16 operands):
+  // the dequantized values in device memory; `dequantized` above is then empty.
+  device_matrix_ptr device_dequantized;
   std::int64_t nonzero_inputs = 0;
   std::int64_t flushed = 0;          // nonzero inputs quantized to zero
   std::int64_t saturated = 0;        // inputs clipped at the max normal

@@ -2491,6 +2491,51 @@ __global__ void per_tensor_amax_kernel(const float* input, std::int64_t count, u
   atomicMax(amax_bits, local);
 }
 
+// bf16 "quantization" as the CPU's quantize_bf16: each value rounded to bf16 (sr words from the
+// element's flat index), the 16-bit pattern stored little-endian, and the same four counters.
+__global__ void bf16_element_kernel(const float* input, std::int64_t count, core_ns::rounding_mode rounding,
+                                    int sr_bits, core_ns::random_stream stream, std::uint8_t* codes,
+                                    float* dequantized, unsigned long long* counters) {
+  unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
+  const bool stochastic = rounding == core_ns::rounding_mode::sr;
+  MXSCOPE_GRID_LOOP(i, count) {
+    const float v = input[i];
+    const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
+    const std::uint16_t bits = core_ns::float_to_bf16(v, rounding, word, sr_bits);
+    codes[2 * i] = static_cast<std::uint8_t>(bits & 0xFFU);
+    codes[2 * i + 1] = static_cast<std::uint8_t>(bits >> 8);
+    const float rounded = core_ns::bf16_to_float(bits);
+    dequantized[i] = rounded;
+    const bool finite = is_finite(v);
+    nonzero += v != 0.0f;
+    nonfinite += !finite;
+    flushed += v != 0.0f && rounded == 0.0f;
+    saturated += finite && !is_finite(rounded) && rounded == rounded;  // finite in, inf out
+  }
+  if (nonzero != 0) atomicAdd(&counters[counter_nonzero], nonzero);
+  if (flushed != 0) atomicAdd(&counters[counter_flushed], flushed);
+  if (saturated != 0) atomicAdd(&counters[counter_saturated], saturated);
+  if (nonfinite != 0) atomicAdd(&counters[counter_nonfinite], nonfinite);
+}
+
+// out [cols, rows] = values [rows, cols] transposed, through 32 x 32 tiles in shared memory.
+constexpr int transpose_tile = 32;
+__global__ void transpose_kernel(const float* values, std::int64_t rows, std::int64_t cols, float* out) {
+  __shared__ float tile[transpose_tile][transpose_tile + 1];
+  const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.y) * transpose_tile;
+  const std::int64_t col0 = static_cast<std::int64_t>(blockIdx.x) * transpose_tile;
+  const int tx = static_cast<int>(threadIdx.x);
+  for (int ty = static_cast<int>(threadIdx.y); ty < transpose_tile; ty += static_cast<int>(blockDim.y)) {
+    const std::int64_t r = row0 + ty, c = col0 + tx;
+    if (r < rows && c < cols) tile[ty][tx] = values[r * cols + c];
+  }
+  __syncthreads();
+  for (int ty = static_cast<int>(threadIdx.y); ty < transpose_tile; ty += static_cast<int>(blockDim.y)) {
+    const std::int64_t c = col0 + ty, r = row0 + tx;  // out row c, out column r
+    if (r < rows && c < cols) out[c * rows + r] = tile[tx][ty];
+  }
+}
+
 __global__ void per_tensor_element_kernel(const float* input, std::int64_t count, element_kind kind, float scale,
                                           core_ns::rounding_mode rounding, int sr_bits, core_ns::random_stream stream,
                                           std::uint8_t* codes, float* dequantized, unsigned long long* counters) {
@@ -2642,11 +2687,13 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     throw std::logic_error("gpu quantize: the resident operand's shape differs from the host operand's");
   }
   const bool per_tensor = options.format.scheme == quant_scheme::per_tensor;
+  const bool bf16 = options.format.scheme == quant_scheme::bf16;
   const element_kind kind = options.format.element;
   if (per_tensor && kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
     throw input_error("gpu quantize: field 'format': per-tensor scaling takes fp8 e4m3 or e5m2 elements");
   }
-  const std::optional<mx_plan> plan = per_tensor ? std::nullopt : std::optional<mx_plan>(make_mx_plan(options));
+  const std::optional<mx_plan> plan =
+      per_tensor || bf16 ? std::nullopt : std::optional<mx_plan>(make_mx_plan(options));
   const int axis = plan ? plan->axis : options.axis;
   const rotation_plan rotation_resolved = make_rotation_plan(rotation);
   check_rotation(rotation_resolved, input.rows, input.cols, axis, "gpu quantize");
@@ -2660,6 +2707,9 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     out.scale_cols = mx_scale_cols(*plan, input.rows, input.cols);
     out.codes.resize(static_cast<std::size_t>(mx_code_bytes(*plan, input.rows, input.cols)));
     out.scales.resize(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+  } else if (bf16) {
+    out.block = options.block > 0 ? options.block : options.format.default_block;  // as quantize()
+    out.codes.resize(static_cast<std::size_t>(input.size()) * 2);
   } else {
     out.codes.resize(static_cast<std::size_t>(input.size()));
   }
@@ -2686,14 +2736,19 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   }
   device_buffer codes(out.codes.size());
   device_buffer scales(out.scales.size());
-  device_buffer dequantized(static_cast<std::size_t>(count) * sizeof(float));
+  auto dequantized_matrix = std::make_shared<device_matrix>(input.rows, input.cols, device_matrix::element::fp32);
+  float* const dequantized = dequantized_matrix->fp32();
   device_buffer counters(mx_counter_count * sizeof(unsigned long long));
   counters.fill_bytes(0);
-  if (plan) {
+  if (bf16) {
+    runtime::launch(bf16_element_kernel, grid_for(count), threads_per_block, 0, operand, count, options.rounding,
+                    options.sr_bits, options.stream, codes.as<std::uint8_t>(), dequantized,
+                    counters.as<unsigned long long>());
+  } else if (plan) {
     mx_device_output destination;
     destination.codes = codes.as<std::uint8_t>();
     destination.scales = scales.as<std::uint8_t>();
-    destination.dequantized = dequantized.as<float>();
+    destination.dequantized = dequantized;
     destination.counters = counters.as<unsigned long long>();
     quantize_on_device(operand, input_format::fp32, input.rows, input.cols, *plan, rotation_plan{}, destination);
   } else {
@@ -2708,19 +2763,20 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     out.tensor_scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
     runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, operand, count,
                     kind, out.tensor_scale, options.rounding, options.sr_bits, options.stream,
-                    codes.as<std::uint8_t>(), dequantized.as<float>(), counters.as<unsigned long long>());
+                    codes.as<std::uint8_t>(), dequantized, counters.as<unsigned long long>());
   }
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
   runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, operand,
-                  dequantized.as<const float>(), count, chunk_count, partials.as<double>());
+                  dequantized, count, chunk_count, partials.as<double>());
   std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
   partials.download(host_partials.data(), partials.bytes());
   energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
   energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
   codes.download(out.codes.data(), out.codes.size());
   if (!out.scales.empty()) scales.download(out.scales.data(), out.scales.size());
-  if (keep_dequantized) dequantized.download(out.dequantized.data(), dequantized.bytes());
+  if (keep_dequantized) out.dequantized = dequantized_matrix->download32();
+  if (bf16) out.device_dequantized = std::move(dequantized_matrix);  // for the GPU's plain products
   take_counters(counters, out);
   return out;
 }
@@ -2806,17 +2862,33 @@ void apply_tensor_scales(const product_result& result, float sa, float sb, bool 
                   output);
 }
 
+device_matrix transposed(const device_matrix& values) {
+  device_matrix out(values.cols(), values.rows(), device_matrix::element::fp32);
+  if (values.size() == 0) return out;
+  const dim3 grid(static_cast<unsigned>((values.cols() + transpose_tile - 1) / transpose_tile),
+                  static_cast<unsigned>((values.rows() + transpose_tile - 1) / transpose_tile));
+  runtime::launch(transpose_kernel, grid, dim3(transpose_tile, 8), 0, static_cast<const float*>(values.fp32()),
+                  values.rows(), values.cols(), out.fp32());
+  return out;
+}
+
 product_result emulate_plain_product(const matrix& a, const matrix& b, int block, const accumulation_model& model,
                                      output_rounding output, bool keep_on_device) {
   if (a.cols != b.cols) {
     throw input_error("gpu gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
   }
+  return emulate_plain_product(device_matrix::upload(a), device_matrix::upload(b), block, model, output,
+                               keep_on_device);
+}
+
+product_result emulate_plain_product(const device_matrix& a, const device_matrix& b, int block,
+                                     const accumulation_model& model, output_rounding output, bool keep_on_device) {
+  if (a.cols() != b.cols()) {
+    throw input_error("gpu gemm: A has " + to_text(a.cols()) + " columns, B has " + to_text(b.cols()));
+  }
   product_result result;
-  const device_buffer left = upload_vector(a.values);
-  const device_buffer right = upload_vector(b.values);
-  auto out = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp32);
-  plain_product_on_device(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols, block, model,
-                          output, out->fp32());
+  auto out = std::make_shared<device_matrix>(a.rows(), b.rows(), device_matrix::element::fp32);
+  plain_product_on_device(a.fp32(), b.fp32(), a.rows(), b.rows(), a.cols(), block, model, output, out->fp32());
   if (keep_on_device) {
     result.device_out = std::move(out);
   } else {
@@ -2829,22 +2901,27 @@ reference_result reference_gemm(const matrix& a, const matrix& b, bool keep_on_d
   if (a.cols != b.cols) {
     throw input_error("gpu reference_gemm: A has " + to_text(a.cols) + " columns, B has " + to_text(b.cols));
   }
+  return reference_gemm(device_matrix::upload(a), device_matrix::upload(b), keep_on_device);
+}
+
+reference_result reference_gemm(const device_matrix& a, const device_matrix& b, bool keep_on_device) {
+  if (a.cols() != b.cols()) {
+    throw input_error("gpu reference_gemm: A has " + to_text(a.cols()) + " columns, B has " + to_text(b.cols()));
+  }
+  const std::int64_t m = a.rows(), n = b.rows();
   reference_result out;
   out.kind = reference_kind::exact;
-  out.stats.entries = a.rows * b.rows;
-  auto out64 = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp64);
-  auto out32 = std::make_shared<device_matrix>(a.rows, b.rows, device_matrix::element::fp32);
+  out.stats.entries = m * n;
+  auto out64 = std::make_shared<device_matrix>(m, n, device_matrix::element::fp64);
+  auto out32 = std::make_shared<device_matrix>(m, n, device_matrix::element::fp32);
   // Statistics as the CPU reports them: rows with inf or NaN make their entries non-finite (counted
   // on the device from the kernels' row descriptions).
   std::int64_t bad_rows[2] = {0, 0};
-  if (a.rows > 0 && b.rows > 0) {
-    const device_buffer left = upload_vector(a.values);
-    const device_buffer right = upload_vector(b.values);
-    reference_on_device_counting(left.as<const float>(), right.as<const float>(), a.rows, b.rows, a.cols,
-                                 out64->fp64(), out32->fp32(), bad_rows);
+  if (m > 0 && n > 0) {
+    reference_on_device_counting(a.fp32(), b.fp32(), m, n, a.cols(), out64->fp64(), out32->fp32(), bad_rows);
   }
   const std::int64_t bad_a = bad_rows[0], bad_b = bad_rows[1];
-  out.stats.nonfinite_entries = bad_a * b.rows + bad_b * a.rows - bad_a * bad_b;
+  out.stats.nonfinite_entries = bad_a * n + bad_b * m - bad_a * bad_b;
   out.stats.certified_entries = out.stats.entries - out.stats.nonfinite_entries;
   // The largest half ulp of a finite nonzero result: that of the largest finite magnitude (the half
   // ulp grows with the magnitude), found on the device.

@@ -385,6 +385,91 @@ void quantize_energies(bool small) {
 // out here: scale = fl32(amax / max_normal) over the finite inputs (1 when there are none), codes
 // encoded from the fp64 quotient v / scale (sr words from the stream at the flat index),
 // dequantized fl32(decode * scale), NaN codes with the input's sign for non-finite inputs.
+// bf16 operands as run_gemm prepares them on the GPU: codes, counters, energies, and the values
+// left in device memory. Expected: the shared rounding (core::float_to_bf16) on the host, with
+// the CPU's counters and the canonical energy sums. Inputs include overflow to inf, underflow to
+// zero, inf and NaN.
+void quantize_bf16_energies(bool small) {
+  const std::int64_t shapes[][2] = {{70, 130}, {3, 9000}, {1, 1}, {257, 33}};
+  int index = 0;
+  for (const auto& shape : shapes) {
+    for (const core::rounding_mode rounding : {core::rounding_mode::rne, core::rounding_mode::sr, core::rounding_mode::rtz}) {
+      ++index;
+      if (small && index % 2 == 0) continue;
+      const std::uint64_t seed = next_seed();
+      const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+      matrix input = test_inputs::make_matrix(shape[0], shape[1], kind, seed);
+      if (input.size() > 8) {
+        input.values[0] = 0x1.ff8p127f;                             // rounds up to inf (rne)
+        input.values[1] = 0x1p-140f;                               // stays a subnormal bf16
+        input.values[2] = -0x1p-149f;                              // flushes under rtz, may under rne
+        input.values[3] = std::numeric_limits<float>::infinity();  // non-finite input
+        input.values[4] = std::numeric_limits<float>::quiet_NaN();
+      }
+      mxscope::quantize_options options;
+      options.format = {mxscope::quant_scheme::bf16, core::element_kind::fp4_e2m1, 0};
+      options.axis = index % 2;
+      options.rounding = rounding;
+      options.sr_bits = index % 3 == 0 ? 9 : 32;
+      std::uint64_t state = seed + 1;
+      options.stream = core::random_stream{split_mix(state), 3, static_cast<std::uint32_t>(split_mix(state))};
+      const std::string name = std::string("quantize bf16 with energies ") + rounding_names[static_cast<int>(rounding)] +
+                               " " + std::to_string(shape[0]) + "x" + std::to_string(shape[1]) + " " +
+                               std::string(test_inputs::value_kind_name(kind));
+      run_case(name, [&]() -> std::string {
+        std::vector<std::uint8_t> codes(static_cast<std::size_t>(input.size()) * 2);
+        matrix dequantized(input.rows, input.cols);
+        std::int64_t counts[4] = {};
+        for (std::size_t i = 0; i < dequantized.values.size(); ++i) {
+          const float v = input.values[i];
+          const std::uint32_t word =
+              rounding == core::rounding_mode::sr ? options.stream.word(static_cast<std::uint64_t>(i)) : 0U;
+          const std::uint16_t bits = core::float_to_bf16(v, rounding, word, options.sr_bits);
+          codes[2 * i] = static_cast<std::uint8_t>(bits & 0xFFU);
+          codes[2 * i + 1] = static_cast<std::uint8_t>(bits >> 8);
+          std::uint32_t widened = static_cast<std::uint32_t>(bits) << 16;
+          float rounded = 0.0f;
+          std::memcpy(&rounded, &widened, sizeof(rounded));
+          dequantized.values[i] = rounded;
+          counts[0] += v != 0.0f;
+          counts[1] += v != 0.0f && rounded == 0.0f;
+          counts[2] += std::isfinite(v) && std::isinf(rounded);
+          counts[3] += !std::isfinite(v);
+        }
+        const auto want = mxscope::canonical_sums<2>(input.size(), [&](std::int64_t i) {
+          const double value = input.values[static_cast<std::size_t>(i)];
+          const double rounded = dequantized.values[static_cast<std::size_t>(i)];
+          if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
+          return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
+        });
+        gpu::operand_energies energies;
+        const gpu::device_matrix resident = gpu::device_matrix::upload(input);
+        const mxscope::quantized_tensor got =
+            gpu::quantize_with_energies(input, options, {}, index % 2 == 0, energies, index % 3 == 1 ? &resident : nullptr);
+        if (got.codes != codes) return std::string("codes differ");
+        if (!got.device_dequantized) return std::string("the values were not left in device memory");
+        const matrix on_device = got.device_dequantized->download32();
+        for (std::size_t i = 0; i < dequantized.values.size(); ++i) {
+          if (!same(dequantized.values[i], on_device.values[i])) return "dequantized element " + std::to_string(i);
+          if (index % 2 == 0 && !same(dequantized.values[i], got.dequantized.values[i])) {
+            return "host dequantized element " + std::to_string(i);
+          }
+        }
+        if (got.nonzero_inputs != counts[0] || got.flushed != counts[1] || got.saturated != counts[2] ||
+            got.nonfinite_inputs != counts[3]) {
+          return "counters: expected " + std::to_string(counts[0]) + "/" + std::to_string(counts[1]) + "/" +
+                 std::to_string(counts[2]) + "/" + std::to_string(counts[3]) + " got " +
+                 std::to_string(got.nonzero_inputs) + "/" + std::to_string(got.flushed) + "/" +
+                 std::to_string(got.saturated) + "/" + std::to_string(got.nonfinite_inputs);
+        }
+        if (!same(want[0], energies.signal)) return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal);
+        if (!same(want[1], energies.error)) return "error energy: expected " + show(want[1]) + " got " + show(energies.error);
+        return "";
+      });
+    }
+  }
+}
+
 void quantize_per_tensor_energies(bool small) {
   struct per_tensor_case {
     core::element_kind kind;
@@ -1339,13 +1424,43 @@ void plain_checks(bool small) {
     const auto model = model_of(mxscope::accumulation_kind::fp32_block);
     for (const plain_input& in : inputs) {
       const mxscope::product_result got = gpu::emulate_plain_product(in.a, in.b, 32, model);
+      // The same from device memory, B given transposed and turned back there, the result kept.
+      matrix b_transposed(in.b.cols, in.b.rows);
+      for (std::int64_t i = 0; i < in.b.rows; ++i) {
+        for (std::int64_t k = 0; k < in.b.cols; ++k) b_transposed(k, i) = in.b(i, k);
+      }
+      const gpu::device_matrix b_back = gpu::transposed(gpu::device_matrix::upload(b_transposed));
+      const mxscope::product_result kept =
+          gpu::emulate_plain_product(gpu::device_matrix::upload(in.a), b_back, 32, model,
+                                     mxscope::output_rounding::fp32, true);
+      if (!kept.device_out || !kept.out.values.empty()) return in.name + ": the kept result is not in device memory";
+      const matrix kept_out = kept.device_out->download32();
       for (std::int64_t i = 0; i < in.a.rows; ++i) {
         for (std::int64_t j = 0; j < in.b.rows; ++j) {
           const float want =
               host_reference::plain_product_entry(in.a, in.b, i, j, 32, model, mxscope::output_rounding::fp32);
-          if (!same(want, got.out(i, j))) {
+          if (!same(want, got.out(i, j)) || !same(want, kept_out(i, j))) {
             return in.name + " entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(want) +
-                   " got " + show(got.out(i, j)) + "; seed " + hex64(seed);
+                   " got " + show(got.out(i, j)) + " and from device memory " + show(kept_out(i, j)) + "; seed " +
+                   hex64(seed);
+          }
+        }
+      }
+    }
+    return "";
+  });
+  // gpu::transposed on shapes around its 32 x 32 tile.
+  run_case("plain gpu::transposed", []() -> std::string {
+    for (const auto& [rows, cols] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {31, 33}, {64, 7}, {100, 257}, {0, 5}}) {
+      matrix values(rows, cols);
+      for (std::int64_t i = 0; i < values.size(); ++i) values.values[static_cast<std::size_t>(i)] = static_cast<float>(i) + 0.5f;
+      const matrix got = gpu::transposed(gpu::device_matrix::upload(values)).download32();
+      if (got.rows != cols || got.cols != rows) return "shape of the transpose of " + std::to_string(rows) + "x" + std::to_string(cols);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (!same(values(r, c), got(c, r))) {
+            return std::to_string(rows) + "x" + std::to_string(cols) + " element (" + std::to_string(r) + ", " +
+                   std::to_string(c) + ")";
           }
         }
       }
@@ -1695,7 +1810,11 @@ int main(int argc, char** argv) {
   timed("quantize sweep", [&] { quantize_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
-  timed("quantize with energies", [&] { quantize_energies(small); quantize_per_tensor_energies(small); });
+  timed("quantize with energies", [&] {
+    quantize_energies(small);
+    quantize_per_tensor_energies(small);
+    quantize_bf16_energies(small);
+  });
   timed("quantize native", [&] { quantize_native(small); });
   if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
   timed("gemm sweep", [&] { gemm_sweep(small); });
