@@ -188,6 +188,71 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
   EXPECT_GT(checked, 1000000);
 }
 
+// The fused quantizer's two fp4 encoders (fast_encode::fp4_nearest_even for rne, fp4_locate and
+// fp4_round for the other modes, composed by fast_encode::fp4_encode as the kernel composes them)
+// against core::quantize_element: every finite bf16 pattern with random low bits at the extreme and
+// moderate block exponents, then at every exponent -127..127 scaled values across the whole grid
+// with exact ties (and their fp32 neighbours) at every spacing, fp32 subnormals and signed zeros;
+// every mode, sr with 32, 9 and 1 random bits.
+TEST(GpuHostReference, Fp4EncodersMatchCore) {
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  struct mode_case {
+    core::rounding_mode mode;
+    int sr_bits;
+  };
+  const mode_case modes[] = {{core::rounding_mode::rne, 32}, {core::rounding_mode::rna, 32},
+                             {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
+                             {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
+  std::mt19937_64 random(20250317);
+  std::int64_t checked = 0;
+  const auto check = [&](const std::vector<float>& values, int exponent) {
+    for (const mode_case& m : modes) {
+      for (const float value : values) {
+        const std::uint32_t word = static_cast<std::uint32_t>(random());
+        const auto want = core::quantize_element(kind, value, exponent, m.mode, word, m.sr_bits);
+        const auto got = mxscope::gpu::fast_encode::fp4_encode(value, exponent, m.mode, word, m.sr_bits);
+        ++checked;
+        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+            << "mode " << static_cast<int>(m.mode) << " sr_bits " << m.sr_bits << " exponent " << exponent
+            << " value " << value << " (" << hex(core::float_bits(value)) << ") word " << hex(word) << ": core code "
+            << hex(want.code) << " saturated " << want.saturated << " flushed " << want.flushed << ", fp4 code "
+            << hex(got.code) << " saturated " << got.saturated << " flushed " << got.flushed;
+      }
+    }
+  };
+  std::vector<float> bf16_values;
+  for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
+    if ((pattern & 0x7f80U) == 0x7f80U) continue;  // infinities and NaNs: the kernel never encodes them
+    bf16_values.push_back(core::bits_float((pattern << 16) | (static_cast<std::uint32_t>(random()) & 0xffffU)));
+  }
+  for (const int exponent : {-127, -126, -125, -124, -100, -3, -2, 0, 1, 2, 60, 124, 125, 126, 127}) {
+    check(bf16_values, exponent);
+    if (HasFatalFailure()) return;
+  }
+  for (int exponent = -127; exponent <= 127; ++exponent) {
+    std::vector<float> values = {0.0f, -0.0f, core::bits_float(1U), core::bits_float(0x807fffffU)};
+    // Scaled binades from 2^-30 to 2^5 (below the smallest spacing 2^-1 to beyond saturation).
+    for (int scaled_binade = -30; scaled_binade <= 5; ++scaled_binade) {
+      const int binade = scaled_binade + exponent;
+      if (binade < -126 || binade > 127) continue;
+      const std::uint32_t field = static_cast<std::uint32_t>(binade + 127) << 23;
+      for (int k = 0; k < 8; ++k) values.push_back(core::bits_float(field | (random() & 0x807fffffU)));
+      for (int dropped = 1; dropped <= 23; ++dropped) {
+        const std::uint32_t kept = static_cast<std::uint32_t>(random()) & (0x7fffffU >> dropped << dropped);
+        const std::uint32_t tie = field | kept | (1U << (dropped - 1));
+        for (const std::uint32_t bits : {tie, tie - 1U, tie + 1U}) {
+          values.push_back(core::bits_float(bits));
+          values.push_back(-core::bits_float(bits));
+        }
+      }
+    }
+    for (int k = 0; k < 8; ++k) values.push_back(core::bits_float(static_cast<std::uint32_t>(random()) & 0x807fffffU));
+    check(values, exponent);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(checked, 5000000);
+}
+
 TEST(GpuHostReference, RotationMatchesLibrary) {
   int index = 0;
   for (const int size : {2, 16, 64, 512}) {

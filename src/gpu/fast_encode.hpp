@@ -124,4 +124,110 @@ MXSCOPE_HD constexpr float dequantize(const element_constants& c, std::uint32_t 
   return (code & c.sign_bit) != 0 ? -scaled : scaled;
 }
 
+// ------------------------------------------------------------------------------------------------
+// fp4 e2m1: two shorter encoders for the fused quantizer's inner loop. Both start from
+// scaled = fl32(|v| * 2^-e) (power_of_two(-e), one fp32 multiplication): that product is exact
+// whenever |v| 2^-e >= 2^-126, and below that every mode gives code 0 from both the exact and the
+// rounded value (the largest fraction such a value can carry is 2^-125 of a spacing, far from
+// any rounding decision), so the encoders may look at the rounded product. They return the
+// magnitude code 0..7; the sign, the saturation flag (|v| 2^-e > 6, i.e. scaled > 6) and the flush
+// flag (v != 0, code 0) are the caller's, as in fp4_encode below, which is how the tests compare
+// them with core::quantize_element.
+//
+// The e2m1 grid: spacing 1/2 on [0, 2) (codes 0..4), 1 on [2, 4) (codes 4..6), 2 on [4, 8)
+// (codes 6, 7); a value's code is its index on that grid, and codes 8 and up saturate to 7.
+
+// Round to nearest, ties to even, by one fp32 addition. With b the fp32 binade of scaled (clamped
+// to [1, 8]: below 1 the spacing stays 1/2, from 8 on everything saturates), magic = 2^22 b has
+// ulp b / 2, the grid's spacing on [b, 2 b); scaled + magic rounds scaled to that spacing once,
+// nearest-even, and lands in magic's binade (scaled < 2 b is far below magic), so the difference
+// of the fp32 bit patterns counts the spacings: steps = round(scaled / spacing). The grid's index
+// of b is 2 log2(b), and steps' parity is the code's, so ties go to the even code as the core's do.
+MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even(float scaled) {
+  constexpr std::uint32_t one = 0x3f800000U;    // fp32 bits of 1
+  constexpr std::uint32_t eight = 0x41000000U;  // fp32 bits of 8
+  std::uint32_t binade = core::float_bits(scaled) & 0x7f800000U;
+  binade = binade < one ? one : binade;
+  binade = binade > eight ? eight : binade;
+  const float magic = core::bits_float(binade + (22U << 23));
+  const std::uint32_t steps = core::float_bits(scaled + magic) - core::float_bits(magic);
+  const std::uint32_t code = ((binade - one) >> 22) + steps;
+  return code < 7U ? code : 7U;
+}
+
+// Every rounding mode, in integers. fp4_locate splits scaled into the grid index of the largest
+// grid point <= scaled (floor_code) and the rest as 32 fraction bits of a spacing:
+// fraction = floor(F 2^32), F = (scaled - grid point) / spacing. From 1 on, scaled / spacing =
+// S 2^-22 (S the 24-bit significand), so the fraction is S's low 22 bits and the index is
+// 2 (biased exponent - 127) + S's bit 22, i.e. (bits >> 22) - 252. Below 1, 2 scaled =
+// S 2^(biased - 149): the fraction is S shifted by biased - 117 (to the left for scaled >= 2^-10,
+// where the integer bit falls out of the 32 bits; to the right below, where F < 2^-8 and the
+// dropped bits cannot matter) and the index is 1 on [1/2, 1), 0 below.
+struct fp4_position {
+  std::uint32_t floor_code;
+  std::uint32_t fraction;
+};
+
+MXSCOPE_HD constexpr fp4_position fp4_locate(float scaled) {
+  const std::uint32_t bits = core::float_bits(scaled);
+  const int biased = static_cast<int>(bits >> 23);
+  // The hidden bit is set for subnormals too: they shift out entirely (shift <= -117).
+  const std::uint32_t significand = (bits & 0x007fffffU) | 0x00800000U;
+  const int shift = (biased < 127 ? biased : 127) - 117;
+  const std::uint32_t fraction = shift >= 0 ? significand << shift : significand >> (-shift < 31 ? -shift : 31);
+  const int from_one = static_cast<int>(bits >> 22) - 252;
+  const int below_one = bits >= 0x3f000000U ? 1 : 0;  // scaled >= 1/2
+  return {static_cast<std::uint32_t>(from_one > below_one ? from_one : below_one), fraction};
+}
+
+// The rounding decision as a carry: round up iff fraction + addend >= 2^32. rne: F > 1/2, or
+// F = 1/2 and the floor code odd; rna: F >= 1/2; rtz: never; sr with R bits: floor(F 2^R) + draw
+// >= 2^R, draw = word >> (32 - R), which is the carry of fraction + (word with its low 32 - R
+// bits cleared) (the fraction's own low bits meet zeros there and cannot carry). `random_mask` is
+// ~0 << (32 - R) (fp4_random_mask).
+MXSCOPE_HD constexpr std::uint32_t fp4_random_mask(int sr_bits) { return ~0U << (32 - sr_bits); }
+
+MXSCOPE_HD constexpr std::uint32_t fp4_round_addend(core::rounding_mode mode, std::uint32_t floor_code,
+                                                    std::uint32_t random_word, std::uint32_t random_mask) {
+  switch (mode) {
+    case core::rounding_mode::rne: return 0x7fffffffU + (floor_code & 1U);
+    case core::rounding_mode::rna: return 0x80000000U;
+    case core::rounding_mode::rtz: return 0U;
+    case core::rounding_mode::sr: return random_word & random_mask;
+  }
+  return 0U;
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_round(fp4_position position, std::uint32_t addend) {
+  const std::uint32_t carry = position.fraction + addend < addend ? 1U : 0U;
+  const std::uint32_t code = position.floor_code + carry;
+  return code < 7U ? code : 7U;
+}
+
+// core::quantize_element(fp4_e2m1, value, exponent, mode, random_word, sr_bits) for a finite value,
+// -127 <= exponent <= 127 and 1 <= sr_bits <= 32, composed as the fused kernel composes it
+// (nearest-even through fp4_nearest_even, the other modes through fp4_locate and fp4_round).
+MXSCOPE_HD constexpr core::encoded fp4_encode(float value, int exponent, core::rounding_mode mode,
+                                              std::uint32_t random_word, int sr_bits) {
+  const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);  // |value|, -0 included
+  const float scaled = magnitude * power_of_two(-exponent);
+  std::uint32_t code = 0;
+  if (mode == core::rounding_mode::rne) {
+    code = fp4_nearest_even(scaled);
+  } else {
+    const fp4_position position = fp4_locate(scaled);
+    code = fp4_round(position, fp4_round_addend(mode, position.floor_code, random_word, fp4_random_mask(sr_bits)));
+  }
+  const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
+  return {static_cast<std::uint8_t>(code | sign), scaled > 6.0f, code == 0 && magnitude != 0.0f};
+}
+
+static_assert(fp4_nearest_even(0.25f) == 0 && fp4_nearest_even(0.75f) == 2 && fp4_nearest_even(1.25f) == 2 &&
+              fp4_nearest_even(1.75f) == 4 && fp4_nearest_even(2.5f) == 4 && fp4_nearest_even(3.5f) == 6 &&
+              fp4_nearest_even(5.0f) == 6 && fp4_nearest_even(5.5f) == 7 && fp4_nearest_even(100.0f) == 7);
+static_assert(fp4_encode(0.75f, 0, core::rounding_mode::rna, 0, 32).code == 2 &&
+              fp4_encode(-0.74f, 0, core::rounding_mode::rtz, 0, 32).code == 0x9 &&
+              fp4_encode(0.1f, 0, core::rounding_mode::rne, 0, 32).flushed &&
+              fp4_encode(6.5f, 0, core::rounding_mode::rne, 0, 32).saturated);
+
 }  // namespace mxscope::gpu::fast_encode

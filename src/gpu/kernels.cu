@@ -540,23 +540,29 @@ __global__ void mx_element_kernel(const Input* input, std::int64_t rows, std::in
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
-// The fused path: one thread per 32-element block of a row (axis 1, cols a multiple of 32). The
-// block is loaded into registers, rotated there (Rotation = 16 or 32: whole rotation segments lie in
-// the block) with core::rotate_segment, then scaled and encoded; codes go out in 16-byte stores.
-// The float element formats are encoded by fast_encode (the core's function on the fp32 bits, see
-// fast_encode.hpp), int8 by the core itself. KindIndex >= 0 fixes the element format at compile
-// time (the fp4 case); -1 reads it from the plan.
+// The fused path (axis 1, block 32, cols a multiple of 32). MX block g then holds the input
+// elements [32 g, 32 g + 32), its codes are the bytes [16 g, 16 g + 16) (fp4) or [32 g, 32 g + 32)
+// and its scale is byte g. A thread block takes a tile of threads_per_block consecutive MX blocks,
+// one per thread:
+// 1. the tile's input, contiguous, is copied into shared memory in 16-byte pieces, consecutive
+//    threads taking consecutive pieces, so that each warp's load reads 512 contiguous bytes;
+// 2. each thread reads its block's pieces back into registers, rotates them there (Rotation = 16 or
+//    32: whole rotation segments lie in the block) with core::rotate_segment, scans them and
+//    encodes; codes go out in 16-byte stores (consecutive threads, consecutive bytes).
+// The element encoder is a template choice (fused_encoder); every one is the core's function
+// (fast_encode.hpp). Counters are 32-bit per thread (a thread meets at most 32 elements per tile
+// and far fewer than 2^27 tiles) and are summed per thread block at the end.
 constexpr int fused_block = 32;
 
-template <int KindIndex>
-__device__ inline element_kind fused_kind(element_kind runtime_kind) {
-  if constexpr (KindIndex < 0) {
-    return runtime_kind;
-  } else {
-    return static_cast<element_kind>(KindIndex);
-  }
-}
+enum class fused_encoder {
+  fp4_nearest_even,  // fp4, rne: fast_encode::fp4_nearest_even
+  fp4_by_carry,      // fp4, rna, rtz or sr: fast_encode::fp4_locate and fp4_round
+  any_format,        // the other formats: fast_encode::quantize_finite (float formats) or the core (int8)
+};
 
+// The gfx950 native quantizer's loads (native_gfx950_kernels.hpp: one thread per block reading its
+// own 64 or 128 bytes); only the HIP device code for gfx950 has that path.
+#if defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE) && defined(__gfx950__)
 __device__ inline void load_block(const float* input, std::int64_t first, float (&v)[fused_block]) {
   const float4* source = reinterpret_cast<const float4*>(input + first);
 #pragma unroll
@@ -583,9 +589,9 @@ __device__ inline void load_block(const std::uint16_t* input, std::int64_t first
   }
 }
 
-// The start of a fused block: load its 32 elements, rotate them in registers (signs first, as
-// core::rotate_segment does), count nonzero and non-finite inputs and find the largest finite
-// magnitude. Shared by the fused quantizer and the gfx950 native one.
+// The start of a fused block of the native quantizer: load its 32 elements, rotate them in
+// registers (signs first, as core::rotate_segment does), count nonzero and non-finite inputs and
+// find the largest finite magnitude.
 struct block_scan {
   float amax;
   bool nonfinite;
@@ -619,86 +625,231 @@ __device__ inline block_scan load_and_scan_block(const Input* input, std::int64_
   return scan;
 }
 
-template <class Input, int Rotation, int KindIndex>
-__global__ void mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
-                                const float* signs, mx_device_output output) {
-  const element_kind kind = fused_kind<KindIndex>(plan.element);
+#endif  // __HIP__ && !MXSCOPE_GPU_SIMULATE && __gfx950__
+
+// Step 1's shared-memory layout: piece p of the tile (16 bytes) sits in slot p ^ ((p / 8) mod
+// Pieces), Pieces = pieces per MX block (4 for bf16, 8 for fp32). The swizzle only permutes the
+// pieces of one MX block, keeps the copy's 8 consecutive pieces in 8 distinct bank groups, and
+// spreads step 2's reads (8 threads, the same piece of 8 consecutive blocks) over 8 bank groups too.
+template <int Pieces>
+__device__ inline int staging_slot(int piece) {
+  return piece ^ ((piece >> 3) & (Pieces - 1));
+}
+
+template <int Pieces>
+__device__ inline void unpack_pieces(const uint4 (&pieces)[Pieces], float (&v)[fused_block]) {
+  static_assert(Pieces == 4 || Pieces == 8);
+#pragma unroll
+  for (int j = 0; j < Pieces; ++j) {
+    const std::uint32_t words[4] = {pieces[j].x, pieces[j].y, pieces[j].z, pieces[j].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (Pieces == 4) {  // bf16: two elements per word, the first in the low half (exact widening)
+        v[8 * j + 2 * w] = core_ns::bits_float(words[w] << 16);
+        v[8 * j + 2 * w + 1] = core_ns::bits_float(words[w] & 0xFFFF0000U);
+      } else {
+        v[4 * j + w] = core_ns::bits_float(words[w]);
+      }
+    }
+  }
+}
+
+// The dequantized block, stored from the branch that made it (a store shared after the branches
+// would keep the inputs alive in registers through the encoder).
+__device__ inline void store_dequantized(float* destination, const float (&v)[fused_block]) {
+  float4* vectors = reinterpret_cast<float4*>(destination);
+#pragma unroll
+  for (int q = 0; q < fused_block / 4; ++q) vectors[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+}
+
+// Zero magnitudes among the 8 fp4 codes of a word (bit 3 of each nibble is the sign): one flag per
+// nibble, summed into the top nibble by the multiplication (partial sums stay below 16: no carries).
+__device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
+  const std::uint32_t zero_flags = ~(word | (word >> 1) | (word >> 2)) & 0x11111111U;
+  return (zero_flags * 0x11111111U) >> 28;
+}
+
+// Thread blocks per multiprocessor for the fp4 encoders on CUDA, so that enough tiles are in flight
+// to cover the memory latency: 4 (64 registers) for bf16 without rotation, 3 (85 registers) for the
+// others, the most that ptxas fits without spilling (sm_90). (HIP's second bound means something
+// else; it keeps the plain bound.)
+#if defined(__CUDACC__) && !defined(__HIP__)
+#define MXSCOPE_FUSED_BOUNDS(min_blocks) __launch_bounds__(threads_per_block, min_blocks)
+#else
+#define MXSCOPE_FUSED_BOUNDS(min_blocks) __launch_bounds__(threads_per_block)
+#endif
+
+template <class Input, int Rotation, fused_encoder Encoder>
+__global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
+                                     : Rotation == 0 && sizeof(Input) == 2 ? 4
+                                                                           : 3)
+    mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan, const float* signs,
+                    mx_device_output output) {
+  constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
+  constexpr bool fp4 = Encoder != fused_encoder::any_format;
+  __shared__ uint4 staging[threads_per_block * pieces];
+  const element_kind kind = fp4 ? element_kind::fp4_e2m1 : plan.element;
   const bool packed = core_ns::spec(kind).bits == 4;
   const bool fast = fast_encode::covers(kind);
   const fast_encode::element_constants constants = fast_encode::constants_of(kind);
   const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::uint32_t random_mask = stochastic ? fast_encode::fp4_random_mask(plan.sr_bits) : 0U;
   const std::int64_t blocks_per_row = cols / fused_block;
-  const std::int64_t row_bytes = packed ? cols / 2 : cols;
-  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
-  MXSCOPE_GRID_LOOP(g, rows * blocks_per_row) {
-    const std::int64_t r = g / blocks_per_row;
-    const std::int64_t b = g % blocks_per_row;
-    const std::int64_t first = r * cols + b * fused_block;
+  const std::int64_t blocks = rows * blocks_per_row;
+  const std::int64_t total_pieces = blocks * pieces;
+  const uint4* source = reinterpret_cast<const uint4*>(input);
+  unsigned counts[mx_counter_count] = {0, 0, 0, 0};
+  // The trip count depends on the tile only: every thread of the block reaches every barrier.
+  for (std::int64_t tile = blockIdx.x; tile * threads_per_block < blocks; tile += gridDim.x) {
+    const std::int64_t tile_piece = tile * threads_per_block * pieces;
+#pragma unroll
+    for (int k = 0; k < pieces; ++k) {
+      const int piece = k * threads_per_block + static_cast<int>(threadIdx.x);
+      if (tile_piece + piece < total_pieces) staging[staging_slot<pieces>(piece)] = source[tile_piece + piece];
+    }
+    __syncthreads();
+    uint4 mine[pieces];
+#pragma unroll
+    for (int j = 0; j < pieces; ++j) mine[j] = staging[staging_slot<pieces>(static_cast<int>(threadIdx.x) * pieces + j)];
+    __syncthreads();  // the staging buffer is free for the next tile
+    const std::int64_t g = tile * threads_per_block + threadIdx.x;
+    if (g >= blocks) continue;
     float v[fused_block];
-    const block_scan scan = load_and_scan_block<Rotation>(input, first, b, signs, v, counts);
-    const float amax = scan.amax;
-    const bool nonfinite = scan.nonfinite;
+    unpack_pieces(mine, v);
+    if constexpr (Rotation > 0) {
+      // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
+      if (signs != nullptr) {
+        const float4* block_signs = reinterpret_cast<const float4*>(signs + (g % blocks_per_row) * fused_block);
+#pragma unroll
+        for (int q = 0; q < fused_block / 4; ++q) {
+          const float4 s = block_signs[q];
+          v[4 * q] = v[4 * q] * s.x;
+          v[4 * q + 1] = v[4 * q + 1] * s.y;
+          v[4 * q + 2] = v[4 * q + 2] * s.z;
+          v[4 * q + 3] = v[4 * q + 3] * s.w;
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+    }
+    // The largest magnitude as fp32 bits: the largest finite |v| when below the infinity pattern,
+    // else the block holds a non-finite value. The smallest says whether there are zeros to count.
+    std::uint32_t largest = 0;
+    std::uint32_t smallest = 0xFFFFFFFFU;
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) {
+      const std::uint32_t magnitude = core_ns::float_bits(v[i]) & 0x7FFFFFFFU;
+      largest = largest > magnitude ? largest : magnitude;
+      smallest = smallest < magnitude ? smallest : magnitude;
+    }
+    unsigned nonzero = fused_block;  // v != 0, NaN included
+    if (smallest == 0) {
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) nonzero -= (core_ns::float_bits(v[i]) & 0x7FFFFFFFU) == 0 ? 1U : 0U;
+    }
+    counts[counter_nonzero] += nonzero;
     std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
-    if (nonfinite) {
+    if (largest >= 0x7F800000U) {
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
       output.scales[g] = core_ns::scale_nan_code;
       if (output.dequantized != nullptr) {
 #pragma unroll
         for (int i = 0; i < fused_block; ++i) v[i] = canonical_nan_float();
+        store_dequantized(output.dequantized + g * fused_block, v);
       }
     } else {
-      const int exponent = core_ns::shared_exponent(kind, plan.rule, amax);
+      const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
       output.scales[g] = core_ns::scale_code(exponent);
+      if constexpr (fp4) {
+        const float inverse = fast_encode::power_of_two(-exponent);
 #pragma unroll
-      for (int q = 0; q < fused_block / 4; ++q) {
-        core_ns::philox_block random{};
-        if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(first) / 4 + q);
+        for (int q = 0; q < fused_block / 4; ++q) {
+          core_ns::philox_block random{};
+          if (Encoder == fused_encoder::fp4_by_carry && stochastic)
+            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const int i = 4 * q + w;
-          element_result result;
-          if (fast) {
-            result.encoded =
-                fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
-            result.dequantized = fast_encode::dequantize(constants, result.encoded.code, exponent);
-          } else {
-            result = quantize_one<KindIndex>(kind, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+          for (int w = 0; w < 4; ++w) {
+            const int i = 4 * q + w;
+            // v 2^-e keeps v's sign (the magnitude rounds as |v| 2^-e would): v is dead after this.
+            const float scaled = v[i] * inverse;
+            const float magnitude = fabsf(scaled);
+            std::uint32_t code = 0;
+            if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
+              code = fast_encode::fp4_nearest_even(magnitude);
+            } else {
+              const fast_encode::fp4_position position = fast_encode::fp4_locate(magnitude);
+              code = fast_encode::fp4_round(position, fast_encode::fp4_round_addend(plan.rounding, position.floor_code,
+                                                                                    random.word[w], random_mask));
+            }
+            counts[counter_saturated] += magnitude > 6.0f ? 1U : 0U;
+            code |= (core_ns::float_bits(scaled) >> 31) << 3;
+            words[i / 8] |= code << (4 * (i % 8));
           }
-          counts[counter_flushed] += result.encoded.flushed;
-          counts[counter_saturated] += result.encoded.saturated;
-          if (packed) {
-            words[i / 8] |= static_cast<std::uint32_t>(result.encoded.code & 0x0FU) << (4 * (i % 8));
-          } else {
-            words[i / 4] |= static_cast<std::uint32_t>(result.encoded.code) << (8 * (i % 4));
-          }
-          v[i] = result.dequantized;
         }
+        // Flushed: nonzero inputs with a zero code = zero codes - zero inputs.
+        const unsigned zero_codes = zero_fp4_magnitudes(words[0]) + zero_fp4_magnitudes(words[1]) +
+                                    zero_fp4_magnitudes(words[2]) + zero_fp4_magnitudes(words[3]);
+        counts[counter_flushed] += zero_codes - (fused_block - nonzero);
+        if (output.dequantized != nullptr) {
+          float decoded[fused_block];
+#pragma unroll
+          for (int i = 0; i < fused_block; ++i)
+            decoded[i] = fast_encode::dequantize(constants, (words[i / 8] >> (4 * (i % 8))) & 0xFU, exponent);
+          store_dequantized(output.dequantized + g * fused_block, decoded);
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < fused_block / 4; ++q) {
+          core_ns::philox_block random{};
+          if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const int i = 4 * q + w;
+            element_result result;
+            if (fast) {
+              result.encoded =
+                  fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+              result.dequantized = fast_encode::dequantize(constants, result.encoded.code, exponent);
+            } else {
+              result = quantize_one<-1>(kind, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+            }
+            counts[counter_flushed] += result.encoded.flushed ? 1U : 0U;
+            counts[counter_saturated] += result.encoded.saturated ? 1U : 0U;
+            if (packed) {
+              words[i / 8] |= static_cast<std::uint32_t>(result.encoded.code & 0x0FU) << (4 * (i % 8));
+            } else {
+              words[i / 4] |= static_cast<std::uint32_t>(result.encoded.code) << (8 * (i % 4));
+            }
+            v[i] = result.dequantized;
+          }
+        }
+        if (output.dequantized != nullptr) store_dequantized(output.dequantized + g * fused_block, v);
       }
     }
-    uint4* codes =
-        reinterpret_cast<uint4*>(output.codes + r * row_bytes + b * (packed ? fused_block / 2 : fused_block));
+    uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (packed ? fused_block / 2 : fused_block));
     codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
     if (!packed) codes[1] = make_uint4(words[4], words[5], words[6], words[7]);
-    if (output.dequantized != nullptr) {
-      float4* destination = reinterpret_cast<float4*>(output.dequantized + first);
-#pragma unroll
-      for (int q = 0; q < fused_block / 4; ++q)
-        destination[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
-    }
   }
-  if (output.counters != nullptr) add_counters(output.counters, counts);
+  if (output.counters != nullptr) {
+    const unsigned long long wide[mx_counter_count] = {counts[0], counts[1], counts[2], counts[3]};
+    add_counters(output.counters, wide);
+  }
 }
 
 template <class Input, int Rotation>
 void launch_fused_for_kind(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                            const float* signs, const mx_device_output& output) {
-  const unsigned grid = grid_for(rows * (cols / fused_block));
-  constexpr int fp4 = static_cast<int>(element_kind::fp4_e2m1);
-  if (plan.element == element_kind::fp4_e2m1) {
-    runtime::launch(mx_fused_kernel<Input, Rotation, fp4>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
-                    output);
+  const unsigned grid = grid_for(rows * (cols / fused_block));  // one tile of threads_per_block MX blocks each
+  if (plan.element != element_kind::fp4_e2m1) {
+    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::any_format>, grid, threads_per_block, 0, input,
+                    rows, cols, plan, signs, output);
+  } else if (plan.rounding == core_ns::rounding_mode::rne) {
+    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::fp4_nearest_even>, grid, threads_per_block, 0,
+                    input, rows, cols, plan, signs, output);
   } else {
-    runtime::launch(mx_fused_kernel<Input, Rotation, -1>, grid, threads_per_block, 0, input, rows, cols, plan, signs,
-                    output);
+    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::fp4_by_carry>, grid, threads_per_block, 0, input,
+                    rows, cols, plan, signs, output);
   }
 }
 

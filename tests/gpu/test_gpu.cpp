@@ -589,6 +589,27 @@ void quantize_fused(bool small) {
       }
     }
   }
+  // Several tiles: the fused kernel takes 256 MX blocks per thread block; 37 x 1824 has 2109 blocks,
+  // 8 full tiles and a partial one. mxfp4 (its own encoders) and mxfp8, rne and sr.
+  for (const int format : {0, 3}) {
+    for (const int rounding : {0, 3}) {
+      ++index;
+      if (small && (format == 0) != (rounding == 0)) continue;  // small: mxfp4 rne, mxfp8 sr
+      const std::uint64_t seed = next_seed();
+      const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+      const matrix input = test_inputs::make_matrix(37, 1824, kind, seed);
+      const auto options = mx_options(format, 32, 1, static_cast<core::rounding_mode>(rounding),
+                                      static_cast<core::scale_rule>(index % 3), 32, seed + 1);
+      mxscope::rotation_options rotation;
+      rotation.size = format == 0 ? 16 : 0;
+      rotation.signs = mxscope::sign_policy::per_step;
+      rotation.seed = seed + 2;
+      const std::string name = std::string("quantize fused ") + format_names[format] + " " + rounding_names[rounding] +
+                               " H" + std::to_string(rotation.size) + " bf16 37x1824 (9 tiles) " +
+                               std::string(test_inputs::value_kind_name(kind));
+      run_case(name, [&] { return check_quantize(input, true, options, rotation, gpu::quantize_path::fused); });
+    }
+  }
 }
 
 // The gfx950 native quantizer (hardware MX conversions; runs only on an MI355X, where
