@@ -10,6 +10,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -777,6 +778,15 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     }
   }
   std::int64_t entries_seen = 0;
+  // The provenance's SHA-256 of each input file this process reads, computed on one background
+  // thread while the step's work goes on (at most one file at a time); the others at the end.
+  std::map<std::string, std::future<std::string>> input_hashes;
+  std::future<std::string>* hashing = nullptr;
+  const auto hash_in_background = [&](const fs::path& file) {
+    if (input_hashes.count(file.string()) != 0) return;
+    if (hashing != nullptr) hashing->wait();
+    hashing = &(input_hashes[file.string()] = std::async(std::launch::async, [file] { return io::sha256_file(file); }));
+  };
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
   struct stage_time {
     double gemm = 0.0, compare = 0.0, metrics = 0.0;  // rotate + quantize + products; comparison; the rest
@@ -918,6 +928,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
         auto mark = clock_type::now();
         const io::dump_entry entry = dump.read(*info, read_options);
+        if (rank == 0) hash_in_background(info->file);
         if (!entry.all_finite()) {
           throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
                                         info->file.string(), entry.nonfinite_summary()));
@@ -1247,7 +1258,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   json inputs = json::object();
   inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
   for (const auto& layer : plan) {
-    for (const auto* entry : layer.entries) inputs[entry->relative_file] = io::sha256_file(entry->file);
+    for (const auto* entry : layer.entries) {
+      const auto started_hash = input_hashes.find(entry->file.string());
+      inputs[entry->relative_file] =
+          started_hash != input_hashes.end() ? started_hash->second.get() : io::sha256_file(entry->file);
+    }
   }
   provenance["input_sha256"] = inputs;
   provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};

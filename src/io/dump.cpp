@@ -330,14 +330,17 @@ void validate_entry_file(dump_entry_info& info) {
 }
 
 nonfinite_count count_nonfinite(const matrix& values) {
-  nonfinite_count count;
-  for (const float v : values.values) {
-    if (std::isnan(v)) {
-      ++count.nan;
-    } else if (std::isinf(v)) {
-      ++count.inf;
-    }
+  std::int64_t nan = 0, inf = 0;
+  const float* data = values.data();
+  const std::int64_t size = values.size();
+#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (size >= (std::int64_t{1} << 20))
+  for (std::int64_t i = 0; i < size; ++i) {
+    nan += std::isnan(data[i]);
+    inf += std::isinf(data[i]);
   }
+  nonfinite_count count;
+  count.nan = static_cast<std::uint64_t>(nan);
+  count.inf = static_cast<std::uint64_t>(inf);
   return count;
 }
 

@@ -504,12 +504,19 @@ void convert_to_float(dtype type, const std::uint8_t* bytes, std::uint64_t eleme
       // floating-point environment), overflowing to +-inf.
       for (std::uint64_t i = 0; i < element_count; ++i) destination[i] = static_cast<float>(load<double>(bytes + 8 * i));
       return;
-    case dtype::f16:
-      for (std::uint64_t i = 0; i < element_count; ++i) destination[i] = core::half_to_float(load<std::uint16_t>(bytes + 2 * i));
+    case dtype::f16: {
+      const auto count = static_cast<std::int64_t>(element_count);
+#pragma omp parallel for schedule(static) if (count >= (std::int64_t{1} << 20))
+      for (std::int64_t i = 0; i < count; ++i) destination[i] = core::half_to_float(load<std::uint16_t>(bytes + 2 * i));
       return;
-    case dtype::bf16:
-      for (std::uint64_t i = 0; i < element_count; ++i) destination[i] = core::bf16_to_float(load<std::uint16_t>(bytes + 2 * i));
+    }
+    case dtype::bf16: {
+      // Exact widening, element by element: split over the threads for the large captures.
+      const auto count = static_cast<std::int64_t>(element_count);
+#pragma omp parallel for schedule(static) if (count >= (std::int64_t{1} << 20))
+      for (std::int64_t i = 0; i < count; ++i) destination[i] = core::bf16_to_float(load<std::uint16_t>(bytes + 2 * i));
       return;
+    }
     case dtype::f8_e4m3:
       for (std::uint64_t i = 0; i < element_count; ++i) {
         destination[i] = static_cast<float>(core::decode(element_kind::fp8_e4m3, bytes[i]));
