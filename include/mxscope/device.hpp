@@ -1,8 +1,8 @@
 // Choosing where the heavy stages of a GEMM study run: `cpu` (the default) or `gpu` (the GPU
 // backend of include/mxscope/gpu.hpp, when this build has it). Every stage gives the same bits on
 // either device; the GPU takes the stages it has kernels for and leaves the rest to the CPU:
-// - quantize: MX formats on the GPU, and within gemm/replay per-tensor fp8 too; NVFP4, bf16 and
-//   fp32 on the CPU;
+// - quantize: MX formats on the GPU, and within gemm/replay per-tensor fp8 and bf16 too; NVFP4
+//   and fp32 on the CPU;
 // - product: MX x MX under exact, fp32-block, fp32-group:G, fp32-seq on the GPU, and finite
 //   bf16/fp32 operands (fp32 output) under the same models (exact through the reference kernel),
 //   and per-tensor fp8 operands with finite elements under exact, fp32-block, fp32-group:G (the
