@@ -1775,16 +1775,28 @@ device_matrix_ptr canonical_on_device(const quantized_tensor& q) {
   return std::make_shared<const gpu::device_matrix>(gpu::transposed(*values));
 }
 
-// Whether an operand quantized on the GPU left its values only there.
+// Whether an operand quantized on the GPU left its values, or its codes, only there.
 bool values_only_on_device(const quantized_tensor& q) {
-  return q.device_dequantized && q.dequantized.size() != q.rows * q.cols;
+  const bool values = q.device_dequantized && q.dequantized.size() != q.rows * q.cols;
+  const bool codes = q.device_codes && q.codes.size() != q.device_codes->bytes();
+  return values || codes;
 }
 
-// The operand with its values on the host (for the CPU's product paths).
+// The operand with its values and codes on the host (for the CPU's product paths).
 quantized_tensor with_host_values(const quantized_tensor& q) {
   quantized_tensor out = q;
-  out.dequantized = q.device_dequantized->download32();
+  if (q.device_dequantized && q.dequantized.size() != q.rows * q.cols) {
+    out.dequantized = q.device_dequantized->download32();
+  }
+  if (q.device_codes && q.codes.size() != q.device_codes->bytes()) {
+    out.codes.resize(q.device_codes->bytes());
+    q.device_codes->download(out.codes.data(), out.codes.size());
+    out.scales.resize(q.device_scales ? q.device_scales->bytes() : 0);
+    if (!out.scales.empty()) q.device_scales->download(out.scales.data(), out.scales.size());
+  }
   out.device_dequantized.reset();
+  out.device_codes.reset();
+  out.device_scales.reset();
   return out;
 }
 #endif
@@ -2164,9 +2176,12 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
       for (const auto& [host, device] : options.resident_operands) {
         if (host == &tensor && device) resident = device.get();
       }
-      quantized_tensor quantized =
-          gpu::quantize_with_energies(tensor, quantize_with, rotation_for(chosen, context),
-                                      chosen.accumulation.kind == accumulation_kind::fp32_seq, energies, resident);
+      // MX codes stay on the GPU for a product that runs there (per-tensor codes come to the host:
+      // the tensor scales' path reads them there).
+      const bool codes_on_device_only = options.keep_on_device && quantize_with.format.scheme == quant_scheme::mx;
+      quantized_tensor quantized = gpu::quantize_with_energies(
+          tensor, quantize_with, rotation_for(chosen, context), chosen.accumulation.kind == accumulation_kind::fp32_seq,
+          energies, resident, codes_on_device_only);
       summary = summarize_counts(name, axis, tensor.size(), quantized);
       summary.signal_energy = energies.signal;
       summary.error_energy = energies.error;

@@ -320,15 +320,18 @@ struct operand_energies {
   double error = 0.0;
 };
 // `resident`, when given, holds the same values as `input` in device memory and is read instead of
-// uploading `input` (it is not modified).
+// uploading `input` (it is not modified). The codes and block scales stay in device memory too
+// (out.device_codes, out.device_scales); codes_on_device_only: the host vectors are left empty.
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
-                                        operand_energies& energies, const device_matrix* resident = nullptr);
+                                        operand_energies& energies, const device_matrix* resident = nullptr,
+                                        bool codes_on_device_only = false);
 
 // The transpose of a device matrix, in device memory.
 device_matrix transposed(const device_matrix& values);
 
-// The emulated product of two MX quantized tensors (as mxscope::emulate_product). Models: exact,
+// The emulated product of two MX quantized tensors (as mxscope::emulate_product). Codes and scales
+// in device memory (quantized_tensor::device_codes, device_scales) are read there, else uploaded. Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
 // keep_on_device: the results stay in device memory (product_result::device_out, device_exact)
 // and the host matrices empty.

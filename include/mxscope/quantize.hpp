@@ -71,6 +71,10 @@ struct quantized_tensor {
   // Quantized on the GPU for a product that runs there (run_gemm with device gpu, bf16 operands):
   // the dequantized values in device memory; `dequantized` above is then empty.
   device_matrix_ptr device_dequantized;
+  // Quantized on the GPU (run_gemm with device gpu): `codes` and `scales` in device memory, in the
+  // layout above; with gemm_options::keep_on_device the host vectors are then left empty.
+  device_buffer_ptr device_codes;
+  device_buffer_ptr device_scales;
   std::int64_t nonzero_inputs = 0;
   std::int64_t flushed = 0;          // nonzero inputs quantized to zero
   std::int64_t saturated = 0;        // inputs clipped at the max normal

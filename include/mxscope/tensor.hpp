@@ -13,8 +13,10 @@ namespace gpu {
 // of a replay are held through std::shared_ptr<const gpu::device_matrix>, which any translation unit
 // can hold and destroy without the GPU backend's headers.
 class device_matrix;
+class device_buffer;
 }  // namespace gpu
 using device_matrix_ptr = std::shared_ptr<const gpu::device_matrix>;
+using device_buffer_ptr = std::shared_ptr<const gpu::device_buffer>;
 
 template <class T>
 struct basic_matrix {

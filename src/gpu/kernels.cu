@@ -2833,7 +2833,8 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 
 quantized_tensor quantize_with_energies(const matrix& input, const quantize_options& options,
                                         const rotation_options& rotation, bool keep_dequantized,
-                                        operand_energies& energies, const device_matrix* resident) {
+                                        operand_energies& energies, const device_matrix* resident,
+                                        bool codes_on_device_only) {
   if (resident != nullptr && (resident->rows() != input.rows || resident->cols() != input.cols)) {
     throw std::logic_error("gpu quantize: the resident operand's shape differs from the host operand's");
   }
@@ -2885,8 +2886,10 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     }
     operand = working.as<const float>();
   }
-  device_buffer codes(out.codes.size());
-  device_buffer scales(out.scales.size());
+  auto codes_buffer = std::make_shared<device_buffer>(out.codes.size());
+  auto scales_buffer = std::make_shared<device_buffer>(out.scales.size());
+  device_buffer& codes = *codes_buffer;
+  device_buffer& scales = *scales_buffer;
   auto dequantized_matrix = std::make_shared<device_matrix>(input.rows, input.cols, device_matrix::element::fp32);
   float* const dequantized = dequantized_matrix->fp32();
   device_buffer counters(mx_counter_count * sizeof(unsigned long long));
@@ -2924,8 +2927,15 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   partials.download(host_partials.data(), partials.bytes());
   energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
   energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
-  codes.download(out.codes.data(), out.codes.size());
-  if (!out.scales.empty()) scales.download(out.scales.data(), out.scales.size());
+  if (codes_on_device_only) {
+    out.codes.clear();
+    out.scales.clear();
+  } else {
+    codes.download(out.codes.data(), out.codes.size());
+    if (!out.scales.empty()) scales.download(out.scales.data(), out.scales.size());
+  }
+  out.device_codes = std::move(codes_buffer);
+  out.device_scales = std::move(scales_buffer);
   if (keep_dequantized) out.dequantized = dequantized_matrix->download32();
   if (bf16) out.device_dequantized = std::move(dequantized_matrix);  // for the GPU's plain products
   take_counters(counters, out);
@@ -2950,10 +2960,18 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
     view.cols = q.cols;
     return view;
   };
-  const device_buffer a_codes = upload_vector(a.codes);
-  const device_buffer a_scales = upload_vector(a.scales);
-  const device_buffer b_codes = upload_vector(b.codes);
-  const device_buffer b_scales = upload_vector(b.scales);
+  // Codes and scales already in device memory are read there; the others are uploaded.
+  const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
+    return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
+  };
+  const device_buffer_ptr a_codes_held = on_device(a.device_codes, a.codes);
+  const device_buffer_ptr a_scales_held = on_device(a.device_scales, a.scales);
+  const device_buffer_ptr b_codes_held = on_device(b.device_codes, b.codes);
+  const device_buffer_ptr b_scales_held = on_device(b.device_scales, b.scales);
+  const device_buffer& a_codes = *a_codes_held;
+  const device_buffer& a_scales = *a_scales_held;
+  const device_buffer& b_codes = *b_codes_held;
+  const device_buffer& b_scales = *b_scales_held;
   const mx_operand_view a_view = view_of(a, a_codes, a_scales);
   const mx_operand_view b_view = view_of(b, b_codes, b_scales);
   gemm_path chosen = path == gemm_path::automatic ? resolve_gemm_path(a_view, b_view, model) : path;

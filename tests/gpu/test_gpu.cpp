@@ -359,6 +359,20 @@ void quantize_energies(bool small) {
         const std::string policy = describe(options, rotation) + (keep ? " (dequantized kept)" : "");
         if (got.codes != expected.codes) return "codes differ; " + policy;
         if (got.scales != expected.scales) return "scales differ; " + policy;
+        // The codes and scales also stay in device memory; codes_on_device_only leaves only those.
+        gpu::operand_energies again;
+        const mxscope::quantized_tensor resident =
+            gpu::quantize_with_energies(input, options, rotation, keep, again, nullptr, true);
+        if (!resident.codes.empty() || !resident.scales.empty() || !resident.device_codes || !resident.device_scales) {
+          return "codes_on_device_only: the codes are not (only) in device memory; " + policy;
+        }
+        std::vector<std::uint8_t> device_codes(resident.device_codes->bytes());
+        std::vector<std::uint8_t> device_scales(resident.device_scales->bytes());
+        resident.device_codes->download(device_codes.data(), device_codes.size());
+        resident.device_scales->download(device_scales.data(), device_scales.size());
+        if (device_codes != expected.codes || device_scales != expected.scales) {
+          return "codes or scales in device memory differ; " + policy;
+        }
         if (got.nonzero_inputs != expected.nonzero_inputs || got.flushed != expected.flushed ||
             got.saturated != expected.saturated || got.nonfinite_inputs != expected.nonfinite_inputs) {
           return "counters differ; " + policy;
@@ -1012,6 +1026,24 @@ void gemm_edges(bool small) {
     const gemm_output kept_out{kept.device_out->download32(), matrix64()};
     return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, kept_out, {},
                                  "keep_on_device, seed " + hex64(seed));
+  });
+  run_case("gemm host api gpu::emulate_product mxfp4 fp32-block from codes in device memory", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    // Device copies of the codes and scales, and host vectors emptied: the product must read them there.
+    mxscope::quantized_tensor da = qa, db = qb;
+    for (auto* q : {&da, &db}) {
+      auto codes = std::make_shared<gpu::device_buffer>(q->codes.size());
+      auto scales = std::make_shared<gpu::device_buffer>(q->scales.size());
+      codes->upload(q->codes.data(), q->codes.size());
+      scales->upload(q->scales.data(), q->scales.size());
+      q->device_codes = codes;
+      q->device_scales = scales;
+      q->codes.clear();
+      q->scales.clear();
+    }
+    const mxscope::product_result result = gpu::emulate_product(da, db, model);
+    const gemm_output got{result.out, matrix64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
   });
   run_case("gemm host api gpu::emulate_product mxfp4 exact automatic keep_on_device", [&]() -> std::string {
     const auto model = model_of(mxscope::accumulation_kind::exact);
