@@ -903,6 +903,36 @@ __global__ void prepare_exponents_kernel(mx_operand_view operand, std::int64_t r
   }
 }
 
+// The tensor-core fp32-block kernel's view of the block exponents (tensor_core_block_kernel): per
+// block and row the fp32 scale 2^(e - fraction_bits), [blocks, padded rows], where
+// -126 <= e - fraction_bits <= tc_scale_high (a normal float; 1.5 * 2^23 times it stays finite);
+// and per block and 128-row tile a flag, set where some row of the tile falls outside that range
+// or is a NaN block (its scale is left 0): the kernel takes its exact slow step for the whole tile.
+constexpr int tc_scale_row_pad = 256;  // padded rows: a multiple of both kernel tiles (128, 256)
+constexpr int tc_flag_rows = 128;
+constexpr int tc_scale_low = -126;
+constexpr int tc_scale_high = 100;
+
+__global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents, std::int64_t rows,
+                                                  std::int64_t padded_rows, std::int64_t blocks, int fraction_bits,
+                                                  float* scales, unsigned* slow_tiles) {
+  MXSCOPE_GRID_LOOP(t, blocks * padded_rows) {
+    const std::int64_t b = t / padded_rows;
+    const std::int64_t row = t % padded_rows;
+    float scale = 0.0f;
+    if (row < rows) {
+      const std::int32_t exponent = exponents[b * rows + row];
+      const std::int32_t power = exponent - fraction_bits;
+      if (exponent != nan_block_exponent && power >= tc_scale_low && power <= tc_scale_high) {
+        scale = core_ns::bits_float(static_cast<std::uint32_t>(power + 127) << 23);
+      } else {
+        atomicMax(&slow_tiles[b * (padded_rows / tc_flag_rows) + row / tc_flag_rows], 1U);
+      }
+    }
+    scales[t] = scale;
+  }
+}
+
 }  // namespace
 
 struct prepared_operand::storage {
@@ -918,6 +948,9 @@ struct prepared_operand::storage {
   device_buffer integers;   // int32 [rows, depth] (integer)
   device_buffer bytes;      // int8 [rows, byte_stride] (tensor_core)
   device_buffer exponents;  // int32 [blocks, rows]
+  std::int64_t padded_rows = 0;  // rows rounded up to tc_scale_row_pad (tensor_core)
+  device_buffer scales;      // float [blocks, padded_rows] (tensor_core; prepare_tensor_core_scales_kernel)
+  device_buffer slow_tiles;  // unsigned [blocks, padded_rows / 128] (tensor_core)
   device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
 };
 
@@ -1059,6 +1092,15 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   if (s.rows > 0 && s.blocks > 0) {
     runtime::launch(prepare_exponents_kernel, grid_for(s.blocks * s.rows), threads_per_block, 0, operand, s.rows,
                     s.blocks, s.exponents.as<std::int32_t>());
+  }
+  if (path == gemm_path::tensor_core && s.rows > 0 && s.blocks > 0) {
+    s.padded_rows = (s.rows + tc_scale_row_pad - 1) / tc_scale_row_pad * tc_scale_row_pad;
+    s.scales = device_buffer(static_cast<std::size_t>(s.blocks * s.padded_rows) * sizeof(float));
+    s.slow_tiles = device_buffer(static_cast<std::size_t>(s.blocks * (s.padded_rows / tc_flag_rows)) * sizeof(unsigned));
+    s.slow_tiles.fill_bytes(0);
+    runtime::launch(prepare_tensor_core_scales_kernel, grid_for(s.blocks * s.padded_rows), threads_per_block, 0,
+                    s.exponents.as<const std::int32_t>(), s.rows, s.padded_rows, s.blocks,
+                    fraction_bits_of(operand.element), s.scales.as<float>(), s.slow_tiles.as<unsigned>());
   }
   int nonfinite = 0;
   flag.download(&nonfinite, sizeof(int));  // synchronizes
@@ -2039,6 +2081,288 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
   }
 }
 
+
+// -------------------------------------------------------------------------------------------
+// fp32-block on the tensor cores, the fast kernel. The mma's accumulator input carries the
+// constant C = 0x4B400000 (the bits of 1.5 * 2^23) into every entry, so that each int32 result
+// C + D, read as the bits of a float, IS the float 1.5 * 2^23 + D exactly (|D| < 2^22 keeps the
+// sum inside the binade [2^23, 2^24), whose ulp is 1): no int-to-float conversion. With the
+// row scale r = 2^(ea - fa) and the column scale c = 2^(eb - fb) (prepare_tensor_core_scales_kernel:
+// normal floats, -126 <= ea - fa, eb - fb <= 100), two fused multiply-adds per entry and block,
+//   x   = fma(1.5 * 2^23 + D, r, -(1.5 * 2^23) r)  = D r                 (exact: D r is a float)
+//   acc = fma(x, c, acc)                          = fl32(acc + D 2^k)    (one rounding of the exact sum)
+// give the model's step for every k = ea + eb - fa - fb, subnormal and overflowing sums included
+// (an fma rounds the exact x c + acc once; the core's add_to_float does the same). A 128-row tile
+// whose block holds an exponent outside that range or a NaN block takes the general step
+// (tensor_core_step) for the whole thread block in that block; the choice is uniform, per block.
+//
+// Tiling: 128 x 256 entries of C per thread block of 8 warps (2 x 4), 64 x 64 per warp (4 x 8 mma
+// tiles, 128 fp32 accumulators per thread); each stage holds one 32-byte K-block of 128 rows of A
+// and 256 rows of B, their scales and the three tile flags, four stages deep (cp.async). Rows are
+// 32 bytes with the two 16-byte halves swapped on rows 4..7 of every 8 (row r, half h at
+// 32 r + 16 (h ^ ((r >> 2) & 1))), so that the eight row addresses of each ldmatrix phase fall in
+// eight distinct 16-byte bank groups.
+
+constexpr int tcb_tile_m = 128;
+constexpr int tcb_tile_n = 256;
+constexpr int tcb_stages = 4;
+constexpr int tcb_threads = 256;
+constexpr int tcb_magic = 0x4B400000;  // the bits of 1.5 * 2^23
+constexpr float tcb_magic_value = 12582912.0f;
+
+struct alignas(16) tcb_stage {
+  std::uint8_t a[tcb_tile_m * 32];
+  std::uint8_t b[tcb_tile_n * 32];
+  float a_scales[tcb_tile_m];
+  float b_scales[tcb_tile_n];
+  unsigned slow[4];  // the A tile's flag, the B tile's two (one per 128 rows), unused
+};
+constexpr std::size_t tcb_shared_bytes = tcb_stages * sizeof(tcb_stage);
+static_assert(sizeof(tcb_stage) % 16 == 0 && tcb_tile_n == 2 * tc_flag_rows && tcb_tile_m == tc_flag_rows);
+
+__device__ inline int tcb_offset(int row, int half) { return row * 32 + (((half ^ (row >> 2)) & 1) << 4); }
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
+  simulation::load_matrix_x4(r, row_address);
+}
+inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2], int c) {
+  const int accumulator[4] = {c, c, c, c};
+  simulation::mma_s8(d, a, b, accumulator);
+}
+#else
+// ldmatrix .x4 (the per-lane semantics are spelled out in simulation.hpp).
+__device__ inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// mma.sync m16n8k32 s8 x s8 + C -> s32 with C = c in every entry.
+__device__ inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2], int c) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c));
+}
+#endif
+
+// One thread's share of every stage: one 16-byte chunk of A, two of B, and for 99 of the 256
+// threads one more copy (16 bytes of scales or a 4-byte tile flag). The sources advance by a
+// fixed step per K-block (none for rows past the end, which copy zeros), the destinations are
+// fixed offsets in a stage.
+struct tcb_loader {
+  const std::int8_t* a_source;
+  const std::int8_t* b_source[2];
+  const unsigned char* extra_source;
+  std::int64_t a_step, b_step[2], extra_step;
+  int a_offset, b_offset[2], extra_offset;
+  bool a_inside, b_inside[2];
+  int extra_bytes;  // 0, 4 or 16
+
+  __device__ tcb_loader(const std::int8_t* a, const float* a_scales, const unsigned* a_slow, const std::int8_t* b,
+                        const float* b_scales, const unsigned* b_slow, std::int64_t m, std::int64_t n,
+                        std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t i0,
+                        std::int64_t j0) {
+    const int t = threadIdx.x;
+    const int row = t / 2;
+    const int half = t % 2;
+    a_inside = i0 + row < m;
+    a_source = a_inside ? a + (i0 + row) * stride + half * 16 : a;
+    a_step = a_inside ? 32 : 0;
+    a_offset = static_cast<int>(offsetof(tcb_stage, a)) + tcb_offset(row, half);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int b_row = row + q * (tcb_threads / 2);
+      b_inside[q] = j0 + b_row < n;
+      b_source[q] = b_inside[q] ? b + (j0 + b_row) * stride + half * 16 : b;
+      b_step[q] = b_inside[q] ? 32 : 0;
+      b_offset[q] = static_cast<int>(offsetof(tcb_stage, b)) + tcb_offset(b_row, half);
+    }
+    // Scales: the padded rows make every 16-byte chunk exist and aligned.
+    constexpr int a_chunks = tcb_tile_m / 4, scale_chunks = (tcb_tile_m + tcb_tile_n) / 4;
+    extra_bytes = 0;
+    extra_source = nullptr;
+    extra_step = 0;
+    extra_offset = 0;
+    if (t < a_chunks) {
+      extra_bytes = 16;
+      extra_source = reinterpret_cast<const unsigned char*>(a_scales + i0 + 4 * t);
+      extra_step = padded_m * static_cast<std::int64_t>(sizeof(float));
+      extra_offset = static_cast<int>(offsetof(tcb_stage, a_scales)) + 16 * t;
+    } else if (t < scale_chunks) {
+      extra_bytes = 16;
+      extra_source = reinterpret_cast<const unsigned char*>(b_scales + j0 + 4 * (t - a_chunks));
+      extra_step = padded_n * static_cast<std::int64_t>(sizeof(float));
+      extra_offset = static_cast<int>(offsetof(tcb_stage, b_scales)) + 16 * (t - a_chunks);
+    } else if (t == scale_chunks) {
+      extra_bytes = 4;
+      extra_source = reinterpret_cast<const unsigned char*>(a_slow + i0 / tc_flag_rows);
+      extra_step = padded_m / tc_flag_rows * static_cast<std::int64_t>(sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_stage, slow));
+    } else if (t <= scale_chunks + 2) {
+      const int q = t - scale_chunks - 1;
+      extra_bytes = 4;
+      extra_source = reinterpret_cast<const unsigned char*>(b_slow + j0 / tc_flag_rows + q);
+      extra_step = padded_n / tc_flag_rows * static_cast<std::int64_t>(sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_stage, slow)) + 4 * (1 + q);
+    }
+  }
+
+  // Copies the next K-block into `stage` and advances.
+  __device__ void load(unsigned char* stage) {
+    copy_async_16(stage + a_offset, a_source, a_inside);
+    a_source += a_step;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      copy_async_16(stage + b_offset[q], b_source[q], b_inside[q]);
+      b_source[q] += b_step[q];
+    }
+    if (extra_bytes == 16) {
+      copy_async_16(stage + extra_offset, extra_source, true);
+    } else if (extra_bytes == 4) {
+      copy_async_4(stage + extra_offset, extra_source, true);
+    }
+    extra_source += extra_step;
+  }
+};
+
+__global__ void __launch_bounds__(tcb_threads, 1)
+    tensor_core_block_kernel(const std::int8_t* a, const float* a_scales, const unsigned* a_slow,
+                             const std::int32_t* a_exponents, const std::int8_t* b, const float* b_scales,
+                             const unsigned* b_slow, const std::int32_t* b_exponents, std::int64_t m, std::int64_t n,
+                             std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t blocks,
+                             int fraction_total, output_rounding output, float* out) {
+  MXSCOPE_DYNAMIC_SHARED(uint4, tcb_shared);
+  tcb_stage* stages = reinterpret_cast<tcb_stage*>(tcb_shared);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group_id = lane / 4;
+  const int thread_in_group = lane % 4;
+  const int warp_m = warp / 4;  // 0..1: 64 rows each
+  const int warp_n = warp % 4;  // 0..3: 64 columns each
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tcb_tile_m;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tcb_tile_n;
+  // ldmatrix row addresses of this lane (matrix lane / 8, its row lane % 8): A matrices 0..3 are
+  // (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) of an m16
+  // tile, i.e. a0..a3; B matrices are (n8 tile 2p, k 0-15), (2p, k 16-31), (2p+1, k 0-15),
+  // (2p+1, k 16-31), i.e. b0, b1 of two n8 tiles.
+  // Rows 16 apart keep the swizzle, so the tiles mi and p are 512 bytes further on.
+  const int matrix = lane / 8;
+  const int a_matrix_offset =
+      static_cast<int>(offsetof(tcb_stage, a)) + tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2);
+  const int b_matrix_offset =
+      static_cast<int>(offsetof(tcb_stage, b)) + tcb_offset(warp_n * 64 + (matrix / 2) * 8 + lane % 8, matrix % 2);
+
+  float accumulators[4][8][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+
+  tcb_loader loader(a, a_scales, a_slow, b, b_scales, b_slow, m, n, stride, padded_m, padded_n, i0, j0);
+  unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(stages);
+#pragma unroll
+  for (int s = 0; s < tcb_stages - 1; ++s) {
+    if (s < blocks) loader.load(shared_bytes + s * sizeof(tcb_stage));
+    copy_async_commit();
+  }
+
+  int compute_stage = 0;
+  int load_stage = tcb_stages - 1;
+  for (std::int64_t kb = 0; kb < blocks; ++kb) {
+    copy_async_wait<tcb_stages - 2>();
+    __syncthreads();
+    // Refill the stage everyone finished with in the previous iteration.
+    if (kb + tcb_stages - 1 < blocks) loader.load(shared_bytes + load_stage * sizeof(tcb_stage));
+    copy_async_commit();
+    load_stage = load_stage == tcb_stages - 1 ? 0 : load_stage + 1;
+
+    const unsigned char* const stage_bytes = shared_bytes + compute_stage * sizeof(tcb_stage);
+    const tcb_stage& stage = *reinterpret_cast<const tcb_stage*>(stage_bytes);
+    compute_stage = compute_stage == tcb_stages - 1 ? 0 : compute_stage + 1;
+    std::uint32_t b_fragments[8][2];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      std::uint32_t r[4];
+      load_matrix_x4(r, stage_bytes + b_matrix_offset + 512 * p);
+      b_fragments[2 * p][0] = r[0];
+      b_fragments[2 * p][1] = r[1];
+      b_fragments[2 * p + 1][0] = r[2];
+      b_fragments[2 * p + 1][1] = r[3];
+    }
+    const bool fast = (stage.slow[0] | stage.slow[1] | stage.slow[2]) == 0U;  // the same in every thread
+    if (fast) {
+      float col_scales[8][2];
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni) {
+        const float2 pair =
+            *reinterpret_cast<const float2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
+        col_scales[ni][0] = pair.x;
+        col_scales[ni][1] = pair.y;
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        std::uint32_t a_fragment[4];
+        load_matrix_x4(a_fragment, stage_bytes + a_matrix_offset + 512 * mi);
+        const int row = warp_m * 64 + mi * 16 + group_id;
+        const float row_scales[2] = {stage.a_scales[row], stage.a_scales[row + 8]};
+        const float offsets[2] = {__fmul_rn(-tcb_magic_value, row_scales[0]),
+                                  __fmul_rn(-tcb_magic_value, row_scales[1])};
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) {
+          int d[4];
+          mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float x = __fmaf_rn(core_ns::bits_float(static_cast<std::uint32_t>(d[e])), row_scales[e / 2],
+                                      offsets[e / 2]);
+            accumulators[mi][ni][e] = __fmaf_rn(x, col_scales[ni][e % 2], accumulators[mi][ni][e]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        std::uint32_t a_fragment[4];
+        load_matrix_x4(a_fragment, stage_bytes + a_matrix_offset + 512 * mi);
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) {
+          int d[4];
+          mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+            const std::int64_t j = j0 + warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
+            if (i >= m || j >= n) continue;
+            accumulators[mi][ni][e] = tensor_core_step(accumulators[mi][ni][e], d[e] - tcb_magic,
+                                                       a_exponents[kb * m + i], b_exponents[kb * n + j],
+                                                       fraction_total);
+          }
+        }
+      }
+    }
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+        const std::int64_t j = j0 + warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
+        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+      }
+    }
+  }
+}
+
 #endif  // MXSCOPE_CUDA_TENSOR_CORES
 
 }  // namespace
@@ -2128,10 +2452,22 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
                         a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
         synchronize();  // the flag buffer must outlive both kernels
       } else {
-        runtime::launch(tensor_core_product_kernel<false>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
-                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
-                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                        out, nullptr, nullptr);
+#if !defined(MXSCOPE_GPU_SIMULATE)
+        static const bool shared_set = [] {  // more than the default 48 KiB of dynamic shared memory
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcb_shared_bytes)));
+          return true;
+        }();
+        (void)shared_set;
+#endif
+        const dim3 block_grid(static_cast<unsigned>((n + tcb_tile_n - 1) / tcb_tile_n),
+                              static_cast<unsigned>((m + tcb_tile_m - 1) / tcb_tile_m));
+        runtime::launch(tensor_core_block_kernel, block_grid, tcb_threads, tcb_shared_bytes,
+                        a.bytes.as<const std::int8_t>(), a.scales.as<const float>(),
+                        a.slow_tiles.as<const unsigned>(), a.exponents.as<const std::int32_t>(),
+                        b.bytes.as<const std::int8_t>(), b.scales.as<const float>(),
+                        b.slow_tiles.as<const unsigned>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
+                        a.padded_rows, b.padded_rows, a.blocks, fraction_total, output, out);
       }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");
