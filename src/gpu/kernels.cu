@@ -904,10 +904,12 @@ __global__ void prepare_exponents_kernel(mx_operand_view operand, std::int64_t r
 }
 
 // The tensor-core fp32-block kernel's view of the block exponents (tensor_core_block_kernel): per
-// block and row the fp32 scale 2^(e - fraction_bits), [blocks, padded rows], where
-// -126 <= e - fraction_bits <= tc_scale_high (a normal float; 1.5 * 2^23 times it stays finite);
-// and per block and 128-row tile a flag, set where some row of the tile falls outside that range
-// or is a NaN block (its scale is left 0): the kernel takes its exact slow step for the whole tile.
+// block and row, [blocks, padded rows], the bits of the fp32 scale 2^(e - fraction_bits) where
+// -126 <= e - fraction_bits <= tc_scale_high (a normal float; 1.5 * 2^23 times it stays finite),
+// and elsewhere the sign bit over the low 31 bits of e - fraction_bits (nan_block_exponent itself
+// for a NaN block; tc_scale_exponent decodes both); padded rows hold 0. Per block and 128-row tile
+// a flag, set where some row of the tile lies outside the range: the kernel then takes the general
+// step (tensor_core_step) for the whole tile in that block.
 constexpr int tc_scale_row_pad = 256;  // padded rows: a multiple of both kernel tiles (128, 256)
 constexpr int tc_flag_rows = 128;
 constexpr int tc_scale_low = -126;
@@ -915,17 +917,18 @@ constexpr int tc_scale_high = 100;
 
 __global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents, std::int64_t rows,
                                                   std::int64_t padded_rows, std::int64_t blocks, int fraction_bits,
-                                                  float* scales, unsigned* slow_tiles) {
+                                                  std::uint32_t* scales, unsigned* slow_tiles) {
   MXSCOPE_GRID_LOOP(t, blocks * padded_rows) {
     const std::int64_t b = t / padded_rows;
     const std::int64_t row = t % padded_rows;
-    float scale = 0.0f;
+    std::uint32_t scale = 0;
     if (row < rows) {
       const std::int32_t exponent = exponents[b * rows + row];
-      const std::int32_t power = exponent - fraction_bits;
+      const std::int32_t power = exponent == nan_block_exponent ? nan_block_exponent : exponent - fraction_bits;
       if (exponent != nan_block_exponent && power >= tc_scale_low && power <= tc_scale_high) {
-        scale = core_ns::bits_float(static_cast<std::uint32_t>(power + 127) << 23);
+        scale = static_cast<std::uint32_t>(power + 127) << 23;
       } else {
+        scale = 0x80000000U | (static_cast<std::uint32_t>(power) & 0x7FFFFFFFU);
         atomicMax(&slow_tiles[b * (padded_rows / tc_flag_rows) + row / tc_flag_rows], 1U);
       }
     }
@@ -949,7 +952,7 @@ struct prepared_operand::storage {
   device_buffer bytes;      // int8 [rows, byte_stride] (tensor_core)
   device_buffer exponents;  // int32 [blocks, rows]
   std::int64_t padded_rows = 0;  // rows rounded up to tc_scale_row_pad (tensor_core)
-  device_buffer scales;      // float [blocks, padded_rows] (tensor_core; prepare_tensor_core_scales_kernel)
+  device_buffer scales;      // uint32 [blocks, padded_rows] (tensor_core; prepare_tensor_core_scales_kernel)
   device_buffer slow_tiles;  // unsigned [blocks, padded_rows / 128] (tensor_core)
   device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
 };
@@ -1095,12 +1098,13 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   }
   if (path == gemm_path::tensor_core && s.rows > 0 && s.blocks > 0) {
     s.padded_rows = (s.rows + tc_scale_row_pad - 1) / tc_scale_row_pad * tc_scale_row_pad;
-    s.scales = device_buffer(static_cast<std::size_t>(s.blocks * s.padded_rows) * sizeof(float));
-    s.slow_tiles = device_buffer(static_cast<std::size_t>(s.blocks * (s.padded_rows / tc_flag_rows)) * sizeof(unsigned));
+    s.scales = device_buffer(static_cast<std::size_t>(s.blocks * s.padded_rows) * sizeof(std::uint32_t));
+    s.slow_tiles =
+        device_buffer(static_cast<std::size_t>(s.blocks * (s.padded_rows / tc_flag_rows)) * sizeof(unsigned));
     s.slow_tiles.fill_bytes(0);
     runtime::launch(prepare_tensor_core_scales_kernel, grid_for(s.blocks * s.padded_rows), threads_per_block, 0,
                     s.exponents.as<const std::int32_t>(), s.rows, s.padded_rows, s.blocks,
-                    fraction_bits_of(operand.element), s.scales.as<float>(), s.slow_tiles.as<unsigned>());
+                    fraction_bits_of(operand.element), s.scales.as<std::uint32_t>(), s.slow_tiles.as<unsigned>());
   }
   int nonfinite = 0;
   flag.download(&nonfinite, sizeof(int));  // synchronizes
@@ -2081,7 +2085,6 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
   }
 }
 
-
 // -------------------------------------------------------------------------------------------
 // fp32-block on the tensor cores, the fast kernel. The mma's accumulator input carries the
 // constant C = 0x4B400000 (the bits of 1.5 * 2^23) into every entry, so that each int32 result
@@ -2106,21 +2109,30 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
 constexpr int tcb_tile_m = 128;
 constexpr int tcb_tile_n = 256;
 constexpr int tcb_stages = 4;
+constexpr int tcb_stage_blocks = 2;  // K-blocks per stage (one barrier per stage)
+constexpr int tcb_group = 8;         // row tiles per group of the launch order
 constexpr int tcb_threads = 256;
 constexpr int tcb_magic = 0x4B400000;  // the bits of 1.5 * 2^23
 constexpr float tcb_magic_value = 12582912.0f;
 
-struct alignas(16) tcb_stage {
+struct alignas(16) tcb_block {  // one K-block of a stage
   std::uint8_t a[tcb_tile_m * 32];
   std::uint8_t b[tcb_tile_n * 32];
-  float a_scales[tcb_tile_m];
-  float b_scales[tcb_tile_n];
+  std::uint32_t a_scales[tcb_tile_m];  // prepare_tensor_core_scales_kernel's encoding
+  std::uint32_t b_scales[tcb_tile_n];
   unsigned slow[4];  // the A tile's flag, the B tile's two (one per 128 rows), unused
 };
-constexpr std::size_t tcb_shared_bytes = tcb_stages * sizeof(tcb_stage);
-static_assert(sizeof(tcb_stage) % 16 == 0 && tcb_tile_n == 2 * tc_flag_rows && tcb_tile_m == tc_flag_rows);
+constexpr std::size_t tcb_stage_bytes = tcb_stage_blocks * sizeof(tcb_block);
+constexpr std::size_t tcb_shared_bytes = tcb_stages * tcb_stage_bytes;
+static_assert(sizeof(tcb_block) % 16 == 0 && tcb_tile_n == 2 * tc_flag_rows && tcb_tile_m == tc_flag_rows &&
+              tcb_tile_n == 2 * (tcb_threads / 2) && tcb_tile_m == tcb_threads / 2);
 
 __device__ inline int tcb_offset(int row, int half) { return row * 32 + (((half ^ (row >> 2)) & 1) << 4); }
+
+// The exponent e - fraction_bits (or nan_block_exponent) of prepare_tensor_core_scales_kernel's encoding.
+__device__ inline std::int32_t tc_scale_exponent(std::uint32_t bits) {
+  return (bits >> 31) != 0U ? static_cast<std::int32_t>(bits << 1) >> 1 : static_cast<std::int32_t>(bits >> 23) - 127;
+}
 
 #if defined(MXSCOPE_GPU_SIMULATE)
 inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
@@ -2149,38 +2161,33 @@ __device__ inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], c
 }
 #endif
 
-// One thread's share of every stage: one 16-byte chunk of A, two of B, and for 99 of the 256
-// threads one more copy (16 bytes of scales or a 4-byte tile flag). The sources advance by a
-// fixed step per K-block (none for rows past the end, which copy zeros), the destinations are
-// fixed offsets in a stage.
+// One thread's share of every K-block: one 16-byte chunk of A, two of B, and for 99 of the 256
+// threads one more copy (16 bytes of scales or a 4-byte tile flag). Rows past the end of A or B
+// copy the last row instead (their entries of C are never stored, and the scales of the padded
+// rows are those of a fast tile), so that every source simply advances by a fixed step per K-block;
+// the destinations are fixed offsets in a K-block of a stage: A's chunk at data_offset, B's at
+// data_offset + b_shift and 4096 bytes (128 rows, the same swizzle) further.
 struct tcb_loader {
+  static constexpr int b_shift = static_cast<int>(offsetof(tcb_block, b) - offsetof(tcb_block, a));
   const std::int8_t* a_source;
   const std::int8_t* b_source[2];
   const unsigned char* extra_source;
-  std::int64_t a_step, b_step[2], extra_step;
-  int a_offset, b_offset[2], extra_offset;
-  bool a_inside, b_inside[2];
-  int extra_bytes;  // 0, 4 or 16
+  int data_offset, extra_offset, extra_step, extra_bytes;  // extra_bytes: 0, 4 or 16
 
-  __device__ tcb_loader(const std::int8_t* a, const float* a_scales, const unsigned* a_slow, const std::int8_t* b,
-                        const float* b_scales, const unsigned* b_slow, std::int64_t m, std::int64_t n,
+  __device__ tcb_loader(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
+                        const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow, std::int64_t m,
+                        std::int64_t n,
                         std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t i0,
                         std::int64_t j0) {
     const int t = threadIdx.x;
     const int row = t / 2;
     const int half = t % 2;
-    a_inside = i0 + row < m;
-    a_source = a_inside ? a + (i0 + row) * stride + half * 16 : a;
-    a_step = a_inside ? 32 : 0;
-    a_offset = static_cast<int>(offsetof(tcb_stage, a)) + tcb_offset(row, half);
+    a_source = a + std::min(i0 + row, m - 1) * stride + half * 16;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const int b_row = row + q * (tcb_threads / 2);
-      b_inside[q] = j0 + b_row < n;
-      b_source[q] = b_inside[q] ? b + (j0 + b_row) * stride + half * 16 : b;
-      b_step[q] = b_inside[q] ? 32 : 0;
-      b_offset[q] = static_cast<int>(offsetof(tcb_stage, b)) + tcb_offset(b_row, half);
+      b_source[q] = b + std::min(j0 + row + q * (tcb_threads / 2), n - 1) * stride + half * 16;
     }
+    data_offset = static_cast<int>(offsetof(tcb_block, a)) + tcb_offset(row, half);
     // Scales: the padded rows make every 16-byte chunk exist and aligned.
     constexpr int a_chunks = tcb_tile_m / 4, scale_chunks = (tcb_tile_m + tcb_tile_n) / 4;
     extra_bytes = 0;
@@ -2190,61 +2197,72 @@ struct tcb_loader {
     if (t < a_chunks) {
       extra_bytes = 16;
       extra_source = reinterpret_cast<const unsigned char*>(a_scales + i0 + 4 * t);
-      extra_step = padded_m * static_cast<std::int64_t>(sizeof(float));
-      extra_offset = static_cast<int>(offsetof(tcb_stage, a_scales)) + 16 * t;
+      extra_step = static_cast<int>(padded_m * sizeof(std::uint32_t));
+      extra_offset = static_cast<int>(offsetof(tcb_block, a_scales)) + 16 * t;
     } else if (t < scale_chunks) {
       extra_bytes = 16;
       extra_source = reinterpret_cast<const unsigned char*>(b_scales + j0 + 4 * (t - a_chunks));
-      extra_step = padded_n * static_cast<std::int64_t>(sizeof(float));
-      extra_offset = static_cast<int>(offsetof(tcb_stage, b_scales)) + 16 * (t - a_chunks);
+      extra_step = static_cast<int>(padded_n * sizeof(std::uint32_t));
+      extra_offset = static_cast<int>(offsetof(tcb_block, b_scales)) + 16 * (t - a_chunks);
     } else if (t == scale_chunks) {
       extra_bytes = 4;
       extra_source = reinterpret_cast<const unsigned char*>(a_slow + i0 / tc_flag_rows);
-      extra_step = padded_m / tc_flag_rows * static_cast<std::int64_t>(sizeof(unsigned));
-      extra_offset = static_cast<int>(offsetof(tcb_stage, slow));
+      extra_step = static_cast<int>(padded_m / tc_flag_rows * sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_block, slow));
     } else if (t <= scale_chunks + 2) {
       const int q = t - scale_chunks - 1;
       extra_bytes = 4;
       extra_source = reinterpret_cast<const unsigned char*>(b_slow + j0 / tc_flag_rows + q);
-      extra_step = padded_n / tc_flag_rows * static_cast<std::int64_t>(sizeof(unsigned));
-      extra_offset = static_cast<int>(offsetof(tcb_stage, slow)) + 4 * (1 + q);
+      extra_step = static_cast<int>(padded_n / tc_flag_rows * sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_block, slow)) + 4 * (1 + q);
     }
   }
 
-  // Copies the next K-block into `stage` and advances.
-  __device__ void load(unsigned char* stage) {
-    copy_async_16(stage + a_offset, a_source, a_inside);
-    a_source += a_step;
+  // Copies the next stage's K-blocks (those below `remaining`) into `stage` and advances.
+  __device__ void load(unsigned char* stage, int remaining) {
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      copy_async_16(stage + b_offset[q], b_source[q], b_inside[q]);
-      b_source[q] += b_step[q];
+    for (int u = 0; u < tcb_stage_blocks; ++u) {
+      if (u >= remaining) break;
+      unsigned char* const block = stage + u * sizeof(tcb_block);
+      copy_async_16(block + data_offset, a_source + 32 * u, true);
+      copy_async_16(block + data_offset + b_shift, b_source[0] + 32 * u, true);
+      copy_async_16(block + data_offset + b_shift + 4096, b_source[1] + 32 * u, true);
+      if (extra_bytes == 16) {
+        copy_async_16(block + extra_offset, extra_source + u * extra_step, true);
+      } else if (extra_bytes == 4) {
+        copy_async_4(block + extra_offset, extra_source + u * extra_step, true);
+      }
     }
-    if (extra_bytes == 16) {
-      copy_async_16(stage + extra_offset, extra_source, true);
-    } else if (extra_bytes == 4) {
-      copy_async_4(stage + extra_offset, extra_source, true);
-    }
-    extra_source += extra_step;
+    a_source += 32 * tcb_stage_blocks;
+    b_source[0] += 32 * tcb_stage_blocks;
+    b_source[1] += 32 * tcb_stage_blocks;
+    extra_source += tcb_stage_blocks * extra_step;
   }
 };
 
 __global__ void __launch_bounds__(tcb_threads, 1)
-    tensor_core_block_kernel(const std::int8_t* a, const float* a_scales, const unsigned* a_slow,
-                             const std::int32_t* a_exponents, const std::int8_t* b, const float* b_scales,
-                             const unsigned* b_slow, const std::int32_t* b_exponents, std::int64_t m, std::int64_t n,
+    tensor_core_block_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
+                             const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,
+                             std::int64_t m, std::int64_t n,
                              std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t blocks,
-                             int fraction_total, output_rounding output, float* out) {
+                             std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output, float* out) {
   MXSCOPE_DYNAMIC_SHARED(uint4, tcb_shared);
-  tcb_stage* stages = reinterpret_cast<tcb_stage*>(tcb_shared);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;
   const int thread_in_group = lane % 4;
   const int warp_m = warp / 4;  // 0..1: 64 rows each
   const int warp_n = warp % 4;  // 0..3: 64 columns each
-  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tcb_tile_m;
-  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tcb_tile_n;
+  // Thread blocks in groups of tcb_group row tiles, column tile by column tile within a group:
+  // the blocks resident at one time share fewer A and B tiles (L2 reuse).
+  // Sizes fit an int here (multiply_prepared checks).
+  const int tile = static_cast<int>(blockIdx.x);
+  const int group_tiles = tcb_group * static_cast<int>(tiles_n);
+  const int first_row_tile = tile / group_tiles * tcb_group;
+  const int group_rows = min(static_cast<int>(tiles_m) - first_row_tile, tcb_group);
+  const int i0 = (first_row_tile + tile % group_tiles % group_rows) * tcb_tile_m;
+  const int j0 = tile % group_tiles / group_rows * tcb_tile_n;
+  const int block_count = static_cast<int>(blocks);
   // ldmatrix row addresses of this lane (matrix lane / 8, its row lane % 8): A matrices 0..3 are
   // (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) of an m16
   // tile, i.e. a0..a3; B matrices are (n8 tile 2p, k 0-15), (2p, k 16-31), (2p+1, k 0-15),
@@ -2252,9 +2270,9 @@ __global__ void __launch_bounds__(tcb_threads, 1)
   // Rows 16 apart keep the swizzle, so the tiles mi and p are 512 bytes further on.
   const int matrix = lane / 8;
   const int a_matrix_offset =
-      static_cast<int>(offsetof(tcb_stage, a)) + tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2);
+      static_cast<int>(offsetof(tcb_block, a)) + tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2);
   const int b_matrix_offset =
-      static_cast<int>(offsetof(tcb_stage, b)) + tcb_offset(warp_n * 64 + (matrix / 2) * 8 + lane % 8, matrix % 2);
+      static_cast<int>(offsetof(tcb_block, b)) + tcb_offset(warp_n * 64 + (matrix / 2) * 8 + lane % 8, matrix % 2);
 
   float accumulators[4][8][4];
 #pragma unroll
@@ -2265,83 +2283,97 @@ __global__ void __launch_bounds__(tcb_threads, 1)
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
 
   tcb_loader loader(a, a_scales, a_slow, b, b_scales, b_slow, m, n, stride, padded_m, padded_n, i0, j0);
-  unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(stages);
+  unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(tcb_shared);
 #pragma unroll
   for (int s = 0; s < tcb_stages - 1; ++s) {
-    if (s < blocks) loader.load(shared_bytes + s * sizeof(tcb_stage));
+    const int first = s * tcb_stage_blocks;
+    if (first < block_count) loader.load(shared_bytes + s * tcb_stage_bytes, block_count - first);
     copy_async_commit();
   }
 
   int compute_stage = 0;
   int load_stage = tcb_stages - 1;
-  for (std::int64_t kb = 0; kb < blocks; ++kb) {
+  for (int kb0 = 0; kb0 < block_count; kb0 += tcb_stage_blocks) {
     copy_async_wait<tcb_stages - 2>();
     __syncthreads();
     // Refill the stage everyone finished with in the previous iteration.
-    if (kb + tcb_stages - 1 < blocks) loader.load(shared_bytes + load_stage * sizeof(tcb_stage));
+    const int next = kb0 + (tcb_stages - 1) * tcb_stage_blocks;
+    if (next < block_count) loader.load(shared_bytes + load_stage * tcb_stage_bytes, block_count - next);
     copy_async_commit();
     load_stage = load_stage == tcb_stages - 1 ? 0 : load_stage + 1;
-
-    const unsigned char* const stage_bytes = shared_bytes + compute_stage * sizeof(tcb_stage);
-    const tcb_stage& stage = *reinterpret_cast<const tcb_stage*>(stage_bytes);
+    const unsigned char* const stage_bytes = shared_bytes + compute_stage * tcb_stage_bytes;
     compute_stage = compute_stage == tcb_stages - 1 ? 0 : compute_stage + 1;
-    std::uint32_t b_fragments[8][2];
+
+#pragma unroll 1
+    for (int u = 0; u < tcb_stage_blocks; ++u) {
+      if (kb0 + u >= block_count) break;
+      const unsigned char* const block_bytes = stage_bytes + u * sizeof(tcb_block);
+      const tcb_block& stage = *reinterpret_cast<const tcb_block*>(block_bytes);
+      std::uint32_t b_fragments[8][2];
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      std::uint32_t r[4];
-      load_matrix_x4(r, stage_bytes + b_matrix_offset + 512 * p);
-      b_fragments[2 * p][0] = r[0];
-      b_fragments[2 * p][1] = r[1];
-      b_fragments[2 * p + 1][0] = r[2];
-      b_fragments[2 * p + 1][1] = r[3];
-    }
-    const bool fast = (stage.slow[0] | stage.slow[1] | stage.slow[2]) == 0U;  // the same in every thread
-    if (fast) {
-      float col_scales[8][2];
-#pragma unroll
-      for (int ni = 0; ni < 8; ++ni) {
-        const float2 pair =
-            *reinterpret_cast<const float2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
-        col_scales[ni][0] = pair.x;
-        col_scales[ni][1] = pair.y;
+      for (int p = 0; p < 4; ++p) {
+        std::uint32_t r[4];
+        load_matrix_x4(r, block_bytes + b_matrix_offset + 512 * p);
+        b_fragments[2 * p][0] = r[0];
+        b_fragments[2 * p][1] = r[1];
+        b_fragments[2 * p + 1][0] = r[2];
+        b_fragments[2 * p + 1][1] = r[3];
       }
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-        std::uint32_t a_fragment[4];
-        load_matrix_x4(a_fragment, stage_bytes + a_matrix_offset + 512 * mi);
-        const int row = warp_m * 64 + mi * 16 + group_id;
-        const float row_scales[2] = {stage.a_scales[row], stage.a_scales[row + 8]};
-        const float offsets[2] = {__fmul_rn(-tcb_magic_value, row_scales[0]),
-                                  __fmul_rn(-tcb_magic_value, row_scales[1])};
+      const bool fast = (stage.slow[0] | stage.slow[1] | stage.slow[2]) == 0U;  // the same in every thread
+      if (fast) {
+        float col_scales[8][2];
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) {
-          int d[4];
-          mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
+          const uint2 pair = *reinterpret_cast<const uint2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
+          col_scales[ni][0] = core_ns::bits_float(pair.x);
+          col_scales[ni][1] = core_ns::bits_float(pair.y);
+        }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float x = __fmaf_rn(core_ns::bits_float(static_cast<std::uint32_t>(d[e])), row_scales[e / 2],
-                                      offsets[e / 2]);
-            accumulators[mi][ni][e] = __fmaf_rn(x, col_scales[ni][e % 2], accumulators[mi][ni][e]);
+        for (int mi = 0; mi < 4; ++mi) {
+          std::uint32_t a_fragment[4];
+          load_matrix_x4(a_fragment, block_bytes + a_matrix_offset + 512 * mi);
+          const int row = warp_m * 64 + mi * 16 + group_id;
+          const float row_scales[2] = {core_ns::bits_float(stage.a_scales[row]),
+                                       core_ns::bits_float(stage.a_scales[row + 8])};
+          const float offsets[2] = {__fmul_rn(-tcb_magic_value, row_scales[0]),
+                                    __fmul_rn(-tcb_magic_value, row_scales[1])};
+          // Four independent mma at a time, then their 32 steps.
+#pragma unroll
+          for (int n4 = 0; n4 < 8; n4 += 4) {
+            int d[4][4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) mma_s8_offset(d[q], a_fragment, b_fragments[n4 + q], tcb_magic);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float x = __fmaf_rn(core_ns::bits_float(static_cast<std::uint32_t>(d[q][e])), row_scales[e / 2],
+                                          offsets[e / 2]);
+                float& accumulator = accumulators[mi][n4 + q][e];
+                accumulator = __fmaf_rn(x, col_scales[n4 + q][e % 2], accumulator);
+              }
+            }
           }
         }
-      }
-    } else {
+      } else {
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-        std::uint32_t a_fragment[4];
-        load_matrix_x4(a_fragment, stage_bytes + a_matrix_offset + 512 * mi);
+        for (int mi = 0; mi < 4; ++mi) {
+          std::uint32_t a_fragment[4];
+          load_matrix_x4(a_fragment, block_bytes + a_matrix_offset + 512 * mi);
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni) {
-          int d[4];
-          mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
+          for (int ni = 0; ni < 8; ++ni) {
+            int d[4];
+            mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
-            const std::int64_t j = j0 + warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
-            if (i >= m || j >= n) continue;
-            accumulators[mi][ni][e] = tensor_core_step(accumulators[mi][ni][e], d[e] - tcb_magic,
-                                                       a_exponents[kb * m + i], b_exponents[kb * n + j],
-                                                       fraction_total);
+            for (int e = 0; e < 4; ++e) {
+              // k = (ea - fa) + (eb - fb) - 0; NaN markers pass through. Rows past the end meet
+              // padded scales (0: a finite, unused step).
+              const int row = warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+              const int col = warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
+              accumulators[mi][ni][e] =
+                  tensor_core_step(accumulators[mi][ni][e], d[e] - tcb_magic, tc_scale_exponent(stage.a_scales[row]),
+                                   tc_scale_exponent(stage.b_scales[col]), 0);
+            }
           }
         }
       }
@@ -2460,14 +2492,20 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
         }();
         (void)shared_set;
 #endif
-        const dim3 block_grid(static_cast<unsigned>((n + tcb_tile_n - 1) / tcb_tile_n),
-                              static_cast<unsigned>((m + tcb_tile_m - 1) / tcb_tile_m));
-        runtime::launch(tensor_core_block_kernel, block_grid, tcb_threads, tcb_shared_bytes,
-                        a.bytes.as<const std::int8_t>(), a.scales.as<const float>(),
-                        a.slow_tiles.as<const unsigned>(), a.exponents.as<const std::int32_t>(),
-                        b.bytes.as<const std::int8_t>(), b.scales.as<const float>(),
-                        b.slow_tiles.as<const unsigned>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
-                        a.padded_rows, b.padded_rows, a.blocks, fraction_total, output, out);
+        const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
+        const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
+        constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+        if (tiles_m * tiles_n * tcb_group > int_limit || a.padded_rows * 4 > int_limit ||
+            b.padded_rows * 4 > int_limit || a.blocks > int_limit) {
+          throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
+                            to_text(n) + " x " + to_text(a.depth) + ")");
+        }
+        runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
+                        tcb_shared_bytes,
+                        a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                        a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                        b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                        a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
       }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");

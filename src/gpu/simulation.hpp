@@ -42,8 +42,8 @@ struct dim3 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
-struct alignas(8) float2 {
-  float x, y;
+struct alignas(8) uint2 {
+  unsigned x, y;
 };
 struct alignas(16) float4 {
   float x, y, z, w;

@@ -897,11 +897,12 @@ void gemm_edges(bool small) {
   });
 }
 
-// The tensor-core fp32-block kernel's tiles (128 x 256 entries of C per thread block; block scales
-// checked per 128-row tile): partial tiles in M, N and K, and operands whose tiles take the fast
-// step in some K-blocks and the general step in others. In "mixed" operands some blocks have
-// exponents outside the fast range (tiny and huge blocks) and one holds a NaN, each confined to
-// one tile and one K-block. Every entry against the host definition.
+// The tensor-core fp32-block kernel's tiles (128 x 256 entries of C per thread block, launched in
+// groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
+// partial group, and operands whose tiles take the fast step in some K-blocks and the general
+// step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
+// huge blocks) and one holds a NaN, each confined to one tile and one K-block. Every entry against
+// the host definition.
 void gemm_tensor_core_tiles(bool small) {
   struct tile_case {
     int a_format, b_format;
@@ -912,7 +913,8 @@ void gemm_tensor_core_tiles(bool small) {
   const tile_case cases[] = {{0, 0, 150, 270, 100, 0, true},
                              {1, 1, 129, 257, 64, 1, false},
                              {5, 5, 131, 300, 40, 2, false},
-                             {0, 5, 260, 130, 130, 0, true}};
+                             {0, 5, 260, 130, 130, 0, true},
+                             {0, 0, 1030, 300, 40, 1, false}};  // two groups of row tiles in the launch order
   const auto model = model_of(mxscope::accumulation_kind::fp32_block);
   for (const tile_case& c : cases) {
     if (small && !c.in_small_set) continue;
