@@ -1776,16 +1776,20 @@ void launch_integer(const prepared_operand::storage& a, const prepared_operand::
 }
 
 // -------------------------------------------------------------------------------------------
-// Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 with a zero accumulator per
-// 32-block gives each block dot D exactly (|D| <= 32 * 127^2 < 2^19, far inside s32); the fp32
-// step acc = fl32(acc + D * 2^(ea + eb - fa - fb)) then runs in ascending K per entry. Where
-// 2^k (k = ea + eb - fa - fb) is a normal fp32 number and |D| 2^k < 2^128 (-126 <= k <= 100
-// here), float(D) * 2^k is exact in fp32 and one fp32 addition rounds the exact sum once: it IS
-// fl32(acc + c). Elsewhere (and for NaN blocks) the step goes through add_exact_value in fp64.
+// Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 per 32-block gives each block
+// dot D exactly (|D| <= 32 * 127^2 < 2^19, far inside s32). Two kernels: for fp32-block,
+// tensor_core_block_kernel (below) runs the step acc = fl32(acc + D * 2^(ea + eb - fa - fb)) in
+// ascending K per entry; for exact, tensor_core_exact_kernel sums the scaled dots in fp64 and
+// leaves the entries it cannot prove exact to tensor_core_exact_fixup_kernel.
 //
-// Tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4), 64 x 32 per warp (4 x 4
-// mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B plus their exponents,
-// three stages deep (cp.async).
+// The general fp32-block step (tensor_core_step): where 2^k (k = ea + eb - fa - fb) is a normal
+// fp32 number and |D| 2^k < 2^128 (-126 <= k <= 100 here), float(D) * 2^k is exact in fp32 and
+// one fp32 addition rounds the exact sum once: it IS fl32(acc + c). Elsewhere (and for NaN blocks)
+// the step goes through add_exact_value in fp64.
+//
+// tensor_core_exact_kernel's tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4),
+// 64 x 32 per warp (4 x 4 mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B
+// plus their exponents, three stages deep (cp.async).
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
@@ -1888,17 +1892,16 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
   }
 }
 
-// Exact: instead of the fp32 step, each entry keeps a running fp64 sum of the scaled block dots
-// D * 2^k (exact doubles: |D| < 2^20) and checks every addition with TwoSum; an entry whose sum
-// ever rounded (or that meets a NaN block or an extreme k) is flagged in `flagged` and left to
-// tensor_core_exact_fixup_kernel. Unflagged entries' running sums are the exact sums, written as
-// the fp64 result and converted once (RNE) to fp32.
-template <bool Exact>
+// Each entry keeps a running fp64 sum of the scaled block dots D * 2^k (exact doubles: |D| < 2^20)
+// and checks every addition with TwoSum; an entry whose sum ever rounded (or that meets a NaN
+// block or an extreme k) is flagged in `flagged` and left to tensor_core_exact_fixup_kernel.
+// Unflagged entries' running sums are the exact sums, written as the fp64 result and converted
+// once (RNE) to fp32.
 __global__ void __launch_bounds__(256)
-    tensor_core_product_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
-                               const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
-                               std::int64_t blocks, int fraction_total, output_rounding output, float* out,
-                               double* exact_out, std::uint8_t* flagged) {
+    tensor_core_exact_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
+                             const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
+                             std::int64_t blocks, int fraction_total, output_rounding output, float* out,
+                             double* exact_out, std::uint8_t* flagged) {
   __shared__ tc_stage stages[tc_stages];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -1909,15 +1912,14 @@ __global__ void __launch_bounds__(256)
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tc_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_tile;
 
-  using accumulator_type = std::conditional_t<Exact, double, float>;
-  accumulator_type accumulators[4][4][4];
+  double accumulators[4][4][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
-  [[maybe_unused]] std::uint64_t flags = 0;  // Exact: bit mi * 16 + ni * 4 + e for a flagged entry
+  std::uint64_t flags = 0;  // bit mi * 16 + ni * 4 + e for a flagged entry
 
 #pragma unroll
   for (int s = 0; s < tc_stages - 1; ++s) {
@@ -1962,26 +1964,6 @@ __global__ void __launch_bounds__(256)
       col_exponents[ni][0] = stage.b_exponents[c_col];
       col_exponents[ni][1] = stage.b_exponents[c_col + 1];
     }
-    // When every k = ea + eb - fa - fb of this thread's 64 entries lies in the fast range (NaN
-    // markers never do), the scale 2^k is built by adding the two biased exponent fields: four
-    // instructions per entry (add, convert, multiply, add).
-    std::int32_t row_low = row_exponents[0][0], row_high = row_low, col_low = col_exponents[0][0], col_high = col_low;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      row_low = min(row_low, row_exponents[q / 2][q % 2]);
-      row_high = max(row_high, row_exponents[q / 2][q % 2]);
-      col_low = min(col_low, col_exponents[q / 2][q % 2]);
-      col_high = max(col_high, col_exponents[q / 2][q % 2]);
-    }
-    [[maybe_unused]] const bool fast =
-        row_low + col_low - fraction_total >= tc_fast_k_low && row_high + col_high - fraction_total <= tc_fast_k_high;
-    std::uint32_t row_fields[4][2];
-    std::uint32_t col_fields[4][2];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      row_fields[q / 2][q % 2] = static_cast<std::uint32_t>(row_exponents[q / 2][q % 2] - fraction_total + 127) << 23;
-      col_fields[q / 2][q % 2] = static_cast<std::uint32_t>(col_exponents[q / 2][q % 2]) << 23;
-    }
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
@@ -1991,32 +1973,21 @@ __global__ void __launch_bounds__(256)
         // d0, d1: row g, columns 2t, 2t+1; d2, d3: row g + 8, the same columns.
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if constexpr (Exact) {
-            const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
-            const std::uint64_t bit = std::uint64_t{1} << (mi * 16 + ni * 4 + e);
-            if (k < tc_exact_k_low || k > tc_exact_k_high) {  // NaN markers make k huge
-              flags |= bit;
-              continue;
-            }
-            const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
-            const double contribution = static_cast<double>(d[e]) * power;  // exact
-            double& running = accumulators[mi][ni][e];
-            const double sum = running + contribution;
-            const double virtual_contribution = sum - running;
-            const double virtual_running = sum - virtual_contribution;
-            const double error = (running - virtual_running) + (contribution - virtual_contribution);
-            running = sum;
-            if (error != 0.0) flags |= bit;
-          } else {
-            float& accumulator = accumulators[mi][ni][e];
-            if (fast) {
-              const float power = core_ns::bits_float(row_fields[mi][e / 2] + col_fields[ni][e % 2]);
-              accumulator = __fadd_rn(accumulator, __fmul_rn(static_cast<float>(d[e]), power));
-            } else {
-              accumulator = tensor_core_step(accumulator, d[e], row_exponents[mi][e / 2], col_exponents[ni][e % 2],
-                                             fraction_total);
-            }
+          const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
+          const std::uint64_t bit = std::uint64_t{1} << (mi * 16 + ni * 4 + e);
+          if (k < tc_exact_k_low || k > tc_exact_k_high) {  // NaN markers make k huge
+            flags |= bit;
+            continue;
           }
+          const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
+          const double contribution = static_cast<double>(d[e]) * power;  // exact
+          double& running = accumulators[mi][ni][e];
+          const double sum = running + contribution;
+          const double virtual_contribution = sum - running;
+          const double virtual_running = sum - virtual_contribution;
+          const double error = (running - virtual_running) + (contribution - virtual_contribution);
+          running = sum;
+          if (error != 0.0) flags |= bit;
         }
       }
     }
@@ -2032,23 +2003,19 @@ __global__ void __launch_bounds__(256)
         const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
         const std::int64_t j = j0 + warp_n * 32 + ni * 8 + 2 * thread_in_group + e % 2;
         if (i >= m || j >= n) continue;
-        if constexpr (Exact) {
-          if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
-            flagged[i * n + j] = 1;
-          } else {
-            const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
-            out[i * n + j] = finish_output(static_cast<float>(sum), output);
-            if (exact_out != nullptr) exact_out[i * n + j] = sum;
-          }
+        if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
+          flagged[i * n + j] = 1;
         } else {
-          out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+          const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
+          out[i * n + j] = finish_output(static_cast<float>(sum), output);
+          if (exact_out != nullptr) exact_out[i * n + j] = sum;
         }
       }
     }
   }
 }
 
-// The entries tensor_core_product_kernel<true> flagged, one thread each: the block dots again from
+// The entries tensor_core_exact_kernel flagged, one thread each: the block dots again from
 // the same int8 operands, every scaled dot added to a long accumulator, rounded once (NaN blocks
 // give the canonical NaN, as the integer path does).
 __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::int32_t* a_exponents,
@@ -2176,9 +2143,8 @@ struct tcb_loader {
 
   __device__ tcb_loader(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
                         const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow, std::int64_t m,
-                        std::int64_t n,
-                        std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t i0,
-                        std::int64_t j0) {
+                        std::int64_t n, std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n,
+                        std::int64_t i0, std::int64_t j0) {
     const int t = threadIdx.x;
     const int row = t / 2;
     const int half = t % 2;
@@ -2243,9 +2209,9 @@ struct tcb_loader {
 __global__ void __launch_bounds__(tcb_threads, 1)
     tensor_core_block_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
                              const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,
-                             std::int64_t m, std::int64_t n,
-                             std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n, std::int64_t blocks,
-                             std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output, float* out) {
+                             std::int64_t m, std::int64_t n, std::int64_t stride, std::int64_t padded_m,
+                             std::int64_t padded_n, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
+                             output_rounding output, float* out) {
   MXSCOPE_DYNAMIC_SHARED(uint4, tcb_shared);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -2324,7 +2290,8 @@ __global__ void __launch_bounds__(tcb_threads, 1)
         float col_scales[8][2];
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) {
-          const uint2 pair = *reinterpret_cast<const uint2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
+          const uint2 pair =
+              *reinterpret_cast<const uint2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
           col_scales[ni][0] = core_ns::bits_float(pair.x);
           col_scales[ni][1] = core_ns::bits_float(pair.y);
         }
@@ -2474,7 +2441,7 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       if (model.kind == accumulation_kind::exact) {
         device_buffer flagged(static_cast<std::size_t>(m * n));
         flagged.fill_bytes(0);
-        runtime::launch(tensor_core_product_kernel<true>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+        runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
                         a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
                         b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
                         out, exact_out, flagged.as<std::uint8_t>());
@@ -2501,8 +2468,7 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
                             to_text(n) + " x " + to_text(a.depth) + ")");
         }
         runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
-                        tcb_shared_bytes,
-                        a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                        tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
                         a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
                         b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
                         a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
