@@ -901,8 +901,9 @@ void gemm_edges(bool small) {
 // groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
 // partial group, and operands whose tiles take the fast step in some K-blocks and the general
 // step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
-// huge blocks) and one holds a NaN, each confined to one tile and one K-block. Every entry against
-// the host definition.
+// huge blocks) and one holds a NaN, each confined to one tile and one K-block; in "far" operands
+// every block is in the fast range but the products overflow or fall into the fp32 subnormals.
+// Every entry against the host definition.
 void gemm_tensor_core_tiles(bool small) {
   struct tile_case {
     int a_format, b_format;
@@ -923,7 +924,9 @@ void gemm_tensor_core_tiles(bool small) {
       continue;
     }
     const gemm_layout_case& layout = gemm_layouts[c.layout];
-    for (const bool mixed : {false, true}) {
+    for (const char* pattern : {"banded", "mixed", "far"}) {
+      const bool mixed = std::string(pattern) == "mixed";
+      const bool far = std::string(pattern) == "far";
       const std::uint64_t seed = next_seed();
       // Logical A [m, k] and B [n, k], then stored along their layout's axes.
       matrix a = test_inputs::make_matrix(c.m, c.k, value_kind::banded, seed);
@@ -941,6 +944,18 @@ void gemm_tensor_core_tiles(bool small) {
         a(std::min<std::int64_t>(c.m - 1, 140), std::min<std::int64_t>(c.k - 1, 40)) =
             std::numeric_limits<float>::quiet_NaN();  // a NaN block
       }
+      if (far) {
+        // Every block inside the fast range, their products not: entries that overflow to inf
+        // (2^95 * 2^40) and entries in the fp32 subnormal range (2^-95 * 2^-40).
+        for (std::int64_t r = 0; r < a.rows; ++r) {
+          const int exponent = r % 2 == 0 ? 95 : -95;
+          for (std::int64_t q = 0; q < a.cols; ++q) a(r, q) = std::ldexp(a(r, q), exponent);
+        }
+        for (std::int64_t r = 0; r < b.rows; ++r) {
+          const int exponent = r % 3 == 0 ? 40 : (r % 3 == 1 ? -40 : 0);
+          for (std::int64_t q = 0; q < b.cols; ++q) b(r, q) = std::ldexp(b(r, q), exponent);
+        }
+      }
       const auto transpose = [](const matrix& x) {
         matrix t(x.cols, x.rows);
         for (std::int64_t r = 0; r < x.rows; ++r) {
@@ -954,14 +969,14 @@ void gemm_tensor_core_tiles(bool small) {
           mx_options(c.b_format, 32, layout.b_axis, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 3);
       const auto qa = host_reference::quantize_mx(layout.a_axis == 1 ? a : transpose(a), a_options);
       const auto qb = host_reference::quantize_mx(layout.b_axis == 1 ? b : transpose(b), b_options);
+      const auto output = c.m % 2 == 1 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
       const std::string name = std::string("gemm tensor-core tiles ") + layout.name + " " + format_names[c.a_format] +
                                "x" + format_names[c.b_format] + " fp32-block M" + std::to_string(c.m) + " N" +
-                               std::to_string(c.n) + " K" + std::to_string(c.k) + (mixed ? " mixed" : " banded");
+                               std::to_string(c.n) + " K" + std::to_string(c.k) + " " + pattern +
+                               (output == mxscope::output_rounding::bf16 ? " bf16 output" : "");
       run_case(name, [&] {
-        const gemm_output got =
-            gpu_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::tensor_core);
-        return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, name + ", seed " +
-                                                                                                 hex64(seed));
+        const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
+        return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
       });
     }
   }
