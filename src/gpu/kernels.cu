@@ -2102,6 +2102,7 @@ __device__ inline std::int32_t tc_scale_exponent(std::uint32_t bits) {
 }
 
 #if defined(MXSCOPE_GPU_SIMULATE)
+inline int tcb_opaque(int value) { return value; }
 inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
   simulation::load_matrix_x4(r, row_address);
 }
@@ -2110,6 +2111,14 @@ inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], const std::u
   simulation::mma_s8(d, a, b, accumulator);
 }
 #else
+// The value, through a register move the compiler cannot see into: per-thread offsets computed
+// once stay in a register instead of being recomputed from the thread index in the loop.
+__device__ inline int tcb_opaque(int value) {
+  int out;
+  asm("mov.b32 %0, %1;" : "=r"(out) : "r"(value));
+  return out;
+}
+
 // ldmatrix .x4 (the per-lane semantics are spelled out in simulation.hpp).
 __device__ inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
@@ -2235,10 +2244,13 @@ __global__ void __launch_bounds__(tcb_threads, 1)
   // (2p+1, k 16-31), i.e. b0, b1 of two n8 tiles.
   // Rows 16 apart keep the swizzle, so the tiles mi and p are 512 bytes further on.
   const int matrix = lane / 8;
-  const int a_matrix_offset =
-      static_cast<int>(offsetof(tcb_block, a)) + tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2);
+  const int a_matrix_offset = tcb_opaque(static_cast<int>(offsetof(tcb_block, a)) +
+                                         tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2));
   const int b_matrix_offset =
       static_cast<int>(offsetof(tcb_block, b)) + tcb_offset(warp_n * 64 + (matrix / 2) * 8 + lane % 8, matrix % 2);
+  // This thread's first row of A (+ 16 mi, + 8) and first column pair of B (+ 8 ni) in C.
+  const int row_base = warp_m * 64 + group_id;
+  const int col_base = warp_n * 64 + 2 * thread_in_group;
 
   float accumulators[4][8][4];
 #pragma unroll
@@ -2290,8 +2302,7 @@ __global__ void __launch_bounds__(tcb_threads, 1)
         float col_scales[8][2];
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) {
-          const uint2 pair =
-              *reinterpret_cast<const uint2*>(&stage.b_scales[warp_n * 64 + ni * 8 + 2 * thread_in_group]);
+          const uint2 pair = *reinterpret_cast<const uint2*>(&stage.b_scales[col_base + ni * 8]);
           col_scales[ni][0] = core_ns::bits_float(pair.x);
           col_scales[ni][1] = core_ns::bits_float(pair.y);
         }
@@ -2299,7 +2310,7 @@ __global__ void __launch_bounds__(tcb_threads, 1)
         for (int mi = 0; mi < 4; ++mi) {
           std::uint32_t a_fragment[4];
           load_matrix_x4(a_fragment, block_bytes + a_matrix_offset + 512 * mi);
-          const int row = warp_m * 64 + mi * 16 + group_id;
+          const int row = row_base + mi * 16;
           const float row_scales[2] = {core_ns::bits_float(stage.a_scales[row]),
                                        core_ns::bits_float(stage.a_scales[row + 8])};
           const float offsets[2] = {__fmul_rn(-tcb_magic_value, row_scales[0]),
@@ -2335,8 +2346,8 @@ __global__ void __launch_bounds__(tcb_threads, 1)
             for (int e = 0; e < 4; ++e) {
               // k = (ea - fa) + (eb - fb) - 0; NaN markers pass through. Rows past the end meet
               // padded scales (0: a finite, unused step).
-              const int row = warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
-              const int col = warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
+              const int row = row_base + mi * 16 + (e / 2) * 8;
+              const int col = col_base + ni * 8 + e % 2;
               accumulators[mi][ni][e] =
                   tensor_core_step(accumulators[mi][ni][e], d[e] - tcb_magic, tc_scale_exponent(stage.a_scales[row]),
                                    tc_scale_exponent(stage.b_scales[col]), 0);
@@ -2452,12 +2463,10 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
         synchronize();  // the flag buffer must outlive both kernels
       } else {
 #if !defined(MXSCOPE_GPU_SIMULATE)
-        static const bool shared_set = [] {  // more than the default 48 KiB of dynamic shared memory
-          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(tcb_shared_bytes)));
-          return true;
-        }();
-        (void)shared_set;
+        // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
+        // belongs to the current device).
+        MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(tcb_shared_bytes)));
 #endif
         const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
         const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
