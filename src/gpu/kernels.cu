@@ -2067,9 +2067,10 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
 // (tensor_core_step) for the whole thread block in that block; the choice is uniform, per block.
 //
 // Tiling: 128 x 256 entries of C per thread block of 8 warps (2 x 4), 64 x 64 per warp (4 x 8 mma
-// tiles, 128 fp32 accumulators per thread); each stage holds one 32-byte K-block of 128 rows of A
-// and 256 rows of B, their scales and the three tile flags, four stages deep (cp.async). Rows are
-// 32 bytes with the two 16-byte halves swapped on rows 4..7 of every 8 (row r, half h at
+// tiles, 128 fp32 accumulators per thread); each stage holds two K-blocks, each 32 bytes of 128
+// rows of A and 256 rows of B with their scales and the three tile flags, four stages deep
+// (cp.async, one barrier per stage); thread blocks are launched in groups of 8 row tiles. Rows
+// are 32 bytes with the two 16-byte halves swapped on rows 4..7 of every 8 (row r, half h at
 // 32 r + 16 (h ^ ((r >> 2) & 1))), so that the eight row addresses of each ldmatrix phase fall in
 // eight distinct 16-byte bank groups.
 
