@@ -1095,6 +1095,39 @@ __global__ void prepare_exponents_kernel(mx_operand_view operand, std::int64_t r
   }
 }
 
+// The tensor-core fp32-block kernel's view of the block exponents (tensor_core_block_kernel): per
+// block and row, [blocks, padded rows], the bits of the fp32 scale 2^(e - fraction_bits) where
+// -126 <= e - fraction_bits <= tc_scale_high (a normal float; 1.5 * 2^23 times it stays finite),
+// and elsewhere the sign bit over the low 31 bits of e - fraction_bits (nan_block_exponent itself
+// for a NaN block; tc_scale_exponent decodes both); padded rows hold 0. Per block and 128-row tile
+// a flag, set where some row of the tile lies outside the range: the kernel then takes the general
+// step (tensor_core_step) for the whole tile in that block.
+constexpr int tc_scale_row_pad = 256;  // padded rows: a multiple of both kernel tiles (128, 256)
+constexpr int tc_flag_rows = 128;
+constexpr int tc_scale_low = -126;
+constexpr int tc_scale_high = 100;
+
+__global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents, std::int64_t rows,
+                                                  std::int64_t padded_rows, std::int64_t blocks, int fraction_bits,
+                                                  std::uint32_t* scales, unsigned* slow_tiles) {
+  MXSCOPE_GRID_LOOP(t, blocks * padded_rows) {
+    const std::int64_t b = t / padded_rows;
+    const std::int64_t row = t % padded_rows;
+    std::uint32_t scale = 0;
+    if (row < rows) {
+      const std::int32_t exponent = exponents[b * rows + row];
+      const std::int32_t power = exponent == nan_block_exponent ? nan_block_exponent : exponent - fraction_bits;
+      if (exponent != nan_block_exponent && power >= tc_scale_low && power <= tc_scale_high) {
+        scale = static_cast<std::uint32_t>(power + 127) << 23;
+      } else {
+        scale = 0x80000000U | (static_cast<std::uint32_t>(power) & 0x7FFFFFFFU);
+        atomicMax(&slow_tiles[b * (padded_rows / tc_flag_rows) + row / tc_flag_rows], 1U);
+      }
+    }
+    scales[t] = scale;
+  }
+}
+
 }  // namespace
 
 struct prepared_operand::storage {
@@ -1110,6 +1143,9 @@ struct prepared_operand::storage {
   device_buffer integers;   // int32 [rows, depth] (integer)
   device_buffer bytes;      // int8 [rows, byte_stride] (tensor_core)
   device_buffer exponents;  // int32 [blocks, rows]
+  std::int64_t padded_rows = 0;  // rows rounded up to tc_scale_row_pad (tensor_core)
+  device_buffer scales;      // uint32 [blocks, padded_rows] (tensor_core; prepare_tensor_core_scales_kernel)
+  device_buffer slow_tiles;  // unsigned [blocks, padded_rows / 128] (tensor_core)
   device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
 };
 
@@ -1251,6 +1287,16 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   if (s.rows > 0 && s.blocks > 0) {
     runtime::launch(prepare_exponents_kernel, grid_for(s.blocks * s.rows), threads_per_block, 0, operand, s.rows,
                     s.blocks, s.exponents.as<std::int32_t>());
+  }
+  if (path == gemm_path::tensor_core && s.rows > 0 && s.blocks > 0) {
+    s.padded_rows = (s.rows + tc_scale_row_pad - 1) / tc_scale_row_pad * tc_scale_row_pad;
+    s.scales = device_buffer(static_cast<std::size_t>(s.blocks * s.padded_rows) * sizeof(std::uint32_t));
+    s.slow_tiles =
+        device_buffer(static_cast<std::size_t>(s.blocks * (s.padded_rows / tc_flag_rows)) * sizeof(unsigned));
+    s.slow_tiles.fill_bytes(0);
+    runtime::launch(prepare_tensor_core_scales_kernel, grid_for(s.blocks * s.padded_rows), threads_per_block, 0,
+                    s.exponents.as<const std::int32_t>(), s.rows, s.padded_rows, s.blocks,
+                    fraction_bits_of(operand.element), s.scales.as<std::uint32_t>(), s.slow_tiles.as<unsigned>());
   }
   int nonfinite = 0;
   flag.download(&nonfinite, sizeof(int));  // synchronizes
@@ -1922,16 +1968,20 @@ void launch_integer(const prepared_operand::storage& a, const prepared_operand::
 }
 
 // -------------------------------------------------------------------------------------------
-// Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 with a zero accumulator per
-// 32-block gives each block dot D exactly (|D| <= 32 * 127^2 < 2^19, far inside s32); the fp32
-// step acc = fl32(acc + D * 2^(ea + eb - fa - fb)) then runs in ascending K per entry. Where
-// 2^k (k = ea + eb - fa - fb) is a normal fp32 number and |D| 2^k < 2^128 (-126 <= k <= 100
-// here), float(D) * 2^k is exact in fp32 and one fp32 addition rounds the exact sum once: it IS
-// fl32(acc + c). Elsewhere (and for NaN blocks) the step goes through add_exact_value in fp64.
+// Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 per 32-block gives each block
+// dot D exactly (|D| <= 32 * 127^2 < 2^19, far inside s32). Two kernels: for fp32-block,
+// tensor_core_block_kernel (below) runs the step acc = fl32(acc + D * 2^(ea + eb - fa - fb)) in
+// ascending K per entry; for exact, tensor_core_exact_kernel sums the scaled dots in fp64 and
+// leaves the entries it cannot prove exact to tensor_core_exact_fixup_kernel.
 //
-// Tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4), 64 x 32 per warp (4 x 4
-// mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B plus their exponents,
-// three stages deep (cp.async).
+// The general fp32-block step (tensor_core_step): where 2^k (k = ea + eb - fa - fb) is a normal
+// fp32 number and |D| 2^k < 2^128 (-126 <= k <= 100 here), float(D) * 2^k is exact in fp32 and
+// one fp32 addition rounds the exact sum once: it IS fl32(acc + c). Elsewhere (and for NaN blocks)
+// the step goes through add_exact_value in fp64.
+//
+// tensor_core_exact_kernel's tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4),
+// 64 x 32 per warp (4 x 4 mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B
+// plus their exponents, three stages deep (cp.async).
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
@@ -2034,17 +2084,16 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
   }
 }
 
-// Exact: instead of the fp32 step, each entry keeps a running fp64 sum of the scaled block dots
-// D * 2^k (exact doubles: |D| < 2^20) and checks every addition with TwoSum; an entry whose sum
-// ever rounded (or that meets a NaN block or an extreme k) is flagged in `flagged` and left to
-// tensor_core_exact_fixup_kernel. Unflagged entries' running sums are the exact sums, written as
-// the fp64 result and converted once (RNE) to fp32.
-template <bool Exact>
+// Each entry keeps a running fp64 sum of the scaled block dots D * 2^k (exact doubles: |D| < 2^20)
+// and checks every addition with TwoSum; an entry whose sum ever rounded (or that meets a NaN
+// block or an extreme k) is flagged in `flagged` and left to tensor_core_exact_fixup_kernel.
+// Unflagged entries' running sums are the exact sums, written as the fp64 result and converted
+// once (RNE) to fp32.
 __global__ void __launch_bounds__(256)
-    tensor_core_product_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
-                               const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
-                               std::int64_t blocks, int fraction_total, output_rounding output, float* out,
-                               double* exact_out, std::uint8_t* flagged) {
+    tensor_core_exact_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
+                             const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
+                             std::int64_t blocks, int fraction_total, output_rounding output, float* out,
+                             double* exact_out, std::uint8_t* flagged) {
   __shared__ tc_stage stages[tc_stages];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -2055,15 +2104,14 @@ __global__ void __launch_bounds__(256)
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tc_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_tile;
 
-  using accumulator_type = std::conditional_t<Exact, double, float>;
-  accumulator_type accumulators[4][4][4];
+  double accumulators[4][4][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
-  [[maybe_unused]] std::uint64_t flags = 0;  // Exact: bit mi * 16 + ni * 4 + e for a flagged entry
+  std::uint64_t flags = 0;  // bit mi * 16 + ni * 4 + e for a flagged entry
 
 #pragma unroll
   for (int s = 0; s < tc_stages - 1; ++s) {
@@ -2108,26 +2156,6 @@ __global__ void __launch_bounds__(256)
       col_exponents[ni][0] = stage.b_exponents[c_col];
       col_exponents[ni][1] = stage.b_exponents[c_col + 1];
     }
-    // When every k = ea + eb - fa - fb of this thread's 64 entries lies in the fast range (NaN
-    // markers never do), the scale 2^k is built by adding the two biased exponent fields: four
-    // instructions per entry (add, convert, multiply, add).
-    std::int32_t row_low = row_exponents[0][0], row_high = row_low, col_low = col_exponents[0][0], col_high = col_low;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      row_low = min(row_low, row_exponents[q / 2][q % 2]);
-      row_high = max(row_high, row_exponents[q / 2][q % 2]);
-      col_low = min(col_low, col_exponents[q / 2][q % 2]);
-      col_high = max(col_high, col_exponents[q / 2][q % 2]);
-    }
-    [[maybe_unused]] const bool fast =
-        row_low + col_low - fraction_total >= tc_fast_k_low && row_high + col_high - fraction_total <= tc_fast_k_high;
-    std::uint32_t row_fields[4][2];
-    std::uint32_t col_fields[4][2];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      row_fields[q / 2][q % 2] = static_cast<std::uint32_t>(row_exponents[q / 2][q % 2] - fraction_total + 127) << 23;
-      col_fields[q / 2][q % 2] = static_cast<std::uint32_t>(col_exponents[q / 2][q % 2]) << 23;
-    }
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
@@ -2137,32 +2165,21 @@ __global__ void __launch_bounds__(256)
         // d0, d1: row g, columns 2t, 2t+1; d2, d3: row g + 8, the same columns.
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if constexpr (Exact) {
-            const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
-            const std::uint64_t bit = std::uint64_t{1} << (mi * 16 + ni * 4 + e);
-            if (k < tc_exact_k_low || k > tc_exact_k_high) {  // NaN markers make k huge
-              flags |= bit;
-              continue;
-            }
-            const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
-            const double contribution = static_cast<double>(d[e]) * power;  // exact
-            double& running = accumulators[mi][ni][e];
-            const double sum = running + contribution;
-            const double virtual_contribution = sum - running;
-            const double virtual_running = sum - virtual_contribution;
-            const double error = (running - virtual_running) + (contribution - virtual_contribution);
-            running = sum;
-            if (error != 0.0) flags |= bit;
-          } else {
-            float& accumulator = accumulators[mi][ni][e];
-            if (fast) {
-              const float power = core_ns::bits_float(row_fields[mi][e / 2] + col_fields[ni][e % 2]);
-              accumulator = __fadd_rn(accumulator, __fmul_rn(static_cast<float>(d[e]), power));
-            } else {
-              accumulator = tensor_core_step(accumulator, d[e], row_exponents[mi][e / 2], col_exponents[ni][e % 2],
-                                             fraction_total);
-            }
+          const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
+          const std::uint64_t bit = std::uint64_t{1} << (mi * 16 + ni * 4 + e);
+          if (k < tc_exact_k_low || k > tc_exact_k_high) {  // NaN markers make k huge
+            flags |= bit;
+            continue;
           }
+          const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
+          const double contribution = static_cast<double>(d[e]) * power;  // exact
+          double& running = accumulators[mi][ni][e];
+          const double sum = running + contribution;
+          const double virtual_contribution = sum - running;
+          const double virtual_running = sum - virtual_contribution;
+          const double error = (running - virtual_running) + (contribution - virtual_contribution);
+          running = sum;
+          if (error != 0.0) flags |= bit;
         }
       }
     }
@@ -2178,23 +2195,19 @@ __global__ void __launch_bounds__(256)
         const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
         const std::int64_t j = j0 + warp_n * 32 + ni * 8 + 2 * thread_in_group + e % 2;
         if (i >= m || j >= n) continue;
-        if constexpr (Exact) {
-          if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
-            flagged[i * n + j] = 1;
-          } else {
-            const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
-            out[i * n + j] = finish_output(static_cast<float>(sum), output);
-            if (exact_out != nullptr) exact_out[i * n + j] = sum;
-          }
+        if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
+          flagged[i * n + j] = 1;
         } else {
-          out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+          const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
+          out[i * n + j] = finish_output(static_cast<float>(sum), output);
+          if (exact_out != nullptr) exact_out[i * n + j] = sum;
         }
       }
     }
   }
 }
 
-// The entries tensor_core_product_kernel<true> flagged, one thread each: the block dots again from
+// The entries tensor_core_exact_kernel flagged, one thread each: the block dots again from
 // the same int8 operands, every scaled dot added to a long accumulator, rounded once (NaN blocks
 // give the canonical NaN, as the integer path does).
 __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::int32_t* a_exponents,
@@ -2227,6 +2240,328 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
     } else {
       out[entry] = finish_output(round_total_to_float(total), output);
       if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------------
+// fp32-block on the tensor cores, the fast kernel. The mma's accumulator input carries the
+// constant C = 0x4B400000 (the bits of 1.5 * 2^23) into every entry, so that each int32 result
+// C + D, read as the bits of a float, IS the float 1.5 * 2^23 + D exactly (|D| < 2^22 keeps the
+// sum inside the binade [2^23, 2^24), whose ulp is 1): no int-to-float conversion. With the
+// row scale r = 2^(ea - fa) and the column scale c = 2^(eb - fb) (prepare_tensor_core_scales_kernel:
+// normal floats, -126 <= ea - fa, eb - fb <= 100), two fused multiply-adds per entry and block,
+//   x   = fma(1.5 * 2^23 + D, r, -(1.5 * 2^23) r)  = D r                 (exact: D r is a float)
+//   acc = fma(x, c, acc)                          = fl32(acc + D 2^k)    (one rounding of the exact sum)
+// give the model's step for every k = ea + eb - fa - fb, subnormal and overflowing sums included
+// (an fma rounds the exact x c + acc once; the core's add_to_float does the same). A 128-row tile
+// whose block holds an exponent outside that range or a NaN block takes the general step
+// (tensor_core_step) for the whole thread block in that block; the choice is uniform, per block.
+//
+// Tiling: 128 x 256 entries of C per thread block of 8 warps (2 x 4), 64 x 64 per warp (4 x 8 mma
+// tiles, 128 fp32 accumulators per thread); each stage holds two K-blocks, each 32 bytes of 128
+// rows of A and 256 rows of B with their scales and the three tile flags, four stages deep
+// (cp.async, one barrier per stage); thread blocks are launched in groups of 8 row tiles. Rows
+// are 32 bytes with the two 16-byte halves swapped on rows 4..7 of every 8 (row r, half h at
+// 32 r + 16 (h ^ ((r >> 2) & 1))), so that the eight row addresses of each ldmatrix phase fall in
+// eight distinct 16-byte bank groups.
+
+constexpr int tcb_tile_m = 128;
+constexpr int tcb_tile_n = 256;
+constexpr int tcb_stages = 4;
+constexpr int tcb_stage_blocks = 2;  // K-blocks per stage (one barrier per stage)
+constexpr int tcb_group = 8;         // row tiles per group of the launch order
+constexpr int tcb_threads = 256;
+constexpr int tcb_magic = 0x4B400000;  // the bits of 1.5 * 2^23
+constexpr float tcb_magic_value = 12582912.0f;
+
+struct alignas(16) tcb_block {  // one K-block of a stage
+  std::uint8_t a[tcb_tile_m * 32];
+  std::uint8_t b[tcb_tile_n * 32];
+  std::uint32_t a_scales[tcb_tile_m];  // prepare_tensor_core_scales_kernel's encoding
+  std::uint32_t b_scales[tcb_tile_n];
+  unsigned slow[4];  // the A tile's flag, the B tile's two (one per 128 rows), unused
+};
+constexpr std::size_t tcb_stage_bytes = tcb_stage_blocks * sizeof(tcb_block);
+constexpr std::size_t tcb_shared_bytes = tcb_stages * tcb_stage_bytes;
+static_assert(sizeof(tcb_block) % 16 == 0 && tcb_tile_n == 2 * tc_flag_rows && tcb_tile_m == tc_flag_rows &&
+              tcb_tile_n == 2 * (tcb_threads / 2) && tcb_tile_m == tcb_threads / 2);
+
+__device__ inline int tcb_offset(int row, int half) { return row * 32 + (((half ^ (row >> 2)) & 1) << 4); }
+
+// The exponent e - fraction_bits (or nan_block_exponent) of prepare_tensor_core_scales_kernel's encoding.
+__device__ inline std::int32_t tc_scale_exponent(std::uint32_t bits) {
+  return (bits >> 31) != 0U ? static_cast<std::int32_t>(bits << 1) >> 1 : static_cast<std::int32_t>(bits >> 23) - 127;
+}
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline int tcb_opaque(int value) { return value; }
+inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
+  simulation::load_matrix_x4(r, row_address);
+}
+inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2], int c) {
+  const int accumulator[4] = {c, c, c, c};
+  simulation::mma_s8(d, a, b, accumulator);
+}
+#else
+// The value, through a register move the compiler cannot see into: per-thread offsets computed
+// once stay in a register instead of being recomputed from the thread index in the loop.
+__device__ inline int tcb_opaque(int value) {
+  int out;
+  asm("mov.b32 %0, %1;" : "=r"(out) : "r"(value));
+  return out;
+}
+
+// ldmatrix .x4 (the per-lane semantics are spelled out in simulation.hpp).
+__device__ inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// mma.sync m16n8k32 s8 x s8 + C -> s32 with C = c in every entry.
+__device__ inline void mma_s8_offset(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2], int c) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c));
+}
+#endif
+
+// One thread's share of every K-block: one 16-byte chunk of A, two of B, and for 99 of the 256
+// threads one more copy (16 bytes of scales or a 4-byte tile flag). Rows past the end of A or B
+// copy the last row instead (their entries of C are never stored, and the scales of the padded
+// rows are those of a fast tile), so that every source simply advances by a fixed step per K-block;
+// the destinations are fixed offsets in a K-block of a stage: A's chunk at data_offset, B's at
+// data_offset + b_shift and 4096 bytes (128 rows, the same swizzle) further.
+struct tcb_loader {
+  static constexpr int b_shift = static_cast<int>(offsetof(tcb_block, b) - offsetof(tcb_block, a));
+  const std::int8_t* a_source;
+  const std::int8_t* b_source[2];
+  const unsigned char* extra_source;
+  int data_offset, extra_offset, extra_step, extra_bytes;  // extra_bytes: 0, 4 or 16
+
+  __device__ tcb_loader(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
+                        const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow, std::int64_t m,
+                        std::int64_t n, std::int64_t stride, std::int64_t padded_m, std::int64_t padded_n,
+                        std::int64_t i0, std::int64_t j0) {
+    const int t = threadIdx.x;
+    const int row = t / 2;
+    const int half = t % 2;
+    a_source = a + std::min(i0 + row, m - 1) * stride + half * 16;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      b_source[q] = b + std::min(j0 + row + q * (tcb_threads / 2), n - 1) * stride + half * 16;
+    }
+    data_offset = static_cast<int>(offsetof(tcb_block, a)) + tcb_offset(row, half);
+    // Scales: the padded rows make every 16-byte chunk exist and aligned.
+    constexpr int a_chunks = tcb_tile_m / 4, scale_chunks = (tcb_tile_m + tcb_tile_n) / 4;
+    extra_bytes = 0;
+    extra_source = nullptr;
+    extra_step = 0;
+    extra_offset = 0;
+    if (t < a_chunks) {
+      extra_bytes = 16;
+      extra_source = reinterpret_cast<const unsigned char*>(a_scales + i0 + 4 * t);
+      extra_step = static_cast<int>(padded_m * sizeof(std::uint32_t));
+      extra_offset = static_cast<int>(offsetof(tcb_block, a_scales)) + 16 * t;
+    } else if (t < scale_chunks) {
+      extra_bytes = 16;
+      extra_source = reinterpret_cast<const unsigned char*>(b_scales + j0 + 4 * (t - a_chunks));
+      extra_step = static_cast<int>(padded_n * sizeof(std::uint32_t));
+      extra_offset = static_cast<int>(offsetof(tcb_block, b_scales)) + 16 * (t - a_chunks);
+    } else if (t == scale_chunks) {
+      extra_bytes = 4;
+      extra_source = reinterpret_cast<const unsigned char*>(a_slow + i0 / tc_flag_rows);
+      extra_step = static_cast<int>(padded_m / tc_flag_rows * sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_block, slow));
+    } else if (t <= scale_chunks + 2) {
+      const int q = t - scale_chunks - 1;
+      extra_bytes = 4;
+      extra_source = reinterpret_cast<const unsigned char*>(b_slow + j0 / tc_flag_rows + q);
+      extra_step = static_cast<int>(padded_n / tc_flag_rows * sizeof(unsigned));
+      extra_offset = static_cast<int>(offsetof(tcb_block, slow)) + 4 * (1 + q);
+    }
+  }
+
+  // Copies the next stage's K-blocks (those below `remaining`) into `stage` and advances.
+  __device__ void load(unsigned char* stage, int remaining) {
+#pragma unroll
+    for (int u = 0; u < tcb_stage_blocks; ++u) {
+      if (u >= remaining) break;
+      unsigned char* const block = stage + u * sizeof(tcb_block);
+      copy_async_16(block + data_offset, a_source + 32 * u, true);
+      copy_async_16(block + data_offset + b_shift, b_source[0] + 32 * u, true);
+      copy_async_16(block + data_offset + b_shift + 4096, b_source[1] + 32 * u, true);
+      if (extra_bytes == 16) {
+        copy_async_16(block + extra_offset, extra_source + u * extra_step, true);
+      } else if (extra_bytes == 4) {
+        copy_async_4(block + extra_offset, extra_source + u * extra_step, true);
+      }
+    }
+    a_source += 32 * tcb_stage_blocks;
+    b_source[0] += 32 * tcb_stage_blocks;
+    b_source[1] += 32 * tcb_stage_blocks;
+    extra_source += tcb_stage_blocks * extra_step;
+  }
+};
+
+__global__ void __launch_bounds__(tcb_threads, 1)
+    tensor_core_block_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
+                             const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,
+                             std::int64_t m, std::int64_t n, std::int64_t stride, std::int64_t padded_m,
+                             std::int64_t padded_n, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
+                             output_rounding output, float* out) {
+  MXSCOPE_DYNAMIC_SHARED(uint4, tcb_shared);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group_id = lane / 4;
+  const int thread_in_group = lane % 4;
+  const int warp_m = warp / 4;  // 0..1: 64 rows each
+  const int warp_n = warp % 4;  // 0..3: 64 columns each
+  // Thread blocks in groups of tcb_group row tiles, column tile by column tile within a group:
+  // the blocks resident at one time share fewer A and B tiles (L2 reuse).
+  // Sizes fit an int here (multiply_prepared checks).
+  const int tile = static_cast<int>(blockIdx.x);
+  const int group_tiles = tcb_group * static_cast<int>(tiles_n);
+  const int first_row_tile = tile / group_tiles * tcb_group;
+  const int group_rows = min(static_cast<int>(tiles_m) - first_row_tile, tcb_group);
+  const int i0 = (first_row_tile + tile % group_tiles % group_rows) * tcb_tile_m;
+  const int j0 = tile % group_tiles / group_rows * tcb_tile_n;
+  const int block_count = static_cast<int>(blocks);
+  // ldmatrix row addresses of this lane (matrix lane / 8, its row lane % 8): A matrices 0..3 are
+  // (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) of an m16
+  // tile, i.e. a0..a3; B matrices are (n8 tile 2p, k 0-15), (2p, k 16-31), (2p+1, k 0-15),
+  // (2p+1, k 16-31), i.e. b0, b1 of two n8 tiles.
+  // Rows 16 apart keep the swizzle, so the tiles mi and p are 512 bytes further on.
+  const int matrix = lane / 8;
+  const int a_matrix_offset = tcb_opaque(static_cast<int>(offsetof(tcb_block, a)) +
+                                         tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2));
+  const int b_matrix_offset =
+      static_cast<int>(offsetof(tcb_block, b)) + tcb_offset(warp_n * 64 + (matrix / 2) * 8 + lane % 8, matrix % 2);
+  // This thread's first row of A (+ 16 mi, + 8) and first column pair of B (+ 8 ni) in C.
+  const int row_base = warp_m * 64 + group_id;
+  const int col_base = warp_n * 64 + 2 * thread_in_group;
+
+  float accumulators[4][8][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+
+  tcb_loader loader(a, a_scales, a_slow, b, b_scales, b_slow, m, n, stride, padded_m, padded_n, i0, j0);
+  unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(tcb_shared);
+#pragma unroll
+  for (int s = 0; s < tcb_stages - 1; ++s) {
+    const int first = s * tcb_stage_blocks;
+    if (first < block_count) loader.load(shared_bytes + s * tcb_stage_bytes, block_count - first);
+    copy_async_commit();
+  }
+
+  int compute_stage = 0;
+  int load_stage = tcb_stages - 1;
+  for (int kb0 = 0; kb0 < block_count; kb0 += tcb_stage_blocks) {
+    copy_async_wait<tcb_stages - 2>();
+    __syncthreads();
+    // Refill the stage everyone finished with in the previous iteration.
+    const int next = kb0 + (tcb_stages - 1) * tcb_stage_blocks;
+    if (next < block_count) loader.load(shared_bytes + load_stage * tcb_stage_bytes, block_count - next);
+    copy_async_commit();
+    load_stage = load_stage == tcb_stages - 1 ? 0 : load_stage + 1;
+    const unsigned char* const stage_bytes = shared_bytes + compute_stage * tcb_stage_bytes;
+    compute_stage = compute_stage == tcb_stages - 1 ? 0 : compute_stage + 1;
+
+#pragma unroll 1
+    for (int u = 0; u < tcb_stage_blocks; ++u) {
+      if (kb0 + u >= block_count) break;
+      const unsigned char* const block_bytes = stage_bytes + u * sizeof(tcb_block);
+      const tcb_block& stage = *reinterpret_cast<const tcb_block*>(block_bytes);
+      std::uint32_t b_fragments[8][2];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        std::uint32_t r[4];
+        load_matrix_x4(r, block_bytes + b_matrix_offset + 512 * p);
+        b_fragments[2 * p][0] = r[0];
+        b_fragments[2 * p][1] = r[1];
+        b_fragments[2 * p + 1][0] = r[2];
+        b_fragments[2 * p + 1][1] = r[3];
+      }
+      const bool fast = (stage.slow[0] | stage.slow[1] | stage.slow[2]) == 0U;  // the same in every thread
+      if (fast) {
+        float col_scales[8][2];
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) {
+          const uint2 pair = *reinterpret_cast<const uint2*>(&stage.b_scales[col_base + ni * 8]);
+          col_scales[ni][0] = core_ns::bits_float(pair.x);
+          col_scales[ni][1] = core_ns::bits_float(pair.y);
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          std::uint32_t a_fragment[4];
+          load_matrix_x4(a_fragment, block_bytes + a_matrix_offset + 512 * mi);
+          const int row = row_base + mi * 16;
+          const float row_scales[2] = {core_ns::bits_float(stage.a_scales[row]),
+                                       core_ns::bits_float(stage.a_scales[row + 8])};
+          const float offsets[2] = {__fmul_rn(-tcb_magic_value, row_scales[0]),
+                                    __fmul_rn(-tcb_magic_value, row_scales[1])};
+          // Four independent mma at a time, then their 32 steps.
+#pragma unroll
+          for (int n4 = 0; n4 < 8; n4 += 4) {
+            int d[4][4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) mma_s8_offset(d[q], a_fragment, b_fragments[n4 + q], tcb_magic);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float x = __fmaf_rn(core_ns::bits_float(static_cast<std::uint32_t>(d[q][e])), row_scales[e / 2],
+                                          offsets[e / 2]);
+                float& accumulator = accumulators[mi][n4 + q][e];
+                accumulator = __fmaf_rn(x, col_scales[n4 + q][e % 2], accumulator);
+              }
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          std::uint32_t a_fragment[4];
+          load_matrix_x4(a_fragment, block_bytes + a_matrix_offset + 512 * mi);
+#pragma unroll
+          for (int ni = 0; ni < 8; ++ni) {
+            int d[4];
+            mma_s8_offset(d, a_fragment, b_fragments[ni], tcb_magic);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              // k = (ea - fa) + (eb - fb) - 0; NaN markers pass through. Rows past the end meet
+              // padded scales (0: a finite, unused step).
+              const int row = row_base + mi * 16 + (e / 2) * 8;
+              const int col = col_base + ni * 8 + e % 2;
+              accumulators[mi][ni][e] =
+                  tensor_core_step(accumulators[mi][ni][e], d[e] - tcb_magic, tc_scale_exponent(stage.a_scales[row]),
+                                   tc_scale_exponent(stage.b_scales[col]), 0);
+            }
+          }
+        }
+      }
+    }
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+        const std::int64_t j = j0 + warp_n * 64 + ni * 8 + 2 * thread_in_group + e % 2;
+        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+      }
     }
   }
 }
@@ -2310,7 +2645,7 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       if (model.kind == accumulation_kind::exact) {
         device_buffer flagged(static_cast<std::size_t>(m * n));
         flagged.fill_bytes(0);
-        runtime::launch(tensor_core_product_kernel<true>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+        runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
                         a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
                         b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
                         out, exact_out, flagged.as<std::uint8_t>());
@@ -2320,10 +2655,25 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
                         a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
         synchronize();  // the flag buffer must outlive both kernels
       } else {
-        runtime::launch(tensor_core_product_kernel<false>, grid, 256, 0, a.bytes.as<const std::int8_t>(),
-                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
-                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                        out, nullptr, nullptr);
+#if !defined(MXSCOPE_GPU_SIMULATE)
+        // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
+        // belongs to the current device).
+        MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(tcb_shared_bytes)));
+#endif
+        const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
+        const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
+        constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+        if (tiles_m * tiles_n * tcb_group > int_limit || a.padded_rows * 4 > int_limit ||
+            b.padded_rows * 4 > int_limit || a.blocks > int_limit) {
+          throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
+                            to_text(n) + " x " + to_text(a.depth) + ")");
+        }
+        runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
+                        tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                        a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                        b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                        a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
       }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");

@@ -2,8 +2,8 @@
 // kernels of kernels.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
 // thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
-// tensor-core path (cp.async, mma.sync m16n8k32 s8) are emulated from their documented per-lane
-// semantics, with a barrier per warp.
+// tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8) are emulated from their documented
+// per-lane semantics, with a barrier per warp.
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
 // without a GPU, with the same bit-exactness checks the GPU test makes. It says nothing about the
@@ -41,6 +41,9 @@ struct dim3 {
 };
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
 };
 struct alignas(16) float4 {
   float x, y, z, w;
@@ -194,6 +197,8 @@ inline error_t event_elapsed_ms(float* milliseconds, event_t start, event_t stop
 struct warp_fragments {
   std::uint32_t a[32][4];
   std::uint32_t b[32][2];
+  int c[32][4];
+  const void* rows[32];  // ldmatrix: each lane's row address
 };
 
 class thread_pool {
@@ -312,19 +317,23 @@ inline void copy_async(void* destination, const void* source, int bytes, bool in
   }
 }
 
-// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 with a zero accumulator, from the PTX ISA's
-// fragment layout (groupID g = lane / 4, threadID_in_group t = lane % 4):
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32, D = A B + C, from the PTX ISA's fragment layout
+// (groupID g = lane / 4, threadID_in_group t = lane % 4):
 //   A 16x32: a0 = row g, k 4t..4t+3; a1 = row g+8, k 4t..; a2 = row g, k 16+4t..; a3 = row g+8, k 16+4t..
 //   B 32x8:  b0 = k 4t..4t+3, column g; b1 = k 16+4t.., column g
-//   D 16x8:  d0, d1 = row g, columns 2t, 2t+1; d2, d3 = row g+8, the same columns.
-inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+//   C, D 16x8: c0/d0, c1/d1 = row g, columns 2t, 2t+1; c2/d2, c3/d3 = row g+8, the same columns.
+// The bytes of a register are its four consecutive k, lowest byte first. The s32 additions wrap
+// (no .satfinite); the callers stay far inside the range.
+inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2], const int (&c)[4]) {
   auto& exchange = *static_cast<warp_fragments*>(current.warp_exchange);
   const unsigned lane = threadIdx.x % 32;
   for (int r = 0; r < 4; ++r) exchange.a[lane][r] = a[r];
   for (int r = 0; r < 2; ++r) exchange.b[lane][r] = b[r];
+  for (int r = 0; r < 4; ++r) exchange.c[lane][r] = c[r];
   current.warp_barrier->arrive_and_wait();
   std::int8_t matrix_a[16][32];
   std::int8_t matrix_b[32][8];
+  int matrix_c[16][8];
   for (unsigned l = 0; l < 32; ++l) {
     const unsigned g = l / 4, t = l % 4;
     for (unsigned j = 0; j < 4; ++j) {
@@ -338,16 +347,41 @@ inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t
       matrix_b[4 * t + j][g] = byte(exchange.b[l][0], j);
       matrix_b[16 + 4 * t + j][g] = byte(exchange.b[l][1], j);
     }
+    for (unsigned e = 0; e < 4; ++e) matrix_c[g + 8 * (e / 2)][2 * t + e % 2] = exchange.c[l][e];
   }
   current.warp_barrier->arrive_and_wait();  // everyone has read the exchange before it is reused
   const unsigned g = lane / 4, t = lane % 4;
   for (int e = 0; e < 4; ++e) {
     const unsigned row = g + 8 * (e / 2);
     const unsigned column = 2 * t + e % 2;
-    int sum = 0;
-    for (int k = 0; k < 32; ++k) sum += static_cast<int>(matrix_a[row][k]) * static_cast<int>(matrix_b[k][column]);
-    d[e] = sum;
+    std::uint32_t sum = static_cast<std::uint32_t>(matrix_c[row][column]);
+    for (int k = 0; k < 32; ++k) {
+      sum += static_cast<std::uint32_t>(static_cast<int>(matrix_a[row][k]) * static_cast<int>(matrix_b[k][column]));
+    }
+    d[e] = static_cast<int>(sum);
   }
+}
+
+inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  const int zero[4] = {0, 0, 0, 0};
+  mma_s8(d, a, b, zero);
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no .trans), from the PTX ISA: four 8x8 matrices of
+// 16-bit elements, each row 16 contiguous bytes at a 16-byte-aligned shared address; lanes 8i ..
+// 8i+7 give the addresses of rows 0..7 of matrix i. Register i of lane l receives the 32-bit word
+// of matrix i at row l / 4, bytes 4 (l % 4) .. 4 (l % 4) + 3 (the element pair 2 (l % 4), +1).
+inline void load_matrix_x4(std::uint32_t (&r)[4], const void* row_address) {
+  auto& exchange = *static_cast<warp_fragments*>(current.warp_exchange);
+  const unsigned lane = threadIdx.x % 32;
+  if (reinterpret_cast<std::uintptr_t>(row_address) % 16 != 0) std::abort();  // the ISA's alignment rule
+  exchange.rows[lane] = row_address;
+  current.warp_barrier->arrive_and_wait();
+  for (unsigned i = 0; i < 4; ++i) {
+    const auto* row = static_cast<const unsigned char*>(exchange.rows[8 * i + lane / 4]);
+    std::memcpy(&r[i], row + 4 * (lane % 4), 4);
+  }
+  current.warp_barrier->arrive_and_wait();
 }
 
 }  // namespace mxscope::gpu::simulation

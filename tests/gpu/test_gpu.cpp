@@ -1158,6 +1158,91 @@ void tensor_scale_checks(bool small) {
   });
 }
 
+// The tensor-core fp32-block kernel's tiles (128 x 256 entries of C per thread block, launched in
+// groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
+// partial group, and operands whose tiles take the fast step in some K-blocks and the general
+// step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
+// huge blocks) and one holds a NaN, each confined to one tile and one K-block; in "far" operands
+// every block is in the fast range but the products overflow or fall into the fp32 subnormals.
+// Every entry against the host definition.
+void gemm_tensor_core_tiles(bool small) {
+  struct tile_case {
+    int a_format, b_format;
+    std::int64_t m, n, k;
+    int layout;
+    bool in_small_set;
+  };
+  const tile_case cases[] = {{0, 0, 150, 270, 100, 0, true},
+                             {1, 1, 129, 257, 64, 1, false},
+                             {5, 5, 131, 300, 40, 2, false},
+                             {0, 5, 260, 130, 130, 0, true},
+                             {0, 0, 1030, 300, 40, 1, false}};  // two groups of row tiles in the launch order
+  const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+  for (const tile_case& c : cases) {
+    if (small && !c.in_small_set) continue;
+    if (!gpu::gemm_path_covers(gpu::gemm_path::tensor_core, format_kinds[c.a_format], format_kinds[c.b_format], 32,
+                               model)) {
+      continue;
+    }
+    const gemm_layout_case& layout = gemm_layouts[c.layout];
+    for (const char* pattern : {"banded", "mixed", "far"}) {
+      const bool mixed = std::string(pattern) == "mixed";
+      const bool far = std::string(pattern) == "far";
+      const std::uint64_t seed = next_seed();
+      // Logical A [m, k] and B [n, k], then stored along their layout's axes.
+      matrix a = test_inputs::make_matrix(c.m, c.k, value_kind::banded, seed);
+      matrix b = test_inputs::make_matrix(c.n, c.k, value_kind::banded, seed + 1);
+      if (mixed) {
+        const auto scale_block = [](matrix& x, std::int64_t row, std::int64_t k_block, int exponent) {
+          for (std::int64_t k = 32 * k_block; k < std::min<std::int64_t>(32 * (k_block + 1), x.cols); ++k) {
+            x(row, k) = static_cast<float>(std::ldexp(static_cast<double>(x(row, k)), exponent));
+          }
+        };
+        scale_block(a, c.m - 1, 0, -140);        // the last A tile, K-block 0: a tiny block
+        scale_block(a, 5, (c.k - 1) / 32, 118);  // the first A tile, the last K-block: a huge block
+        scale_block(b, c.n - 2, 1 % ((c.k + 31) / 32), -135);
+        scale_block(b, std::min<std::int64_t>(c.n - 1, 130), 0, 121);  // the second half of the first B tile
+        a(std::min<std::int64_t>(c.m - 1, 140), std::min<std::int64_t>(c.k - 1, 40)) =
+            std::numeric_limits<float>::quiet_NaN();  // a NaN block
+      }
+      if (far) {
+        // Every block inside the fast range, their products not: entries that overflow to inf
+        // (2^95 * 2^40) and entries in the fp32 subnormal range (2^-95 * 2^-40).
+        for (std::int64_t r = 0; r < a.rows; ++r) {
+          const int exponent = r % 2 == 0 ? 95 : -95;
+          for (std::int64_t q = 0; q < a.cols; ++q) a(r, q) = std::ldexp(a(r, q), exponent);
+        }
+        for (std::int64_t r = 0; r < b.rows; ++r) {
+          const int exponent = r % 3 == 0 ? 40 : (r % 3 == 1 ? -40 : 0);
+          for (std::int64_t q = 0; q < b.cols; ++q) b(r, q) = std::ldexp(b(r, q), exponent);
+        }
+      }
+      const auto transpose = [](const matrix& x) {
+        matrix t(x.cols, x.rows);
+        for (std::int64_t r = 0; r < x.rows; ++r) {
+          for (std::int64_t q = 0; q < x.cols; ++q) t(q, r) = x(r, q);
+        }
+        return t;
+      };
+      const auto a_options =
+          mx_options(c.a_format, 32, layout.a_axis, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 2);
+      const auto b_options =
+          mx_options(c.b_format, 32, layout.b_axis, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 3);
+      const auto qa = host_reference::quantize_mx(layout.a_axis == 1 ? a : transpose(a), a_options);
+      const auto qb = host_reference::quantize_mx(layout.b_axis == 1 ? b : transpose(b), b_options);
+      const auto output = c.m % 2 == 1 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+      const std::string name = std::string("gemm tensor-core tiles ") + layout.name + " " + format_names[c.a_format] +
+                               "x" + format_names[c.b_format] + " fp32-block M" + std::to_string(c.m) + " N" +
+                               std::to_string(c.n) + " K" + std::to_string(c.k) + " " + pattern +
+                               (output == mxscope::output_rounding::bf16 ? " bf16 output" : "");
+      run_case(name, [&] {
+        const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
+        return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+      });
+    }
+  }
+}
+
 // 2048 x 2048 x 4096 wgrad (dy and x quantized along K on the GPU, checked against the host
 // quantizer in full), then the products: tensor-core and integer paths equal in every entry, and
 // sampled entries equal to the host definition.
@@ -1872,6 +1957,7 @@ int main(int argc, char** argv) {
   if (!small && !simulated) timed("quantize large", [&] { quantize_large(); });
   timed("gemm sweep", [&] { gemm_sweep(small); });
   timed("gemm edges", [&] { gemm_edges(small); });
+  timed("gemm tensor-core tiles", [&] { gemm_tensor_core_tiles(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
   timed("per-tensor scales", [&] { tensor_scale_checks(small); });
   timed("reference", [&] { reference_checks(small); });
