@@ -1809,131 +1809,292 @@ dim3 plain_grid(std::int64_t m, std::int64_t n) {
 }
 
 // -------------------------------------------------------------------------------------------
-// Integer path: a 16 x 16 tile of entries per thread block, one entry per thread. The block dot D
-// of each K-block is an exact integer sum (every partial sum stays below 2^bound_bits, within the
-// accumulator type), then the model's steps run on exact doubles exactly as src/gemm.cpp's fast
-// path does (add_exact_value, add_exactly_to_float, long_accumulator).
+// Integer path: the block dot D of each K-block is an exact integer sum, then the model's steps
+// run on exact doubles exactly as src/gemm.cpp's fast path does (add_exact_value,
+// add_exactly_to_float, long_accumulator), per entry, in ascending K-blocks.
+//
+// One 64 x 64 tile of C per thread block of 16 x 16 threads, 4 x 4 entries per thread (rows
+// ty + 16 r, columns tx + 16 c: conflict-free shared-memory reads, each read feeding four
+// multiply-adds); each K-block's elements are staged in shared memory in chunks of 32 ([k][row],
+// coalesced global reads of 32 consecutive int32 per warp), as the type `Dot` the block dot is
+// summed in:
+// - int32 where block_dot_bits <= 31;
+// - double where block_dot_bits <= 53 (fp8 e4m3: 6 + 18 + 18 = 42 bits for blocks of 32). Every
+//   element integer has |x| <= integer_max_of(kind) < 2^bits_of(integer_max_of(kind)) (exact in a
+//   double: below 2^31), so every product is an integer below 2^(bits_a + bits_b) and every partial
+//   sum of at most `block` < 2^bits_of(block) products an integer below 2^block_dot_bits <= 2^53:
+//   each of them is a double, so each FMA of the chain rounds a representable value, i.e. not at
+//   all, and the chain's result is D exactly. (One DFMA per product instead of a 64-bit integer
+//   multiply-add.)
+// - int64 otherwise (no format of the path today: gemm_path_covers asks for <= 53 bits).
+//
+// Per entry state across K-blocks: fp32-block the fp32 accumulator (add_exact_value per block).
+// fp32-group:G and exact keep a running fp64 sum of the scaled block dots and check every addition
+// with TwoSum (Knuth): while no addition rounded, `running` is the exact sum of the group's (or of
+// all) scaled dots, and the step is one correctly rounded operation on it: fl32(acc + running)
+// (core add_to_float, which rounds acc + running once, as add_exactly_to_float rounds acc + the
+// terms once; +0.0 for an exact zero, as there) for a group, the fp64 result and one RNE conversion
+// to fp32 for exact. An entry where an addition rounded (block dots many binades apart) is flagged
+// and left to integer_fixup_kernel, which redoes it from the operands with the per-entry
+// definitions (the group's terms through add_exactly_to_float, a long accumulator for exact).
 
-constexpr int integer_tile = 16;
-constexpr int integer_chunk = 32;
+constexpr int integer_tile = 64;                 // entries per thread block along M and N
+constexpr int integer_chunk = 32;                // K per shared-memory stage (within one K-block)
+constexpr int integer_side = integer_tile / 16;  // entries per thread along M and N (16 x 16 threads)
 
 enum class integer_mode : int { block = 0, group = 1, exact = 2 };
 
-// Storage for a long accumulator that is not constructed (no clearing) until clear() is called.
-union uninitialized_accumulator {
-  core_ns::long_accumulator value;
-  __host__ __device__ uninitialized_accumulator() {}
-};
+// dot += x * y, exact (see above for double).
+template <class Dot>
+__device__ inline Dot multiply_add_exact(Dot x, Dot y, Dot dot) {
+  if constexpr (std::is_same_v<Dot, double>) {
+    return fma_exact(x, y, dot);
+  } else {
+    return dot + x * y;
+  }
+}
+
+// add_exact_value, with the rounding inline (no call in the unrolled per-entry steps).
+__device__ inline float add_exact_value_inline(float accumulator, double value) {
+  if (!is_finite(accumulator) || !is_finite(value)) return nonfinite_step(accumulator, value);
+  return core_ns::add_to_float(accumulator, value + 0.0);  // +0.0: an exactly zero sum is +0
+}
+
+// running += contribution; true when the addition rounded (TwoSum: sum + error == running +
+// contribution exactly for finite doubles, which these stay far below overflow).
+__device__ inline bool add_rounds(double& running, double contribution) {
+  const double sum = running + contribution;
+  const double virtual_contribution = sum - running;
+  const double virtual_running = sum - virtual_contribution;
+  const double error = (running - virtual_running) + (contribution - virtual_contribution);
+  running = sum;
+  return error != 0.0;
+}
 
 template <class Dot, integer_mode Mode>
-__global__ void integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
-                                       const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
-                                       std::int64_t n, std::int64_t depth, int block, std::int64_t blocks,
-                                       int blocks_per_group, int fraction_total, output_rounding output, float* out,
-                                       double* exact_out) {
-  __shared__ std::int32_t a_tile[integer_tile][integer_chunk + 1];
-  __shared__ std::int32_t b_tile[integer_tile][integer_chunk + 1];
-  const int tx = threadIdx.x % integer_tile;
-  const int ty = threadIdx.x / integer_tile;
+__global__ void __launch_bounds__(256)
+    integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
+                           const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
+                           std::int64_t n, std::int64_t depth, int block, std::int64_t blocks, int blocks_per_group,
+                           int fraction_total, output_rounding output, float* out, double* exact_out,
+                           std::uint8_t* flagged) {
+  constexpr int stride = integer_tile + 1;
+  __shared__ Dot a_tile[integer_chunk * stride];
+  __shared__ Dot b_tile[integer_chunk * stride];
+  const int tx = static_cast<int>(threadIdx.x % 16);
+  const int ty = static_cast<int>(threadIdx.x / 16);
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * integer_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * integer_tile;
-  const std::int64_t i = i0 + ty;
-  const std::int64_t j = j0 + tx;
-  const bool active = i < m && j < n;
 
-  float accumulator = 0.0f;
-  // Exact mode: the exact sum is running + (total once spilled); the long accumulator (560 bytes of
-  // per-thread memory) is cleared and rounded only for entries where an addition of `running`
-  // rounded, so it stays uninitialized until then.
-  [[maybe_unused]] uninitialized_accumulator lazy;
-  [[maybe_unused]] core_ns::long_accumulator& total = lazy.value;
-  [[maybe_unused]] double running = 0.0;
-  [[maybe_unused]] bool spilled = false;
-  [[maybe_unused]] bool nan_entry = false;
-  [[maybe_unused]] double terms[Mode == integer_mode::group ? integer_max_group : 1];
+  bool row_inside[integer_side], column_inside[integer_side];
+#pragma unroll
+  for (int s = 0; s < integer_side; ++s) {
+    row_inside[s] = i0 + ty + 16 * s < m;
+    column_inside[s] = j0 + tx + 16 * s < n;
+  }
+  [[maybe_unused]] float accumulators[integer_side][integer_side];
+  [[maybe_unused]] double running[integer_side][integer_side];
+  [[maybe_unused]] unsigned nan_entries = 0;     // bit r * side + c: a NaN block (exact: ever; group: this group)
+  [[maybe_unused]] unsigned rounded_entries = 0;  // bit r * side + c: an addition of `running` rounded
+#pragma unroll
+  for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+    for (int c = 0; c < integer_side; ++c) {
+      accumulators[r][c] = 0.0f;
+      running[r][c] = 0.0;
+    }
+  }
   const int group = Mode == integer_mode::group ? blocks_per_group : 1;
 
   for (std::int64_t group_begin = 0; group_begin < blocks; group_begin += group) {
     const std::int64_t group_end = blocks - group_begin < group ? blocks : group_begin + group;
+    if constexpr (Mode == integer_mode::group) {
+      nan_entries = 0;
+#pragma unroll
+      for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < integer_side; ++c) running[r][c] = 0.0;
+      }
+    }
     for (std::int64_t b = group_begin; b < group_end; ++b) {
       const std::int64_t k0 = b * block;
       const std::int64_t length = depth - k0 < block ? depth - k0 : block;
-      Dot dot = 0;
+      std::int32_t exponent_a[integer_side], exponent_b[integer_side];
+#pragma unroll
+      for (int s = 0; s < integer_side; ++s) {
+        exponent_a[s] = row_inside[s] ? a_exponents[b * m + i0 + ty + 16 * s] : 0;
+        exponent_b[s] = column_inside[s] ? b_exponents[b * n + j0 + tx + 16 * s] : 0;
+      }
+      Dot dots[integer_side][integer_side];
+#pragma unroll
+      for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < integer_side; ++c) dots[r][c] = 0;
+      }
       for (std::int64_t c0 = 0; c0 < length; c0 += integer_chunk) {
         const int chunk = length - c0 < integer_chunk ? static_cast<int>(length - c0) : integer_chunk;
-        for (int t = threadIdx.x; t < integer_tile * integer_chunk; t += blockDim.x) {
+        for (int t = static_cast<int>(threadIdx.x); t < integer_tile * integer_chunk;
+             t += static_cast<int>(blockDim.x)) {
           const int row = t / integer_chunk;
           const int kk = t % integer_chunk;
           const bool inside = kk < chunk;
-          a_tile[row][kk] = (inside && i0 + row < m) ? a_values[(i0 + row) * depth + k0 + c0 + kk] : 0;
-          b_tile[row][kk] = (inside && j0 + row < n) ? b_values[(j0 + row) * depth + k0 + c0 + kk] : 0;
+          const std::int64_t k = k0 + c0 + kk;
+          a_tile[kk * stride + row] =
+              (inside && i0 + row < m) ? static_cast<Dot>(a_values[(i0 + row) * depth + k]) : Dot{0};
+          b_tile[kk * stride + row] =
+              (inside && j0 + row < n) ? static_cast<Dot>(b_values[(j0 + row) * depth + k]) : Dot{0};
         }
         __syncthreads();
-        for (int kk = 0; kk < chunk; ++kk) dot += static_cast<Dot>(a_tile[ty][kk]) * static_cast<Dot>(b_tile[tx][kk]);
+#pragma unroll 8
+        for (int kk = 0; kk < chunk; ++kk) {
+          Dot av[integer_side], bv[integer_side];
+#pragma unroll
+          for (int s = 0; s < integer_side; ++s) {
+            av[s] = a_tile[kk * stride + ty + 16 * s];
+            bv[s] = b_tile[kk * stride + tx + 16 * s];
+          }
+#pragma unroll
+          for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+            for (int c = 0; c < integer_side; ++c) dots[r][c] = multiply_add_exact(av[r], bv[c], dots[r][c]);
+          }
+        }
         __syncthreads();
       }
-      if (!active) continue;
-      const double contribution =
-          scaled_block_dot(static_cast<double>(dot), a_exponents[b * m + i], b_exponents[b * n + j], fraction_total);
-      if constexpr (Mode == integer_mode::block) {
-        accumulator = add_exact_value(accumulator, contribution);
-      } else if constexpr (Mode == integer_mode::group) {
-        terms[b - group_begin] = contribution;
-      } else {
-        if (contribution != contribution) {
-          nan_entry = true;
-        } else {
-          // TwoSum (Knuth): sum + error == running + contribution exactly for finite doubles (these
-          // stay far below overflow), so total + running keeps the exact sum while the long
-          // accumulator is touched only when an addition rounds, which block dots of a few binades
-          // apart never do.
-          const double sum = running + contribution;
-          const double virtual_contribution = sum - running;
-          const double virtual_running = sum - virtual_contribution;
-          const double error = (running - virtual_running) + (contribution - virtual_contribution);
-          running = sum;
-          if (error != 0.0) {
-            if (!spilled) total.clear();
-            spilled = true;
-            total.add(error);
+      // The block's step for every entry of the thread.
+#pragma unroll
+      for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < integer_side; ++c) {
+          if (!row_inside[r] || !column_inside[c]) continue;
+          const double contribution =
+              scaled_block_dot(static_cast<double>(dots[r][c]), exponent_a[r], exponent_b[c], fraction_total);
+          if constexpr (Mode == integer_mode::block) {
+            accumulators[r][c] = add_exact_value_inline(accumulators[r][c], contribution);
+          } else if (contribution != contribution) {
+            nan_entries |= 1U << (r * integer_side + c);
+          } else if (add_rounds(running[r][c], contribution)) {
+            rounded_entries |= 1U << (r * integer_side + c);
           }
         }
       }
     }
     if constexpr (Mode == integer_mode::group) {
-      if (!active) continue;
-      const int count = static_cast<int>(group_end - group_begin);
-      if (count == 1) {
-        accumulator = add_exact_value(accumulator, terms[0]);
-        continue;
+      // fl32(acc + the group's terms) for the entries whose `running` is their exact sum.
+#pragma unroll
+      for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < integer_side; ++c) {
+          const unsigned bit = 1U << (r * integer_side + c);
+          if ((rounded_entries & bit) != 0) continue;
+          float& accumulator = accumulators[r][c];
+          if ((nan_entries & bit) != 0 || !is_finite(accumulator)) {
+            accumulator = nonfinite_step(accumulator, (nan_entries & bit) != 0 ? canonical_nan_double() : 0.0);
+          } else {
+            accumulator = core_ns::add_to_float(accumulator, running[r][c] + 0.0);
+          }
+        }
       }
-      bool nan_term = false;
-      for (int g = 0; g < count; ++g) nan_term = nan_term || terms[g] != terms[g];
-      if (nan_term || !is_finite(accumulator)) {
-        accumulator = nonfinite_step(accumulator, nan_term ? canonical_nan_double() : 0.0);
-        continue;
-      }
-      accumulator = add_group_to_float(accumulator, terms, count);
     }
   }
-  if (!active) return;
-  const std::int64_t entry = i * n + j;
-  if constexpr (Mode == integer_mode::exact) {
-    if (nan_entry) {
-      out[entry] = finish_output(canonical_nan_float(), output);
-      if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
-    } else if (!spilled) {
-      // `running` is the exact sum: the fp64 result itself, and one correctly rounded conversion
-      // to fp32.
-      out[entry] = finish_output(static_cast<float>(running), output);
-      if (exact_out != nullptr) exact_out[entry] = running;
-    } else {
-      total.add(running);
-      out[entry] = finish_output(round_total_to_float(total), output);
-      if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
+
+#pragma unroll
+  for (int r = 0; r < integer_side; ++r) {
+#pragma unroll
+    for (int c = 0; c < integer_side; ++c) {
+      if (!row_inside[r] || !column_inside[c]) continue;
+      const std::int64_t entry = (i0 + ty + 16 * r) * n + j0 + tx + 16 * c;
+      const unsigned bit = 1U << (r * integer_side + c);
+      if constexpr (Mode == integer_mode::block) {
+        out[entry] = finish_output(accumulators[r][c] * 1.0f, output);
+      } else if constexpr (Mode == integer_mode::group) {
+        if ((rounded_entries & bit) != 0) {
+          flagged[entry] = 1;
+        } else {
+          out[entry] = finish_output(accumulators[r][c] * 1.0f, output);
+        }
+      } else {
+        if ((nan_entries & bit) != 0) {
+          out[entry] = finish_output(canonical_nan_float(), output);
+          if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
+        } else if ((rounded_entries & bit) != 0) {
+          flagged[entry] = 1;
+        } else {
+          // `running` is the exact sum: the fp64 result itself, and one correctly rounded
+          // conversion to fp32.
+          out[entry] = finish_output(static_cast<float>(running[r][c]), output);
+          if (exact_out != nullptr) exact_out[entry] = running[r][c];
+        }
+      }
     }
-  } else {
-    out[entry] = finish_output(accumulator * 1.0f, output);
+  }
+}
+
+// The entries integer_product_kernel flagged (fp32-group:G, exact), one thread each, by the
+// per-entry definitions: the block dots again from the operands; a group's scaled dots through
+// add_exactly_to_float (one of them through add_exact_value), every scaled dot of an exact entry
+// added to a long accumulator and rounded once (a NaN block gives the canonical NaN).
+template <class Dot, integer_mode Mode>
+__global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
+                                     const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
+                                     std::int64_t n, std::int64_t depth, int block, std::int64_t blocks,
+                                     int blocks_per_group, int fraction_total, output_rounding output,
+                                     const std::uint8_t* flagged, float* out, double* exact_out) {
+  MXSCOPE_GRID_LOOP(entry, m * n) {
+    if (flagged[entry] == 0) continue;
+    const std::int64_t i = entry / n;
+    const std::int64_t j = entry % n;
+    const auto scaled_dot = [&](std::int64_t b) {
+      const std::int64_t k0 = b * block;
+      const std::int64_t end = depth - k0 < block ? depth : k0 + block;
+      Dot dot = 0;
+      for (std::int64_t k = k0; k < end; ++k) {
+        dot = multiply_add_exact(static_cast<Dot>(a_values[i * depth + k]), static_cast<Dot>(b_values[j * depth + k]),
+                                 dot);
+      }
+      return scaled_block_dot(static_cast<double>(dot), a_exponents[b * m + i], b_exponents[b * n + j],
+                              fraction_total);
+    };
+    if constexpr (Mode == integer_mode::exact) {
+      core_ns::long_accumulator total;
+      bool nan_entry = false;
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const double contribution = scaled_dot(b);
+        if (contribution != contribution) {
+          nan_entry = true;
+        } else {
+          total.add(contribution);
+        }
+      }
+      if (nan_entry) {
+        out[entry] = finish_output(canonical_nan_float(), output);
+        if (exact_out != nullptr) exact_out[entry] = canonical_nan_double();
+      } else {
+        out[entry] = finish_output(round_total_to_float(total), output);
+        if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
+      }
+    } else {
+      float accumulator = 0.0f;
+      double terms[integer_max_group];
+      for (std::int64_t group_begin = 0; group_begin < blocks; group_begin += blocks_per_group) {
+        const std::int64_t group_end =
+            blocks - group_begin < blocks_per_group ? blocks : group_begin + blocks_per_group;
+        const int count = static_cast<int>(group_end - group_begin);
+        for (int g = 0; g < count; ++g) terms[g] = scaled_dot(group_begin + g);
+        if (count == 1) {
+          accumulator = add_exact_value(accumulator, terms[0]);
+          continue;
+        }
+        bool nan_term = false;
+        for (int g = 0; g < count; ++g) nan_term = nan_term || terms[g] != terms[g];
+        if (nan_term || !is_finite(accumulator)) {
+          accumulator = nonfinite_step(accumulator, nan_term ? canonical_nan_double() : 0.0);
+          continue;
+        }
+        accumulator = add_group_to_float(accumulator, terms, count);
+      }
+      out[entry] = finish_output(accumulator * 1.0f, output);
+    }
   }
 }
 
@@ -1943,28 +2104,38 @@ void launch_integer(const prepared_operand::storage& a, const prepared_operand::
                     int fraction_total) {
   const dim3 grid(static_cast<unsigned>((b.rows + integer_tile - 1) / integer_tile),
                   static_cast<unsigned>((a.rows + integer_tile - 1) / integer_tile));
-  const dim3 threads(integer_tile * integer_tile);
+  const dim3 threads(256);
   const auto* av = a.integers.as<const std::int32_t>();
   const auto* ae = a.exponents.as<const std::int32_t>();
   const auto* bv = b.integers.as<const std::int32_t>();
   const auto* be = b.exponents.as<const std::int32_t>();
-  switch (model.kind) {
-    case accumulation_kind::fp32_block:
-      runtime::launch(integer_product_kernel<Dot, integer_mode::block>, grid, threads, 0, av, ae, bv, be, a.rows,
-                      b.rows, a.depth, a.block, a.blocks, 1, fraction_total, output, out, exact_out);
-      break;
-    case accumulation_kind::fp32_group:
-      runtime::launch(integer_product_kernel<Dot, integer_mode::group>, grid, threads, 0, av, ae, bv, be, a.rows,
-                      b.rows, a.depth, a.block, a.blocks, model.blocks_per_group, fraction_total, output, out,
-                      exact_out);
-      break;
-    case accumulation_kind::exact:
-      runtime::launch(integer_product_kernel<Dot, integer_mode::exact>, grid, threads, 0, av, ae, bv, be, a.rows,
-                      b.rows, a.depth, a.block, a.blocks, 1, fraction_total, output, out, exact_out);
-      break;
-    default:
-      throw input_error("gpu gemm: the integer path covers exact, fp32-block and fp32-group:G");
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  if (model.kind == accumulation_kind::fp32_block) {
+    runtime::launch(integer_product_kernel<Dot, integer_mode::block>, grid, threads, 0, av, ae, bv, be, m, n, a.depth,
+                    a.block, a.blocks, 1, fraction_total, output, out, exact_out, nullptr);
+    return;
   }
+  if (model.kind != accumulation_kind::fp32_group && model.kind != accumulation_kind::exact) {
+    throw input_error("gpu gemm: the integer path covers exact, fp32-block and fp32-group:G");
+  }
+  const int per_group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
+  device_buffer flagged(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
+  flagged.fill_bytes(0);
+  if (model.kind == accumulation_kind::fp32_group) {
+    runtime::launch(integer_product_kernel<Dot, integer_mode::group>, grid, threads, 0, av, ae, bv, be, m, n, a.depth,
+                    a.block, a.blocks, per_group, fraction_total, output, out, exact_out, flagged.as<std::uint8_t>());
+    runtime::launch(integer_fixup_kernel<Dot, integer_mode::group>, grid_for(m * n), threads_per_block, 0, av, ae, bv,
+                    be, m, n, a.depth, a.block, a.blocks, per_group, fraction_total, output,
+                    flagged.as<const std::uint8_t>(), out, exact_out);
+  } else {
+    runtime::launch(integer_product_kernel<Dot, integer_mode::exact>, grid, threads, 0, av, ae, bv, be, m, n, a.depth,
+                    a.block, a.blocks, 1, fraction_total, output, out, exact_out, flagged.as<std::uint8_t>());
+    runtime::launch(integer_fixup_kernel<Dot, integer_mode::exact>, grid_for(m * n), threads_per_block, 0, av, ae, bv,
+                    be, m, n, a.depth, a.block, a.blocks, 1, fraction_total, output, flagged.as<const std::uint8_t>(),
+                    out, exact_out);
+  }
+  synchronize();  // the flag buffer must outlive both kernels
 }
 
 // -------------------------------------------------------------------------------------------
@@ -2634,6 +2805,8 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
     case gemm_path::integer:
       if (block_dot_bits(a.element, b.element, a.block) <= 31) {
         launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
+      } else if (block_dot_bits(a.element, b.element, a.block) <= 53) {
+        launch_integer<double>(a, b, model, output, out, exact_out, fraction_total);  // exact: see the integer path
       } else {
         launch_integer<long long>(a, b, model, output, out, exact_out, fraction_total);
       }

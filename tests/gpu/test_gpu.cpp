@@ -1057,6 +1057,51 @@ void gemm_edges(bool small) {
   });
 }
 
+// The integer path over several of its 64 x 64 tiles with tails in M, N and K (K not a multiple of
+// the block): fp8 e4m3 (block dots summed in fp64) and e3m2 x fp4 (in int32), each model, with
+// extreme values (block dots many binades apart: the running sums of fp32-group and exact round, so
+// those entries take the fix-up kernel) and NaN blocks.
+void gemm_integer_tiles(bool small) {
+  struct format_pair {
+    int a;
+    int b;
+  };
+  const format_pair pairs[] = {{3, 3}, {2, 0}};
+  const mxscope::accumulation_model models[] = {model_of(mxscope::accumulation_kind::fp32_block),
+                                                model_of(mxscope::accumulation_kind::fp32_group, 3),
+                                                model_of(mxscope::accumulation_kind::exact)};
+  const value_kind kinds[] = {value_kind::extreme, value_kind::nonfinite, value_kind::ties};
+  int index = 0;
+  for (const format_pair& pair : pairs) {
+    for (const auto& model : models) {
+      for (const value_kind kind : kinds) {
+        ++index;
+        if (small && pair.a != 3 && kind != value_kind::extreme) continue;
+        const std::uint64_t seed = next_seed();
+        const std::int64_t m = 70, n = 133, k = 100 + 3 * (index % 2);
+        const auto output = index % 5 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const auto [qa, qb] = make_operands(m, n, k, pair.a, pair.b, 32, gemm_layouts[index % 3], kind, seed);
+        if (!gpu::gemm_path_covers(gpu::gemm_path::integer, qa.options.format.element, qb.options.format.element, 32,
+                                   model)) {
+          run_case("gemm integer tiles: path coverage", [&] {
+            return std::string("the integer path does not cover ") + format_names[pair.a] + " x " +
+                   format_names[pair.b] + " " + model_name(model);
+          });
+          continue;
+        }
+        const std::string name = std::string("gemm integer tiles ") + format_names[pair.a] + "x" +
+                                 format_names[pair.b] + " " + model_name(model) + " M" + std::to_string(m) + " N" +
+                                 std::to_string(n) + " K" + std::to_string(k) + " " +
+                                 std::string(test_inputs::value_kind_name(kind));
+        run_case(name, [&] {
+          const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::integer);
+          return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+        });
+      }
+    }
+  }
+}
+
 // Per-tensor fp8 operands on the GPU: the element codes multiplied as MX operands with unit block
 // scales and kept in device memory, then gpu::apply_tensor_scales. Expected: the same product
 // brought to the host (checked against the host definition by the sweep above) with the tensor
@@ -1958,6 +2003,7 @@ int main(int argc, char** argv) {
   timed("gemm sweep", [&] { gemm_sweep(small); });
   timed("gemm edges", [&] { gemm_edges(small); });
   timed("gemm tensor-core tiles", [&] { gemm_tensor_core_tiles(small); });
+  timed("gemm integer tiles", [&] { gemm_integer_tiles(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
   timed("per-tensor scales", [&] { tensor_scale_checks(small); });
   timed("reference", [&] { reference_checks(small); });
