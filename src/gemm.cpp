@@ -1775,6 +1775,30 @@ device_matrix_ptr canonical_on_device(const quantized_tensor& q) {
   return std::make_shared<const gpu::device_matrix>(gpu::transposed(*values));
 }
 
+// detail::unit_scaled_mx with the codes in device memory (those of `q` when it has them there) and
+// its unit block scales made there.
+quantized_tensor unit_scaled_on_device(const quantized_tensor& q, int block) {
+  quantized_tensor host_codes_only = q;
+  host_codes_only.device_codes.reset();
+  host_codes_only.device_scales.reset();
+  if (q.device_codes) host_codes_only.codes.clear();  // not copied again below
+  quantized_tensor out = detail::unit_scaled_mx(host_codes_only, block);
+  out.scales.clear();
+  auto scales = std::make_shared<gpu::device_buffer>(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+  scales->fill_bytes(core_ns::scale_code(0));  // 2^0
+  out.device_scales = std::move(scales);
+  if (q.device_codes) {
+    out.codes.clear();
+    out.device_codes = q.device_codes;
+  } else {
+    auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
+    codes->upload(q.codes.data(), q.codes.size());
+    out.codes.clear();
+    out.device_codes = std::move(codes);
+  }
+  return out;
+}
+
 // Whether an operand quantized on the GPU left its values, or its codes, only there.
 bool values_only_on_device(const quantized_tensor& q) {
   const bool values = q.device_dequantized && q.dequantized.size() != q.rows * q.cols;
@@ -1825,6 +1849,12 @@ bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantize
     for (int code = 0; code < codes; ++code) {
       table[code] = std::isfinite(core_ns::decode(kind, static_cast<std::uint32_t>(code)));
     }
+#ifdef MXSCOPE_HAVE_CUDA
+    // Codes left in device memory by the GPU's quantizer are checked there.
+    if (q.device_codes && q.codes.size() != q.device_codes->bytes()) {
+      return gpu::count_nonfinite_codes(*q.device_codes, q.rows * q.cols, kind) == 0;
+    }
+#endif
     bool all = true;
     const auto size = static_cast<std::int64_t>(q.codes.size());
 #pragma omp parallel for schedule(static) reduction(&& : all) if (size >= parallel_elements)
@@ -1948,9 +1978,8 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model) &&
       options.keep_on_device) {
     // The same, with the tensor scales applied on the GPU to the product left there.
-    product_result on_gpu =
-        gpu::emulate_product(detail::unit_scaled_mx(a, block), detail::unit_scaled_mx(b, block), model,
-                             output_rounding::fp32, gpu::gemm_path::automatic, true);
+    product_result on_gpu = gpu::emulate_product(unit_scaled_on_device(a, block), unit_scaled_on_device(b, block),
+                                                 model, output_rounding::fp32, gpu::gemm_path::automatic, true);
     gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, model.kind == accumulation_kind::exact, output);
     on_gpu.product_on_gpu = true;
     return on_gpu;
@@ -2176,9 +2205,8 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
       for (const auto& [host, device] : options.resident_operands) {
         if (host == &tensor && device) resident = device.get();
       }
-      // MX codes stay on the GPU for a product that runs there (per-tensor codes come to the host:
-      // the tensor scales' path reads them there).
-      const bool codes_on_device_only = options.keep_on_device && quantize_with.format.scheme == quant_scheme::mx;
+      // The codes stay on the GPU for a product that runs there (a CPU product downloads them).
+      const bool codes_on_device_only = options.keep_on_device;
       quantized_tensor quantized = gpu::quantize_with_energies(
           tensor, quantize_with, rotation_for(chosen, context), chosen.accumulation.kind == accumulation_kind::fp32_seq,
           energies, resident, codes_on_device_only);

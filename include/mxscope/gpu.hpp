@@ -339,6 +339,10 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,
                                bool keep_on_device = false);
 
+// The number of element codes among the first `count` bytes of `codes` (device memory, one code per
+// byte: fp8 and the other 6- and 8-bit formats) that decode to inf or NaN.
+std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t count, core::element_kind kind);
+
 // The tensor scales of per-tensor operands applied in place to a product of their element codes as
 // unit-scaled MX operands that was kept in device memory (detail::per_tensor_by_unit_scales, the
 // same bits): with `exact_model` every entry of device_exact (the exact unscaled sum) times sa sb

@@ -3539,6 +3539,32 @@ __global__ void tensor_scales_kernel(float* out, double* exact, std::int64_t cou
 
 }  // namespace
 
+namespace {
+
+__global__ void nonfinite_codes_kernel(const std::uint8_t* codes, std::int64_t count, element_kind kind,
+                                       unsigned long long* found) {
+  unsigned long long local = 0;
+  MXSCOPE_GRID_LOOP(i, count) { local += is_finite(core_ns::decode(kind, codes[i])) ? 0U : 1U; }
+  if (local != 0) atomicAdd(found, local);
+}
+
+}  // namespace
+
+std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t count, element_kind kind) {
+  if (count < 0 || static_cast<std::uint64_t>(count) > codes.bytes()) {
+    throw std::logic_error("count_nonfinite_codes: more codes than bytes");
+  }
+  if (core_ns::spec(kind).bits < 6) throw std::logic_error("count_nonfinite_codes: one code per byte only");
+  if (count == 0) return 0;
+  device_buffer found(sizeof(unsigned long long));
+  found.fill_bytes(0);
+  runtime::launch(nonfinite_codes_kernel, grid_for(count), threads_per_block, 0, codes.as<const std::uint8_t>(), count,
+                  kind, found.as<unsigned long long>());
+  unsigned long long host = 0;
+  found.download(&host, sizeof(host));
+  return static_cast<std::int64_t>(host);
+}
+
 void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output) {
   if (!result.device_out || (exact_model && !result.device_exact)) {
     throw std::logic_error("apply_tensor_scales: the product is not in device memory");

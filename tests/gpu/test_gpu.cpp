@@ -1159,6 +1159,26 @@ void tensor_scale_checks(bool small) {
       }
     }
   }
+  // The finiteness check of per-tensor codes left in device memory.
+  run_case("per-tensor codes: count_nonfinite_codes", []() -> std::string {
+    std::mt19937_64 random(0xc0de5);
+    for (const core::element_kind kind : {core::element_kind::fp8_e4m3, core::element_kind::fp8_e5m2}) {
+      for (const std::int64_t count : {std::int64_t{0}, std::int64_t{1}, std::int64_t{777}, std::int64_t{100000}}) {
+        std::vector<std::uint8_t> codes(static_cast<std::size_t>(count) + 3);
+        for (auto& code : codes) code = static_cast<std::uint8_t>(random() % 200 == 0 ? 0xFF : random() % 0x78);
+        std::int64_t want = 0;
+        for (std::int64_t i = 0; i < count; ++i) want += !std::isfinite(core::decode(kind, codes[static_cast<std::size_t>(i)]));
+        gpu::device_buffer buffer(codes.size());
+        buffer.upload(codes.data(), codes.size());
+        const std::int64_t got = gpu::count_nonfinite_codes(buffer, count, kind);
+        if (got != want) {
+          return std::string(core::spec(kind).name) + " count " + std::to_string(count) + ": expected " +
+                 std::to_string(want) + " got " + std::to_string(got);
+        }
+      }
+    }
+    return "";
+  });
   // The exact rounding on constructed sums: near fp32 midpoints after scaling, far below 1, near
   // overflow, and zeros.
   run_case("per-tensor scales on the device, constructed sums", []() -> std::string {
