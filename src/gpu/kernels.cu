@@ -3376,17 +3376,21 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   out.rows = input.rows;
   out.cols = input.cols;
   out.options = options;
+  std::size_t code_bytes = static_cast<std::size_t>(input.size());  // per-tensor fp8: one byte per element
+  std::size_t scale_bytes = 0;
   if (plan) {
     out.block = plan->block;
     out.scale_rows = mx_scale_rows(*plan, input.rows, input.cols);
     out.scale_cols = mx_scale_cols(*plan, input.rows, input.cols);
-    out.codes.resize(static_cast<std::size_t>(mx_code_bytes(*plan, input.rows, input.cols)));
-    out.scales.resize(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
+    code_bytes = static_cast<std::size_t>(mx_code_bytes(*plan, input.rows, input.cols));
+    scale_bytes = static_cast<std::size_t>(out.scale_rows * out.scale_cols);
   } else if (bf16) {
     out.block = options.block > 0 ? options.block : options.format.default_block;  // as quantize()
-    out.codes.resize(static_cast<std::size_t>(input.size()) * 2);
-  } else {
-    out.codes.resize(static_cast<std::size_t>(input.size()));
+    code_bytes = static_cast<std::size_t>(input.size()) * 2;
+  }
+  if (!codes_on_device_only) {  // host vectors only where they are wanted (they are large)
+    out.codes.resize(code_bytes);
+    out.scales.resize(scale_bytes);
   }
   energies = {};
   if (keep_dequantized) out.dequantized = matrix(input.rows, input.cols);
@@ -3409,8 +3413,8 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     }
     operand = working.as<const float>();
   }
-  auto codes_buffer = std::make_shared<device_buffer>(out.codes.size());
-  auto scales_buffer = std::make_shared<device_buffer>(out.scales.size());
+  auto codes_buffer = std::make_shared<device_buffer>(code_bytes);
+  auto scales_buffer = std::make_shared<device_buffer>(scale_bytes);
   device_buffer& codes = *codes_buffer;
   device_buffer& scales = *scales_buffer;
   auto dequantized_matrix = std::make_shared<device_matrix>(input.rows, input.cols, device_matrix::element::fp32);
@@ -3450,10 +3454,7 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   partials.download(host_partials.data(), partials.bytes());
   energies.signal = tree_of(host_partials, 0, static_cast<std::size_t>(chunk_count));
   energies.error = tree_of(host_partials, static_cast<std::size_t>(chunk_count), static_cast<std::size_t>(chunk_count));
-  if (codes_on_device_only) {
-    out.codes.clear();
-    out.scales.clear();
-  } else {
+  if (!codes_on_device_only) {
     codes.download(out.codes.data(), out.codes.size());
     if (!out.scales.empty()) scales.download(out.scales.data(), out.scales.size());
   }
