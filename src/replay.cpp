@@ -266,7 +266,8 @@ const matrix& captured(const io::dump_entry& entry, std::string_view name) {
 // the entry's operands already in device memory (compute.resident_operands), oriented there, and
 // left there (the host matrices of the result empty); otherwise oriented on the host.
 reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, reference_kind reference,
-                              compute_device device, const gemm_options& compute, placement_counts& placed) {
+                              compute_device device, gemm_options& compute, placement_counts& placed) {
+  compute.known_exact.reset();
   const gemm_layout layout = layout_of(kind);
   const matrix& a = captured(entry, layout.a_name);
   const matrix& b = captured(entry, layout.b_name);
@@ -288,7 +289,14 @@ reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, refer
       const device_matrix_ptr left = oriented(*a_device, layout.a_axis);
       const device_matrix_ptr right = oriented(*b_device, layout.b_axis);
       ++placed.reference_gpu;
-      return gpu::reference_gemm(*left, *right, compute.keep_on_device);
+      reference_result result = gpu::reference_gemm(*left, *right, compute.keep_on_device);
+      if (compute.keep_on_device) {
+        // For a strategy whose unscaled operands have these bits (bf16 on a bf16 capture): its exact
+        // product is this result. The operands are held here (`left` may point into the entry's copy,
+        // which resident_operands keeps for this entry; known_exact is reset with it).
+        compute.known_exact = gemm_options::known_exact_product{left, right, result.device_fp64, result.device_fp32};
+      }
+      return result;
     }
   }
 #endif
@@ -1063,6 +1071,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           }
           seconds_strategies += seconds_since(mark);
         }
+        compute.known_exact.reset();
         compute.resident_operands.clear();  // they copy this entry's operands
         ++entries_seen;
         ++outcome.entries;

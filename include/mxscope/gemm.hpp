@@ -138,6 +138,17 @@ struct gemm_options {
   // matrix it copies (the caller keeps both unchanged while they are listed here). run_gemm's GPU
   // quantizer reads such an operand there instead of uploading the host matrix again.
   std::vector<std::pair<const matrix*, device_matrix_ptr>> resident_operands;
+  // With device gpu and keep_on_device: an exact product of unscaled operands already computed on
+  // the GPU (the replay's reference), with its operands in the canonical orientation ([rows, depth]).
+  // An exact product whose unscaled operands have the same bits (a bf16 strategy on a bf16 capture)
+  // is that result, since the same kernel on the same inputs gives the same bits: it is shared.
+  struct known_exact_product {
+    device_matrix_ptr a;
+    device_matrix_ptr b;
+    device_matrix_ptr fp64;
+    device_matrix_ptr fp32;
+  };
+  std::optional<known_exact_product> known_exact;
 };
 
 struct product_result {

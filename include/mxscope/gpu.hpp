@@ -330,6 +330,9 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
 // The transpose of a device matrix, in device memory.
 device_matrix transposed(const device_matrix& values);
 
+// Whether two device matrices have the same shape, element type and bits.
+bool same_bits(const device_matrix& x, const device_matrix& y);
+
 // The emulated product of two MX quantized tensors (as mxscope::emulate_product). Codes and scales
 // in device memory (quantized_tensor::device_codes, device_scales) are read there, else uploaded. Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.

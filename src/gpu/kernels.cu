@@ -3581,6 +3581,34 @@ void apply_tensor_scales(const product_result& result, float sa, float sb, bool 
                   output);
 }
 
+namespace {
+
+__global__ void differing_words_kernel(const std::uint32_t* x, const std::uint32_t* y, std::int64_t count,
+                                       unsigned long long* differing) {
+  unsigned long long local = 0;
+  MXSCOPE_GRID_LOOP(i, count) { local += x[i] != y[i] ? 1U : 0U; }
+  if (local != 0) atomicAdd(differing, local);
+}
+
+}  // namespace
+
+bool same_bits(const device_matrix& x, const device_matrix& y) {
+  if (x.rows() != y.rows() || x.cols() != y.cols() || x.kind() != y.kind()) return false;
+  const std::int64_t words = x.size() * (x.kind() == device_matrix::element::fp32 ? 1 : 2);
+  if (words == 0) return true;
+  const auto* x_words = x.kind() == device_matrix::element::fp32 ? reinterpret_cast<const std::uint32_t*>(x.fp32())
+                                                                 : reinterpret_cast<const std::uint32_t*>(x.fp64());
+  const auto* y_words = y.kind() == device_matrix::element::fp32 ? reinterpret_cast<const std::uint32_t*>(y.fp32())
+                                                                 : reinterpret_cast<const std::uint32_t*>(y.fp64());
+  device_buffer differing(sizeof(unsigned long long));
+  differing.fill_bytes(0);
+  runtime::launch(differing_words_kernel, grid_for(words), threads_per_block, 0, x_words, y_words, words,
+                  differing.as<unsigned long long>());
+  unsigned long long host = 0;
+  differing.download(&host, sizeof(host));
+  return host == 0;
+}
+
 device_matrix transposed(const device_matrix& values) {
   device_matrix out(values.cols(), values.rows(), device_matrix::element::fp32);
   if (values.size() == 0) return out;

@@ -1652,6 +1652,26 @@ void plain_checks(bool small) {
     }
     return "";
   });
+  // gpu::same_bits: equal bits, one flipped bit (also -0 against +0), other shapes and types.
+  run_case("plain gpu::same_bits", []() -> std::string {
+    matrix values(37, 41);
+    for (std::int64_t i = 0; i < values.size(); ++i) values.values[static_cast<std::size_t>(i)] = 0.25f * static_cast<float>(i % 97) - 3.0f;
+    const gpu::device_matrix x = gpu::device_matrix::upload(values);
+    if (!gpu::same_bits(x, gpu::device_matrix::upload(values))) return std::string("equal matrices reported different");
+    matrix changed = values;
+    changed.values[1234] = std::nextafter(changed.values[1234], 100.0f);
+    if (gpu::same_bits(x, gpu::device_matrix::upload(changed))) return std::string("one ulp apart reported equal");
+    changed = values;
+    changed.values[12] = -0.0f;
+    values.values[12] = 0.0f;
+    if (gpu::same_bits(gpu::device_matrix::upload(values), gpu::device_matrix::upload(changed))) {
+      return std::string("-0 and +0 reported equal");
+    }
+    if (gpu::same_bits(x, gpu::device_matrix::upload(matrix(41, 37)))) return std::string("other shape reported equal");
+    matrix64 wide(37, 41);
+    if (gpu::same_bits(x, gpu::device_matrix::upload(wide))) return std::string("fp64 reported equal to fp32");
+    return "";
+  });
   // gpu::transposed on shapes around its 32 x 32 tile.
   run_case("plain gpu::transposed", []() -> std::string {
     for (const auto& [rows, cols] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {31, 33}, {64, 7}, {100, 257}, {0, 5}}) {
