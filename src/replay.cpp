@@ -273,27 +273,26 @@ reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, refer
   const matrix& b = captured(entry, layout.b_name);
 #ifdef MXSCOPE_HAVE_CUDA
   if (device == compute_device::gpu && reference == reference_kind::exact) {
-    const auto resident = [&](const matrix& host) -> const gpu::device_matrix* {
+    const auto resident = [&](const matrix& host) -> device_matrix_ptr {
       for (const auto& [pointer, copy] : compute.resident_operands) {
-        if (pointer == &host && copy) return copy.get();
+        if (pointer == &host && copy) return copy;
       }
       return nullptr;
     };
-    const gpu::device_matrix* a_device = resident(a);
-    const gpu::device_matrix* b_device = resident(b);
-    if (a_device != nullptr && b_device != nullptr) {
-      const auto oriented = [](const gpu::device_matrix& values, int axis) {
-        return axis == 1 ? device_matrix_ptr(device_matrix_ptr(), &values)  // not owned: the entry's copy
-                         : std::make_shared<const gpu::device_matrix>(gpu::transposed(values));
+    const device_matrix_ptr a_device = resident(a);
+    const device_matrix_ptr b_device = resident(b);
+    if (a_device && b_device) {
+      const auto oriented = [](const device_matrix_ptr& values, int axis) -> device_matrix_ptr {
+        if (axis == 1) return values;
+        return std::make_shared<const gpu::device_matrix>(gpu::transposed(*values));
       };
-      const device_matrix_ptr left = oriented(*a_device, layout.a_axis);
-      const device_matrix_ptr right = oriented(*b_device, layout.b_axis);
+      const device_matrix_ptr left = oriented(a_device, layout.a_axis);
+      const device_matrix_ptr right = oriented(b_device, layout.b_axis);
       ++placed.reference_gpu;
       reference_result result = gpu::reference_gemm(*left, *right, compute.keep_on_device);
       if (compute.keep_on_device) {
         // For a strategy whose unscaled operands have these bits (bf16 on a bf16 capture): its exact
-        // product is this result. The operands are held here (`left` may point into the entry's copy,
-        // which resident_operands keeps for this entry; known_exact is reset with it).
+        // product is this result (reset with the entry's resident operands).
         compute.known_exact = gemm_options::known_exact_product{left, right, result.device_fp64, result.device_fp32};
       }
       return result;
