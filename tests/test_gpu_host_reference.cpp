@@ -114,6 +114,35 @@ TEST(GpuHostReference, QuantizeMatchesLibraryForEveryPolicy) {
   }
 }
 
+namespace {
+
+// Encoder probes at block exponent `exponent`: signed zeros, the smallest and largest fp32
+// subnormal magnitudes, then for each scaled binade b (v = +-S * 2^(b + exponent - 23), fp32 range
+// permitting) `per_binade` random significands and the exact ties between neighbours of every
+// spacing the binade can meet with their two neighbours, both signs; then 8 random fp32 subnormals.
+std::vector<float> probe_values(std::mt19937_64& random, int exponent, int lowest_scaled_binade,
+                                int highest_scaled_binade, int per_binade) {
+  std::vector<float> values = {0.0f, -0.0f, core::bits_float(1U), core::bits_float(0x807fffffU)};
+  for (int scaled_binade = lowest_scaled_binade; scaled_binade <= highest_scaled_binade; ++scaled_binade) {
+    const int binade = scaled_binade + exponent;
+    if (binade < -126 || binade > 127) continue;
+    const std::uint32_t field = static_cast<std::uint32_t>(binade + 127) << 23;
+    for (int k = 0; k < per_binade; ++k) values.push_back(core::bits_float(field | (random() & 0x807fffffU)));
+    for (int dropped = 1; dropped <= 23; ++dropped) {
+      const std::uint32_t kept = static_cast<std::uint32_t>(random()) & (0x7fffffU >> dropped << dropped);
+      const std::uint32_t tie = field | kept | (1U << (dropped - 1));
+      for (const std::uint32_t bits : {tie, tie - 1U, tie + 1U}) {
+        values.push_back(core::bits_float(bits));
+        values.push_back(-core::bits_float(bits));
+      }
+    }
+  }
+  for (int k = 0; k < 8; ++k) values.push_back(core::bits_float(static_cast<std::uint32_t>(random()) & 0x807fffffU));
+  return values;
+}
+
+}  // namespace
+
 // The fused GPU quantizer's element encoder (src/gpu/fast_encode.hpp, integer arithmetic on the fp32
 // bits) against core::quantize_element / core::dequantize_element: every float element format x
 // every rounding mode (sr with 32, 9 and 1 random bits) x every block exponent -127..127, on values
@@ -136,26 +165,9 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
   for (const auto kind : float_kinds) {
     const auto constants = mxscope::gpu::fast_encode::constants_of(kind);
     for (int exponent = -127; exponent <= 127; ++exponent) {
-      // Values v = +-S * 2^(b - 23) with the scaled binade b - exponent from 4 below the subnormal
-      // spacing to 3 above the largest binade; fp32 range permitting.
-      std::vector<float> values = {0.0f, -0.0f, core::bits_float(1U), core::bits_float(0x807fffffU)};
-      for (int scaled_binade = constants.subnormal_exponent - 4; scaled_binade <= constants.emax + 3; ++scaled_binade) {
-        const int binade = scaled_binade + exponent;
-        if (binade < -126 || binade > 127) continue;
-        const std::uint32_t field = static_cast<std::uint32_t>(binade + 127) << 23;
-        for (int k = 0; k < 12; ++k) values.push_back(core::bits_float(field | (random() & 0x807fffffU)));
-        // Exact ties between neighbours of every spacing the binade can meet, and their neighbours.
-        for (int dropped = 1; dropped <= 23; ++dropped) {
-          const std::uint32_t kept = static_cast<std::uint32_t>(random()) & (0x7fffffU >> dropped << dropped);
-          const std::uint32_t tie = field | kept | (1U << (dropped - 1));
-          for (const std::uint32_t bits : {tie, tie - 1U, tie + 1U}) {
-            values.push_back(core::bits_float(bits));
-            values.push_back(-core::bits_float(bits));
-          }
-        }
-      }
-      for (int k = 0; k < 8; ++k)
-        values.push_back(core::bits_float(static_cast<std::uint32_t>(random()) & 0x807fffffU));  // subnormal
+      // Scaled binades from 4 below the subnormal spacing to 3 above the largest binade.
+      const std::vector<float> values =
+          probe_values(random, exponent, constants.subnormal_exponent - 4, constants.emax + 3, 12);
       for (const mode_case& m : modes) {
         for (const float value : values) {
           const std::uint32_t word = static_cast<std::uint32_t>(random());
@@ -230,24 +242,8 @@ TEST(GpuHostReference, Fp4EncodersMatchCore) {
     if (HasFatalFailure()) return;
   }
   for (int exponent = -127; exponent <= 127; ++exponent) {
-    std::vector<float> values = {0.0f, -0.0f, core::bits_float(1U), core::bits_float(0x807fffffU)};
     // Scaled binades from 2^-30 to 2^5 (below the smallest spacing 2^-1 to beyond saturation).
-    for (int scaled_binade = -30; scaled_binade <= 5; ++scaled_binade) {
-      const int binade = scaled_binade + exponent;
-      if (binade < -126 || binade > 127) continue;
-      const std::uint32_t field = static_cast<std::uint32_t>(binade + 127) << 23;
-      for (int k = 0; k < 8; ++k) values.push_back(core::bits_float(field | (random() & 0x807fffffU)));
-      for (int dropped = 1; dropped <= 23; ++dropped) {
-        const std::uint32_t kept = static_cast<std::uint32_t>(random()) & (0x7fffffU >> dropped << dropped);
-        const std::uint32_t tie = field | kept | (1U << (dropped - 1));
-        for (const std::uint32_t bits : {tie, tie - 1U, tie + 1U}) {
-          values.push_back(core::bits_float(bits));
-          values.push_back(-core::bits_float(bits));
-        }
-      }
-    }
-    for (int k = 0; k < 8; ++k) values.push_back(core::bits_float(static_cast<std::uint32_t>(random()) & 0x807fffffU));
-    check(values, exponent);
+    check(probe_values(random, exponent, -30, 5, 8), exponent);
     if (HasFatalFailure()) return;
   }
   EXPECT_GT(checked, 5000000);
