@@ -380,11 +380,12 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
 // thread per canonical chunk running the per-element functions of include/mxscope/core/cross_step.hpp
 // in index order; the chunk partials are combined on the host by canonical_tree.
 //
-// The device memory (seven fp64 matrices of the output's shape per state, plus G_t and the upload
-// buffers of a unit's inputs in the reference state) is allocated and zeroed at the first step; when
-// that allocation fails, or would leave less device memory free than the state's reserve, the step
-// throws gpu_error and leaves the state unchanged (at step 0), so the caller can run that state on
-// the host instead from the same step on.
+// The device memory (seven fp64 matrices of the output's shape per state, plus G_t in the reference
+// state) is allocated and zeroed at the first step; when that allocation fails, or would leave less
+// device memory free than the state's reserve, the step throws gpu_error and leaves the state
+// unchanged (at step 0), so the caller can run that state on the host instead from the same step
+// on. The unit step on host matrices uploads them into buffers of the reference state, allocated
+// by the first such step (the overloads on device matrices need none).
 
 // Device memory a state leaves free when it allocates, for the other GPU stages of a replay at the
 // same output shape (operands, products, reference, comparison): fixed + per_element x the output's

@@ -3911,8 +3911,9 @@ struct reference_cross_step::storage {
   device_buffer state;     // sum, SGD momentum and displacement, AdamW first, second, direction, displacement
   device_buffer g;         // G_t of the last step
   device_buffer partials;  // reference_sum_count x chunks
-  // Upload buffers of a unit's Ghat_t and X_t, shared by the units of this (layer, GEMM) (one step
-  // at a time), allocated at the first step with the rest.
+  // Upload buffers of a unit's Ghat_t and X_t for unit steps given host matrices, shared by the
+  // units of this (layer, GEMM) (one step at a time), allocated by the first such step (a replay
+  // passes device matrices and never needs them).
   device_buffer estimate;
   device_buffer exact;
 
@@ -3962,20 +3963,15 @@ void prepare_reference_step(reference_cross_step::storage& s, std::int64_t rows,
     const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(double);
     const std::size_t partial_bytes =
         static_cast<std::size_t>(core_ns::reference_sum_count * chunk_count) * sizeof(double);
-    const std::size_t estimate_bytes = static_cast<std::size_t>(count) * sizeof(float);
-    require_cross_step_room((cross_step_matrices + 2) * bytes + partial_bytes + estimate_bytes, count, s.reserve,
+    require_cross_step_room((cross_step_matrices + 1) * bytes + partial_bytes, count, s.reserve,
                             "reference_cross_step");
     device_buffer state(cross_step_matrices * bytes);
     device_buffer gradient(bytes);
     device_buffer partials(partial_bytes);
-    device_buffer estimate(estimate_bytes);
-    device_buffer exact(bytes);
     state.fill_bytes(0);  // +0.0, as a fresh matrix64
     s.state = std::move(state);
     s.g = std::move(gradient);
     s.partials = std::move(partials);
-    s.estimate = std::move(estimate);
-    s.exact = std::move(exact);
     s.rows = rows;
     s.cols = cols;
   }
@@ -4044,8 +4040,12 @@ unit_step_norms unit_cross_step::step(const reference_cross_step& reference, con
   require_cross_step_shape(estimate.rows, estimate.cols, r.rows, r.cols, "the estimate Ghat", "unit_step");
   const std::int64_t count = r.count();
   if (count > 0) {
-    r.estimate.upload(estimate.data(), static_cast<std::size_t>(count) * sizeof(float));
-    r.exact.upload(exact.data(), static_cast<std::size_t>(count) * sizeof(double));
+    const std::size_t estimate_bytes = static_cast<std::size_t>(count) * sizeof(float);
+    const std::size_t exact_bytes = static_cast<std::size_t>(count) * sizeof(double);
+    if (r.estimate.bytes() != estimate_bytes) r.estimate = device_buffer(estimate_bytes);
+    if (r.exact.bytes() != exact_bytes) r.exact = device_buffer(exact_bytes);
+    r.estimate.upload(estimate.data(), estimate_bytes);
+    r.exact.upload(exact.data(), exact_bytes);
   }
   return step_on_device(reference, r.estimate.as<const float>(), r.exact.as<const double>(), settings);
 }
