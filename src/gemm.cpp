@@ -1778,22 +1778,20 @@ device_matrix_ptr canonical_on_device(const quantized_tensor& q) {
 // detail::unit_scaled_mx with the codes in device memory (those of `q` when it has them there) and
 // its unit block scales made there.
 quantized_tensor unit_scaled_on_device(const quantized_tensor& q, int block) {
-  quantized_tensor host_codes_only = q;
-  host_codes_only.device_codes.reset();
-  host_codes_only.device_scales.reset();
-  if (q.device_codes) host_codes_only.codes.clear();  // not copied again below
-  quantized_tensor out = detail::unit_scaled_mx(host_codes_only, block);
+  quantized_tensor shape;  // what unit_scaled_mx reads besides the codes: the options and the shape
+  shape.options = q.options;
+  shape.rows = q.rows;
+  shape.cols = q.cols;
+  quantized_tensor out = detail::unit_scaled_mx(shape, block);
   out.scales.clear();
   auto scales = std::make_shared<gpu::device_buffer>(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
   scales->fill_bytes(core_ns::scale_code(0));  // 2^0
   out.device_scales = std::move(scales);
   if (q.device_codes) {
-    out.codes.clear();
     out.device_codes = q.device_codes;
   } else {
     auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
     codes->upload(q.codes.data(), q.codes.size());
-    out.codes.clear();
     out.device_codes = std::move(codes);
   }
   return out;
@@ -2032,9 +2030,10 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
 #ifdef MXSCOPE_HAVE_CUDA
   // The CPU's paths read an operand's values on the host.
   if (values_only_on_device(a) || values_only_on_device(b)) {
-    return emulate_named(values_only_on_device(a) ? with_host_values(a) : a,
-                         values_only_on_device(b) ? with_host_values(b) : b, model, output, options, what, a_name,
-                         b_name);
+    std::optional<quantized_tensor> a_host, b_host;
+    if (values_only_on_device(a)) a_host = with_host_values(a);
+    if (values_only_on_device(b)) b_host = with_host_values(b);
+    return emulate_named(a_host ? *a_host : a, b_host ? *b_host : b, model, output, options, what, a_name, b_name);
   }
 #endif
   const bool keep_dequantized = model.kind == accumulation_kind::fp32_seq;
@@ -2212,15 +2211,12 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
       // stay there unless a CPU product needs them (fp32-seq's generic path reads them).
       check_rotation(tensor, axis, rotation_for(chosen, context), operand_what);
       gpu::operand_energies energies;
-      const gpu::device_matrix* resident = nullptr;
-      for (const auto& [host, device] : options.resident_operands) {
-        if (host == &tensor && device) resident = device.get();
-      }
+      const device_matrix_ptr resident = options.resident_copy(tensor);
       // The codes stay on the GPU for a product that runs there (a CPU product downloads them).
       const bool codes_on_device_only = options.keep_on_device;
       quantized_tensor quantized = gpu::quantize_with_energies(
           tensor, quantize_with, rotation_for(chosen, context), chosen.accumulation.kind == accumulation_kind::fp32_seq,
-          energies, resident, codes_on_device_only);
+          energies, resident.get(), codes_on_device_only);
       summary = summarize_counts(name, axis, tensor.size(), quantized);
       summary.signal_energy = energies.signal;
       summary.error_energy = energies.error;

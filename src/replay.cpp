@@ -273,14 +273,8 @@ reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, refer
   const matrix& b = captured(entry, layout.b_name);
 #ifdef MXSCOPE_HAVE_CUDA
   if (device == compute_device::gpu && reference == reference_kind::exact) {
-    const auto resident = [&](const matrix& host) -> device_matrix_ptr {
-      for (const auto& [pointer, copy] : compute.resident_operands) {
-        if (pointer == &host && copy) return copy;
-      }
-      return nullptr;
-    };
-    const device_matrix_ptr a_device = resident(a);
-    const device_matrix_ptr b_device = resident(b);
+    const device_matrix_ptr a_device = compute.resident_copy(a);
+    const device_matrix_ptr b_device = compute.resident_copy(b);
     if (a_device && b_device) {
       const auto oriented = [](const device_matrix_ptr& values, int axis) -> device_matrix_ptr {
         if (axis == 1) return values;

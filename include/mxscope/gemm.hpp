@@ -138,6 +138,13 @@ struct gemm_options {
   // matrix it copies (the caller keeps both unchanged while they are listed here). run_gemm's GPU
   // quantizer reads such an operand there instead of uploading the host matrix again.
   std::vector<std::pair<const matrix*, device_matrix_ptr>> resident_operands;
+  // The device copy of `host` among resident_operands (null when there is none).
+  device_matrix_ptr resident_copy(const matrix& host) const {
+    for (const auto& [pointer, copy] : resident_operands) {
+      if (pointer == &host && copy) return copy;
+    }
+    return nullptr;
+  }
   // With device gpu and keep_on_device: an exact product of unscaled operands already computed on
   // the GPU (the replay's reference), with its operands in the canonical orientation ([rows, depth]).
   // An exact product whose unscaled operands have the same bits (a bf16 strategy on a bf16 capture)
