@@ -1509,6 +1509,112 @@ __device__ inline double fma_exact(double x, double y, double z) {
 #endif
 }
 
+// -------------------------------------------------------------------------------------------
+// Chunk dots of a 64 x 64 tile of C on the fp64 tensor cores (mma.sync m8n8k4 f64, DMMA), shared by
+// the plain-operand kernel and the integer path below. The two operand tiles of a chunk (64 rows x
+// 32 k) are staged in shared memory as doubles, [row][k] with a row stride of dot_stride doubles:
+// the staging writes of a warp are 32 consecutive k of one row, and the fragment reads of a warp
+// (8 rows x 4 k) touch every 8-byte bank pair exactly twice (stride = 4 mod 16), both the minimum.
+//
+// Thread layout: 8 warps as 2 (M) x 4 (N), 32 x 16 entries per warp, 4 x 4 per thread. Entry (r, c)
+// of a thread is row dot_row(r) = 32 (warp / 4) + 8 r + lane / 4 and column dot_col(c) = 16 (warp % 4)
+// + 8 (c / 2) + 2 (lane % 4) + c % 2 of the tile: the accumulator fragment of mma r, c / 2.
+//
+// Exactness in any order: the callers only use a chunk dot whose every partial sum, over any
+// subset of its products, is a double (the plain kernel's spread budget; the integer path's
+// integers below 2^53), so each of the mma's additions is exact and the dot is the same value in
+// whatever order the tensor core adds. Without DMMA (HIP) the same entries are chains of FMAs.
+constexpr int dot_stride = 36;
+constexpr int dot_threads = 256;
+
+__device__ inline int dot_row(int r) {
+  return 32 * (static_cast<int>(threadIdx.x) / 128) + 8 * r + (static_cast<int>(threadIdx.x) % 32) / 4;
+}
+__device__ inline int dot_col(int c) {
+  return 16 * ((static_cast<int>(threadIdx.x) / 32) % 4) + 8 * (c / 2) + 2 * (static_cast<int>(threadIdx.x) % 4) +
+         c % 2;
+}
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void mma_f64(double& d0, double& d1, double a, double b) {
+  double d[2];
+  const double c[2] = {d0, d1};
+  simulation::mma_f64(d, a, b, c);
+  d0 = d[0];
+  d1 = d[1];
+}
+#elif defined(MXSCOPE_CUDA_TENSOR_CORES)
+// D = A B + D, fragment layout as spelled out in simulation.hpp (mma_f64).
+__device__ inline void mma_f64(double& d0, double& d1, double a, double b) {
+  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};\n"
+      : "+d"(d0), "+d"(d1)
+      : "d"(a), "d"(b));
+}
+#endif
+
+// dots[r][c] += the chunk's 32 products of row dot_row(r) of a_tile and row dot_col(c) of b_tile.
+template <class Tile, class Dot>
+__device__ inline void tile_dots(const Tile* a_tile, const Tile* b_tile, Dot (&dots)[4][4]) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  if constexpr (std::is_same_v<Tile, double> && std::is_same_v<Dot, double>) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const double* a_base = a_tile + (32 * (warp / 4) + lane / 4) * dot_stride + lane % 4;
+  const double* b_base = b_tile + (16 * (warp % 4) + lane / 4) * dot_stride + lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < 32; kk += 4) {
+    double av[4], bv[2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) av[r] = a_base[8 * r * dot_stride + kk];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) bv[q] = b_base[8 * q * dot_stride + kk];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) mma_f64(dots[r][2 * q], dots[r][2 * q + 1], av[r], bv[q]);
+    }
+  }
+  return;
+  }
+#endif
+  int rows[4], cols[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    rows[s] = dot_row(s) * dot_stride;
+    cols[s] = dot_col(s) * dot_stride;
+  }
+#pragma unroll 4
+  for (int kk = 0; kk < 32; ++kk) {
+    Dot av[4], bv[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      av[s] = static_cast<Dot>(a_tile[rows[s] + kk]);
+      bv[s] = static_cast<Dot>(b_tile[cols[s] + kk]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if constexpr (std::is_same_v<Dot, double>) {
+          dots[r][c] = fma_exact(av[r], bv[c], dots[r][c]);
+        } else {
+          dots[r][c] += av[r] * bv[c];
+        }
+      }
+    }
+  }
+}
+
+// The type a chunk is staged in: doubles for DMMA where every block dot is below 2^53 (int32 and
+// double dots), else the block dot's own type (FMA or integer chains).
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+template <class Dot>
+using dot_tile_t = std::conditional_t<std::is_same_v<Dot, long long>, long long, double>;
+#else
+template <class Dot>
+using dot_tile_t = Dot;
+#endif
+
 // sum += value (a multiple of 2^base, inside the window) as an integer in units of 2^base.
 __device__ inline void add_in_units(core_ns::int128& sum, double value, int base) {
   if (value == 0.0) return;
@@ -1619,23 +1725,22 @@ __global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int
   }
 }
 
-// One 64 x 64 tile of C per thread block of 16 x 16 threads, 4 x 4 entries per thread (rows
-// ty + 16 r, columns tx + 16 c: conflict-free shared-memory reads); per chunk the two operand
-// tiles are staged in shared memory as doubles ([k][row]), then every thread runs its 16 FMA
-// chains and the model step of each of its entries.
+// One 64 x 64 tile of C per thread block of 256 threads, 4 x 4 entries per thread (the DMMA
+// layout above: dot_row, dot_col). Per chunk of 32 k the two operand tiles are staged in shared
+// memory as doubles (the next chunk's values are loaded into registers while the tensor cores
+// work on this one), tile_dots sums the 16 chunk dots, then every thread runs the model step of
+// each of its entries.
 template <plain_mode Mode>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(dot_threads)
     plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
                       plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                       std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
                       float* out32, double* out64) {
-  constexpr int stride = plain_tile + 1;
-  __shared__ double a_tile[plain_chunk * stride];
-  __shared__ double b_tile[plain_chunk * stride];
+  constexpr int loads = plain_tile * plain_chunk / dot_threads;  // values per thread and operand per chunk
+  __shared__ double a_tile[plain_tile * dot_stride];
+  __shared__ double b_tile[plain_tile * dot_stride];
   __shared__ int a_spread_tile[plain_tile];
   __shared__ int b_spread_tile[plain_tile];
-  const int tx = static_cast<int>(threadIdx.x % 16);
-  const int ty = static_cast<int>(threadIdx.x / 16);
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * plain_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * plain_tile;
   const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
@@ -1643,8 +1748,8 @@ __global__ void __launch_bounds__(256)
   int a_low[plain_side], a_high[plain_side], b_low[plain_side], b_high[plain_side];
 #pragma unroll
   for (int s = 0; s < plain_side; ++s) {
-    const std::int64_t i = i0 + ty + 16 * s;
-    const std::int64_t j = j0 + tx + 16 * s;
+    const std::int64_t i = i0 + dot_row(s);
+    const std::int64_t j = j0 + dot_col(s);
     a_low[s] = i < m ? a_rows.low[i] : 0;
     a_high[s] = i < m ? a_rows.high[i] : plain_nonfinite_high;
     b_low[s] = j < n ? b_rows.low[j] : 0;
@@ -1663,26 +1768,45 @@ __global__ void __launch_bounds__(256)
     }
   }
 
-  for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
+  // Value e of this thread in a chunk: row (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32.
+  float a_next[loads], b_next[loads];
+  int spread_next = plain_empty_spread;
+  const auto fetch = [&](std::int64_t chunk) {
     const std::int64_t k0 = chunk * plain_chunk;
     const std::int64_t length = depth - k0 < plain_chunk ? depth - k0 : plain_chunk;
-    for (int t = static_cast<int>(threadIdx.x); t < plain_tile * plain_chunk; t += static_cast<int>(blockDim.x)) {
+#pragma unroll
+    for (int e = 0; e < loads; ++e) {
+      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
       const int row = t / plain_chunk;
       const int kk = t % plain_chunk;
       const bool inside = kk < length;
-      a_tile[kk * stride + row] =
-          (inside && i0 + row < m) ? static_cast<double>(a[(i0 + row) * depth + k0 + kk]) : 0.0;
-      b_tile[kk * stride + row] =
-          (inside && j0 + row < n) ? static_cast<double>(b[(j0 + row) * depth + k0 + kk]) : 0.0;
+      a_next[e] = (inside && i0 + row < m) ? a[(i0 + row) * depth + k0 + kk] : 0.0f;
+      b_next[e] = (inside && j0 + row < n) ? b[(j0 + row) * depth + k0 + kk] : 0.0f;
     }
     if (threadIdx.x < plain_tile) {
       const std::int64_t i = i0 + threadIdx.x;
-      a_spread_tile[threadIdx.x] = i < m ? a_spreads[chunk * m + i] : plain_empty_spread;
+      spread_next = i < m ? a_spreads[chunk * m + i] : plain_empty_spread;
     } else if (threadIdx.x < 2 * plain_tile) {
       const std::int64_t j = j0 + threadIdx.x - plain_tile;
-      b_spread_tile[threadIdx.x - plain_tile] = j < n ? b_spreads[chunk * n + j] : plain_empty_spread;
+      spread_next = j < n ? b_spreads[chunk * n + j] : plain_empty_spread;
+    }
+  };
+  if (chunks > 0) fetch(0);
+
+  for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
+#pragma unroll
+    for (int e = 0; e < loads; ++e) {
+      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
+      a_tile[(t / plain_chunk) * dot_stride + t % plain_chunk] = static_cast<double>(a_next[e]);
+      b_tile[(t / plain_chunk) * dot_stride + t % plain_chunk] = static_cast<double>(b_next[e]);
+    }
+    if (threadIdx.x < plain_tile) {
+      a_spread_tile[threadIdx.x] = spread_next;
+    } else if (threadIdx.x < 2 * plain_tile) {
+      b_spread_tile[threadIdx.x - plain_tile] = spread_next;
     }
     __syncthreads();
+    if (chunk + 1 < chunks) fetch(chunk + 1);
 
     double dots[plain_side][plain_side];
 #pragma unroll
@@ -1690,20 +1814,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int c = 0; c < plain_side; ++c) dots[r][c] = 0.0;
     }
-#pragma unroll 8
-    for (int kk = 0; kk < plain_chunk; ++kk) {
-      double av[plain_side], bv[plain_side];
-#pragma unroll
-      for (int s = 0; s < plain_side; ++s) {
-        av[s] = a_tile[kk * stride + ty + 16 * s];
-        bv[s] = b_tile[kk * stride + tx + 16 * s];
-      }
-#pragma unroll
-      for (int r = 0; r < plain_side; ++r) {
-#pragma unroll
-        for (int c = 0; c < plain_side; ++c) dots[r][c] = fma_exact(av[r], bv[c], dots[r][c]);
-      }
-    }
+    tile_dots(a_tile, b_tile, dots);
 
     // The chunk's step for every entry whose fp64 dot is exact; the others (rare for bf16 values)
     // are marked and take the per-product path below, out of the hot loop.
@@ -1713,7 +1824,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int c = 0; c < plain_side; ++c) {
         if (!active[r][c]) continue;
-        if (a_spread_tile[ty + 16 * r] + b_spread_tile[tx + 16 * c] > plain_chunk_budget) {
+        if (a_spread_tile[dot_row(r)] + b_spread_tile[dot_col(c)] > plain_chunk_budget) {
           per_product |= 1U << (r * plain_side + c);
         } else if constexpr (Mode == plain_mode::block) {
           accumulators[r][c] = add_exact_dot(accumulators[r][c], dots[r][c]);
@@ -1730,7 +1841,7 @@ __global__ void __launch_bounds__(256)
           if ((per_product & (1U << (r * plain_side + c))) == 0) continue;
           const int base = a_low[r] + b_low[c];
           const core_ns::int128 products =
-              chunk_products_in_units(a_tile + ty + 16 * r, b_tile + tx + 16 * c, stride, base);
+              chunk_products_in_units(a_tile + dot_row(r) * dot_stride, b_tile + dot_col(c) * dot_stride, 1, base);
           if constexpr (Mode == plain_mode::block) {
             accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
           } else {
@@ -1758,7 +1869,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int c = 0; c < plain_side; ++c) {
       if (!active[r][c]) continue;
-      const std::int64_t entry = (i0 + ty + 16 * r) * n + j0 + tx + 16 * c;
+      const std::int64_t entry = (i0 + dot_row(r)) * n + j0 + dot_col(c);
       if constexpr (Mode == plain_mode::exact) {
         double value64 = 0.0;
         float value32 = 0.0f;
@@ -1813,11 +1924,12 @@ dim3 plain_grid(std::int64_t m, std::int64_t n) {
 // run on exact doubles exactly as src/gemm.cpp's fast path does (add_exact_value,
 // add_exactly_to_float, long_accumulator), per entry, in ascending K-blocks.
 //
-// One 64 x 64 tile of C per thread block of 16 x 16 threads, 4 x 4 entries per thread (rows
-// ty + 16 r, columns tx + 16 c: conflict-free shared-memory reads, each read feeding four
-// multiply-adds); each K-block's elements are staged in shared memory in chunks of 32 ([k][row],
-// coalesced global reads of 32 consecutive int32 per warp), as the type `Dot` the block dot is
-// summed in:
+// One 64 x 64 tile of C per thread block of 256 threads, 4 x 4 entries per thread (the DMMA layout
+// of tile_dots); each K-block's elements are staged in shared memory in chunks of 32 ([row][k],
+// coalesced global reads of 32 consecutive int32 per warp), as doubles for the fp64 tensor cores
+// (on HIP: as the type `Dot` the block dot is summed in, in FMA chains). Every partial sum of a
+// block dot, in any order, is an integer below 2^block_dot_bits, a double, so the tensor core's
+// additions are exact and its dot is D. `Dot` is:
 // - int32 where block_dot_bits <= 31;
 // - double where block_dot_bits <= 53 (fp8 e4m3: 6 + 18 + 18 = 42 bits for blocks of 32). Every
 //   element integer has |x| <= integer_max_of(kind) < 2^bits_of(integer_max_of(kind)) (exact in a
@@ -1840,7 +1952,7 @@ dim3 plain_grid(std::int64_t m, std::int64_t n) {
 
 constexpr int integer_tile = 64;                 // entries per thread block along M and N
 constexpr int integer_chunk = 32;                // K per shared-memory stage (within one K-block)
-constexpr int integer_side = integer_tile / 16;  // entries per thread along M and N (16 x 16 threads)
+constexpr int integer_side = integer_tile / 16;  // entries per thread along M and N (tile_dots: 4)
 
 enum class integer_mode : int { block = 0, group = 1, exact = 2 };
 
@@ -1872,25 +1984,25 @@ __device__ inline bool add_rounds(double& running, double contribution) {
 }
 
 template <class Dot, integer_mode Mode>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(dot_threads)
     integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
                            const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
                            std::int64_t n, std::int64_t depth, int block, std::int64_t blocks, int blocks_per_group,
                            int fraction_total, output_rounding output, float* out, double* exact_out,
                            std::uint8_t* flagged) {
-  constexpr int stride = integer_tile + 1;
-  __shared__ Dot a_tile[integer_chunk * stride];
-  __shared__ Dot b_tile[integer_chunk * stride];
-  const int tx = static_cast<int>(threadIdx.x % 16);
-  const int ty = static_cast<int>(threadIdx.x / 16);
+  using Tile = dot_tile_t<Dot>;
+  using Acc = Tile;  // the chunk dots: doubles on the tensor cores (exact, see tile_dots), else Dot
+  constexpr int loads = integer_tile * integer_chunk / dot_threads;  // values per thread and operand per chunk
+  __shared__ Tile a_tile[integer_tile * dot_stride];
+  __shared__ Tile b_tile[integer_tile * dot_stride];
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * integer_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * integer_tile;
 
   bool row_inside[integer_side], column_inside[integer_side];
 #pragma unroll
   for (int s = 0; s < integer_side; ++s) {
-    row_inside[s] = i0 + ty + 16 * s < m;
-    column_inside[s] = j0 + tx + 16 * s < n;
+    row_inside[s] = i0 + dot_row(s) < m;
+    column_inside[s] = j0 + dot_col(s) < n;
   }
   [[maybe_unused]] float accumulators[integer_side][integer_side];
   [[maybe_unused]] double running[integer_side][integer_side];
@@ -1905,6 +2017,26 @@ __global__ void __launch_bounds__(256)
     }
   }
   const int group = Mode == integer_mode::group ? blocks_per_group : 1;
+
+  // The chunks in order: K-block b, offset c0 within it. Value e of this thread in a chunk: row
+  // (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32. The next chunk's values are loaded
+  // into registers while the tensor cores work on this one.
+  std::int32_t a_next[loads], b_next[loads];
+  const auto fetch = [&](std::int64_t b, std::int64_t c0) {
+    const std::int64_t k0 = b * block + c0;
+    const std::int64_t block_end = depth < (b + 1) * block ? depth : (b + 1) * block;
+    const std::int64_t length = block_end - k0 < integer_chunk ? block_end - k0 : integer_chunk;
+#pragma unroll
+    for (int e = 0; e < loads; ++e) {
+      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
+      const int row = t / integer_chunk;
+      const int kk = t % integer_chunk;
+      const bool inside = kk < length;
+      a_next[e] = (inside && i0 + row < m) ? a_values[(i0 + row) * depth + k0 + kk] : 0;
+      b_next[e] = (inside && j0 + row < n) ? b_values[(j0 + row) * depth + k0 + kk] : 0;
+    }
+  };
+  if (blocks > 0) fetch(0, 0);
 
   for (std::int64_t group_begin = 0; group_begin < blocks; group_begin += group) {
     const std::int64_t group_end = blocks - group_begin < group ? blocks : group_begin + group;
@@ -1922,43 +2054,29 @@ __global__ void __launch_bounds__(256)
       std::int32_t exponent_a[integer_side], exponent_b[integer_side];
 #pragma unroll
       for (int s = 0; s < integer_side; ++s) {
-        exponent_a[s] = row_inside[s] ? a_exponents[b * m + i0 + ty + 16 * s] : 0;
-        exponent_b[s] = column_inside[s] ? b_exponents[b * n + j0 + tx + 16 * s] : 0;
+        exponent_a[s] = row_inside[s] ? a_exponents[b * m + i0 + dot_row(s)] : 0;
+        exponent_b[s] = column_inside[s] ? b_exponents[b * n + j0 + dot_col(s)] : 0;
       }
-      Dot dots[integer_side][integer_side];
+      Acc dots[integer_side][integer_side];
 #pragma unroll
       for (int r = 0; r < integer_side; ++r) {
 #pragma unroll
         for (int c = 0; c < integer_side; ++c) dots[r][c] = 0;
       }
       for (std::int64_t c0 = 0; c0 < length; c0 += integer_chunk) {
-        const int chunk = length - c0 < integer_chunk ? static_cast<int>(length - c0) : integer_chunk;
-        for (int t = static_cast<int>(threadIdx.x); t < integer_tile * integer_chunk;
-             t += static_cast<int>(blockDim.x)) {
-          const int row = t / integer_chunk;
-          const int kk = t % integer_chunk;
-          const bool inside = kk < chunk;
-          const std::int64_t k = k0 + c0 + kk;
-          a_tile[kk * stride + row] =
-              (inside && i0 + row < m) ? static_cast<Dot>(a_values[(i0 + row) * depth + k]) : Dot{0};
-          b_tile[kk * stride + row] =
-              (inside && j0 + row < n) ? static_cast<Dot>(b_values[(j0 + row) * depth + k]) : Dot{0};
+#pragma unroll
+        for (int e = 0; e < loads; ++e) {
+          const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
+          a_tile[(t / integer_chunk) * dot_stride + t % integer_chunk] = static_cast<Tile>(a_next[e]);
+          b_tile[(t / integer_chunk) * dot_stride + t % integer_chunk] = static_cast<Tile>(b_next[e]);
         }
         __syncthreads();
-#pragma unroll 8
-        for (int kk = 0; kk < chunk; ++kk) {
-          Dot av[integer_side], bv[integer_side];
-#pragma unroll
-          for (int s = 0; s < integer_side; ++s) {
-            av[s] = a_tile[kk * stride + ty + 16 * s];
-            bv[s] = b_tile[kk * stride + tx + 16 * s];
-          }
-#pragma unroll
-          for (int r = 0; r < integer_side; ++r) {
-#pragma unroll
-            for (int c = 0; c < integer_side; ++c) dots[r][c] = multiply_add_exact(av[r], bv[c], dots[r][c]);
-          }
+        if (c0 + integer_chunk < length) {
+          fetch(b, c0 + integer_chunk);
+        } else if (b + 1 < blocks) {
+          fetch(b + 1, 0);
         }
+        tile_dots(a_tile, b_tile, dots);
         __syncthreads();
       }
       // The block's step for every entry of the thread.
@@ -2003,7 +2121,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int c = 0; c < integer_side; ++c) {
       if (!row_inside[r] || !column_inside[c]) continue;
-      const std::int64_t entry = (i0 + ty + 16 * r) * n + j0 + tx + 16 * c;
+      const std::int64_t entry = (i0 + dot_row(r)) * n + j0 + dot_col(c);
       const unsigned bit = 1U << (r * integer_side + c);
       if constexpr (Mode == integer_mode::block) {
         out[entry] = finish_output(accumulators[r][c] * 1.0f, output);

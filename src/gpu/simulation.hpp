@@ -2,7 +2,7 @@
 // kernels of kernels.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
 // thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
-// tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8) are emulated from their documented
+// tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m8n8k4 f64) are emulated from their documented
 // per-lane semantics, with a barrier per warp.
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
@@ -199,6 +199,9 @@ struct warp_fragments {
   std::uint32_t b[32][2];
   int c[32][4];
   const void* rows[32];  // ldmatrix: each lane's row address
+  double fa[32];         // mma m8n8k4 f64: each lane's A, B and C elements
+  double fb[32];
+  double fc[32][2];
 };
 
 class thread_pool {
@@ -365,6 +368,37 @@ inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t
 inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
   const int zero[4] = {0, 0, 0, 0};
   mma_s8(d, a, b, zero);
+}
+
+// mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64, D = A B + C, from the PTX ISA's fragment layout
+// (g = lane / 4, t = lane % 4): A 8x4: a0 = row g, k t; B 4x8: b0 = k t, column g; C, D 8x8: c0/d0,
+// c1/d1 = row g, columns 2t, 2t+1. Each entry is the fused sum in ascending k; the kernels only
+// give it inputs whose every partial sum is a double, where every order gives the same value.
+inline void mma_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+  auto& exchange = *static_cast<warp_fragments*>(current.warp_exchange);
+  const unsigned lane = threadIdx.x % 32;
+  exchange.fa[lane] = a;
+  exchange.fb[lane] = b;
+  exchange.fc[lane][0] = c[0];
+  exchange.fc[lane][1] = c[1];
+  current.warp_barrier->arrive_and_wait();
+  double matrix_a[8][4];
+  double matrix_b[4][8];
+  double matrix_c[8][8];
+  for (unsigned l = 0; l < 32; ++l) {
+    const unsigned g = l / 4, t = l % 4;
+    matrix_a[g][t] = exchange.fa[l];
+    matrix_b[t][g] = exchange.fb[l];
+    matrix_c[g][2 * t] = exchange.fc[l][0];
+    matrix_c[g][2 * t + 1] = exchange.fc[l][1];
+  }
+  current.warp_barrier->arrive_and_wait();  // everyone has read the exchange before it is reused
+  const unsigned g = lane / 4, t = lane % 4;
+  for (unsigned e = 0; e < 2; ++e) {
+    double sum = matrix_c[g][2 * t + e];
+    for (unsigned k = 0; k < 4; ++k) sum = std::fma(matrix_a[g][k], matrix_b[k][2 * t + e], sum);
+    d[e] = sum;
+  }
 }
 
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no .trans), from the PTX ISA: four 8x8 matrices of
