@@ -579,12 +579,27 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   placement_counts placed;
   std::optional<analysis> parsed_holder;
   std::optional<io::dump_reader> dump_holder;
+  int gpu_index = 0;
+  std::future<void> gpu_starting;
+  // The GPU made current on this thread, once its background start-up is done (its error, if
+  // any, is thrown here).
+  const auto ready_gpu = [&] {
+    if (!gpu_starting.valid()) return;
+    gpu_starting.get();
+    select_gpu(device, gpu_index);
+  };
   std::vector<layer_plan> plan;
   bool attribute = false;
   together(world, [&] {
     device = parse_compute_device(options.device);
-    // Under MPI each rank takes the GPU of its node-local rank, modulo the GPUs it sees.
-    if (device == compute_device::gpu) select_gpu(device, options.device_index % gpu_count());
+    // Under MPI each rank takes the GPU of its node-local rank, modulo the GPUs it sees. The
+    // index is checked here; the GPU's context (a few hundred ms) is made on a background thread
+    // while the analysis is parsed and the first step read (ready_gpu joins it).
+    if (device == compute_device::gpu) {
+      gpu_index = options.device_index % gpu_count();
+      if (gpu_index < 0) select_gpu(device, gpu_index);  // the error "GPU -1 does not exist"
+      gpu_starting = std::async(std::launch::async, [device, index = gpu_index] { select_gpu(device, index); });
+    }
     compute.device = device;
     compute.exact_too = true;  // quant_err needs the exact product of the same quantized operands
     // The GPU's products stay in device memory for the comparison and the cross-step state.
@@ -780,15 +795,18 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   }
   std::int64_t entries_seen = 0;
   // The provenance's SHA-256 of each input file this process reads, computed on one background
-  // thread while the step's work goes on (at most one file at a time); the others at the end.
+  // thread while the step's work goes on (at most one file at a time: a file read while the
+  // previous one is still being hashed is hashed at the end, so reading never waits for it).
   std::map<std::string, std::future<std::string>> input_hashes;
   std::future<std::string>* hashing = nullptr;
   const auto hash_in_background = [&](const fs::path& file) {
     if (input_hashes.count(file.string()) != 0) return;
-    if (hashing != nullptr) hashing->wait();
+    if (hashing != nullptr && hashing->wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
     hashing = &(input_hashes[file.string()] = std::async(std::launch::async, [file] { return io::sha256_file(file); }));
   };
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
+  double seconds_setup = -1.0;  // from the start to the first read (parsing, planning, resuming)
+  double seconds_upload = 0.0;  // operands to the GPU, including the wait for its start-up
   struct stage_time {
     double gemm = 0.0, compare = 0.0, metrics = 0.0;  // rotate + quantize + products; comparison; the rest
   };
@@ -928,6 +946,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         ++t;
         doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
         auto mark = clock_type::now();
+        if (seconds_setup < 0.0) seconds_setup = seconds_since(started);
         const io::dump_entry entry = dump.read(*info, read_options);
         if (rank == 0) hash_in_background(info->file);
         if (!entry.all_finite()) {
@@ -940,12 +959,15 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         // The step's operands go to the GPU once, for every strategy's quantizer.
         compute.resident_operands.clear();
         if (device == compute_device::gpu) {
+          mark = clock_type::now();
+          ready_gpu();
           for (const matrix* operand : {operands.x, operands.dy, operands.w}) {
             if (operand != nullptr) {
               compute.resident_operands.emplace_back(
                   operand, std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(*operand)));
             }
           }
+          seconds_upload += seconds_since(mark);
         }
 #endif
         const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
@@ -1156,6 +1178,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   report["units_done"] = outcome.units_done;
   report["seconds"] = {{"total", seconds_since(started)},
                        {"read", seconds_read},
+                       {"setup", std::max(seconds_setup, 0.0)},
+                       {"upload", seconds_upload},
                        {"reference", seconds_reference},
                        {"strategies", seconds_strategies}};
   const std::vector<std::string> reports = world.all_gather(report.dump());
@@ -1276,7 +1300,10 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
 
   json run;
   run["device"] = options.device;
-  if (device == compute_device::gpu) run["gpu"] = device_name(device);
+  if (device == compute_device::gpu) {
+    ready_gpu();
+    run["gpu"] = device_name(device);
+  }
   run["placement"] = {{"quantize", {{"gpu", placed.quantize_gpu}, {"cpu", placed.quantize_cpu}}},
                       {"product", {{"gpu", placed.product_gpu}, {"cpu", placed.product_cpu}}},
                       {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
@@ -1289,6 +1316,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   run["entries_replayed_in_last_process"] = outcome.entries;
   run["seconds"] = {{"total", seconds_since(started)},
                     {"read", seconds_read},
+                    {"setup", std::max(seconds_setup, 0.0)},
+                    {"upload", seconds_upload},
                     {"reference", seconds_reference},
                     {"strategies", seconds_strategies}};
   json per_strategy = json::object();
