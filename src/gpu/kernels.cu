@@ -68,6 +68,11 @@ unsigned grid_for(std::int64_t work, int threads = threads_per_block) {
   return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, std::int64_t{1} << 20));
 }
 
+// The grid of a kernel whose threads each reduce many elements and end with an atomic: about two
+// waves of threads_per_block-thread blocks on a large GPU, so that a large tensor does not make
+// one atomic per element on the same address (which the hardware serializes).
+unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(work), 1024U); }
+
 // Grid-stride loop over [0, count).
 #define MXSCOPE_GRID_LOOP(index, count)                                                                        \
   for (std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
@@ -102,6 +107,39 @@ __device__ void add_counters(unsigned long long* global, const unsigned long lon
   }
   __syncthreads();
   if (threadIdx.x < mx_counter_count && shared[threadIdx.x] != 0) atomicAdd(&global[threadIdx.x], shared[threadIdx.x]);
+}
+
+// values[c] summed (Max: maximized) over the thread block (threads_per_block threads, all of
+// which call it); the result is in thread 0's values, which adds it to targets[index[c]] with one
+// atomic each.
+template <bool Max, int N>
+__device__ inline void block_reduce_to(unsigned long long (&values)[N], unsigned long long* targets,
+                                       const int (&index)[N]) {
+  __shared__ unsigned long long partial[N][threads_per_block];
+  const int t = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int c = 0; c < N; ++c) partial[c][t] = values[c];
+  __syncthreads();
+  for (int width = threads_per_block / 2; width > 0; width /= 2) {
+    if (t < width) {
+#pragma unroll
+      for (int c = 0; c < N; ++c) {
+        const unsigned long long other = partial[c][t + width];
+        partial[c][t] = Max ? (other > partial[c][t] ? other : partial[c][t]) : partial[c][t] + other;
+      }
+    }
+    __syncthreads();
+  }
+  if (t != 0) return;
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    if (partial[c][0] == 0) continue;
+    if constexpr (Max) {
+      atomicMax(&targets[index[c]], partial[c][0]);
+    } else {
+      atomicAdd(&targets[index[c]], partial[c][0]);
+    }
+  }
 }
 
 std::string to_text(std::int64_t value) { return std::to_string(value); }
@@ -878,7 +916,7 @@ void launch_generic(const Input* input, std::int64_t rows, std::int64_t cols, co
   runtime::launch(mx_scale_kernel<Input>, grid_for(scale_count), threads_per_block, 0, input, rows, cols, plan,
                   output.scales);
   const std::int64_t code_bytes = mx_code_bytes(plan, rows, cols);
-  runtime::launch(mx_element_kernel<Input>, grid_for(code_bytes), threads_per_block, 0, input, rows, cols, plan,
+  runtime::launch(mx_element_kernel<Input>, reduction_grid(code_bytes), threads_per_block, 0, input, rows, cols, plan,
                   output.scales, output);
 }
 
@@ -1556,49 +1594,54 @@ __device__ inline void mma_f64(double& d0, double& d1, double a, double b) {
 template <class Tile, class Dot>
 __device__ inline void tile_dots(const Tile* a_tile, const Tile* b_tile, Dot (&dots)[4][4]) {
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-  if constexpr (std::is_same_v<Tile, double> && std::is_same_v<Dot, double>) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const double* a_base = a_tile + (32 * (warp / 4) + lane / 4) * dot_stride + lane % 4;
-  const double* b_base = b_tile + (16 * (warp % 4) + lane / 4) * dot_stride + lane % 4;
-#pragma unroll
-  for (int kk = 0; kk < 32; kk += 4) {
-    double av[4], bv[2];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) av[r] = a_base[8 * r * dot_stride + kk];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) bv[q] = b_base[8 * q * dot_stride + kk];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) mma_f64(dots[r][2 * q], dots[r][2 * q + 1], av[r], bv[q]);
-    }
-  }
-  return;
-  }
+  constexpr bool tensor_cores = std::is_same_v<Tile, double> && std::is_same_v<Dot, double>;
+#else
+  constexpr bool tensor_cores = false;
 #endif
-  int rows[4], cols[4];
+  if constexpr (tensor_cores) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const double* a_base = a_tile + (32 * (warp / 4) + lane / 4) * dot_stride + lane % 4;
+    const double* b_base = b_tile + (16 * (warp % 4) + lane / 4) * dot_stride + lane % 4;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    rows[s] = dot_row(s) * dot_stride;
-    cols[s] = dot_col(s) * dot_stride;
-  }
-#pragma unroll 4
-  for (int kk = 0; kk < 32; ++kk) {
-    Dot av[4], bv[4];
+    for (int kk = 0; kk < 32; kk += 4) {
+      double av[4], bv[2];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) av[r] = a_base[8 * r * dot_stride + kk];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) bv[q] = b_base[8 * q * dot_stride + kk];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) mma_f64(dots[r][2 * q], dots[r][2 * q + 1], av[r], bv[q]);
+      }
+    }
+#endif
+  } else {
+    int rows[4], cols[4];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      av[s] = static_cast<Dot>(a_tile[rows[s] + kk]);
-      bv[s] = static_cast<Dot>(b_tile[cols[s] + kk]);
+      rows[s] = dot_row(s) * dot_stride;
+      cols[s] = dot_col(s) * dot_stride;
     }
+#pragma unroll 4
+    for (int kk = 0; kk < 32; ++kk) {
+      Dot av[4], bv[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
+      for (int s = 0; s < 4; ++s) {
+        av[s] = static_cast<Dot>(a_tile[rows[s] + kk]);
+        bv[s] = static_cast<Dot>(b_tile[cols[s] + kk]);
+      }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        if constexpr (std::is_same_v<Dot, double>) {
-          dots[r][c] = fma_exact(av[r], bv[c], dots[r][c]);
-        } else {
-          dots[r][c] += av[r] * bv[c];
+      for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if constexpr (std::is_same_v<Dot, double>) {
+            dots[r][c] = fma_exact(av[r], bv[c], dots[r][c]);
+          } else {
+            dots[r][c] += av[r] * bv[c];
+          }
         }
       }
     }
@@ -1954,7 +1997,12 @@ constexpr int integer_tile = 64;                 // entries per thread block alo
 constexpr int integer_chunk = 32;                // K per shared-memory stage (within one K-block)
 constexpr int integer_side = integer_tile / 16;  // entries per thread along M and N (tile_dots: 4)
 
-enum class integer_mode : int { block = 0, group = 1, exact = 2 };
+// whole: `exact` where every row's block exponent is the same in all of its K-blocks (per-tensor
+// scaling: unit block scales) and every partial sum over the whole of K is below 2^53: the dot of
+// all of K is then one exact sum (the tensor cores add it exactly in any order), and the entry is
+// that sum times the rows' scale, the value `exact` gets by adding the blocks' scaled dots, which
+// are then all exact additions.
+enum class integer_mode : int { block = 0, group = 1, exact = 2, whole = 3 };
 
 // dot += x * y, exact (see above for double).
 template <class Dot>
@@ -1992,6 +2040,7 @@ __global__ void __launch_bounds__(dot_threads)
                            std::uint8_t* flagged) {
   using Tile = dot_tile_t<Dot>;
   using Acc = Tile;  // the chunk dots: doubles on the tensor cores (exact, see tile_dots), else Dot
+  static_assert(Mode != integer_mode::whole || std::is_same_v<Acc, double>, "a whole-K dot needs 53 bits");
   constexpr int loads = integer_tile * integer_chunk / dot_threads;  // values per thread and operand per chunk
   __shared__ Tile a_tile[integer_tile * dot_stride];
   __shared__ Tile b_tile[integer_tile * dot_stride];
@@ -2017,6 +2066,8 @@ __global__ void __launch_bounds__(dot_threads)
     }
   }
   const int group = Mode == integer_mode::group ? blocks_per_group : 1;
+  std::int32_t exponent_a[integer_side], exponent_b[integer_side];
+  Acc dots[integer_side][integer_side];
 
   // The chunks in order: K-block b, offset c0 within it. Value e of this thread in a chunk: row
   // (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32. The next chunk's values are loaded
@@ -2051,17 +2102,17 @@ __global__ void __launch_bounds__(dot_threads)
     for (std::int64_t b = group_begin; b < group_end; ++b) {
       const std::int64_t k0 = b * block;
       const std::int64_t length = depth - k0 < block ? depth - k0 : block;
-      std::int32_t exponent_a[integer_side], exponent_b[integer_side];
+      if (Mode != integer_mode::whole || b == 0) {
 #pragma unroll
-      for (int s = 0; s < integer_side; ++s) {
-        exponent_a[s] = row_inside[s] ? a_exponents[b * m + i0 + dot_row(s)] : 0;
-        exponent_b[s] = column_inside[s] ? b_exponents[b * n + j0 + dot_col(s)] : 0;
-      }
-      Acc dots[integer_side][integer_side];
+        for (int s = 0; s < integer_side; ++s) {
+          exponent_a[s] = row_inside[s] ? a_exponents[b * m + i0 + dot_row(s)] : 0;
+          exponent_b[s] = column_inside[s] ? b_exponents[b * n + j0 + dot_col(s)] : 0;
+        }
 #pragma unroll
-      for (int r = 0; r < integer_side; ++r) {
+        for (int r = 0; r < integer_side; ++r) {
 #pragma unroll
-        for (int c = 0; c < integer_side; ++c) dots[r][c] = 0;
+          for (int c = 0; c < integer_side; ++c) dots[r][c] = 0;
+        }
       }
       for (std::int64_t c0 = 0; c0 < length; c0 += integer_chunk) {
 #pragma unroll
@@ -2079,7 +2130,8 @@ __global__ void __launch_bounds__(dot_threads)
         tile_dots(a_tile, b_tile, dots);
         __syncthreads();
       }
-      // The block's step for every entry of the thread.
+      // The block's step for every entry of the thread (whole: one step after the last block).
+      if (Mode == integer_mode::whole && b + 1 < blocks) continue;
 #pragma unroll
       for (int r = 0; r < integer_side; ++r) {
 #pragma unroll
@@ -2216,6 +2268,35 @@ __global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::in
   }
 }
 
+// Per row of an exponent array [blocks, rows]: 1 unless the row's exponent is the same in every
+// K-block and not the NaN block's.
+__global__ void varying_exponent_rows_kernel(const std::int32_t* exponents, std::int64_t rows, std::int64_t blocks,
+                                             unsigned long long* varying) {
+  unsigned long long local = 0;
+  MXSCOPE_GRID_LOOP(r, rows) {
+    const std::int32_t first = exponents[r];
+    bool same = first != nan_block_exponent;
+    for (std::int64_t b = 1; b < blocks && same; ++b) same = exponents[b * rows + r] == first;
+    local += same ? 0U : 1U;
+  }
+  unsigned long long reduced[1] = {local};
+  constexpr int index[1] = {0};
+  block_reduce_to<false>(reduced, varying, index);
+}
+
+// True when every row of the operand has one block exponent along K (integer_mode::whole).
+bool uniform_exponents(const prepared_operand::storage& operand) {
+  if (operand.rows == 0 || operand.blocks == 0) return true;
+  device_buffer varying(sizeof(unsigned long long));
+  varying.fill_bytes(0);
+  runtime::launch(varying_exponent_rows_kernel, reduction_grid(operand.rows), threads_per_block, 0,
+                  operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks,
+                  varying.as<unsigned long long>());
+  unsigned long long host = 0;
+  varying.download(&host, sizeof(host));
+  return host == 0;
+}
+
 template <class Dot>
 void launch_integer(const prepared_operand::storage& a, const prepared_operand::storage& b,
                     const accumulation_model& model, output_rounding output, float* out, double* exact_out,
@@ -2236,6 +2317,13 @@ void launch_integer(const prepared_operand::storage& a, const prepared_operand::
   }
   if (model.kind != accumulation_kind::fp32_group && model.kind != accumulation_kind::exact) {
     throw input_error("gpu gemm: the integer path covers exact, fp32-block and fp32-group:G");
+  }
+  if (model.kind == accumulation_kind::exact &&
+      bits_of(a.depth) + bits_of(integer_max_of(a.element)) + bits_of(integer_max_of(b.element)) <= 53 &&
+      uniform_exponents(a) && uniform_exponents(b)) {
+    runtime::launch(integer_product_kernel<double, integer_mode::whole>, grid, threads, 0, av, ae, bv, be, m, n,
+                    a.depth, a.block, a.blocks, 1, fraction_total, output, out, exact_out, nullptr);
+    return;
   }
   const int per_group = model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1;
   device_buffer flagged(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
@@ -3304,10 +3392,9 @@ __global__ void bf16_element_kernel(const float* input, std::int64_t count, core
     flushed += v != 0.0f && rounded == 0.0f;
     saturated += finite && !is_finite(rounded) && rounded == rounded;  // finite in, inf out
   }
-  if (nonzero != 0) atomicAdd(&counters[counter_nonzero], nonzero);
-  if (flushed != 0) atomicAdd(&counters[counter_flushed], flushed);
-  if (saturated != 0) atomicAdd(&counters[counter_saturated], saturated);
-  if (nonfinite != 0) atomicAdd(&counters[counter_nonfinite], nonfinite);
+  unsigned long long reduced[4] = {nonzero, flushed, saturated, nonfinite};
+  constexpr int index[4] = {counter_nonzero, counter_flushed, counter_saturated, counter_nonfinite};
+  block_reduce_to<false>(reduced, counters, index);
 }
 
 // out [cols, rows] = values [rows, cols] transposed, through 32 x 32 tiles in shared memory.
@@ -3350,10 +3437,9 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
     flushed += encoded.flushed;
     saturated += encoded.saturated;
   }
-  if (nonzero != 0) atomicAdd(&counters[counter_nonzero], nonzero);
-  if (flushed != 0) atomicAdd(&counters[counter_flushed], flushed);
-  if (saturated != 0) atomicAdd(&counters[counter_saturated], saturated);
-  if (nonfinite != 0) atomicAdd(&counters[counter_nonfinite], nonfinite);
+  unsigned long long reduced[4] = {nonzero, flushed, saturated, nonfinite};
+  constexpr int index[4] = {counter_nonzero, counter_flushed, counter_saturated, counter_nonfinite};
+  block_reduce_to<false>(reduced, counters, index);
 }
 
 // The operand energies of quantize_with_energies: one thread per canonical chunk, in fp64.
@@ -3388,7 +3474,9 @@ __global__ void largest_finite_magnitude_kernel(const double* values, std::int64
     const unsigned long long magnitude = core_ns::double_bits(values[i]) & 0x7FFFFFFFFFFFFFFFULL;
     if (magnitude < 0x7FF0000000000000ULL && largest < magnitude) largest = magnitude;
   }
-  if (largest != 0) atomicMax(bits, largest);
+  unsigned long long reduced[1] = {largest};
+  constexpr int index[1] = {0};
+  block_reduce_to<true>(reduced, bits, index);
 }
 
 double tree_of(std::vector<double>& values, std::size_t offset, std::size_t count) {
@@ -3540,7 +3628,7 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   device_buffer counters(mx_counter_count * sizeof(unsigned long long));
   counters.fill_bytes(0);
   if (bf16) {
-    runtime::launch(bf16_element_kernel, grid_for(count), threads_per_block, 0, operand, count, options.rounding,
+    runtime::launch(bf16_element_kernel, reduction_grid(count), threads_per_block, 0, operand, count, options.rounding,
                     options.sr_bits, options.stream, codes.as<std::uint8_t>(), dequantized,
                     counters.as<unsigned long long>());
   } else if (plan) {
@@ -3553,14 +3641,14 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   } else {
     device_buffer amax(sizeof(unsigned));
     amax.fill_bytes(0);
-    runtime::launch(per_tensor_amax_kernel, grid_for(count), threads_per_block, 0, operand, count,
+    runtime::launch(per_tensor_amax_kernel, reduction_grid(count), threads_per_block, 0, operand, count,
                     amax.as<unsigned>());
     unsigned amax_bits = 0;
     amax.download(&amax_bits, sizeof(amax_bits));
     const float largest = core_ns::bits_float(amax_bits);
     // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
     out.tensor_scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
-    runtime::launch(per_tensor_element_kernel, grid_for(count), threads_per_block, 0, operand, count,
+    runtime::launch(per_tensor_element_kernel, reduction_grid(count), threads_per_block, 0, operand, count,
                     kind, out.tensor_scale, options.rounding, options.sr_bits, options.stream,
                     codes.as<std::uint8_t>(), dequantized, counters.as<unsigned long long>());
   }
@@ -3664,7 +3752,9 @@ __global__ void nonfinite_codes_kernel(const std::uint8_t* codes, std::int64_t c
                                        unsigned long long* found) {
   unsigned long long local = 0;
   MXSCOPE_GRID_LOOP(i, count) { local += is_finite(core_ns::decode(kind, codes[i])) ? 0U : 1U; }
-  if (local != 0) atomicAdd(found, local);
+  unsigned long long reduced[1] = {local};
+  constexpr int index[1] = {0};
+  block_reduce_to<false>(reduced, found, index);
 }
 
 }  // namespace
@@ -3677,7 +3767,7 @@ std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t coun
   if (count == 0) return 0;
   device_buffer found(sizeof(unsigned long long));
   found.fill_bytes(0);
-  runtime::launch(nonfinite_codes_kernel, grid_for(count), threads_per_block, 0, codes.as<const std::uint8_t>(), count,
+  runtime::launch(nonfinite_codes_kernel, reduction_grid(count), threads_per_block, 0, codes.as<const std::uint8_t>(), count,
                   kind, found.as<unsigned long long>());
   unsigned long long host = 0;
   found.download(&host, sizeof(host));
@@ -3705,7 +3795,9 @@ __global__ void differing_words_kernel(const std::uint32_t* x, const std::uint32
                                        unsigned long long* differing) {
   unsigned long long local = 0;
   MXSCOPE_GRID_LOOP(i, count) { local += x[i] != y[i] ? 1U : 0U; }
-  if (local != 0) atomicAdd(differing, local);
+  unsigned long long reduced[1] = {local};
+  constexpr int index[1] = {0};
+  block_reduce_to<false>(reduced, differing, index);
 }
 
 }  // namespace
@@ -3720,7 +3812,7 @@ bool same_bits(const device_matrix& x, const device_matrix& y) {
                                                                  : reinterpret_cast<const std::uint32_t*>(y.fp64());
   device_buffer differing(sizeof(unsigned long long));
   differing.fill_bytes(0);
-  runtime::launch(differing_words_kernel, grid_for(words), threads_per_block, 0, x_words, y_words, words,
+  runtime::launch(differing_words_kernel, reduction_grid(words), threads_per_block, 0, x_words, y_words, words,
                   differing.as<unsigned long long>());
   unsigned long long host = 0;
   differing.download(&host, sizeof(host));
@@ -3794,7 +3886,7 @@ reference_result reference_gemm(const device_matrix& a, const device_matrix& b, 
   if (out64->size() > 0) {
     device_buffer bits(sizeof(unsigned long long));
     bits.fill_bytes(0);
-    runtime::launch(largest_finite_magnitude_kernel, grid_for(out64->size()), threads_per_block, 0,
+    runtime::launch(largest_finite_magnitude_kernel, reduction_grid(out64->size()), threads_per_block, 0,
                     static_cast<const double*>(out64->fp64()), out64->size(), bits.as<unsigned long long>());
     unsigned long long host_bits = 0;
     bits.download(&host_bits, sizeof(host_bits));

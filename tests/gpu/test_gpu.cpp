@@ -1100,6 +1100,37 @@ void gemm_integer_tiles(bool small) {
       }
     }
   }
+  // Block scales constant along K in every row, different between rows (per-tensor scaling is the
+  // case of one scale): `exact` takes the whole-K dot (integer_mode::whole); then the same with one
+  // block's scale changed, which sends the product back to the per-block kernel. Both against the
+  // host definition.
+  for (const bool one_differs : {false, true}) {
+    for (const auto& layout : gemm_layouts) {
+      const std::uint64_t seed = next_seed();
+      const std::int64_t m = 70, n = 133, k = 100 + (one_differs ? 28 : 0);
+      auto [qa, qb] = make_operands(m, n, k, 3, 3, 32, layout, value_kind::banded, seed);
+      for (auto* q : {&qa, &qb}) {
+        const bool along_rows = q->options.axis == 1;
+        const std::int64_t lines = along_rows ? q->rows : q->cols;
+        const std::int64_t blocks = static_cast<std::int64_t>(q->scales.size()) / lines;
+        for (std::int64_t line = 0; line < lines; ++line) {
+          for (std::int64_t b = 0; b < blocks; ++b) {
+            const std::int64_t at = along_rows ? line * blocks + b : b * lines + line;
+            q->scales[at] = static_cast<std::uint8_t>(120 + (line * 7 + 3) % 15);
+          }
+        }
+      }
+      if (one_differs) qb.scales[qb.scales.size() / 2] = static_cast<std::uint8_t>(qb.scales[qb.scales.size() / 2] + 1);
+      const auto model = model_of(mxscope::accumulation_kind::exact);
+      const std::string name = std::string("gemm integer tiles e4m3 exact, scales constant along K") +
+                               (one_differs ? " but one " : " ") + layout.name;
+      run_case(name, [&] {
+        const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+        return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
+                                     name + ", seed " + hex64(seed));
+      });
+    }
+  }
 }
 
 // Per-tensor fp8 operands on the GPU: the element codes multiplied as MX operands with unit block
