@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -147,6 +148,48 @@ TEST(RoundExactSum, TiesRoundToEven) {
   EXPECT_EQ(oracle::bits_of(core::add_exactly_to_float(1.0f, cancel, 1)), 0x00000000U);
   const double tiny[] = {-1.0, -std::ldexp(1.0, -200)};
   EXPECT_EQ(oracle::bits_of(core::add_exactly_to_float(1.0f, tiny, 2)), 0x80000000U);
+}
+
+// core::add_to_float (fl32(acc + v) rounded once) against the oracle: random pairs over the
+// whole fp32 range and beyond, and pairs whose double sum lands exactly on an fp32 midpoint (the
+// case its fast path must leave to the round-to-odd sum), near zero, the subnormal range and the
+// overflow threshold.
+TEST(AddToFloat, MatchesTheOracleIncludingDoubleRoundingMidpoints) {
+  std::mt19937_64 random(20261129);
+  std::vector<std::pair<float, double>> cases;
+  for (int i = 0; i < 20000; ++i) {
+    const float acc = static_cast<float>(random_value(random, 24, -150, 127));
+    cases.emplace_back(i % 7 == 0 ? 0.0f : acc, random_value(random, 1 + static_cast<int>(random() % 53), -160, 130));
+  }
+  // Midpoints: acc + v = m + tiny, with m halfway between acc and its fp32 neighbour and tiny
+  // below the double sum's ulp (so fl64 gives m), on both sides and with exact ties.
+  for (int i = 0; i < 4000; ++i) {
+    const int e = static_cast<int>(random() % 250) - 125;  // acc in [2^e, 2^(e+1))
+    const std::uint32_t significand = static_cast<std::uint32_t>(random() >> 41) | (1U << 23);  // 24 bits
+    const float acc = std::ldexp(static_cast<float>(significand), e - 23);
+    const double half_ulp = std::ldexp(1.0, e - 24);
+    const int side = static_cast<int>(random() % 3);  // 0: just above, 1: just below, 2: exact tie
+    const double tiny = side == 2 ? 0.0 : std::ldexp(side == 0 ? 1.0 : -1.0, e - 24 - 40 - static_cast<int>(random() % 20));
+    const double v = (random() & 1U) != 0 ? half_ulp + tiny : -(half_ulp + tiny);
+    cases.emplace_back((random() & 2U) != 0 ? acc : -acc, v);
+  }
+  cases.emplace_back(std::ldexp(1.0f, -126), -std::ldexp(1.0, -150));  // into the fp32 subnormals
+  cases.emplace_back(std::ldexp(1.5f, -140), std::ldexp(1.0, -150));   // a subnormal tie
+  cases.emplace_back(3.0e38f, 4.0e37);                                  // overflow
+  cases.emplace_back(std::numeric_limits<float>::max(), std::ldexp(1.0, 103));  // the overflow tie: to inf
+  cases.emplace_back(std::numeric_limits<float>::max(), std::ldexp(1.0, 103) - std::ldexp(1.0, 60));
+  cases.emplace_back(1.0f, -1.0);  // exact cancellation: +0
+  int midpoints = 0;
+  for (const auto& [acc, v] : cases) {
+    const cpp_int exact = oracle::from_double(static_cast<double>(acc)) + oracle::from_double(v);
+    const float want = oracle::round_to_float(exact);
+    const float got = core::add_to_float(acc, v);
+    const double naive = static_cast<double>(acc) + v;
+    if (std::isfinite(naive) && static_cast<float>(naive) != want) ++midpoints;
+    ASSERT_EQ(oracle::bits_of(got), oracle::bits_of(want))
+        << "acc " << oracle::show(static_cast<double>(acc)) << " v " << oracle::show(v);
+  }
+  EXPECT_GT(midpoints, 500);  // the set does hold cases that rounding twice gets wrong
 }
 
 // Trunc-align semantics written from NUMERICS.md section 7 with the oracle's integers.

@@ -1564,6 +1564,13 @@ __device__ inline double fma_exact(double x, double y, double z) {
 // whatever order the tensor core adds. Without DMMA (HIP) the same entries are chains of FMAs.
 constexpr int dot_stride = 36;
 constexpr int dot_threads = 256;
+// Thread blocks per multiprocessor the register allocation of the two kernels aims at (a build
+// option for measuring: 2 halves their registers, with spills).
+#if defined(MXSCOPE_DOT_MIN_BLOCKS)
+constexpr int dot_min_blocks = MXSCOPE_DOT_MIN_BLOCKS;
+#else
+constexpr int dot_min_blocks = 1;
+#endif
 
 __device__ inline int dot_row(int r) {
   return 32 * (static_cast<int>(threadIdx.x) / 128) + 8 * r + (static_cast<int>(threadIdx.x) % 32) / 4;
@@ -1774,7 +1781,7 @@ __global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int
 // work on this one), tile_dots sums the 16 chunk dots, then every thread runs the model step of
 // each of its entries.
 template <plain_mode Mode>
-__global__ void __launch_bounds__(dot_threads)
+__global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
                       plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                       std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
@@ -2032,7 +2039,7 @@ __device__ inline bool add_rounds(double& running, double contribution) {
 }
 
 template <class Dot, integer_mode Mode>
-__global__ void __launch_bounds__(dot_threads)
+__global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
                            const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,
                            std::int64_t n, std::int64_t depth, int block, std::int64_t blocks, int blocks_per_group,

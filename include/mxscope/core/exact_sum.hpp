@@ -44,7 +44,23 @@ MXSCOPE_HD constexpr double round_to_odd_sum(double a, double b) {
 MXSCOPE_HD constexpr float double_to_float_rne(double v) { return static_cast<float>(v); }
 
 // fl32(acc + v): the exactly rounded fp32 sum of an fp32 accumulator and any finite double.
+//
+// Fast path: s = fl64(acc + v), then s rounded to fp32. Rounding twice differs from rounding the
+// exact sum x once only when s is exactly a midpoint m of two adjacent fp32 numbers: m is a double
+// (25 bits), rounding is monotone, so x < m implies s <= m and x > m implies s >= m; x and s are
+// never on opposite sides of m. For |s| >= 2^-126 (fp32's normal range and the overflow threshold
+// 2^128 - 2^103) a midpoint has the 29 low significand bits of a double equal to 1 followed by 28
+// zeros; s with that pattern, and |s| < 2^-126 (fp32's subnormal grid, exact zeros), take the
+// round-to-odd sum, which is correct everywhere.
 MXSCOPE_HD constexpr float add_to_float(float acc, double v) {
+  const double s = static_cast<double>(acc) + v;
+  const std::uint64_t bits = double_bits(s);
+  constexpr std::uint64_t below_fp32_ulp = (std::uint64_t{1} << 29) - 1U;
+  constexpr std::uint64_t fp32_midpoint = std::uint64_t{1} << 28;
+  constexpr std::uint64_t fp32_min_normal = std::uint64_t{1023 - 126} << 52;  // 2^-126
+  if ((bits & below_fp32_ulp) != fp32_midpoint && (bits & 0x7fffffffffffffffULL) >= fp32_min_normal) {
+    return static_cast<float>(s);
+  }
   return static_cast<float>(round_to_odd_sum(static_cast<double>(acc), v));
 }
 
