@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <fstream>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 #include "mxscope/errors.hpp"
@@ -23,13 +26,89 @@ constexpr std::uint32_t round_constants[64] = {
 
 constexpr std::uint32_t rotate_right(std::uint32_t value, int bits) { return (value >> bits) | (value << (32 - bits)); }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MXSCOPE_SHA_EXTENSIONS 1
+// FIPS 180-4's compression on the x86 SHA extensions. The eight working variables live in two
+// registers as the instructions want them: {A, B, E, F} and {C, D, G, H} (highest lane first).
+// Each group of four rounds adds four schedule words and their constants, and sha256rnds2 runs
+// two rounds at a time (the low two words, then the high two). The schedule is built four words at
+// a time: W[t..t+3] = msg2(msg1(W[t-16..t-13], W[t-12..t-9]) + W[t-7..t-4], W[t-4..t-1]), i.e.
+// W[t-16] + s0(W[t-15]) + W[t-7] + s1(W[t-2]).
+__attribute__((target("sha,sse4.1,ssse3"))) void compress_with_extensions(std::uint32_t* state,
+                                                                          const std::uint8_t* blocks,
+                                                                          std::size_t count) {
+  const __m128i byte_swap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+  __m128i dcba = _mm_loadu_si128(reinterpret_cast<const __m128i*>(state));
+  __m128i hgfe = _mm_loadu_si128(reinterpret_cast<const __m128i*>(state + 4));
+  const __m128i cdab = _mm_shuffle_epi32(dcba, 0xB1);
+  const __m128i efgh = _mm_shuffle_epi32(hgfe, 0x1B);
+  __m128i abef = _mm_alignr_epi8(cdab, efgh, 8);
+  __m128i cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
+  for (std::size_t block = 0; block < count; ++block) {
+    const std::uint8_t* data = blocks + 64 * block;
+    const __m128i abef_before = abef;
+    const __m128i cdgh_before = cdgh;
+    __m128i words[4];  // the last four groups of schedule words, group g in words[g % 4]
+    for (int group = 0; group < 16; ++group) {
+      __m128i w;
+      if (group < 4) {
+        w = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + 16 * group)), byte_swap);
+      } else {
+        const __m128i w16 = words[group % 4];        // W[t-16 .. t-13]
+        const __m128i w12 = words[(group + 1) % 4];  // W[t-12 .. t-9]
+        const __m128i w8 = words[(group + 2) % 4];   // W[t-8 .. t-5]
+        const __m128i w4 = words[(group + 3) % 4];   // W[t-4 .. t-1]
+        w = _mm_sha256msg1_epu32(w16, w12);
+        w = _mm_add_epi32(w, _mm_alignr_epi8(w4, w8, 4));  // + W[t-7 .. t-4]
+        w = _mm_sha256msg2_epu32(w, w4);
+      }
+      words[group % 4] = w;
+      const __m128i message = _mm_add_epi32(
+          w, _mm_loadu_si128(reinterpret_cast<const __m128i*>(round_constants + 4 * group)));
+      cdgh = _mm_sha256rnds2_epu32(cdgh, abef, message);  // rounds 4g, 4g + 1: cdgh now holds abef
+      abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(message, 0x0E));  // 4g + 2, 4g + 3
+    }
+    abef = _mm_add_epi32(abef, abef_before);
+    cdgh = _mm_add_epi32(cdgh, cdgh_before);
+  }
+  const __m128i feba = _mm_shuffle_epi32(abef, 0x1B);
+  const __m128i dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+  dcba = _mm_blend_epi16(feba, dchg, 0xF0);
+  hgfe = _mm_alignr_epi8(dchg, feba, 8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state), dcba);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(state + 4), hgfe);
+}
+#endif
+
+bool processor_has_sha_extensions() {
+#if defined(MXSCOPE_SHA_EXTENSIONS)
+  static const bool has = __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") &&
+                          __builtin_cpu_supports("ssse3");
+  return has;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
-sha256::sha256()
-    : state_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19},
-      buffer_{} {}
+bool sha256_accelerated() { return processor_has_sha_extensions(); }
 
-void sha256::compress(const std::uint8_t* block) {
+sha256::sha256(bool portable)
+    : state_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19},
+      buffer_{} {
+  accelerated_ = !portable && processor_has_sha_extensions();
+}
+
+void sha256::compress(const std::uint8_t* blocks, std::size_t count) {
+#if defined(MXSCOPE_SHA_EXTENSIONS)
+  if (accelerated_) {
+    compress_with_extensions(state_, blocks, count);
+    return;
+  }
+#endif
+  for (std::size_t index = 0; index < count; ++index) {
+  const std::uint8_t* block = blocks + 64 * index;
   std::uint32_t schedule[64];
   for (int i = 0; i < 16; ++i) {
     schedule[i] = (static_cast<std::uint32_t>(block[4 * i]) << 24) | (static_cast<std::uint32_t>(block[4 * i + 1]) << 16) |
@@ -66,19 +145,27 @@ void sha256::compress(const std::uint8_t* block) {
   state_[5] += f;
   state_[6] += g;
   state_[7] += h;
+  }
 }
 
 void sha256::update(const void* data, std::size_t size) {
   const auto* bytes = static_cast<const std::uint8_t*>(data);
   total_bytes_ += size;
   while (size > 0) {
+    if (buffered_ == 0 && size >= 64) {  // whole blocks straight from the input
+      const std::size_t blocks = size / 64;
+      compress(bytes, blocks);
+      bytes += 64 * blocks;
+      size -= 64 * blocks;
+      continue;
+    }
     const std::size_t take = std::min<std::size_t>(64 - buffered_, size);
     std::copy(bytes, bytes + take, buffer_ + buffered_);
     buffered_ += take;
     bytes += take;
     size -= take;
     if (buffered_ == 64) {
-      compress(buffer_);
+      compress(buffer_, 1);
       buffered_ = 0;
     }
   }
@@ -98,8 +185,8 @@ std::string sha256::hex_digest() {
   return hex;
 }
 
-std::string sha256_hex(std::string_view bytes) {
-  sha256 hash;
+std::string sha256_hex(std::string_view bytes, bool portable) {
+  sha256 hash(portable);
   hash.update(bytes.data(), bytes.size());
   return hash.hex_digest();
 }
