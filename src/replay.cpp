@@ -1282,6 +1282,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   source["notes"] = dump.source().notes;
   provenance["dump_source"] = source;
   json inputs = json::object();
+  const auto hashing_started = clock_type::now();
   inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
   for (const auto& layer : plan) {
     for (const auto* entry : layer.entries) {
@@ -1291,6 +1292,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     }
   }
   provenance["input_sha256"] = inputs;
+  const double seconds_hashing = seconds_since(hashing_started);  // waiting for (or doing) the input hashes
   provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};
   provenance["reference"] = reference_kind_name(parsed.reference);
   provenance["attribute"] = attribute;
@@ -1318,6 +1320,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                     {"read", seconds_read},
                     {"setup", std::max(seconds_setup, 0.0)},
                     {"upload", seconds_upload},
+                    {"hashing", seconds_hashing},
                     {"reference", seconds_reference},
                     {"strategies", seconds_strategies}};
   json per_strategy = json::object();
