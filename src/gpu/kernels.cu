@@ -2304,6 +2304,39 @@ bool uniform_exponents(const prepared_operand::storage& operand) {
   return host == 0;
 }
 
+// Per row of an exponent array [blocks, rows]: the largest minus the smallest block exponent along
+// K (1 << 20 with a NaN block): tensor_core_exact_kernel's window test.
+__global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_t rows, std::int64_t blocks,
+                                      std::int32_t* spans) {
+  MXSCOPE_GRID_LOOP(r, rows) {
+    std::int32_t low = exponents[r];
+    std::int32_t high = low;
+    bool nan_block = false;
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const std::int32_t e = exponents[b * rows + r];
+      nan_block = nan_block || e == nan_block_exponent;
+      low = e < low ? e : low;
+      high = e > high ? e : high;
+    }
+    spans[r] = nan_block || blocks == 0 ? (1 << 20) : high - low;
+  }
+}
+
+device_buffer exponent_spans(const prepared_operand::storage& operand) {
+  device_buffer spans(static_cast<std::size_t>(std::max<std::int64_t>(operand.rows, 1)) * sizeof(std::int32_t));
+  if (operand.rows > 0) {
+    runtime::launch(exponent_spans_kernel, grid_for(operand.rows), threads_per_block, 0,
+                    operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks,
+                    spans.as<std::int32_t>());
+  }
+  return spans;
+}
+
+// The largest |integer element| of a tensor-core operand (tensor_core_element's codes).
+std::int64_t tensor_core_integer_max(element_kind kind) {
+  return kind == element_kind::fp4_e2m1 ? 12 : kind == element_kind::fp6_e2m3 ? 60 : 127;
+}
+
 template <class Dot>
 void launch_integer(const prepared_operand::storage& a, const prepared_operand::storage& b,
                     const accumulation_model& model, output_rounding output, float* out, double* exact_out,
@@ -2473,12 +2506,22 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
 // block or an extreme k) is flagged in `flagged` and left to tensor_core_exact_fixup_kernel.
 // Unflagged entries' running sums are the exact sums, written as the fp64 result and converted
 // once (RNE) to fp32.
+//
+// Window tiles: every scaled dot of entry (i, j) is a multiple of 2^L, L = lo_a(i) + lo_b(j) - f
+// (lo, hi: the smallest and largest block exponent of the row along K), and every partial sum is
+// below blocks * 2^dot_bits * 2^H, H = hi_a(i) + hi_b(j) - f. When span_a(i) + span_b(j) (span =
+// hi - lo) is at most span_budget = 53 - dot_bits - bits(blocks), every partial sum is a double:
+// no addition rounds, and the step is one FMA, D * 2^k + running, with no check. A tile takes that
+// path when its largest row span and largest column span add up to at most the budget (NaN
+// blocks make a span of at least 2^20).
 __global__ void __launch_bounds__(256)
     tensor_core_exact_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
                              const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
                              std::int64_t blocks, int fraction_total, output_rounding output, float* out,
-                             double* exact_out, std::uint8_t* flagged) {
+                             double* exact_out, std::uint8_t* flagged, const std::int32_t* a_spans,
+                             const std::int32_t* b_spans, int span_budget) {
   __shared__ tc_stage stages[tc_stages];
+  __shared__ int tile_spans[2][tc_tile];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;         // row (A, C) or column (B, C) within an mma tile
@@ -2496,6 +2539,26 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
   std::uint64_t flags = 0;  // bit mi * 16 + ni * 4 + e for a flagged entry
+
+  // The tile's largest row and column spans (rows past the end count 0).
+  if (threadIdx.x < tc_tile) {
+    const std::int64_t i = i0 + threadIdx.x;
+    tile_spans[0][threadIdx.x] = i < m ? a_spans[i] : 0;
+  } else {
+    const std::int64_t j = j0 + threadIdx.x - tc_tile;
+    tile_spans[1][threadIdx.x - tc_tile] = j < n ? b_spans[j] : 0;
+  }
+  __syncthreads();
+  for (int width = tc_tile / 2; width > 0; width /= 2) {
+    if (static_cast<int>(threadIdx.x) < 2 * width) {
+      const int side = static_cast<int>(threadIdx.x) / width;
+      const int t = static_cast<int>(threadIdx.x) % width;
+      const int other = tile_spans[side][t + width];
+      if (other > tile_spans[side][t]) tile_spans[side][t] = other;
+    }
+    __syncthreads();
+  }
+  const bool window = tile_spans[0][0] + tile_spans[1][0] <= span_budget;
 
 #pragma unroll
   for (int s = 0; s < tc_stages - 1; ++s) {
@@ -2547,6 +2610,15 @@ __global__ void __launch_bounds__(256)
         int d[4];
         mma_s8(d, a_fragments[mi], b_fragments[ni]);
         // d0, d1: row g, columns 2t, 2t+1; d2, d3: row g + 8, the same columns.
+        if (window) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
+            const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
+            accumulators[mi][ni][e] = fma_exact(static_cast<double>(d[e]), power, accumulators[mi][ni][e]);
+          }
+          continue;
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
@@ -3031,10 +3103,15 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       if (model.kind == accumulation_kind::exact) {
         device_buffer flagged(static_cast<std::size_t>(m * n));
         flagged.fill_bytes(0);
+        const device_buffer a_spans = exponent_spans(a);
+        const device_buffer b_spans = exponent_spans(b);
+        const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
+        const int span_budget = 53 - dot_bits - bits_of(a.blocks);
         runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
                         a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
                         b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                        out, exact_out, flagged.as<std::uint8_t>());
+                        out, exact_out, flagged.as<std::uint8_t>(), a_spans.as<const std::int32_t>(),
+                        b_spans.as<const std::int32_t>(), span_budget);
         runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
                         a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
                         b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,

@@ -1274,6 +1274,7 @@ void gemm_tensor_core_tiles(bool small) {
                              {0, 5, 260, 130, 130, 0, true},
                              {0, 0, 1030, 300, 40, 1, false}};  // two groups of row tiles in the launch order
   const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+  const auto exact_model = model_of(mxscope::accumulation_kind::exact);
   for (const tile_case& c : cases) {
     if (small && !c.in_small_set) continue;
     if (!gpu::gemm_path_covers(gpu::gemm_path::tensor_core, format_kinds[c.a_format], format_kinds[c.b_format], 32,
@@ -1334,6 +1335,14 @@ void gemm_tensor_core_tiles(bool small) {
       run_case(name, [&] {
         const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
         return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+      });
+      // The exact model on the same operands: tiles whose rows' block exponents stay in a window
+      // take the check-free FMA step, the tiles holding the mixed pattern's extreme and NaN blocks
+      // the checked one (and its fix-up).
+      const std::string exact_name = name + " (exact model)";
+      run_case(exact_name, [&] {
+        const gemm_output got = gpu_product(qa, qb, exact_model, output, gpu::gemm_path::tensor_core);
+        return check_product_entries(qa, qb, exact_model, output, got, {}, exact_name + ", seed " + hex64(seed));
       });
     }
   }
