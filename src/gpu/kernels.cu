@@ -4153,40 +4153,69 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
 }
 
 // ================================================================================================
-// The replay's cross-step state on the device: one thread per canonical chunk runs the shared
-// per-element functions (include/mxscope/core/cross_step.hpp) over its elements in index order, so
-// each state element and each chunk partial has the CPU's bits; the host combines the partials by
-// canonical_tree and takes the square roots as src/cross_step.cpp does.
+// The replay's cross-step state on the device: the shared per-element functions
+// (include/mxscope/core/cross_step.hpp) run on every element, and each canonical chunk's partial
+// sums are formed in index order (cross_step_chunks), so each state element and each chunk partial
+// has the CPU's bits; the host combines the partials by canonical_tree and takes the square roots
+// as src/cross_step.cpp does.
 
 namespace {
 
 constexpr int cross_step_matrices = 7;  // fp64 state matrices per reference or unit state
 
+// One thread block of cross_step_lanes threads per canonical chunk. Every accumulator slot of the
+// per-element functions is updated as acc = acc + t with t = fl(x y) (no contraction); thread l
+// runs element begin + 32 j + l (consecutive threads, consecutive elements: coalesced) with its
+// own slots set to +0, which leaves it t (0 + t = t; a -0 term becomes +0, which adds like -0 to a
+// partial that is never -0 itself). The terms go through shared memory, and thread k < Sums adds
+// slot k's terms of the 32 elements in index order: the same additions in the same order as one
+// thread walking the chunk, hence the same partial sums.
+constexpr int cross_step_lanes = 32;
+
+template <int Sums, class Element>
+__device__ inline void cross_step_chunks(std::int64_t count, std::int64_t chunk_count, double* partials,
+                                         const Element& element) {
+  __shared__ double terms[cross_step_lanes][Sums + 1];
+  const int lane = static_cast<int>(threadIdx.x);
+  for (std::int64_t chunk = blockIdx.x; chunk < chunk_count; chunk += gridDim.x) {
+    double partial = 0.0;  // thread k < Sums: slot k
+    const std::int64_t begin = chunk * canonical_chunk;
+    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
+    for (std::int64_t base = begin; base < end; base += cross_step_lanes) {
+      double local[Sums] = {};
+      if (base + lane < end) element(base + lane, local);
+#pragma unroll
+      for (int k = 0; k < Sums; ++k) terms[lane][k] = local[k];
+      __syncthreads();
+      if (lane < Sums) {
+        const int present = end - base < cross_step_lanes ? static_cast<int>(end - base) : cross_step_lanes;
+        for (int l = 0; l < present; ++l) partial = partial + terms[l][lane];
+      }
+      __syncthreads();
+    }
+    if (lane < Sums) partials[lane * chunk_count + chunk] = partial;
+  }
+}
+
 __global__ void reference_cross_step_kernel(core_ns::reference_state_view state, const double* g, double beta,
                                             core_ns::adamw_step_constants adamw, std::int64_t count,
                                             std::int64_t chunk_count, double* partials) {
-  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
-    double acc[core_ns::reference_sum_count] = {};
-    const std::int64_t begin = chunk * canonical_chunk;
-    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
-    for (std::int64_t i = begin; i < end; ++i) core_ns::reference_element(state, beta, adamw, g[i], i, acc);
-    for (int s = 0; s < core_ns::reference_sum_count; ++s) partials[s * chunk_count + chunk] = acc[s];
-  }
+  cross_step_chunks<core_ns::reference_sum_count>(count, chunk_count, partials, [&](std::int64_t i, double* acc) {
+    core_ns::reference_element(state, beta, adamw, g[i], i, acc);
+  });
 }
 
 __global__ void unit_cross_step_kernel(core_ns::unit_state_view state, core_ns::reference_optimizer_view reference,
                                        const float* estimate, const double* exact, const double* g, double beta,
                                        core_ns::adamw_step_constants adamw, std::int64_t count,
                                        std::int64_t chunk_count, double* partials) {
-  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
-    double acc[core_ns::unit_sum_count] = {};
-    const std::int64_t begin = chunk * canonical_chunk;
-    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
-    for (std::int64_t i = begin; i < end; ++i) {
-      core_ns::unit_element(state, reference, beta, adamw, estimate[i], exact[i], g[i], i, acc);
-    }
-    for (int s = 0; s < core_ns::unit_sum_count; ++s) partials[s * chunk_count + chunk] = acc[s];
-  }
+  cross_step_chunks<core_ns::unit_sum_count>(count, chunk_count, partials, [&](std::int64_t i, double* acc) {
+    core_ns::unit_element(state, reference, beta, adamw, estimate[i], exact[i], g[i], i, acc);
+  });
+}
+
+unsigned cross_step_grid(std::int64_t chunk_count) {
+  return static_cast<unsigned>(std::clamp<std::int64_t>(chunk_count, 1, std::int64_t{1} << 20));
 }
 
 std::string shape_text(std::int64_t rows, std::int64_t cols) {
@@ -4328,7 +4357,8 @@ reference_step_norms run_reference_step(reference_cross_step::storage& s, const 
   if (count > 0) {
     const core_ns::reference_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
                                              s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
-    runtime::launch(reference_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, s.g.as<const double>(),
+    runtime::launch(reference_cross_step_kernel, cross_step_grid(chunk_count), cross_step_lanes, 0, view,
+                    s.g.as<const double>(),
                     settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
                     s.partials.as<double>());
     sums = cross_step_totals<core_ns::reference_sum_count>(s.partials, chunk_count);
@@ -4430,7 +4460,8 @@ unit_step_norms unit_cross_step::step_on_device(const reference_cross_step& refe
                                         s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
     const core_ns::reference_optimizer_view reference_view{r.matrix_at(1), r.matrix_at(2), r.matrix_at(5),
                                                            r.matrix_at(6)};
-    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 64), 64, 0, view, reference_view, estimate, exact,
+    runtime::launch(unit_cross_step_kernel, cross_step_grid(chunk_count), cross_step_lanes, 0, view, reference_view,
+                    estimate, exact,
                     r.g.as<const double>(), settings.sgd_momentum, adamw_constants_of(settings, t), count,
                     chunk_count, s.partials.as<double>());
     sums = cross_step_totals<core_ns::unit_sum_count>(s.partials, chunk_count);
