@@ -2192,11 +2192,26 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 #pragma unroll
         for (int c = 0; c < integer_side; ++c) {
           if (!row_inside[r] || !column_inside[c]) continue;
+          if constexpr (Mode == integer_mode::block) {
+            // The common step in full: the scaled dot D 2^k is a finite double (|D| < 2^53, k
+            // within +-300), so scaled_block_dot's canonicalizations change nothing and
+            // add_exact_value is fl32(acc + D 2^k). NaN blocks and an infinite accumulator take
+            // the general step.
+            float& accumulator = accumulators[r][c];
+            if (exponent_a[r] != nan_block_exponent && exponent_b[c] != nan_block_exponent && is_finite(accumulator)) {
+              accumulator = core_ns::add_to_float(
+                  accumulator,
+                  static_cast<double>(dots[r][c]) * core_ns::pow2(exponent_a[r] + exponent_b[c] - fraction_total));
+            } else {
+              accumulator = add_exact_value_inline(
+                  accumulator,
+                  scaled_block_dot(static_cast<double>(dots[r][c]), exponent_a[r], exponent_b[c], fraction_total));
+            }
+            continue;
+          }
           const double contribution =
               scaled_block_dot(static_cast<double>(dots[r][c]), exponent_a[r], exponent_b[c], fraction_total);
-          if constexpr (Mode == integer_mode::block) {
-            accumulators[r][c] = add_exact_value_inline(accumulators[r][c], contribution);
-          } else if (contribution != contribution) {
+          if (contribution != contribution) {
             nan_entries |= 1U << (r * integer_side + c);
           } else if (add_rounds(running[r][c], contribution)) {
             rounded_entries |= 1U << (r * integer_side + c);
