@@ -669,27 +669,6 @@ __device__ inline block_scan load_and_scan_block(const Input* input, std::int64_
 // Pieces), Pieces = pieces per MX block (4 for bf16, 8 for fp32). The swizzle only permutes the
 // pieces of one MX block, keeps the copy's 8 consecutive pieces in 8 distinct bank groups, and
 // spreads step 2's reads (8 threads, the same piece of 8 consecutive blocks) over 8 bank groups too.
-// The fused quantizer's staging copies: cp.async on CUDA (the next tile's input travels while this
-// one is encoded), plain copies on HIP and in the simulation (where the wait is a no-op).
-#if defined(__CUDACC__) && !defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE)
-__device__ inline void stage_copy_16(uint4* shared_destination, const uint4* global_source) {
-  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(destination), "l"(global_source));
-}
-__device__ inline void stage_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int Pending>
-__device__ inline void stage_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
-}
-#else
-__device__ inline void stage_copy_16(uint4* shared_destination, const uint4* global_source) {
-  *shared_destination = *global_source;
-}
-__device__ inline void stage_commit() {}
-template <int Pending>
-__device__ inline void stage_wait() {}
-#endif
-
 template <int Pieces>
 __device__ inline int staging_slot(int piece) {
   return piece ^ ((piece >> 3) & (Pieces - 1));
@@ -746,10 +725,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
                     mx_device_output output) {
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
-  // Two staging buffers where they fit the static limit (bf16 input: 2 x 16 KiB): tile t + 1 is
-  // copied into one while tile t is read from the other.
-  constexpr int buffers = 2 * threads_per_block * pieces * 16 <= 32768 ? 2 : 1;
-  __shared__ uint4 staging_buffers[buffers][threads_per_block * pieces];
+  __shared__ uint4 staging[threads_per_block * pieces];
   const element_kind kind = fp4 ? element_kind::fp4_e2m1 : plan.element;
   const bool packed = core_ns::spec(kind).bits == 4;
   const bool fast = fast_encode::covers(kind);
@@ -761,39 +737,15 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
   const std::int64_t total_pieces = blocks * pieces;
   const uint4* source = reinterpret_cast<const uint4*>(input);
   unsigned counts[mx_counter_count] = {0, 0, 0, 0};
-  // Copies tile t's input into staging buffer `buffer` (consecutive threads, consecutive pieces).
-  const auto stage = [&](std::int64_t t, int buffer) {
-    const std::int64_t tile_piece = t * threads_per_block * pieces;
+  // The trip count depends on the tile only: every thread of the block reaches every barrier.
+  for (std::int64_t tile = blockIdx.x; tile * threads_per_block < blocks; tile += gridDim.x) {
+    const std::int64_t tile_piece = tile * threads_per_block * pieces;
 #pragma unroll
     for (int k = 0; k < pieces; ++k) {
       const int piece = k * threads_per_block + static_cast<int>(threadIdx.x);
-      if (tile_piece + piece < total_pieces) {
-        stage_copy_16(&staging_buffers[buffer][staging_slot<pieces>(piece)], &source[tile_piece + piece]);
-      }
-    }
-  };
-  if constexpr (buffers == 2) {
-    if (static_cast<std::int64_t>(blockIdx.x) * threads_per_block < blocks) stage(blockIdx.x, 0);
-    stage_commit();
-  }
-  int buffer = 0;
-  // The trip count depends on the tile only: every thread of the block reaches every barrier.
-  for (std::int64_t tile = blockIdx.x; tile * threads_per_block < blocks; tile += gridDim.x, buffer ^= buffers - 1) {
-    if constexpr (buffers == 2) {
-      // The next tile goes into the other buffer, which every thread finished reading (the
-      // barrier after the reads below, one iteration ago); this tile's copies are then waited for
-      // (the group committed before, not the one just committed).
-      const std::int64_t next = tile + gridDim.x;
-      if (next * threads_per_block < blocks) stage(next, buffer ^ 1);
-      stage_commit();
-      stage_wait<1>();
-    } else {
-      stage(tile, 0);
-      stage_commit();
-      stage_wait<0>();
+      if (tile_piece + piece < total_pieces) staging[staging_slot<pieces>(piece)] = source[tile_piece + piece];
     }
     __syncthreads();
-    const uint4* staging = staging_buffers[buffer];
     uint4 mine[pieces];
 #pragma unroll
     for (int j = 0; j < pieces; ++j) mine[j] = staging[staging_slot<pieces>(static_cast<int>(threadIdx.x) * pieces + j)];
