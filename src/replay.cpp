@@ -938,7 +938,18 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       read_options.read_quantized = false;
 
       std::int64_t t = 0;
-      for (const auto* info : layer.entries) {
+      // The next step of the layer is read on a background thread while this one is worked on
+      // (its errors surface when its turn comes, as they would without the overlap); `read`
+      // then times only the wait for it.
+      std::future<io::dump_entry> next_entry;
+      const auto read_in_background = [&](std::size_t e) {
+        if (e >= layer.entries.size()) return;
+        next_entry = std::async(std::launch::async, [&dump, &read_options, info = layer.entries[e]] {
+          return dump.read(*info, read_options);
+        });
+      };
+      for (std::size_t e = 0; e < layer.entries.size(); ++e) {
+        const auto* info = layer.entries[e];
         if (ranks > 1 && fs::exists(stop_file)) {
           stopped_by_other = true;
           break;
@@ -947,7 +958,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
         auto mark = clock_type::now();
         if (seconds_setup < 0.0) seconds_setup = seconds_since(started);
-        const io::dump_entry entry = dump.read(*info, read_options);
+        const io::dump_entry entry = next_entry.valid() ? next_entry.get() : dump.read(*info, read_options);
+        read_in_background(e + 1);
         if (rank == 0) hash_in_background(info->file);
         if (!entry.all_finite()) {
           throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
