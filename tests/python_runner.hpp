@@ -52,8 +52,8 @@ struct result {
 inline result run_script(const std::filesystem::path& script, const std::vector<std::string>& args,
                          const std::filesystem::path& log) {
   std::string command = fmt::format("{} {}", interpreter, quoted(script.string()));
-  for (const auto& arg : args) command += " " + quoted(arg);
-  command += " > " + quoted(log.string()) + " 2>&1";
+  for (const auto& arg : args) command += fmt::format(" {}", quoted(arg));  // (" " + string trips GCC 12's -Wrestrict)
+  command += fmt::format(" > {} 2>&1", quoted(log.string()));
   const int status = std::system(command.c_str());
   result out;
   out.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -2,6 +2,7 @@
 // the same every step must show coherence sqrt(T) and alpha 1; independent errors must average
 // out (alpha near 0.5); bias, cosine and the optimizer replays are recomputed here from their
 // definitions; results do not depend on thread count or on interruption.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -71,7 +73,7 @@ void write_dump(const fs::path& directory, const std::vector<std::string>& layer
       writer.add_matrix("x", random_matrix(tokens, n_in, seed));
       writer.add_matrix("dy", random_matrix(tokens, n_out, seed + 500));
       writer.add_matrix("w", random_matrix(n_out, n_in, seed + 900));
-      const std::string file = "l" + std::to_string(l) + "_s" + std::to_string(step) + ".safetensors";
+      const std::string file = fmt::format("l{}_s{}.safetensors", l, step);  // (operator+ on "l" trips GCC 12's -Wrestrict)
       writer.write(directory / file);
       manifest["entries"].push_back({{"step", step}, {"layer", layers[l]}, {"file", file}});
     }
@@ -389,6 +391,42 @@ TEST(Replay, BadInputsAreRefusedBeforeAnyOutput) {
   std::ostringstream err_c;
   EXPECT_EQ(mxscope::cli::run(7, argv_c, out, err_c), 2);
   EXPECT_NE(err_c.str().find("'w' is missing"), std::string::npos) << err_c.str();
+  fs::remove_all(root);
+}
+
+// A step whose capture turns out to hold NaN is refused when its turn comes, after the steps before
+// it ran (it is read on a background thread while the step before it is worked on, and its error
+// must surface then, naming the file): exit 2, no steps.csv. The same dump without the NaN
+// replays, and its steps.csv has every step.
+TEST(Replay, NonFiniteCaptureMidRunIsRefusedNamingItsFile) {
+  const fs::path root = fresh_directory("midrun");
+  write_dump(root / "dump", {"layer.a"}, 4, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  const std::string dump = (root / "dump").string(), analysis = (root / "a.toml").string();
+  const std::string good_run = (root / "good").string();
+  std::ostringstream out, err;
+  const char* argv_good[] = {"mxscope", "replay", dump.c_str(), "--analysis", analysis.c_str(), "--out",
+                             good_run.c_str()};
+  ASSERT_EQ(mxscope::cli::run(7, argv_good, out, err), 0) << err.str();
+  EXPECT_EQ(read_csv(root / "good" / "steps.csv").size(), 4U);
+
+  {
+    mxscope::matrix x = random_matrix(64, 32, 3003);
+    x(5, 7) = std::numeric_limits<float>::quiet_NaN();
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("x", x);
+    writer.add_matrix("dy", random_matrix(64, 16, 3503));
+    writer.add_matrix("w", random_matrix(16, 32, 3903));
+    writer.write(root / "dump" / "l0_s3.safetensors");
+  }
+  const std::string bad_run = (root / "bad").string();
+  const char* argv_bad[] = {"mxscope", "replay", dump.c_str(), "--analysis", analysis.c_str(), "--out",
+                            bad_run.c_str()};
+  std::ostringstream err_bad;
+  EXPECT_EQ(mxscope::cli::run(7, argv_bad, out, err_bad), 2);
+  EXPECT_NE(err_bad.str().find("l0_s3.safetensors"), std::string::npos) << err_bad.str();
+  EXPECT_NE(err_bad.str().find("non-finite"), std::string::npos) << err_bad.str();
+  EXPECT_FALSE(fs::exists(root / "bad" / "steps.csv"));
   fs::remove_all(root);
 }
 
