@@ -1529,8 +1529,12 @@ __global__ void generic_product_kernel(const float* a_elements, const std::int32
 // or NaN, are left to the per-product kernels (generic_product_kernel, reference_kernel), which
 // skip every other entry.
 
-constexpr int plain_tile = 64;              // entries per thread block along M and N
-constexpr int plain_chunk = 32;             // K per chunk (shared-memory stage)
+// The tiles of the two fp64-tensor-core kernels (plain-operand, integer path; see tile_dots).
+constexpr int dot_tile = 64;   // rows of A and of B per thread block
+constexpr int dot_chunk = 32;  // K per shared-memory stage
+
+constexpr int plain_tile = dot_tile;        // entries per thread block along M and N
+constexpr int plain_chunk = dot_chunk;      // K per chunk (shared-memory stage)
 constexpr int plain_side = plain_tile / 16;  // entries per thread along M and N (16 x 16 threads)
 constexpr int plain_chunk_budget = 53 - 7;   // spread_a + spread_b of a chunk summed in fp64
 constexpr std::int8_t plain_empty_spread = -128;  // a chunk without nonzero finite values
@@ -1654,6 +1658,42 @@ __device__ inline void tile_dots(const Tile* a_tile, const Tile* b_tile, Dot (&d
     }
   }
 }
+
+// The chunk staging of both kernels: the next chunk's values are loaded into registers (value e of
+// a thread: row (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32 of the two 64-row tiles;
+// consecutive threads, consecutive k: coalesced) while the tensor cores work on the current one,
+// then stored into the [row][k] tiles. Values past `length` or past the last row are zeros.
+constexpr int dot_loads = dot_tile * dot_chunk / dot_threads;
+
+template <class T>
+struct dot_chunk_values {
+  T a[dot_loads];
+  T b[dot_loads];
+
+  // Rows i0.. of a [m, depth] and j0.. of b [n, depth], columns k0 .. k0 + length - 1.
+  __device__ void load(const T* a_rows, const T* b_rows, std::int64_t i0, std::int64_t j0, std::int64_t m,
+                       std::int64_t n, std::int64_t depth, std::int64_t k0, std::int64_t length) {
+#pragma unroll
+    for (int e = 0; e < dot_loads; ++e) {
+      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
+      const int row = t / dot_chunk;
+      const int kk = t % dot_chunk;
+      const bool inside = kk < length;
+      a[e] = (inside && i0 + row < m) ? a_rows[(i0 + row) * depth + k0 + kk] : T{0};
+      b[e] = (inside && j0 + row < n) ? b_rows[(j0 + row) * depth + k0 + kk] : T{0};
+    }
+  }
+
+  template <class Tile>
+  __device__ void store(Tile* a_tile, Tile* b_tile) const {
+#pragma unroll
+    for (int e = 0; e < dot_loads; ++e) {
+      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
+      a_tile[(t / dot_chunk) * dot_stride + t % dot_chunk] = static_cast<Tile>(a[e]);
+      b_tile[(t / dot_chunk) * dot_stride + t % dot_chunk] = static_cast<Tile>(b[e]);
+    }
+  }
+};
 
 // The type a chunk is staged in: doubles for DMMA where every block dot is below 2^53 (int32 and
 // double dots), else the block dot's own type (FMA or integer chains).
@@ -1786,7 +1826,6 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
                       plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                       std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
                       float* out32, double* out64) {
-  constexpr int loads = plain_tile * plain_chunk / dot_threads;  // values per thread and operand per chunk
   __shared__ double a_tile[plain_tile * dot_stride];
   __shared__ double b_tile[plain_tile * dot_stride];
   __shared__ int a_spread_tile[plain_tile];
@@ -1818,21 +1857,11 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     }
   }
 
-  // Value e of this thread in a chunk: row (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32.
-  float a_next[loads], b_next[loads];
+  dot_chunk_values<float> next;
   int spread_next = plain_empty_spread;
   const auto fetch = [&](std::int64_t chunk) {
     const std::int64_t k0 = chunk * plain_chunk;
-    const std::int64_t length = depth - k0 < plain_chunk ? depth - k0 : plain_chunk;
-#pragma unroll
-    for (int e = 0; e < loads; ++e) {
-      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-      const int row = t / plain_chunk;
-      const int kk = t % plain_chunk;
-      const bool inside = kk < length;
-      a_next[e] = (inside && i0 + row < m) ? a[(i0 + row) * depth + k0 + kk] : 0.0f;
-      b_next[e] = (inside && j0 + row < n) ? b[(j0 + row) * depth + k0 + kk] : 0.0f;
-    }
+    next.load(a, b, i0, j0, m, n, depth, k0, depth - k0 < plain_chunk ? depth - k0 : plain_chunk);
     if (threadIdx.x < plain_tile) {
       const std::int64_t i = i0 + threadIdx.x;
       spread_next = i < m ? a_spreads[chunk * m + i] : plain_empty_spread;
@@ -1844,12 +1873,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   if (chunks > 0) fetch(0);
 
   for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
-#pragma unroll
-    for (int e = 0; e < loads; ++e) {
-      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-      a_tile[(t / plain_chunk) * dot_stride + t % plain_chunk] = static_cast<double>(a_next[e]);
-      b_tile[(t / plain_chunk) * dot_stride + t % plain_chunk] = static_cast<double>(b_next[e]);
-    }
+    next.store(a_tile, b_tile);
     if (threadIdx.x < plain_tile) {
       a_spread_tile[threadIdx.x] = spread_next;
     } else if (threadIdx.x < 2 * plain_tile) {
@@ -2000,8 +2024,8 @@ dim3 plain_grid(std::int64_t m, std::int64_t n) {
 // and left to integer_fixup_kernel, which redoes it from the operands with the per-entry
 // definitions (the group's terms through add_exactly_to_float, a long accumulator for exact).
 
-constexpr int integer_tile = 64;                 // entries per thread block along M and N
-constexpr int integer_chunk = 32;                // K per shared-memory stage (within one K-block)
+constexpr int integer_tile = dot_tile;           // entries per thread block along M and N
+constexpr int integer_chunk = dot_chunk;         // K per shared-memory stage (within one K-block)
 constexpr int integer_side = integer_tile / 16;  // entries per thread along M and N (tile_dots: 4)
 
 // whole: `exact` where every row's block exponent is the same in all of its K-blocks (per-tensor
@@ -2048,7 +2072,6 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   using Tile = dot_tile_t<Dot>;
   using Acc = Tile;  // the chunk dots: doubles on the tensor cores (exact, see tile_dots), else Dot
   static_assert(Mode != integer_mode::whole || std::is_same_v<Acc, double>, "a whole-K dot needs 53 bits");
-  constexpr int loads = integer_tile * integer_chunk / dot_threads;  // values per thread and operand per chunk
   __shared__ Tile a_tile[integer_tile * dot_stride];
   __shared__ Tile b_tile[integer_tile * dot_stride];
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * integer_tile;
@@ -2076,23 +2099,14 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   std::int32_t exponent_a[integer_side], exponent_b[integer_side];
   Acc dots[integer_side][integer_side];
 
-  // The chunks in order: K-block b, offset c0 within it. Value e of this thread in a chunk: row
-  // (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32. The next chunk's values are loaded
-  // into registers while the tensor cores work on this one.
-  std::int32_t a_next[loads], b_next[loads];
+  // The chunks in order: K-block b, offset c0 within it (dot_chunk_values: the next one is loaded
+  // while the tensor cores work on this one).
+  dot_chunk_values<std::int32_t> next;
   const auto fetch = [&](std::int64_t b, std::int64_t c0) {
     const std::int64_t k0 = b * block + c0;
     const std::int64_t block_end = depth < (b + 1) * block ? depth : (b + 1) * block;
-    const std::int64_t length = block_end - k0 < integer_chunk ? block_end - k0 : integer_chunk;
-#pragma unroll
-    for (int e = 0; e < loads; ++e) {
-      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-      const int row = t / integer_chunk;
-      const int kk = t % integer_chunk;
-      const bool inside = kk < length;
-      a_next[e] = (inside && i0 + row < m) ? a_values[(i0 + row) * depth + k0 + kk] : 0;
-      b_next[e] = (inside && j0 + row < n) ? b_values[(j0 + row) * depth + k0 + kk] : 0;
-    }
+    next.load(a_values, b_values, i0, j0, m, n, depth, k0,
+              block_end - k0 < integer_chunk ? block_end - k0 : integer_chunk);
   };
   if (blocks > 0) fetch(0, 0);
 
@@ -2122,12 +2136,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
         }
       }
       for (std::int64_t c0 = 0; c0 < length; c0 += integer_chunk) {
-#pragma unroll
-        for (int e = 0; e < loads; ++e) {
-          const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-          a_tile[(t / integer_chunk) * dot_stride + t % integer_chunk] = static_cast<Tile>(a_next[e]);
-          b_tile[(t / integer_chunk) * dot_stride + t % integer_chunk] = static_cast<Tile>(b_next[e]);
-        }
+        next.store(a_tile, b_tile);
         __syncthreads();
         if (c0 + integer_chunk < length) {
           fetch(b, c0 + integer_chunk);
