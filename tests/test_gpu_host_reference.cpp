@@ -141,6 +141,15 @@ std::vector<float> probe_values(std::mt19937_64& random, int exponent, int lowes
   return values;
 }
 
+// The rounding modes both encoder tests run: every mode, sr with 32, 9 and 1 random bits.
+struct mode_case {
+  core::rounding_mode mode;
+  int sr_bits;
+};
+constexpr mode_case encoder_modes[] = {{core::rounding_mode::rne, 32}, {core::rounding_mode::rna, 32},
+                                       {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
+                                       {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
+
 }  // namespace
 
 // The fused GPU quantizer's element encoder (src/gpu/fast_encode.hpp, integer arithmetic on the fp32
@@ -153,13 +162,6 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
   const core::element_kind float_kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
                                             core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
                                             core::element_kind::fp8_e5m2};
-  struct mode_case {
-    core::rounding_mode mode;
-    int sr_bits;
-  };
-  const mode_case modes[] = {{core::rounding_mode::rne, 32}, {core::rounding_mode::rna, 32},
-                             {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
-                             {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
   std::mt19937_64 random(20240601);
   std::int64_t checked = 0;
   for (const auto kind : float_kinds) {
@@ -168,7 +170,7 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
       // Scaled binades from 4 below the subnormal spacing to 3 above the largest binade.
       const std::vector<float> values =
           probe_values(random, exponent, constants.subnormal_exponent - 4, constants.emax + 3, 12);
-      for (const mode_case& m : modes) {
+      for (const mode_case& m : encoder_modes) {
         for (const float value : values) {
           const std::uint32_t word = static_cast<std::uint32_t>(random());
           const auto want = core::quantize_element(kind, value, exponent, m.mode, word, m.sr_bits);
@@ -208,17 +210,10 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
 // every mode, sr with 32, 9 and 1 random bits.
 TEST(GpuHostReference, Fp4EncodersMatchCore) {
   constexpr auto kind = core::element_kind::fp4_e2m1;
-  struct mode_case {
-    core::rounding_mode mode;
-    int sr_bits;
-  };
-  const mode_case modes[] = {{core::rounding_mode::rne, 32}, {core::rounding_mode::rna, 32},
-                             {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
-                             {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
   std::mt19937_64 random(20250317);
   std::int64_t checked = 0;
   const auto check = [&](const std::vector<float>& values, int exponent) {
-    for (const mode_case& m : modes) {
+    for (const mode_case& m : encoder_modes) {
       for (const float value : values) {
         const std::uint32_t word = static_cast<std::uint32_t>(random());
         const auto want = core::quantize_element(kind, value, exponent, m.mode, word, m.sr_bits);

@@ -311,6 +311,24 @@ void quantize_sweep(bool small) {
 // quantizer, and the operand energies in the canonical order instead of the dequantized values.
 // Expected: the host reference's rotation and quantizer, and compare.hpp's canonical sums of x^2 and
 // (x - dequantized)^2 over the finite pairs, as src/gemm.cpp's CPU summary computes them.
+// The operand energies quantize_with_energies must return, summed in the canonical order on the
+// host: sum v^2 and sum (v - q)^2 over the elements where v and its dequantized q are finite.
+std::array<double, 2> expected_energies(const matrix& values, const matrix& dequantized) {
+  return mxscope::canonical_sums<2>(values.size(), [&](std::int64_t i) {
+    const double value = values.values[static_cast<std::size_t>(i)];
+    const double rounded = dequantized.values[static_cast<std::size_t>(i)];
+    if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
+    return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
+  });
+}
+
+// "" when both energies have the expected bits, else what differs.
+std::string energies_mismatch(const std::array<double, 2>& want, const gpu::operand_energies& got) {
+  if (!same(want[0], got.signal)) return "signal energy: expected " + show(want[0]) + " got " + show(got.signal);
+  if (!same(want[1], got.error)) return "error energy: expected " + show(want[1]) + " got " + show(got.error);
+  return "";
+}
+
 void quantize_energies(bool small) {
   struct energy_case {
     int format;
@@ -347,12 +365,7 @@ void quantize_energies(bool small) {
       matrix rotated = input;
       host_reference::rotate(rotated, c.axis, rotation);
       const mxscope::quantized_tensor expected = host_reference::quantize_mx(rotated, options);
-      const auto want = mxscope::canonical_sums<2>(rotated.size(), [&](std::int64_t i) {
-        const double value = rotated.values[static_cast<std::size_t>(i)];
-        const double rounded = expected.dequantized.values[static_cast<std::size_t>(i)];
-        if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
-        return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
-      });
+      const auto want = expected_energies(rotated, expected.dequantized);
       for (const bool keep : {false, true}) {
         gpu::operand_energies energies;
         const mxscope::quantized_tensor got = gpu::quantize_with_energies(input, options, rotation, keep, energies);
@@ -377,12 +390,7 @@ void quantize_energies(bool small) {
             got.saturated != expected.saturated || got.nonfinite_inputs != expected.nonfinite_inputs) {
           return "counters differ; " + policy;
         }
-        if (!same(want[0], energies.signal)) {
-          return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal) + "; " + policy;
-        }
-        if (!same(want[1], energies.error)) {
-          return "error energy: expected " + show(want[1]) + " got " + show(energies.error) + "; " + policy;
-        }
+        if (const std::string wrong = energies_mismatch(want, energies); !wrong.empty()) return wrong + "; " + policy;
         if (keep != (got.dequantized.size() == input.size())) return "dequantized kept or dropped wrongly; " + policy;
         for (std::int64_t i = 0; keep && i < input.size(); ++i) {
           if (!same(expected.dequantized.values[static_cast<std::size_t>(i)], got.dequantized.values[static_cast<std::size_t>(i)])) {
@@ -450,12 +458,7 @@ void quantize_bf16_energies(bool small) {
           counts[2] += std::isfinite(v) && std::isinf(rounded);
           counts[3] += !std::isfinite(v);
         }
-        const auto want = mxscope::canonical_sums<2>(input.size(), [&](std::int64_t i) {
-          const double value = input.values[static_cast<std::size_t>(i)];
-          const double rounded = dequantized.values[static_cast<std::size_t>(i)];
-          if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
-          return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
-        });
+        const auto want = expected_energies(input, dequantized);
         gpu::operand_energies energies;
         const gpu::device_matrix resident = gpu::device_matrix::upload(input);
         const mxscope::quantized_tensor got =
@@ -476,8 +479,7 @@ void quantize_bf16_energies(bool small) {
                  std::to_string(got.nonzero_inputs) + "/" + std::to_string(got.flushed) + "/" +
                  std::to_string(got.saturated) + "/" + std::to_string(got.nonfinite_inputs);
         }
-        if (!same(want[0], energies.signal)) return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal);
-        if (!same(want[1], energies.error)) return "error energy: expected " + show(want[1]) + " got " + show(energies.error);
+        if (const std::string wrong = energies_mismatch(want, energies); !wrong.empty()) return wrong;
         return "";
       });
     }
@@ -544,12 +546,7 @@ void quantize_per_tensor_energies(bool small) {
         counts[1] += encoded.flushed;
         counts[2] += encoded.saturated;
       }
-      const auto want = mxscope::canonical_sums<2>(rotated.size(), [&](std::int64_t i) {
-        const double value = rotated.values[static_cast<std::size_t>(i)];
-        const double rounded = dequantized.values[static_cast<std::size_t>(i)];
-        if (!std::isfinite(value) || !std::isfinite(rounded)) return std::array<double, 2>{0.0, 0.0};
-        return std::array<double, 2>{value * value, (value - rounded) * (value - rounded)};
-      });
+      const auto want = expected_energies(rotated, dequantized);
       gpu::operand_energies energies;
       const mxscope::quantized_tensor got = gpu::quantize_with_energies(input, options, rotation, true, energies);
       if (!same(scale, got.tensor_scale)) return "tensor scale: expected " + show(scale) + " got " + show(got.tensor_scale);
@@ -561,8 +558,7 @@ void quantize_per_tensor_energies(bool small) {
           got.nonfinite_inputs != counts[3]) {
         return "counters differ";
       }
-      if (!same(want[0], energies.signal)) return "signal energy: expected " + show(want[0]) + " got " + show(energies.signal);
-      if (!same(want[1], energies.error)) return "error energy: expected " + show(want[1]) + " got " + show(energies.error);
+      if (const std::string wrong = energies_mismatch(want, energies); !wrong.empty()) return wrong;
       return "";
     });
   }
