@@ -2299,39 +2299,12 @@ __global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::in
   }
 }
 
-// Per row of an exponent array [blocks, rows]: 1 unless the row's exponent is the same in every
-// K-block and not the NaN block's.
-__global__ void varying_exponent_rows_kernel(const std::int32_t* exponents, std::int64_t rows, std::int64_t blocks,
-                                             unsigned long long* varying) {
-  unsigned long long local = 0;
-  MXSCOPE_GRID_LOOP(r, rows) {
-    const std::int32_t first = exponents[r];
-    bool same = first != nan_block_exponent;
-    for (std::int64_t b = 1; b < blocks && same; ++b) same = exponents[b * rows + r] == first;
-    local += same ? 0U : 1U;
-  }
-  unsigned long long reduced[1] = {local};
-  constexpr int index[1] = {0};
-  block_reduce_to<false>(reduced, varying, index);
-}
-
-// True when every row of the operand has one block exponent along K (integer_mode::whole).
-bool uniform_exponents(const prepared_operand::storage& operand) {
-  if (operand.rows == 0 || operand.blocks == 0) return true;
-  device_buffer varying(sizeof(unsigned long long));
-  varying.fill_bytes(0);
-  runtime::launch(varying_exponent_rows_kernel, reduction_grid(operand.rows), threads_per_block, 0,
-                  operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks,
-                  varying.as<unsigned long long>());
-  unsigned long long host = 0;
-  varying.download(&host, sizeof(host));
-  return host == 0;
-}
-
 // Per row of an exponent array [blocks, rows]: the largest minus the smallest block exponent along
-// K (1 << 20 with a NaN block): tensor_core_exact_kernel's window test.
+// K (1 << 20 with a NaN block), and the largest of them over all rows in *largest. Span 0 in every
+// row is integer_mode::whole's condition; tensor_core_exact_kernel's window test reads the spans.
 __global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_t rows, std::int64_t blocks,
-                                      std::int32_t* spans) {
+                                      std::int32_t* spans, unsigned long long* largest) {
+  unsigned long long local = 0;
   MXSCOPE_GRID_LOOP(r, rows) {
     std::int32_t low = exponents[r];
     std::int32_t high = low;
@@ -2342,18 +2315,40 @@ __global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_
       low = e < low ? e : low;
       high = e > high ? e : high;
     }
-    spans[r] = nan_block || blocks == 0 ? (1 << 20) : high - low;
+    const std::int32_t span = nan_block || blocks == 0 ? (1 << 20) : high - low;
+    spans[r] = span;
+    local = static_cast<unsigned long long>(span) > local ? static_cast<unsigned long long>(span) : local;
   }
+  unsigned long long reduced[1] = {local};
+  constexpr int index[1] = {0};
+  block_reduce_to<true>(reduced, largest, index);
 }
 
-device_buffer exponent_spans(const prepared_operand::storage& operand) {
-  device_buffer spans(static_cast<std::size_t>(std::max<std::int64_t>(operand.rows, 1)) * sizeof(std::int32_t));
-  if (operand.rows > 0) {
-    runtime::launch(exponent_spans_kernel, grid_for(operand.rows), threads_per_block, 0,
-                    operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks,
-                    spans.as<std::int32_t>());
-  }
-  return spans;
+struct exponent_span_data {
+  device_buffer spans;      // int32 [rows]
+  std::int64_t largest = 0;  // the largest span (0 without rows)
+};
+
+exponent_span_data exponent_spans(const prepared_operand::storage& operand) {
+  exponent_span_data out;
+  out.spans = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(operand.rows, 1)) * sizeof(std::int32_t));
+  if (operand.rows == 0) return out;
+  device_buffer largest(sizeof(unsigned long long));
+  largest.fill_bytes(0);
+  runtime::launch(exponent_spans_kernel, reduction_grid(operand.rows), threads_per_block, 0,
+                  operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks, out.spans.as<std::int32_t>(),
+                  largest.as<unsigned long long>());
+  unsigned long long host = 0;
+  largest.download(&host, sizeof(host));
+  out.largest = static_cast<std::int64_t>(host);
+  return out;
+}
+
+// True when every row of the operand has one block exponent along K, none a NaN block's
+// (integer_mode::whole).
+bool uniform_exponents(const prepared_operand::storage& operand) {
+  if (operand.rows == 0 || operand.blocks == 0) return true;
+  return exponent_spans(operand).largest == 0;
 }
 
 // The largest |integer element| of a tensor-core operand (tensor_core_element's codes).
@@ -3127,15 +3122,15 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       if (model.kind == accumulation_kind::exact) {
         device_buffer flagged(static_cast<std::size_t>(m * n));
         flagged.fill_bytes(0);
-        const device_buffer a_spans = exponent_spans(a);
-        const device_buffer b_spans = exponent_spans(b);
+        const exponent_span_data a_spans = exponent_spans(a);
+        const exponent_span_data b_spans = exponent_spans(b);
         const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
         const int span_budget = 53 - dot_bits - bits_of(a.blocks);
         runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
                         a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
                         b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                        out, exact_out, flagged.as<std::uint8_t>(), a_spans.as<const std::int32_t>(),
-                        b_spans.as<const std::int32_t>(), span_budget);
+                        out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
+                        b_spans.spans.as<const std::int32_t>(), span_budget);
         runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
                         a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
                         b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
