@@ -4185,9 +4185,6 @@ __global__ void unit_cross_step_kernel(core_ns::unit_state_view state, core_ns::
   });
 }
 
-unsigned cross_step_grid(std::int64_t chunk_count) {
-  return static_cast<unsigned>(std::clamp<std::int64_t>(chunk_count, 1, std::int64_t{1} << 20));
-}
 
 std::string shape_text(std::int64_t rows, std::int64_t cols) {
   std::string text = "[";  // appended piece by piece: "[" + std::string trips GCC 12's -Wrestrict
@@ -4328,7 +4325,7 @@ reference_step_norms run_reference_step(reference_cross_step::storage& s, const 
   if (count > 0) {
     const core_ns::reference_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
                                              s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
-    runtime::launch(reference_cross_step_kernel, cross_step_grid(chunk_count), cross_step_lanes, 0, view,
+    runtime::launch(reference_cross_step_kernel, grid_for(chunk_count, 1), cross_step_lanes, 0, view,
                     s.g.as<const double>(),
                     settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
                     s.partials.as<double>());
@@ -4431,7 +4428,7 @@ unit_step_norms unit_cross_step::step_on_device(const reference_cross_step& refe
                                         s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
     const core_ns::reference_optimizer_view reference_view{r.matrix_at(1), r.matrix_at(2), r.matrix_at(5),
                                                            r.matrix_at(6)};
-    runtime::launch(unit_cross_step_kernel, cross_step_grid(chunk_count), cross_step_lanes, 0, view, reference_view,
+    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 1), cross_step_lanes, 0, view, reference_view,
                     estimate, exact,
                     r.g.as<const double>(), settings.sgd_momentum, adamw_constants_of(settings, t), count,
                     chunk_count, s.partials.as<double>());
