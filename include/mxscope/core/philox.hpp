@@ -19,6 +19,24 @@ inline constexpr std::uint32_t philox_w0 = 0x9E3779B9U;  // golden ratio
 inline constexpr std::uint32_t philox_w1 = 0xBB67AE85U;  // sqrt(3) - 1
 }  // namespace detail
 
+// The 64-bit product of two 32-bit words as its two halves. In GPU device code this is one wide
+// multiply: written as a 64-bit product, nvcc carried the round's words as 64-bit values and
+// multiplied, shifted and xor-ed them in 64 bits, several times the instructions of the round.
+// Constant evaluation (the known-answer checks below), the host and HIP take the portable product;
+// both give the same halves.
+struct wide_product {
+  std::uint32_t lo;
+  std::uint32_t hi;
+};
+
+MXSCOPE_HD constexpr wide_product multiply_wide(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) return {a * b, __umulhi(a, b)};
+#endif
+  const std::uint64_t product = static_cast<std::uint64_t>(a) * b;
+  return {static_cast<std::uint32_t>(product), static_cast<std::uint32_t>(product >> 32)};
+}
+
 // One Philox4x32 evaluation with `rounds` rounds (10 is the standard and the project's choice).
 MXSCOPE_HD constexpr philox_block philox4x32(philox_block counter, std::uint32_t key0, std::uint32_t key1,
                                              int rounds = 10) {
@@ -27,13 +45,10 @@ MXSCOPE_HD constexpr philox_block philox4x32(philox_block counter, std::uint32_t
       key0 += detail::philox_w0;
       key1 += detail::philox_w1;
     }
-    const std::uint64_t product0 = static_cast<std::uint64_t>(detail::philox_m0) * counter.word[0];
-    const std::uint64_t product1 = static_cast<std::uint64_t>(detail::philox_m1) * counter.word[2];
-    const std::uint32_t hi0 = static_cast<std::uint32_t>(product0 >> 32);
-    const std::uint32_t lo0 = static_cast<std::uint32_t>(product0);
-    const std::uint32_t hi1 = static_cast<std::uint32_t>(product1 >> 32);
-    const std::uint32_t lo1 = static_cast<std::uint32_t>(product1);
-    counter = philox_block{{hi1 ^ counter.word[1] ^ key0, lo1, hi0 ^ counter.word[3] ^ key1, lo0}};
+    const wide_product product0 = multiply_wide(detail::philox_m0, counter.word[0]);
+    const wide_product product1 = multiply_wide(detail::philox_m1, counter.word[2]);
+    counter = philox_block{{product1.hi ^ counter.word[1] ^ key0, product1.lo, product0.hi ^ counter.word[3] ^ key1,
+                            product0.lo}};
   }
   return counter;
 }
