@@ -244,6 +244,46 @@ TEST(GpuHostReference, Fp4EncodersMatchCore) {
   EXPECT_GT(checked, 5000000);
 }
 
+// The fused kernel's rne encoder on unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
+// composed by fp4_encode_unscaled) against core::quantize_element over the block exponents it
+// covers (-126..102, as fp4_unscaled_covers says; the edges and a spread between): every finite bf16
+// pattern with random low bits, then values across the whole scaled grid with exact ties and their
+// fp32 neighbours, fp32 subnormals and signed zeros.
+TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  std::mt19937_64 random(20261129);
+  std::int64_t checked = 0;
+  const auto check = [&](const std::vector<float>& values, int exponent) {
+    for (const float value : values) {
+      const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::rne, 0, 32);
+      const auto got = fast::fp4_encode_unscaled(value, exponent);
+      ++checked;
+      ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+          << "exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value))
+          << "): core code " << hex(want.code) << " saturated " << want.saturated << " flushed " << want.flushed
+          << ", unscaled code " << hex(got.code) << " saturated " << got.saturated << " flushed " << got.flushed;
+    }
+  };
+  EXPECT_FALSE(fast::fp4_unscaled_covers(-127));
+  EXPECT_FALSE(fast::fp4_unscaled_covers(103));
+  std::vector<float> bf16_values;
+  for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
+    if ((pattern & 0x7f80U) == 0x7f80U) continue;
+    bf16_values.push_back(core::bits_float((pattern << 16) | (static_cast<std::uint32_t>(random()) & 0xffffU)));
+  }
+  for (const int exponent : {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}) {
+    ASSERT_TRUE(fast::fp4_unscaled_covers(exponent));
+    check(bf16_values, exponent);
+    if (HasFatalFailure()) return;
+  }
+  for (int exponent = -126; exponent <= 102; ++exponent) {
+    check(probe_values(random, exponent, -30, 5, 8), exponent);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(checked, 2000000);
+}
+
 TEST(GpuHostReference, RotationMatchesLibrary) {
   int index = 0;
   for (const int size : {2, 16, 64, 512}) {

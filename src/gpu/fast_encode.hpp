@@ -155,6 +155,59 @@ MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even(float scaled) {
   return code < 7U ? code : 7U;
 }
 
+// The same rounding without the scaling, for the fused kernel's common case: round |v| itself to
+// the block's grid 2^e {0, 1/2, 1, 3/2, 2, 3, 4, 6}. Rounding commutes with the exact scaling by
+// 2^e while every value involved is an fp32 number, which the range below guarantees, so the
+// code is fp4_nearest_even's (and core::quantize_element's) for every finite |v|, subnormals
+// included. The saturation threshold six = 6 2^e first clamps |v| (a value above it gets code 7
+// either way, and 6 2^e itself is code 7), so no final cap is needed and the binade b of the
+// clamped value is at most 4 2^e; it is raised to one = 2^e below. magic = 2^22 b has ulp b / 2,
+// the grid's spacing on [b, 2 b), the clamped value is below 2 b, so the sum lands in magic's
+// binade rounded once to that spacing, ties to even; the difference of the bit patterns counts
+// the spacings, and 2 log2(b / 2^e) = (bits(b) - bits(one)) >> 22 is the code of b. Valid for
+// -126 <= e <= 102: 2^e is a normal number and magic (at most 2^(e + 24)) and the sum are finite;
+// the kernel takes fp4_nearest_even on 2^-e-scaled values outside. With the packing below, seven
+// operations per element (a min, a mask, a max, an add for magic, the fp32 addition, a shift, a
+// three-way add), against fp4_nearest_even's eleven plus its scaling multiply.
+struct fp4_unscaled {
+  float six;           // 6 2^e, the saturation threshold
+  std::uint32_t one;   // bits of 2^e
+};
+
+MXSCOPE_HD constexpr bool fp4_unscaled_covers(int exponent) { return exponent >= -126 && exponent <= 102; }
+
+MXSCOPE_HD constexpr fp4_unscaled fp4_unscaled_constants(int exponent) {
+  const std::uint32_t one = static_cast<std::uint32_t>(exponent + 127) << 23;
+  return {6.0f * core::bits_float(one), one};
+}
+
+// The code less fp4_unscaled_offset(block), modulo 2^32: bits(sum) - bits(b) + (bits(b) >> 22).
+// The fused kernel packs these with additions and adds the offsets of a word's 8 codes once
+// (fp4_unscaled_word_offset), which saves two operations per element; the sum is exact modulo
+// 2^32, so the packed word is the same.
+// `clamped` is min(|v|, six) (the kernel takes fminf, one instruction).
+MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled_biased(float clamped, fp4_unscaled block) {
+  std::uint32_t binade = core::float_bits(clamped) & 0x7f800000U;
+  binade = binade > block.one ? binade : block.one;
+  const float magic = core::bits_float(binade + (22U << 23));
+  return core::float_bits(clamped + magic) - binade + (binade >> 22);
+}
+
+// code = biased + offset: offset = -(22 << 23) - (bits(one) >> 22), modulo 2^32.
+MXSCOPE_HD constexpr std::uint32_t fp4_unscaled_offset(fp4_unscaled block) {
+  return 0U - (22U << 23) - (block.one >> 22);
+}
+
+// The offsets of 8 codes packed at nibbles 0..7: offset * 0x11111111, modulo 2^32.
+MXSCOPE_HD constexpr std::uint32_t fp4_unscaled_word_offset(fp4_unscaled block) {
+  return fp4_unscaled_offset(block) * 0x11111111U;
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled(float magnitude, fp4_unscaled block) {
+  const float clamped = magnitude < block.six ? magnitude : block.six;
+  return fp4_nearest_even_unscaled_biased(clamped, block) + fp4_unscaled_offset(block);
+}
+
 // Every rounding mode, in integers. fp4_locate splits scaled into the grid index of the largest
 // grid point <= scaled (floor_code) and the rest as 32 fraction bits of a spacing:
 // fraction = floor(F 2^32), F = (scaled - grid point) / spacing. From 1 on, scaled / spacing =
@@ -222,6 +275,21 @@ MXSCOPE_HD constexpr core::encoded fp4_encode(float value, int exponent, core::r
   return {static_cast<std::uint8_t>(code | sign), scaled > 6.0f, code == 0 && magnitude != 0.0f};
 }
 
+// fp4_encode's rne code through fp4_nearest_even_unscaled where it applies (the fused kernel's
+// composition), for the tests.
+MXSCOPE_HD constexpr core::encoded fp4_encode_unscaled(float value, int exponent) {
+  const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);
+  const fp4_unscaled block = fp4_unscaled_constants(exponent);
+  const std::uint32_t code = fp4_nearest_even_unscaled(magnitude, block);
+  const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
+  return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
+}
+
+static_assert(fp4_encode_unscaled(0.25f, 0).code == 0 && fp4_encode_unscaled(0.75f, 0).code == 2 &&
+              fp4_encode_unscaled(-1.25f, 0).code == 0xA && fp4_encode_unscaled(1.75f, 0).code == 4 &&
+              fp4_encode_unscaled(20.0f, 2).code == 6 && fp4_encode_unscaled(14.0f, 1).code == 7 &&
+              fp4_encode_unscaled(6.0f, 0).code == 7 && !fp4_encode_unscaled(6.0f, 0).saturated &&
+              fp4_encode_unscaled(6.5f, 0).saturated && fp4_encode_unscaled(0.1f, 0).flushed);
 static_assert(fp4_nearest_even(0.25f) == 0 && fp4_nearest_even(0.75f) == 2 && fp4_nearest_even(1.25f) == 2 &&
               fp4_nearest_even(1.75f) == 4 && fp4_nearest_even(2.5f) == 4 && fp4_nearest_even(3.5f) == 6 &&
               fp4_nearest_even(5.0f) == 6 && fp4_nearest_even(5.5f) == 7 && fp4_nearest_even(100.0f) == 7);

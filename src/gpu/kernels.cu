@@ -700,6 +700,31 @@ __device__ inline void store_dequantized(float* destination, const float (&v)[fu
   for (int q = 0; q < fused_block / 4; ++q) vectors[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
 }
 
+// Per-halfword unsigned maximum and minimum (one instruction each on sm_90).
+__device__ inline std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  std::uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  const std::uint32_t low = (a & 0xFFFFU) > (b & 0xFFFFU) ? a & 0xFFFFU : b & 0xFFFFU;
+  const std::uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
+  return high << 16 | low;
+#endif
+}
+
+__device__ inline std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  std::uint32_t r;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  const std::uint32_t low = (a & 0xFFFFU) < (b & 0xFFFFU) ? a & 0xFFFFU : b & 0xFFFFU;
+  const std::uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
+  return high << 16 | low;
+#endif
+}
+
 // Zero magnitudes among the 8 fp4 codes of a word (bit 3 of each nibble is the sign): one flag per
 // nibble, summed into the top nibble by the multiplication (partial sums stay below 16: no carries).
 __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
@@ -774,11 +799,27 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
     // else the block holds a non-finite value. The smallest says whether there are zeros to count.
     std::uint32_t largest = 0;
     std::uint32_t smallest = 0xFFFFFFFFU;
+    if constexpr (Rotation == 0 && sizeof(Input) == 2) {
+      // bf16 as read: two magnitudes per word, compared per halfword (the same order as fp32 bits).
+      std::uint32_t high = 0, low = 0xFFFFFFFFU;
 #pragma unroll
-    for (int i = 0; i < fused_block; ++i) {
-      const std::uint32_t magnitude = core_ns::float_bits(v[i]) & 0x7FFFFFFFU;
-      largest = largest > magnitude ? largest : magnitude;
-      smallest = smallest < magnitude ? smallest : magnitude;
+      for (int j = 0; j < pieces; ++j) {
+        const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          high = max_u16x2(high, words4[w] & 0x7FFF7FFFU);
+          low = min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+        }
+      }
+      largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
+      smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
+    } else {
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) {
+        const std::uint32_t magnitude = core_ns::float_bits(v[i]) & 0x7FFFFFFFU;
+        largest = largest > magnitude ? largest : magnitude;
+        smallest = smallest < magnitude ? smallest : magnitude;
+      }
     }
     unsigned nonzero = fused_block;  // v != 0, NaN included
     if (smallest == 0) {
@@ -787,6 +828,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
     }
     counts[counter_nonzero] += nonzero;
     std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
+    bool unscaled = false;  // rne codes from the unscaled encoder
     if (largest >= 0x7F800000U) {
 #pragma unroll
       for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
@@ -799,7 +841,28 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
     } else {
       const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
       output.scales[g] = core_ns::scale_code(exponent);
-      if constexpr (fp4) {
+      if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
+        if (fast_encode::fp4_unscaled_covers(exponent)) unscaled = true;
+      }
+      if (unscaled) {
+        // rne on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled): no scaling
+        // multiply, no cap; the sign bit goes straight from v's bits into the nibble.
+        // The codes are packed by additions of the biased codes, then each word gets its offsets
+        // once (fast_encode::fp4_unscaled_word_offset); the signs go in from v's bits.
+        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent);
+        const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) {
+          const float magnitude = fabsf(v[i]);
+          const float clamped = fminf(magnitude, grid.six);
+          words[i / 8] += fast_encode::fp4_nearest_even_unscaled_biased(clamped, grid) << (4 * (i % 8));
+          counts[counter_saturated] += magnitude > grid.six ? 1U : 0U;
+        }
+#pragma unroll
+        for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i) words[i / 8] |= (core_ns::float_bits(v[i]) >> 31) << (4 * (i % 8) + 3);
+      } else if constexpr (fp4) {
         const float inverse = fast_encode::power_of_two(-exponent);
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
@@ -825,6 +888,8 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
             words[i / 8] |= code << (4 * (i % 8));
           }
         }
+      }
+      if constexpr (fp4) {
         // Flushed: nonzero inputs with a zero code = zero codes - zero inputs.
         const unsigned zero_codes = zero_fp4_magnitudes(words[0]) + zero_fp4_magnitudes(words[1]) +
                                     zero_fp4_magnitudes(words[2]) + zero_fp4_magnitudes(words[3]);
