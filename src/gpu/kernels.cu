@@ -18,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <tuple>
@@ -96,19 +97,6 @@ __device__ inline float load_input(const std::uint16_t* input, std::int64_t inde
   return core_ns::bf16_to_float(input[index]);  // exact widening
 }
 
-// Adds per-thread counters into global counters: shared-memory atomics first, then one global
-// atomic per thread block and counter. Integer sums do not depend on the order.
-__device__ void add_counters(unsigned long long* global, const unsigned long long (&local)[mx_counter_count]) {
-  __shared__ unsigned long long shared[mx_counter_count];
-  if (threadIdx.x < mx_counter_count) shared[threadIdx.x] = 0;
-  __syncthreads();
-  for (int i = 0; i < mx_counter_count; ++i) {
-    if (local[i] != 0) atomicAdd(&shared[i], local[i]);
-  }
-  __syncthreads();
-  if (threadIdx.x < mx_counter_count && shared[threadIdx.x] != 0) atomicAdd(&global[threadIdx.x], shared[threadIdx.x]);
-}
-
 // values[c] summed (Max: maximized) over the thread block (threads_per_block threads, all of
 // which call it); the result is in thread 0's values, which adds it to targets[index[c]] with one
 // atomic each.
@@ -140,6 +128,18 @@ __device__ inline void block_reduce_to(unsigned long long (&values)[N], unsigned
       atomicAdd(&targets[index[c]], partial[c][0]);
     }
   }
+}
+
+// The quantizers' counters (flushed, saturated, nonzero, non-finite) of every thread of the block,
+// added to global[0..3] with one atomic each. (Each thread adding its own to one shared slot was
+// serialized: 1024 shared atomics per block, a large share of a quantizer's time with counters.)
+// Integer sums do not depend on the order.
+__device__ inline void add_counters(unsigned long long* global, const unsigned long long (&local)[mx_counter_count]) {
+  unsigned long long values[mx_counter_count];
+#pragma unroll
+  for (int c = 0; c < mx_counter_count; ++c) values[c] = local[c];
+  constexpr int slots[mx_counter_count] = {0, 1, 2, 3};
+  block_reduce_to<false>(values, global, slots);
 }
 
 std::string to_text(std::int64_t value) { return std::to_string(value); }
@@ -180,6 +180,27 @@ device_description describe_device() {
   out.global_memory_bytes = properties.totalGlobalMem;
   return out;
 }
+
+namespace {
+
+// Multiprocessors of the current device, queried once per device.
+int multiprocessor_count() {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  int device = 0;
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto index = static_cast<std::size_t>(device);
+  if (counts.size() <= index) counts.resize(index + 1, 0);
+  if (counts[index] == 0) {
+    runtime::device_properties properties{};
+    MXSCOPE_GPU_CHECK(runtime::properties(&properties, device));
+    counts[index] = std::max(properties.multiProcessorCount, 1);
+  }
+  return counts[index];
+}
+
+}  // namespace
 
 device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::malloc(&data_, bytes));
@@ -743,9 +764,12 @@ __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
 #endif
 
 template <class Input, int Rotation, fused_encoder Encoder>
-__global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
-                                     : Rotation == 0 && sizeof(Input) == 2 ? 4
-                                                                           : 3)
+constexpr int fused_blocks_per_multiprocessor = Encoder == fused_encoder::any_format ? 1
+                                                : Rotation == 0 && sizeof(Input) == 2 ? 4
+                                                                                      : 3;
+
+template <class Input, int Rotation, fused_encoder Encoder>
+__global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rotation, Encoder>))
     mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan, const float* signs,
                     mx_device_output output) {
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
@@ -940,19 +964,28 @@ __global__ void MXSCOPE_FUSED_BOUNDS(Encoder == fused_encoder::any_format ? 1
   }
 }
 
+// One wave of resident thread blocks (no more blocks than tiles), each looping over tiles: a block
+// ends with its counters' reduction and atomics, which a grid of one block per tile repeated tens
+// of thousands of times on a large tensor.
+template <class Input, int Rotation, fused_encoder Encoder>
+void launch_fused_encoder(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                          const float* signs, const mx_device_output& output) {
+  const unsigned tiles = grid_for(rows * (cols / fused_block));  // tiles of threads_per_block MX blocks
+  const unsigned wave = static_cast<unsigned>(multiprocessor_count()) *
+                        static_cast<unsigned>(fused_blocks_per_multiprocessor<Input, Rotation, Encoder>);
+  runtime::launch(mx_fused_kernel<Input, Rotation, Encoder>, std::min(tiles, wave), threads_per_block, 0, input, rows,
+                  cols, plan, signs, output);
+}
+
 template <class Input, int Rotation>
 void launch_fused_for_kind(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                            const float* signs, const mx_device_output& output) {
-  const unsigned grid = grid_for(rows * (cols / fused_block));  // one tile of threads_per_block MX blocks each
   if (plan.element != element_kind::fp4_e2m1) {
-    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::any_format>, grid, threads_per_block, 0, input,
-                    rows, cols, plan, signs, output);
+    launch_fused_encoder<Input, Rotation, fused_encoder::any_format>(input, rows, cols, plan, signs, output);
   } else if (plan.rounding == core_ns::rounding_mode::rne) {
-    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::fp4_nearest_even>, grid, threads_per_block, 0,
-                    input, rows, cols, plan, signs, output);
+    launch_fused_encoder<Input, Rotation, fused_encoder::fp4_nearest_even>(input, rows, cols, plan, signs, output);
   } else {
-    runtime::launch(mx_fused_kernel<Input, Rotation, fused_encoder::fp4_by_carry>, grid, threads_per_block, 0, input,
-                    rows, cols, plan, signs, output);
+    launch_fused_encoder<Input, Rotation, fused_encoder::fp4_by_carry>(input, rows, cols, plan, signs, output);
   }
 }
 
