@@ -284,6 +284,43 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
   EXPECT_GT(checked, 2000000);
 }
 
+// The halfword encoder of bf16 blocks (fast_encode::fp4_nearest_even_bf16x2 and
+// fp4_saturated_bf16x2, composed by fp4_encode_bf16x2) against core::quantize_element: every bf16
+// pattern, finite or not in the other half, in either half of the word, at the block exponents it
+// covers (-124..119: the edges and a spread between); the codes of one half must not depend on the
+// other.
+TEST(GpuHostReference, HalfwordFp4EncoderMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  std::mt19937_64 random(20261130);
+  std::int64_t checked = 0;
+  EXPECT_FALSE(fast::fp4_unscaled_bf16x2_covers(-125));
+  EXPECT_FALSE(fast::fp4_unscaled_bf16x2_covers(120));
+  std::vector<int> exponents = {-124, -123, -122, -121, -120, -3, -2, -1, 0, 1, 2, 3, 60, 117, 118, 119};
+  for (int k = 0; k < 16; ++k) exponents.push_back(static_cast<int>(random() % 244) - 124);
+  for (const int exponent : exponents) {
+    ASSERT_TRUE(fast::fp4_unscaled_bf16x2_covers(exponent));
+    for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
+      if ((pattern & 0x7f80U) == 0x7f80U) continue;  // a block with inf or NaN takes the NaN path
+      const auto value = static_cast<std::uint16_t>(pattern);
+      const auto want = core::quantize_element(kind, core::bf16_to_float(value), exponent, core::rounding_mode::rne, 0, 32);
+      for (const bool high : {false, true}) {
+        // The other half: any finite magnitude of the block, including the largest and zero.
+        std::uint16_t other = static_cast<std::uint16_t>(random());
+        if ((other & 0x7f80U) == 0x7f80U) other &= 0x807fU;
+        const auto got = fast::fp4_encode_bf16x2(value, other, high, exponent);
+        ++checked;
+        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+            << "exponent " << exponent << " bf16 " << hex(value) << (high ? " (high half" : " (low half")
+            << ", other " << hex(other) << "): core code " << hex(want.code) << " saturated " << want.saturated
+            << " flushed " << want.flushed << ", halfword code " << hex(got.code) << " saturated " << got.saturated
+            << " flushed " << got.flushed;
+      }
+    }
+  }
+  EXPECT_GT(checked, 3000000);
+}
+
 TEST(GpuHostReference, RotationMatchesLibrary) {
   int index = 0;
   for (const int size : {2, 16, 64, 512}) {

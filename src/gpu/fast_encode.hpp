@@ -208,6 +208,96 @@ MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled(float magnitude, fp
   return fp4_nearest_even_unscaled_biased(clamped, block) + fp4_unscaled_offset(block);
 }
 
+// The same encoder on two bf16 magnitudes at once, for bf16 input without rotation: each 32-bit
+// word holds two elements (the first in the low half), and every step above has a halfword form,
+// so one instruction serves two elements. With m the word's magnitudes (w & 0x7fff7fff, which the
+// block's maximum needs too):
+//   c = min_u16x2(m, six)             halfword minimum: bf16 bit patterns of magnitudes order as
+//                                     their values
+//   b = max_u16x2(c & 0x7f807f80, one)
+//   magic = b + (6 << 7) per half     bf16 has 7 fraction bits: ulp(2^6 b) = b / 2
+//   sum = add_bf16x2(c, magic)        one bf16 addition per half, nearest-even
+//   code = sum - b + ((b >> 6) + offset)
+// with code per half as above (bf16 magic has exponent b + 6 instead of fp32's b + 22, and the
+// shift is 6 instead of 22). The word shifts are per-half exact: b has no bits below 2^7 in
+// either half, so b >> 6 moves nothing across the halves, and every per-half result is in
+// 0..7, so the 32-bit additions (the offset written modulo 2^32 for both halves) carry and borrow
+// nothing across them. Valid for -124 <= e <= 119: 2^e and 6 2^e are normal bf16 numbers, magic
+// is at most 2^(e + 8), and a bf16 subnormal c (which the bf16 addition might flush to zero)
+// gives code 0 either way, being below 2^-126 <= 2^(e - 2).
+struct fp4_unscaled_bf16x2 {
+  std::uint32_t six;     // bf16 bits of 6 2^e in both halves
+  std::uint32_t one;     // bf16 bits of 2^e in both halves
+  std::uint32_t offset;  // -((6 << 7) + (one >> 6)) in both halves, modulo 2^32
+};
+
+MXSCOPE_HD constexpr bool fp4_unscaled_bf16x2_covers(int exponent) { return exponent >= -124 && exponent <= 119; }
+
+MXSCOPE_HD constexpr fp4_unscaled_bf16x2 fp4_unscaled_bf16x2_constants(int exponent) {
+  const std::uint32_t one = static_cast<std::uint32_t>(exponent + 127) << 7;
+  const std::uint32_t six = one + (2U << 7) + 0x40U;  // 1.5 2^(e + 2)
+  return {six * 0x10001U, one * 0x10001U, (0U - (6U << 7) - (one >> 6)) * 0x10001U};
+}
+
+// Halfword unsigned minimum and maximum, and the nearest-even bf16 addition of the two halves
+// (one instruction each on sm_90). The portable addition rounds the fp32 sum to bf16, which is the
+// single rounding of the exact sum for this encoder's operands: where c has bits below the fp32
+// ulp of magic, c < 2^-14 magic is below half a bf16 ulp of magic and both give magic; otherwise
+// the fp32 sum is exact.
+MXSCOPE_HD constexpr std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {
+    std::uint32_t r = 0;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+#endif
+  const std::uint32_t low = (a & 0xffffU) > (b & 0xffffU) ? a & 0xffffU : b & 0xffffU;
+  const std::uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
+  return high << 16 | low;
+}
+
+MXSCOPE_HD constexpr std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {
+    std::uint32_t r = 0;
+    asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+#endif
+  const std::uint32_t low = (a & 0xffffU) < (b & 0xffffU) ? a & 0xffffU : b & 0xffffU;
+  const std::uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
+  return high << 16 | low;
+}
+
+MXSCOPE_HD constexpr std::uint32_t add_bf16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {
+    std::uint32_t r = 0;
+    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+  }
+#endif
+  const float low = core::bits_float(a << 16) + core::bits_float(b << 16);
+  const float high = core::bits_float(a & 0xffff0000U) + core::bits_float(b & 0xffff0000U);
+  return static_cast<std::uint32_t>(core::float_to_bf16(high)) << 16 | core::float_to_bf16(low);
+}
+
+// The two codes (0..7) of a word of bf16 magnitudes, in its two halves.
+MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_bf16x2(std::uint32_t magnitudes, fp4_unscaled_bf16x2 block) {
+  const std::uint32_t clamped = min_u16x2(magnitudes, block.six);
+  const std::uint32_t binade = max_u16x2(clamped & 0x7f807f80U, block.one);
+  const std::uint32_t sum = add_bf16x2(clamped, binade + (6U << 7) * 0x10001U);
+  return sum - binade + ((binade >> 6) + block.offset);
+}
+
+// Saturated elements of the word (magnitude above six), as one count per half: bit 15 of
+// m - c + 0x7fff (and bit 31 for the high half) is set exactly when m > c = min(m, six).
+MXSCOPE_HD constexpr std::uint32_t fp4_saturated_bf16x2(std::uint32_t magnitudes, fp4_unscaled_bf16x2 block) {
+  const std::uint32_t above = magnitudes - min_u16x2(magnitudes, block.six) + 0x7fff7fffU;
+  return (above & 0x80008000U) >> 15;
+}
+
 // Every rounding mode, in integers. fp4_locate splits scaled into the grid index of the largest
 // grid point <= scaled (floor_code) and the rest as 32 fraction bits of a spacing:
 // fraction = floor(F 2^32), F = (scaled - grid point) / spacing. From 1 on, scaled / spacing =
@@ -290,6 +380,26 @@ static_assert(fp4_encode_unscaled(0.25f, 0).code == 0 && fp4_encode_unscaled(0.7
               fp4_encode_unscaled(20.0f, 2).code == 6 && fp4_encode_unscaled(14.0f, 1).code == 7 &&
               fp4_encode_unscaled(6.0f, 0).code == 7 && !fp4_encode_unscaled(6.0f, 0).saturated &&
               fp4_encode_unscaled(6.5f, 0).saturated && fp4_encode_unscaled(0.1f, 0).flushed);
+// fp4_nearest_even_bf16x2 on one bf16 value placed in the given half (the other half holds
+// `other`), composed as the kernel does, for the tests: the code with its sign, and the flags.
+MXSCOPE_HD constexpr core::encoded fp4_encode_bf16x2(std::uint16_t value, std::uint16_t other, bool high, int exponent) {
+  const fp4_unscaled_bf16x2 block = fp4_unscaled_bf16x2_constants(exponent);
+  const std::uint32_t word = high ? static_cast<std::uint32_t>(value) << 16 | other
+                                  : static_cast<std::uint32_t>(other) << 16 | value;
+  const std::uint32_t magnitudes = word & 0x7fff7fffU;
+  const int shift = high ? 16 : 0;
+  const std::uint32_t code = (fp4_nearest_even_bf16x2(magnitudes, block) >> shift) & 0xffffU;
+  const bool saturated = ((fp4_saturated_bf16x2(magnitudes, block) >> shift) & 0xffffU) != 0;
+  const std::uint32_t sign = static_cast<std::uint32_t>(value >> 15) << 3;
+  return {static_cast<std::uint8_t>(code | sign), saturated, code == 0 && (value & 0x7fffU) != 0};
+}
+
+static_assert(fp4_encode_bf16x2(0x3e80, 0x40c0, false, 0).code == 0 &&  // 0.25: tie to 0
+              fp4_encode_bf16x2(0x3f40, 0, true, 0).code == 2 &&         // 0.75: tie to 1
+              fp4_encode_bf16x2(0xbfa0, 0x7f7f, false, 0).code == 0xA &&  // -1.25
+              fp4_encode_bf16x2(0x41a0, 0x0001, true, 2).code == 6 &&     // 20 at 2^2: 5, tie to 4
+              fp4_encode_bf16x2(0x40c0, 0, false, 0).code == 7 && !fp4_encode_bf16x2(0x40c0, 0, false, 0).saturated &&
+              fp4_encode_bf16x2(0x40d0, 0, true, 0).saturated && fp4_encode_bf16x2(0x3dcd, 0, false, 0).flushed);
 static_assert(fp4_nearest_even(0.25f) == 0 && fp4_nearest_even(0.75f) == 2 && fp4_nearest_even(1.25f) == 2 &&
               fp4_nearest_even(1.75f) == 4 && fp4_nearest_even(2.5f) == 4 && fp4_nearest_even(3.5f) == 6 &&
               fp4_nearest_even(5.0f) == 6 && fp4_nearest_even(5.5f) == 7 && fp4_nearest_even(100.0f) == 7);

@@ -721,28 +721,12 @@ __device__ inline void store_dequantized(float* destination, const float (&v)[fu
   for (int q = 0; q < fused_block / 4; ++q) vectors[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
 }
 
-// Per-halfword unsigned maximum and minimum (one instruction each on sm_90).
-__device__ inline std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
-  std::uint32_t r;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
+// The low bytes of four words, as the bytes of one word (byte k from the k-th).
+__device__ inline std::uint32_t low_bytes(std::uint32_t a, std::uint32_t b, std::uint32_t c, std::uint32_t d) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  return __byte_perm(__byte_perm(a, b, 0x0040U), __byte_perm(c, d, 0x0040U), 0x5410U);
 #else
-  const std::uint32_t low = (a & 0xFFFFU) > (b & 0xFFFFU) ? a & 0xFFFFU : b & 0xFFFFU;
-  const std::uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
-  return high << 16 | low;
-#endif
-}
-
-__device__ inline std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
-  std::uint32_t r;
-  asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-#else
-  const std::uint32_t low = (a & 0xFFFFU) < (b & 0xFFFFU) ? a & 0xFFFFU : b & 0xFFFFU;
-  const std::uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
-  return high << 16 | low;
+  return (a & 0xFFU) | (b & 0xFFU) << 8 | (c & 0xFFU) << 16 | (d & 0xFFU) << 24;
 #endif
 }
 
@@ -831,8 +815,8 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          high = max_u16x2(high, words4[w] & 0x7FFF7FFFU);
-          low = min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+          high = fast_encode::max_u16x2(high, words4[w] & 0x7FFF7FFFU);
+          low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
         }
       }
       largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
@@ -865,10 +849,34 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
     } else {
       const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
       output.scales[g] = core_ns::scale_code(exponent);
+      bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
       if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
         if (fast_encode::fp4_unscaled_covers(exponent)) unscaled = true;
+        if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
       }
-      if (unscaled) {
+      if (packed_bf16) {
+        // bf16 without rotation: fast_encode::fp4_nearest_even_bf16x2 on the words as read. Piece
+        // j holds elements 8 j .. 8 j + 7, word w of it elements 8 j + 2 w (low half) and
+        // 8 j + 2 w + 1, which become byte w of code word j: the two codes with their signs
+        // (bits 15 and 31 of the word) moved to bits 3 and 19, folded into the low byte.
+        const fast_encode::fp4_unscaled_bf16x2 grid = fast_encode::fp4_unscaled_bf16x2_constants(exponent);
+        std::uint32_t saturated = 0;  // one count per half
+#pragma unroll
+        for (int j = 0; j < pieces; ++j) {
+          const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
+          std::uint32_t folded[4];
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const std::uint32_t magnitudes = words4[w] & 0x7FFF7FFFU;
+            saturated += fast_encode::fp4_saturated_bf16x2(magnitudes, grid);
+            const std::uint32_t pair =
+                fast_encode::fp4_nearest_even_bf16x2(magnitudes, grid) | ((words4[w] >> 12) & 0x00080008U);
+            folded[w] = pair | (pair >> 12);
+          }
+          words[j] = low_bytes(folded[0], folded[1], folded[2], folded[3]);
+        }
+        counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
+      } else if (unscaled) {
         // rne on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled): no scaling
         // multiply, no cap; the sign bit goes straight from v's bits into the nibble.
         // The codes are packed by additions of the biased codes, then each word gets its offsets
