@@ -730,6 +730,22 @@ __device__ inline std::uint32_t low_bytes(std::uint32_t a, std::uint32_t b, std:
 #endif
 }
 
+// The sign bits of 8 fp32 values at bits 3, 7, ..., 31 (the sign bits of 8 fp4 codes): the top
+// bytes of the even and the odd values gathered into two words (byte k from value 2 k, resp.
+// 2 k + 1), then each sign moved into place with one shift and two masks (9 instructions on CUDA
+// instead of two per value).
+__device__ inline std::uint32_t nibble_signs(const float* v) {
+  const auto b = [&](int i) { return core_ns::float_bits(v[i]); };
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  const std::uint32_t even = __byte_perm(__byte_perm(b(0), b(2), 0x0073U), __byte_perm(b(4), b(6), 0x0073U), 0x5410U);
+  const std::uint32_t odd = __byte_perm(__byte_perm(b(1), b(3), 0x0073U), __byte_perm(b(5), b(7), 0x0073U), 0x5410U);
+#else
+  const std::uint32_t even = (b(0) >> 24) | (b(2) >> 24) << 8 | (b(4) >> 24) << 16 | (b(6) >> 24) << 24;
+  const std::uint32_t odd = (b(1) >> 24) | (b(3) >> 24) << 8 | (b(5) >> 24) << 16 | (b(7) >> 24) << 24;
+#endif
+  return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
+}
+
 // Zero magnitudes among the 8 fp4 codes of a word (bit 3 of each nibble is the sign): one flag per
 // nibble, summed into the top nibble by the multiplication (partial sums stay below 16: no carries).
 __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
@@ -893,7 +909,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 #pragma unroll
         for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
 #pragma unroll
-        for (int i = 0; i < fused_block; ++i) words[i / 8] |= (core_ns::float_bits(v[i]) >> 31) << (4 * (i % 8) + 3);
+        for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
       } else if constexpr (fp4) {
         const float inverse = fast_encode::power_of_two(-exponent);
 #pragma unroll
