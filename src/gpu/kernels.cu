@@ -764,6 +764,13 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
                     mx_device_output output) {
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
+  // bf16 input rotated by H16 (fp4 encoders): v keeps the Hadamard sums s, without the factor
+  // hadamard_scale(16) = 1/4, and the block's grid is taken 4 times larger (exponent + 2). The
+  // quarter is exact: every s is a multiple of 2^-133 (bf16's subnormal spacing; sums, differences
+  // and their fp32 roundings keep that), so s / 4 needs no bit below 2^-135, and the codes, flags
+  // and counts of s on the grid 2^(e + 2) are those of s / 4 on 2^e. One multiply per element less.
+  constexpr int folded = fp4 && Rotation == 16 && sizeof(Input) == 2 ? 2 : 0;
+  static_assert(core_ns::hadamard_scale(16) == 0.25f);
   const element_kind kind = fp4 ? element_kind::fp4_e2m1 : plan.element;
   const bool packed = core_ns::spec(kind).bits == 4;
   const bool fast = fast_encode::covers(kind);
@@ -795,7 +802,13 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         }
       }
 #pragma unroll
-      for (int s = 0; s < fused_block / Rotation; ++s) core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+      for (int s = 0; s < fused_block / Rotation; ++s) {
+        if constexpr (folded > 0) {
+          core_ns::fwht(v + s * Rotation, Rotation);  // v holds 4x the rotated values
+        } else {
+          core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+        }
+      }
     }
     // The largest magnitude as fp32 bits: the largest finite |v| when below the infinity pattern,
     // else the block holds a non-finite value. The smallest says whether there are zeros to count.
@@ -823,6 +836,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         smallest = smallest < magnitude ? smallest : magnitude;
       }
     }
+    if constexpr (folded > 0) largest = core_ns::float_bits(core_ns::bits_float(largest) * 0.25f);  // exact
     unsigned nonzero = fused_block;  // v != 0, NaN included
     if (smallest == 0) {
 #pragma unroll
@@ -845,7 +859,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
       output.scales[g] = core_ns::scale_code(exponent);
       bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
       if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
-        if (fast_encode::fp4_unscaled_covers(exponent)) unscaled = true;
+        if (fast_encode::fp4_unscaled_covers(exponent + folded)) unscaled = true;
         if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
       }
       if (packed_bf16) {
@@ -875,7 +889,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         // multiply, no cap; the sign bit goes straight from v's bits into the nibble.
         // The codes are packed by additions of the biased codes, then each word gets its offsets
         // once (fast_encode::fp4_unscaled_word_offset); the signs go in from v's bits.
-        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent);
+        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
         const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
 #pragma unroll
         for (int i = 0; i < fused_block; ++i) {
@@ -889,7 +903,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 #pragma unroll
         for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
       } else if constexpr (fp4) {
-        const float inverse = fast_encode::power_of_two(-exponent);
+        const float inverse = fast_encode::power_of_two(-(exponent + folded));
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
           core_ns::philox_block random{};
