@@ -821,6 +821,24 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
       rows.push_back(row);
     }
   }
+  // NVFP4: 1-D tiles along either axis and 2-D tiles, every rounding mode.
+  for (int layout = 0; layout < 3; ++layout) {
+    self_test_row row;
+    row.kernel = fmt::format("gpu quantize nvfp4 {} (rne/rna/rtz/sr)",
+                             layout == 2 ? std::string("2-D tiles") : fmt::format("axis {}", layout));
+    for (const auto rounding : {core::rounding_mode::rne, core::rounding_mode::rna, core::rounding_mode::rtz,
+                                core::rounding_mode::sr}) {
+      quantize_options options = mx_options("nvfp4", layout == 2 ? 1 : layout, core::scale_rule::floor, rounding);
+      options.block = 16;
+      options.nvfp4_2d = layout == 2;
+      const quantized_tensor canonical = quantize(input, options);
+      const quantized_tensor device = gpu::quantize(input, options);
+      row.compared += static_cast<std::int64_t>(canonical.codes.size() + canonical.scales.size() + 1);
+      row.differing += differing_bytes(canonical.codes, device.codes) + differing_bytes(canonical.scales, device.scales) +
+                       (core::float_bits(canonical.tensor_scale) != core::float_bits(device.tensor_scale) ? 1 : 0);
+    }
+    rows.push_back(row);
+  }
   const matrix a_input = generated_input(24, 256, seed + 1, false);
   const matrix b_input = generated_input(20, 256, seed + 2, false);
   for (const char* name : {"mxfp4", "mxfp8_e4m3"}) {

@@ -1703,11 +1703,12 @@ int common_block(const quantized_tensor& a, const quantized_tensor& b, std::stri
 // What the GPU backend computes (gpu.hpp). A build without the backend computes nothing there
 // (compute_device::gpu then means the CPU).
 
-// What run_gemm prepares on the GPU (gpu::quantize_with_energies): MX and per-tensor fp8 operands.
+// What run_gemm prepares on the GPU (gpu::quantize_with_energies): MX, NVFP4, bf16 and per-tensor
+// fp8 operands.
 bool gpu_prepares(const quantize_options& options) {
 #ifdef MXSCOPE_HAVE_CUDA
   const auto scheme = options.format.scheme;
-  return scheme == quant_scheme::mx || scheme == quant_scheme::bf16 ||
+  return scheme == quant_scheme::mx || scheme == quant_scheme::nvfp4 || scheme == quant_scheme::bf16 ||
          (scheme == quant_scheme::per_tensor && (options.format.element == element_kind::fp8_e4m3 ||
                                                  options.format.element == element_kind::fp8_e5m2));
 #else

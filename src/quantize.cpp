@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "mxscope/core/nvfp4.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/quantize_fast.hpp"
 
@@ -269,29 +270,22 @@ void quantize_mx(const matrix& input, quantized_tensor& out) {
   out.nonfinite_inputs = total.nonfinite;
 }
 
-// TransformerEngine's NVFP4 recipe, in its fp32 operation order:
+// TransformerEngine's NVFP4 recipe, in its fp32 operation order (include/mxscope/core/nvfp4.hpp,
+// shared with the GPU kernels):
 //   S_enc = 448 * 6 / amax_tensor (1 when amax is 0 or S_enc is 0; capped at FLT_MAX)
 //   block decode scale d = e4m3(RNE, satfinite)(block_amax * (S_enc * fl32(1/6)))
 //   block encode scale  = min(1 / (fl32(d) * (1 / S_enc)), FLT_MAX)
 //   element code        = e2m1(round)(x * encode scale)
 //   dequantized         = q * fl32(d) * (1 / S_enc)
-float nvfp4_global_encode_scale(float tensor_amax) {
-  const float encode = std::min(448.0f * 6.0f / tensor_amax, std::numeric_limits<float>::max());
-  if (tensor_amax == 0.0f || encode == 0.0f || std::isnan(encode)) return 1.0f;
-  return encode;
-}
-
 void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
   const auto& options = out.options;
-  const element_kind kind = core_ns::element_kind::fp4_e2m1;
   float tensor_amax = 0.0f;
   for (float v : input.values) {
     if (std::isfinite(v)) tensor_amax = std::max(tensor_amax, std::fabs(v));
   }
-  const float global_encode = nvfp4_global_encode_scale(tensor_amax);
+  const float global_encode = core_ns::nvfp4_global_encode_scale(tensor_amax);
   const float global_decode = 1.0f / global_encode;
   out.tensor_scale = global_decode;
-  const float sixth = 1.0f / 6.0f;
   const bool stochastic = options.rounding == core_ns::rounding_mode::sr;
 
   // A tile is [tile_rows x tile_cols] elements sharing one scale: 1x16 (axis 1), 16x1 (axis 0)
@@ -336,22 +330,17 @@ void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
           }
           continue;
         }
-        const float decode_wide = std::min(amax * (global_encode * sixth), std::numeric_limits<float>::max());
-        const std::uint8_t scale = core_ns::encode(core_ns::element_kind::ue4m3, decode_wide).code;
-        out.scales[scale_index] = scale;
-        const float block_decode = static_cast<float>(core_ns::decode(core_ns::element_kind::ue4m3, scale));
-        const float block_encode = std::min(1.0f / (block_decode * global_decode), std::numeric_limits<float>::max());
+        const core_ns::nvfp4_block block = core_ns::nvfp4_block_of_amax(amax, global_encode, global_decode);
+        out.scales[scale_index] = block.scale;
         for (std::int64_t r = r0; r < r1; ++r) {
           for (std::int64_t c = c0; c < c1; ++c) {
-            const float scaled = input(r, c) * block_encode;
             const std::uint32_t word = stochastic ? words.word(r * input.cols + c) : 0U;
-            const auto encoded =
-                core_ns::encode(kind, static_cast<double>(scaled), options.rounding, word, options.sr_bits);
-            store_code(out, r, c, encoded.code);
-            const float element = static_cast<float>(core_ns::decode(kind, encoded.code));
-            out.dequantized(r, c) = (element * block_decode) * global_decode;
-            local.flushed += encoded.flushed || (input(r, c) != 0.0f && out.dequantized(r, c) == 0.0f);
-            local.saturated += encoded.saturated;
+            const core_ns::nvfp4_element element =
+                core_ns::nvfp4_encode(input(r, c), block, global_decode, options.rounding, word, options.sr_bits);
+            store_code(out, r, c, element.code.code);
+            out.dequantized(r, c) = element.dequantized;
+            local.flushed += element.flushed;
+            local.saturated += element.code.saturated;
           }
         }
       }

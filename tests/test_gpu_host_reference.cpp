@@ -114,6 +114,33 @@ TEST(GpuHostReference, QuantizeMatchesLibraryForEveryPolicy) {
   }
 }
 
+// host_reference::quantize_nvfp4 (what the GPU's NVFP4 kernels are checked against) against the
+// library's quantize(): 1-D tiles along either axis and 2-D tiles, every rounding mode (sr with 32
+// and 9 bits), every input kind, shapes that are not multiples of 16.
+TEST(GpuHostReference, Nvfp4QuantizeMatchesLibrary) {
+  int index = 0;
+  for (int layout = 0; layout < 3; ++layout) {
+    for (int rounding = 0; rounding < 4; ++rounding) {
+      for (int values_index = 0; values_index < test_inputs::value_kind_count; ++values_index) {
+        ++index;
+        const value_kind values = static_cast<value_kind>(values_index);
+        const matrix input = test_inputs::make_matrix(33 + index % 5, 45 + index % 7, values, 2000 + index);
+        auto options = options_for(0, 16, layout == 0 ? 0 : 1, rounding, 0, rounding == 3 && index % 2 == 0 ? 9 : 32,
+                                   index);
+        options.format = {mxscope::quant_scheme::nvfp4, core::element_kind::fp4_e2m1, 16};
+        options.nvfp4_2d = layout == 2;
+        const std::string what = "nvfp4 layout " + std::to_string(layout) + " rounding " + std::to_string(rounding) +
+                                 " input " + std::string(test_inputs::value_kind_name(values));
+        const auto want = host_reference::quantize_nvfp4(input, options);
+        const auto got = mxscope::quantize(input, options);
+        expect_same_quantized(input, want, got, what);
+        EXPECT_TRUE(same_bits(want.tensor_scale, got.tensor_scale)) << what;
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 namespace {
 
 // Encoder probes at block exponent `exponent`: signed zeros, the smallest and largest fp32

@@ -302,8 +302,9 @@ encoder_self_test self_test_fast_encoder(core::element_kind kind, core::rounding
 
 matrix rotate(const matrix& values, int axis, const rotation_options& options);
 
-// MX formats only (quantize_options.format.scheme == mx); the rotation (size 0: none) is applied
-// along options.axis first, as run_gemm does before quantizing.
+// MX formats and NVFP4 (1-D along either axis or 2-D tiles: the per-tensor amax, then a scale
+// pass and an element pass on include/mxscope/core/nvfp4.hpp, as the CPU's quantizer); the rotation
+// (size 0: none) is applied along options.axis first, as run_gemm does before quantizing.
 quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation = {},
                           quantize_path path = quantize_path::automatic);
 
@@ -311,7 +312,7 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options, 
 // without one, which gives the same bits as the fused path), and the operand's energies (the sums
 // of x^2 and of (x - dequantized)^2 over the rotated input's pairs where both are finite, in the
 // canonical order of compare.hpp, as the CPU's operand summary) come back instead of the
-// dequantized values: out.dequantized stays empty unless keep_dequantized. MX formats, per-tensor
+// dequantized values: out.dequantized stays empty unless keep_dequantized. MX formats, NVFP4, per-tensor
 // fp8 (e4m3, e5m2; the CPU's quantize_per_tensor: amax, scale = fl32(amax / max_normal), elements
 // encoded from the fp64 quotient) and bf16 (the CPU's quantize_bf16), whose dequantized values also
 // stay in device memory (out.device_dequantized) for the GPU's plain-operand products.

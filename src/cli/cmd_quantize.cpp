@@ -119,8 +119,8 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
   }
   if (options.device == "gpu") {
 #ifdef MXSCOPE_HAVE_CUDA
-    if (chosen.quantize.format.scheme != quant_scheme::mx) {
-      throw input_error(fmt::format("--device gpu: quantizes the MX formats only, not '{}' (use --device cpu)",
+    if (chosen.quantize.format.scheme != quant_scheme::mx && chosen.quantize.format.scheme != quant_scheme::nvfp4) {
+      throw input_error(fmt::format("--device gpu: quantizes the MX formats and NVFP4 only, not '{}' (use --device cpu)",
                                     options.strategy.format));
     }
     if (gpu::device_count() == 0) {

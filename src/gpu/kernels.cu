@@ -32,6 +32,7 @@
 #include "mxscope/core/exact_sum.hpp"
 #include "mxscope/core/hadamard.hpp"
 #include "mxscope/core/mx.hpp"
+#include "mxscope/core/nvfp4.hpp"
 #include "mxscope/core/philox.hpp"
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/errors.hpp"
@@ -3662,6 +3663,114 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
   block_reduce_to<false>(reduced, counters, index);
 }
 
+// NVFP4 (include/mxscope/core/nvfp4.hpp, as the CPU's quantize_nvfp4), in two passes like the
+// generic MX quantizer. Tiles of tile_rows x tile_cols elements share a scale: 1 x 16 (axis 1),
+// 16 x 1 (axis 0) or 16 x 16 (2-D). Pass 1: one thread per tile finds its largest finite magnitude
+// and writes its ue4m3 scale code (the NaN code for a tile with a non-finite input), counting
+// nonzero and non-finite inputs. Pass 2: one thread per code byte (two elements of a row) encodes
+// from its tile's scale code, as the CPU does.
+struct nvfp4_layout {
+  std::int64_t rows, cols, tile_rows, tile_cols, grid_rows, grid_cols;
+};
+
+nvfp4_layout nvfp4_layout_of(const quantize_options& options, std::int64_t rows, std::int64_t cols) {
+  nvfp4_layout out{rows, cols, options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1),
+                   options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1), 0, 0};
+  out.grid_rows = (rows + out.tile_rows - 1) / out.tile_rows;
+  out.grid_cols = (cols + out.tile_cols - 1) / out.tile_cols;
+  return out;
+}
+
+__global__ void nvfp4_scale_kernel(const float* input, nvfp4_layout layout, float global_encode, float global_decode,
+                                   std::uint8_t* scales, unsigned long long* counters) {
+  unsigned long long nonzero = 0, nonfinite = 0;
+  MXSCOPE_GRID_LOOP(t, layout.grid_rows * layout.grid_cols) {
+    const std::int64_t r0 = (t / layout.grid_cols) * layout.tile_rows;
+    const std::int64_t c0 = (t % layout.grid_cols) * layout.tile_cols;
+    const std::int64_t r1 = r0 + layout.tile_rows < layout.rows ? r0 + layout.tile_rows : layout.rows;
+    const std::int64_t c1 = c0 + layout.tile_cols < layout.cols ? c0 + layout.tile_cols : layout.cols;
+    float amax = 0.0f;
+    bool finite = true;
+    for (std::int64_t r = r0; r < r1; ++r) {
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const float v = input[r * layout.cols + c];
+        if (v != 0.0f) ++nonzero;
+        if (!is_finite(v)) {
+          finite = false;
+          ++nonfinite;
+        } else {
+          amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+      }
+    }
+    scales[t] = finite ? core_ns::nvfp4_block_of_amax(amax, global_encode, global_decode).scale
+                       : static_cast<std::uint8_t>(core_ns::nan_code(element_kind::ue4m3));
+  }
+  unsigned long long reduced[2] = {nonzero, nonfinite};
+  constexpr int index[2] = {counter_nonzero, counter_nonfinite};
+  block_reduce_to<false>(reduced, counters, index);
+}
+
+__global__ void nvfp4_element_kernel(const float* input, nvfp4_layout layout, float global_decode,
+                                     core_ns::rounding_mode rounding, int sr_bits, core_ns::random_stream stream,
+                                     const std::uint8_t* scales, std::uint8_t* codes, float* dequantized,
+                                     unsigned long long* counters) {
+  unsigned long long flushed = 0, saturated = 0;
+  const bool stochastic = rounding == core_ns::rounding_mode::sr;
+  const std::uint8_t nan_scale = static_cast<std::uint8_t>(core_ns::nan_code(element_kind::ue4m3));
+  const std::int64_t row_bytes = (layout.cols + 1) / 2;
+  MXSCOPE_GRID_LOOP(unit, layout.rows * row_bytes) {
+    const std::int64_t r = unit / row_bytes;
+    std::uint32_t byte = 0;
+    for (int e = 0; e < 2; ++e) {
+      const std::int64_t c = (unit % row_bytes) * 2 + e;
+      if (c >= layout.cols) break;
+      const std::int64_t index = r * layout.cols + c;
+      const std::uint8_t scale = scales[(r / layout.tile_rows) * layout.grid_cols + c / layout.tile_cols];
+      std::uint32_t code = 0;
+      if (scale == nan_scale) {
+        dequantized[index] = canonical_nan_float();
+      } else {
+        const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(index)) : 0U;
+        const core_ns::nvfp4_element element =
+            core_ns::nvfp4_encode(input[index], core_ns::nvfp4_block_of_scale(scale, global_decode), global_decode,
+                                  rounding, word, sr_bits);
+        code = element.code.code;
+        dequantized[index] = element.dequantized;
+        flushed += element.flushed ? 1U : 0U;
+        saturated += element.code.saturated ? 1U : 0U;
+      }
+      byte |= (code & 0x0FU) << (4 * e);
+    }
+    codes[unit] = static_cast<std::uint8_t>(byte);
+  }
+  unsigned long long reduced[2] = {flushed, saturated};
+  constexpr int index[2] = {counter_flushed, counter_saturated};
+  block_reduce_to<false>(reduced, counters, index);
+}
+
+// The two passes, on device buffers; returns the global decode scale (the tensor scale).
+float quantize_nvfp4_on_device(const float* input, std::int64_t rows, std::int64_t cols,
+                               const quantize_options& options, std::uint8_t* codes, std::uint8_t* scales,
+                               float* dequantized, unsigned long long* counters) {
+  const std::int64_t count = rows * cols;
+  device_buffer amax(sizeof(unsigned));
+  amax.fill_bytes(0);
+  runtime::launch(per_tensor_amax_kernel, reduction_grid(count), threads_per_block, 0, input, count,
+                  amax.as<unsigned>());
+  unsigned amax_bits = 0;
+  amax.download(&amax_bits, sizeof(amax_bits));
+  const float global_encode = core_ns::nvfp4_global_encode_scale(core_ns::bits_float(amax_bits));
+  const float global_decode = 1.0f / global_encode;
+  const nvfp4_layout layout = nvfp4_layout_of(options, rows, cols);
+  runtime::launch(nvfp4_scale_kernel, reduction_grid(layout.grid_rows * layout.grid_cols), threads_per_block, 0,
+                  input, layout, global_encode, global_decode, scales, counters);
+  runtime::launch(nvfp4_element_kernel, reduction_grid(rows * ((cols + 1) / 2)), threads_per_block, 0, input, layout,
+                  global_decode, options.rounding, options.sr_bits, options.stream, scales, codes, dequantized,
+                  counters);
+  return global_decode;
+}
+
 // The operand energies of quantize_with_energies: one thread per canonical chunk, in fp64.
 __global__ void energy_chunks_kernel(const float* input, const float* dequantized, std::int64_t count,
                                      std::int64_t chunk_count, double* partials) {
@@ -3746,6 +3855,14 @@ void take_counters(const device_buffer& counters, quantized_tensor& out) {
 
 quantized_tensor quantize(const matrix& input, const quantize_options& options, const rotation_options& rotation,
                           quantize_path path) {
+  if (options.format.scheme == quant_scheme::nvfp4) {
+    // The NVFP4 kernels through quantize_with_energies (the energies are not wanted here).
+    operand_energies unused;
+    quantized_tensor out = quantize_with_energies(input, options, rotation, true, unused);
+    out.device_codes.reset();
+    out.device_scales.reset();
+    return out;
+  }
   const mx_plan plan = make_mx_plan(options);
   const rotation_plan rotation_resolved = make_rotation_plan(rotation);
   check_rotation(rotation_resolved, input.rows, input.cols, plan.axis, "gpu quantize");
@@ -3789,12 +3906,13 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   }
   const bool per_tensor = options.format.scheme == quant_scheme::per_tensor;
   const bool bf16 = options.format.scheme == quant_scheme::bf16;
+  const bool nvfp4 = options.format.scheme == quant_scheme::nvfp4;
   const element_kind kind = options.format.element;
   if (per_tensor && kind != element_kind::fp8_e4m3 && kind != element_kind::fp8_e5m2) {
     throw input_error("gpu quantize: field 'format': per-tensor scaling takes fp8 e4m3 or e5m2 elements");
   }
   const std::optional<mx_plan> plan =
-      per_tensor || bf16 ? std::nullopt : std::optional<mx_plan>(make_mx_plan(options));
+      per_tensor || bf16 || nvfp4 ? std::nullopt : std::optional<mx_plan>(make_mx_plan(options));
   const int axis = plan ? plan->axis : options.axis;
   const rotation_plan rotation_resolved = make_rotation_plan(rotation);
   check_rotation(rotation_resolved, input.rows, input.cols, axis, "gpu quantize");
@@ -3813,6 +3931,13 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   } else if (bf16) {
     out.block = options.block > 0 ? options.block : options.format.default_block;  // as quantize()
     code_bytes = static_cast<std::size_t>(input.size()) * 2;
+  } else if (nvfp4) {
+    const nvfp4_layout layout = nvfp4_layout_of(options, input.rows, input.cols);
+    out.block = options.block > 0 ? options.block : options.format.default_block;  // as quantize()
+    out.scale_rows = layout.grid_rows;
+    out.scale_cols = layout.grid_cols;
+    code_bytes = static_cast<std::size_t>(input.rows * ((input.cols + 1) / 2));
+    scale_bytes = static_cast<std::size_t>(layout.grid_rows * layout.grid_cols);
   }
   if (!codes_on_device_only) {  // host vectors only where they are wanted (they are large)
     out.codes.resize(code_bytes);
@@ -3851,6 +3976,10 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     runtime::launch(bf16_element_kernel, reduction_grid(count), threads_per_block, 0, operand, count, options.rounding,
                     options.sr_bits, options.stream, codes.as<std::uint8_t>(), dequantized,
                     counters.as<unsigned long long>());
+  } else if (nvfp4) {
+    out.tensor_scale = quantize_nvfp4_on_device(operand, input.rows, input.cols, options, codes.as<std::uint8_t>(),
+                                                scales.as<std::uint8_t>(), dequantized,
+                                                counters.as<unsigned long long>());
   } else if (plan) {
     mx_device_output destination;
     destination.codes = codes.as<std::uint8_t>();

@@ -4,7 +4,7 @@
 //
 // - rotate:        src/quantize.cpp rotate() (signs, canonical FWHT, scale) per segment;
 // - quantize_mx:   src/quantize.cpp quantize_mx() (amax, shared exponent, per-element encode,
-//                  the fp4 packing, the counters);
+//                  the fp4 packing, the counters); quantize_nvfp4 the same for quantize_nvfp4();
 // - product_entry: src/gemm.cpp generic_entry() (exact, fp32-block, fp32-group:G) and the fp32-seq
 //                  definition (one fmaf per product in ascending K); plain_product_entry the same
 //                  for unscaled (fp32 / bf16) operands;
@@ -248,6 +248,91 @@ struct entry_value {
   float value;
   double exact;  // the exact model only
 };
+
+// src/quantize.cpp quantize_nvfp4(), TransformerEngine's recipe written out in its fp32 operation
+// order with the core's ue4m3 and e2m1 conversions (docs/numerics.md "NVFP4"): S_enc from the
+// finite amax, then per tile (1 x 16, 16 x 1 or 16 x 16) the ue4m3 decode scale, the fp32 encode
+// scale and each element; NaN scale code, zero codes and NaN values for a tile with inf or NaN.
+inline mxscope::quantized_tensor quantize_nvfp4(const matrix& input, const mxscope::quantize_options& options) {
+  using core::element_kind;
+  constexpr float float_max = std::numeric_limits<float>::max();
+  mxscope::quantized_tensor out;
+  out.rows = input.rows;
+  out.cols = input.cols;
+  out.options = options;
+  out.block = resolved_block(options);
+  const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1);
+  const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1);
+  out.scale_rows = (input.rows + tile_rows - 1) / tile_rows;
+  out.scale_cols = (input.cols + tile_cols - 1) / tile_cols;
+  const std::int64_t row_bytes = (input.cols + 1) / 2;
+  out.codes.assign(static_cast<std::size_t>(input.rows * row_bytes), 0);
+  out.scales.assign(static_cast<std::size_t>(out.scale_rows * out.scale_cols), 0);
+  out.dequantized = matrix(input.rows, input.cols);
+  float amax = 0.0f;
+  for (const float v : input.values) {
+    if (finite(v)) amax = std::max(amax, std::fabs(v));
+  }
+  float global_encode = std::min(448.0f * 6.0f / amax, float_max);
+  if (amax == 0.0f || global_encode == 0.0f || std::isnan(global_encode)) global_encode = 1.0f;
+  const float global_decode = 1.0f / global_encode;
+  out.tensor_scale = global_decode;
+  const float sixth = 1.0f / 6.0f;
+  for (std::int64_t tr = 0; tr < out.scale_rows; ++tr) {
+    for (std::int64_t tc = 0; tc < out.scale_cols; ++tc) {
+      const std::int64_t r1 = std::min(input.rows, (tr + 1) * tile_rows);
+      const std::int64_t c1 = std::min(input.cols, (tc + 1) * tile_cols);
+      float tile_amax = 0.0f;
+      bool nonfinite = false;
+      for (std::int64_t r = tr * tile_rows; r < r1; ++r) {
+        for (std::int64_t c = tc * tile_cols; c < c1; ++c) {
+          const float v = input(r, c);
+          out.nonzero_inputs += v != 0.0f;
+          if (!finite(v)) {
+            nonfinite = true;
+            ++out.nonfinite_inputs;
+          } else {
+            tile_amax = std::max(tile_amax, std::fabs(v));
+          }
+        }
+      }
+      std::uint8_t& scale = out.scales[static_cast<std::size_t>(tr * out.scale_cols + tc)];
+      float tile_decode = 0.0f, tile_encode = 0.0f;
+      if (nonfinite) {
+        scale = static_cast<std::uint8_t>(core::nan_code(element_kind::ue4m3));
+      } else {
+        scale = core::encode(element_kind::ue4m3, std::min(tile_amax * (global_encode * sixth), float_max)).code;
+        tile_decode = static_cast<float>(core::decode(element_kind::ue4m3, scale));
+        tile_encode = std::min(1.0f / (tile_decode * global_decode), float_max);
+      }
+      for (std::int64_t r = tr * tile_rows; r < r1; ++r) {
+        for (std::int64_t c = tc * tile_cols; c < c1; ++c) {
+          std::uint8_t code = 0;
+          if (nonfinite) {
+            out.dequantized(r, c) = std::numeric_limits<float>::quiet_NaN();
+          } else {
+            const std::uint32_t word = options.rounding == core::rounding_mode::sr
+                                           ? options.stream.word(static_cast<std::uint64_t>(r * input.cols + c))
+                                           : 0U;
+            const float scaled = input(r, c) * tile_encode;
+            const auto encoded = core::encode(element_kind::fp4_e2m1, static_cast<double>(scaled), options.rounding,
+                                              word, options.sr_bits);
+            code = encoded.code;
+            const float value = (static_cast<float>(core::decode(element_kind::fp4_e2m1, code)) * tile_decode) *
+                                global_decode;
+            out.dequantized(r, c) = value;
+            out.flushed += encoded.flushed || (input(r, c) != 0.0f && value == 0.0f);
+            out.saturated += encoded.saturated;
+          }
+          std::uint8_t& byte = out.codes[static_cast<std::size_t>(r * row_bytes + c / 2)];
+          byte = c % 2 == 0 ? static_cast<std::uint8_t>((byte & 0xF0U) | (code & 0x0FU))
+                            : static_cast<std::uint8_t>((byte & 0x0FU) | ((code & 0x0FU) << 4));
+        }
+      }
+    }
+  }
+  return out;
+}
 
 inline float round_output(float value, mxscope::output_rounding output) {
   if (output == mxscope::output_rounding::fp32) return value;

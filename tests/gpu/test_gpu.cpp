@@ -403,6 +403,92 @@ void quantize_energies(bool small) {
   }
 }
 
+// NVFP4 on the GPU (gpu::quantize, and quantize_with_energies as run_gemm calls it) against the host
+// reference (host_reference::quantize_nvfp4 after host_reference::rotate), which
+// tests/test_gpu_host_reference.cpp checks against the library's quantize(). 1-D tiles along either axis
+// and 2-D tiles, every rounding mode (sr with 32 and 9 bits), rotations, every input kind (with
+// fp32 subnormals, zero rows, inf and NaN), shapes that are not multiples of 16. Compared: codes,
+// scales, the tensor scale, dequantized values, counters and the operand energies.
+void quantize_nvfp4_suite(bool small) {
+  struct nvfp4_case {
+    int axis;
+    bool two_d;
+    core::rounding_mode rounding;
+    int sr_bits;
+    int rotation;
+    std::int64_t rows, cols;
+  };
+  const nvfp4_case cases[] = {{1, false, core::rounding_mode::rne, 32, 0, 37, 70},
+                              {0, false, core::rounding_mode::rne, 32, 0, 70, 37},
+                              {1, true, core::rounding_mode::rne, 32, 0, 50, 45},
+                              {1, false, core::rounding_mode::sr, 32, 0, 33, 160},
+                              {0, false, core::rounding_mode::sr, 9, 16, 64, 30},
+                              {1, false, core::rounding_mode::rna, 32, 16, 20, 64},
+                              {1, false, core::rounding_mode::rtz, 32, 0, 1, 1},
+                              {0, true, core::rounding_mode::sr, 32, 0, 17, 17}};
+  int index = 0;
+  for (const nvfp4_case& c : cases) {
+    for (int kind_index = 0; kind_index < test_inputs::value_kind_count; ++kind_index) {
+      ++index;
+      if (small && index % 3 != 1) continue;
+      const std::uint64_t seed = next_seed();
+      const value_kind kind = static_cast<value_kind>(kind_index);
+      const matrix input = test_inputs::make_matrix(c.rows, c.cols, kind, seed);
+      mxscope::quantize_options options = mx_options(0, 16, c.axis, c.rounding, core::scale_rule::floor, c.sr_bits, seed + 1);
+      options.format = {mxscope::quant_scheme::nvfp4, core::element_kind::fp4_e2m1, 16};
+      options.nvfp4_2d = c.two_d;
+      mxscope::rotation_options rotation;
+      rotation.size = c.rotation;
+      rotation.signs = c.rotation == 0 ? mxscope::sign_policy::none : mxscope::sign_policy::per_step;
+      rotation.seed = seed + 2;
+      rotation.step = 3;
+      const std::string name = std::string("quantize nvfp4 axis ") + std::to_string(c.axis) + (c.two_d ? " 2-D" : "") +
+                               " " + rounding_names[static_cast<int>(c.rounding)] + " sr_bits " +
+                               std::to_string(c.sr_bits) + " H" + std::to_string(c.rotation) + " " +
+                               std::to_string(c.rows) + "x" + std::to_string(c.cols) + " " +
+                               std::string(test_inputs::value_kind_name(kind));
+      run_case(name, [&]() -> std::string {
+        matrix rotated = input;
+        if (c.rotation > 0) host_reference::rotate(rotated, c.axis, rotation);
+        const mxscope::quantized_tensor expected = host_reference::quantize_nvfp4(rotated, options);
+        const auto same_tensor = [&](const mxscope::quantized_tensor& got, bool dequantized) -> std::string {
+          if (got.codes != expected.codes) return "codes differ";
+          if (got.scales != expected.scales) return "scales differ";
+          if (got.scale_rows != expected.scale_rows || got.scale_cols != expected.scale_cols || got.block != expected.block) {
+            return "scale layout differs";
+          }
+          if (!same(expected.tensor_scale, got.tensor_scale)) {
+            return "tensor scale: expected " + show(expected.tensor_scale) + " got " + show(got.tensor_scale);
+          }
+          if (got.nonzero_inputs != expected.nonzero_inputs || got.flushed != expected.flushed ||
+              got.saturated != expected.saturated || got.nonfinite_inputs != expected.nonfinite_inputs) {
+            return "counters differ";
+          }
+          for (std::int64_t i = 0; dequantized && i < input.size(); ++i) {
+            if (!same(expected.dequantized.values[static_cast<std::size_t>(i)], got.dequantized.values[static_cast<std::size_t>(i)])) {
+              return "dequantized element " + std::to_string(i) + " differs";
+            }
+          }
+          return "";
+        };
+        if (const std::string wrong = same_tensor(gpu::quantize(input, options, rotation), true); !wrong.empty()) {
+          return "gpu::quantize: " + wrong + "; " + describe(options, rotation);
+        }
+        gpu::operand_energies energies;
+        const mxscope::quantized_tensor prepared = gpu::quantize_with_energies(input, options, rotation, false, energies);
+        if (const std::string wrong = same_tensor(prepared, false); !wrong.empty()) {
+          return "quantize_with_energies: " + wrong + "; " + describe(options, rotation);
+        }
+        if (const std::string wrong = energies_mismatch(expected_energies(rotated, expected.dequantized), energies);
+            !wrong.empty()) {
+          return wrong + "; " + describe(options, rotation);
+        }
+        return "";
+      });
+    }
+  }
+}
+
 // Per-tensor fp8 through quantize_with_energies, against the definition of src/quantize.cpp written
 // out here: scale = fl32(amax / max_normal) over the finite inputs (1 when there are none), codes
 // encoded from the fp64 quotient v / scale (sr words from the stream at the flat index),
@@ -2093,6 +2179,7 @@ int main(int argc, char** argv) {
   timed("quantize sweep", [&] { quantize_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
+  timed("quantize nvfp4", [&] { quantize_nvfp4_suite(small); });
   timed("quantize with energies", [&] {
     quantize_energies(small);
     quantize_per_tensor_energies(small);
