@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "mxscope/core/nvfp4.hpp"
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
@@ -359,9 +360,8 @@ canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep
           out.scale_exponents[at] = core_ns::scale_exponent(code);
         }
       } else if (scheme == quant_scheme::nvfp4) {
-        const std::int64_t tile_rows = q.options.nvfp4_2d ? 16 : (q.options.axis == 0 ? 16 : 1);
-        const std::int64_t tile_cols = q.options.nvfp4_2d ? 16 : (q.options.axis == 1 ? 16 : 1);
-        const std::uint8_t code = q.scales[static_cast<std::size_t>((r / tile_rows) * q.scale_cols + c / tile_cols)];
+        const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d);
+        const std::uint8_t code = q.scales[static_cast<std::size_t>((r / tile.rows) * q.scale_cols + c / tile.cols)];
         const double scale = core_ns::decode(element_kind::ue4m3, code);
         out.block_scales[at] = scale;
         if (std::isnan(scale)) {

@@ -290,8 +290,9 @@ void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
 
   // A tile is [tile_rows x tile_cols] elements sharing one scale: 1x16 (axis 1), 16x1 (axis 0)
   // or 16x16 (2-D).
-  const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1);
-  const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1);
+  const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(options.axis, options.nvfp4_2d);
+  const std::int64_t tile_rows = tile.rows;
+  const std::int64_t tile_cols = tile.cols;
   const std::int64_t grid_rows = (input.rows + tile_rows - 1) / tile_rows;
   const std::int64_t grid_cols = (input.cols + tile_cols - 1) / tile_cols;
   counters total;
@@ -473,8 +474,9 @@ quantized_tensor quantize(const matrix& input, const quantize_options& options) 
       break;
     }
     case quant_scheme::nvfp4: {
-      const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1);
-      const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1);
+      const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(options.axis, options.nvfp4_2d);
+      const std::int64_t tile_rows = tile.rows;
+      const std::int64_t tile_cols = tile.cols;
       out.scale_rows = (input.rows + tile_rows - 1) / tile_rows;
       out.scale_cols = (input.cols + tile_cols - 1) / tile_cols;
       out.scales.assign(static_cast<std::size_t>(out.scale_rows * out.scale_cols), 0);
@@ -512,8 +514,9 @@ matrix dequantize(const quantized_tensor& q) {
       }
       return out;
     case quant_scheme::nvfp4: {
-      const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1);
-      const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1);
+      const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(options.axis, options.nvfp4_2d);
+      const std::int64_t tile_rows = tile.rows;
+      const std::int64_t tile_cols = tile.cols;
       for (std::int64_t r = 0; r < q.rows; ++r) {
         for (std::int64_t c = 0; c < q.cols; ++c) {
           const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile_rows) * q.scale_cols + c / tile_cols)];

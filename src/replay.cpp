@@ -25,6 +25,7 @@
 #endif
 
 #include "mxscope/analysis.hpp"
+#include "mxscope/core/nvfp4.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
@@ -319,9 +320,8 @@ error_split split_error(const matrix& rotated, const quantized_tensor& q, int ax
         return core::max_normal(options.format.element) * core::pow2(core::scale_exponent(scale));
       }
       case quant_scheme::nvfp4: {
-        const std::int64_t tile_rows = options.nvfp4_2d ? 16 : (axis == 0 ? 16 : 1);
-        const std::int64_t tile_cols = options.nvfp4_2d ? 16 : (axis == 1 ? 16 : 1);
-        const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile_rows) * q.scale_cols + c / tile_cols)];
+        const core::nvfp4_tile tile = core::nvfp4_tile_of(axis, options.nvfp4_2d);
+        const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile.rows) * q.scale_cols + c / tile.cols)];
         return 6.0 * core::decode(core::element_kind::ue4m3, scale) * static_cast<double>(q.tensor_scale);
       }
       case quant_scheme::per_tensor:

@@ -874,23 +874,22 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 #pragma unroll
         for (int j = 0; j < pieces; ++j) {
           const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
-          std::uint32_t folded[4];
+          std::uint32_t bytes[4];
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const std::uint32_t magnitudes = words4[w] & 0x7FFF7FFFU;
             saturated += fast_encode::fp4_saturated_bf16x2(magnitudes, grid);
             const std::uint32_t pair =
                 fast_encode::fp4_nearest_even_bf16x2(magnitudes, grid) | ((words4[w] >> 12) & 0x00080008U);
-            folded[w] = pair | (pair >> 12);
+            bytes[w] = pair | (pair >> 12);
           }
-          words[j] = low_bytes(folded[0], folded[1], folded[2], folded[3]);
+          words[j] = low_bytes(bytes[0], bytes[1], bytes[2], bytes[3]);
         }
         counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
       } else if (unscaled) {
         // rne on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled): no scaling
-        // multiply, no cap; the sign bit goes straight from v's bits into the nibble.
-        // The codes are packed by additions of the biased codes, then each word gets its offsets
-        // once (fast_encode::fp4_unscaled_word_offset); the signs go in from v's bits.
+        // multiply, no cap. The biased codes are packed by additions, each word then gets its
+        // offsets once (fast_encode::fp4_unscaled_word_offset), and the signs go in from v's bits.
         const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
         const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
 #pragma unroll
@@ -3674,8 +3673,8 @@ struct nvfp4_layout {
 };
 
 nvfp4_layout nvfp4_layout_of(const quantize_options& options, std::int64_t rows, std::int64_t cols) {
-  nvfp4_layout out{rows, cols, options.nvfp4_2d ? 16 : (options.axis == 0 ? 16 : 1),
-                   options.nvfp4_2d ? 16 : (options.axis == 1 ? 16 : 1), 0, 0};
+  const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(options.axis, options.nvfp4_2d);
+  nvfp4_layout out{rows, cols, tile.rows, tile.cols, 0, 0};
   out.grid_rows = (rows + out.tile_rows - 1) / out.tile_rows;
   out.grid_cols = (cols + out.tile_cols - 1) / out.tile_cols;
   return out;

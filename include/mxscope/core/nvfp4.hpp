@@ -10,8 +10,19 @@ namespace mxscope::core {
 
 inline constexpr float nvfp4_float_max = 3.40282347e+38F;
 
-// The larger of value and FLT_MAX's complement, as std::min(value, FLT_MAX) (NaN stays NaN).
+// min(value, FLT_MAX) as std::min computes it (a NaN value stays NaN).
 MXSCOPE_HD constexpr float nvfp4_cap(float value) { return nvfp4_float_max < value ? nvfp4_float_max : value; }
+
+// The elements that share one block scale: 1 x 16 along axis 1, 16 x 1 along axis 0, or 16 x 16
+// tiles (NVFP4's 2-D weight scaling).
+struct nvfp4_tile {
+  std::int64_t rows;
+  std::int64_t cols;
+};
+
+MXSCOPE_HD constexpr nvfp4_tile nvfp4_tile_of(int axis, bool two_d) {
+  return {two_d || axis == 0 ? 16 : 1, two_d || axis == 1 ? 16 : 1};
+}
 
 // Global encode scale S_enc = fl32(448 * 6 / amax), capped at FLT_MAX; 1 when the tensor's finite
 // amax is 0 (or S_enc is 0 or NaN). The decode scale is fl32(1 / S_enc).
