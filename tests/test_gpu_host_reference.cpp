@@ -168,6 +168,17 @@ std::vector<float> probe_values(std::mt19937_64& random, int exponent, int lowes
   return values;
 }
 
+// Every finite bf16 pattern as an fp32 value with random low bits (infinities and NaNs are left
+// out: the kernels never encode them, their blocks take the NaN path).
+std::vector<float> finite_bf16_patterns(std::mt19937_64& random) {
+  std::vector<float> values;
+  for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
+    if ((pattern & 0x7f80U) == 0x7f80U) continue;
+    values.push_back(core::bits_float((pattern << 16) | (static_cast<std::uint32_t>(random()) & 0xffffU)));
+  }
+  return values;
+}
+
 // The rounding modes both encoder tests run: every mode, sr with 32, 9 and 1 random bits.
 struct mode_case {
   core::rounding_mode mode;
@@ -254,11 +265,7 @@ TEST(GpuHostReference, Fp4EncodersMatchCore) {
       }
     }
   };
-  std::vector<float> bf16_values;
-  for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
-    if ((pattern & 0x7f80U) == 0x7f80U) continue;  // infinities and NaNs: the kernel never encodes them
-    bf16_values.push_back(core::bits_float((pattern << 16) | (static_cast<std::uint32_t>(random()) & 0xffffU)));
-  }
+  const std::vector<float> bf16_values = finite_bf16_patterns(random);
   for (const int exponent : {-127, -126, -125, -124, -100, -3, -2, 0, 1, 2, 60, 124, 125, 126, 127}) {
     check(bf16_values, exponent);
     if (HasFatalFailure()) return;
@@ -294,11 +301,7 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
   };
   EXPECT_FALSE(fast::fp4_unscaled_covers(-127));
   EXPECT_FALSE(fast::fp4_unscaled_covers(103));
-  std::vector<float> bf16_values;
-  for (std::uint32_t pattern = 0; pattern < 0x10000U; ++pattern) {
-    if ((pattern & 0x7f80U) == 0x7f80U) continue;
-    bf16_values.push_back(core::bits_float((pattern << 16) | (static_cast<std::uint32_t>(random()) & 0xffffU)));
-  }
+  const std::vector<float> bf16_values = finite_bf16_patterns(random);
   for (const int exponent : {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}) {
     ASSERT_TRUE(fast::fp4_unscaled_covers(exponent));
     check(bf16_values, exponent);
