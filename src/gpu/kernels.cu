@@ -3748,18 +3748,23 @@ __global__ void nvfp4_element_kernel(const float* input, nvfp4_layout layout, fl
   block_reduce_to<false>(reduced, counters, index);
 }
 
-// The two passes, on device buffers; returns the global decode scale (the tensor scale).
-float quantize_nvfp4_on_device(const float* input, std::int64_t rows, std::int64_t cols,
-                               const quantize_options& options, std::uint8_t* codes, std::uint8_t* scales,
-                               float* dequantized, unsigned long long* counters) {
-  const std::int64_t count = rows * cols;
+// The largest finite magnitude of a device tensor (0 when it has none), as the per-tensor
+// quantizers of the CPU take it.
+float finite_amax(const float* input, std::int64_t count) {
   device_buffer amax(sizeof(unsigned));
   amax.fill_bytes(0);
   runtime::launch(per_tensor_amax_kernel, reduction_grid(count), threads_per_block, 0, input, count,
                   amax.as<unsigned>());
   unsigned amax_bits = 0;
   amax.download(&amax_bits, sizeof(amax_bits));
-  const float global_encode = core_ns::nvfp4_global_encode_scale(core_ns::bits_float(amax_bits));
+  return core_ns::bits_float(amax_bits);
+}
+
+// The two passes, on device buffers; returns the global decode scale (the tensor scale).
+float quantize_nvfp4_on_device(const float* input, std::int64_t rows, std::int64_t cols,
+                               const quantize_options& options, std::uint8_t* codes, std::uint8_t* scales,
+                               float* dequantized, unsigned long long* counters) {
+  const float global_encode = core_ns::nvfp4_global_encode_scale(finite_amax(input, rows * cols));
   const float global_decode = 1.0f / global_encode;
   const nvfp4_layout layout = nvfp4_layout_of(options, rows, cols);
   runtime::launch(nvfp4_scale_kernel, reduction_grid(layout.grid_rows * layout.grid_cols), threads_per_block, 0,
@@ -3987,13 +3992,7 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
     destination.counters = counters.as<unsigned long long>();
     quantize_on_device(operand, input_format::fp32, input.rows, input.cols, *plan, rotation_plan{}, destination);
   } else {
-    device_buffer amax(sizeof(unsigned));
-    amax.fill_bytes(0);
-    runtime::launch(per_tensor_amax_kernel, reduction_grid(count), threads_per_block, 0, operand, count,
-                    amax.as<unsigned>());
-    unsigned amax_bits = 0;
-    amax.download(&amax_bits, sizeof(amax_bits));
-    const float largest = core_ns::bits_float(amax_bits);
+    const float largest = finite_amax(operand, count);
     // As the CPU: scale = fl32(amax / max_normal), 1 for an all-zero (or all non-finite) tensor.
     out.tensor_scale = largest > 0.0f ? largest / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
     runtime::launch(per_tensor_element_kernel, reduction_grid(count), threads_per_block, 0, operand, count,
