@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -179,6 +180,24 @@ std::vector<float> finite_bf16_patterns(std::mt19937_64& random) {
   return values;
 }
 
+// The sweep of the fp4 encoder tests: every finite bf16 pattern at each of `exponents`, then at
+// every exponent first..last the probe values of scaled binades 2^-30 to 2^5 (below the smallest
+// spacing 2^-1 to beyond saturation). check(values, exponent) asserts; the sweep stops at the first
+// fatal failure.
+template <class Check>
+void sweep_fp4_encoder(std::mt19937_64& random, std::initializer_list<int> exponents, int first, int last,
+                       const Check& check) {
+  const std::vector<float> bf16_values = finite_bf16_patterns(random);
+  for (const int exponent : exponents) {
+    check(bf16_values, exponent);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  for (int exponent = first; exponent <= last; ++exponent) {
+    check(probe_values(random, exponent, -30, 5, 8), exponent);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 // The rounding modes both encoder tests run: every mode, sr with 32, 9 and 1 random bits.
 struct mode_case {
   core::rounding_mode mode;
@@ -265,16 +284,8 @@ TEST(GpuHostReference, Fp4EncodersMatchCore) {
       }
     }
   };
-  const std::vector<float> bf16_values = finite_bf16_patterns(random);
-  for (const int exponent : {-127, -126, -125, -124, -100, -3, -2, 0, 1, 2, 60, 124, 125, 126, 127}) {
-    check(bf16_values, exponent);
-    if (HasFatalFailure()) return;
-  }
-  for (int exponent = -127; exponent <= 127; ++exponent) {
-    // Scaled binades from 2^-30 to 2^5 (below the smallest spacing 2^-1 to beyond saturation).
-    check(probe_values(random, exponent, -30, 5, 8), exponent);
-    if (HasFatalFailure()) return;
-  }
+  sweep_fp4_encoder(random, {-127, -126, -125, -124, -100, -3, -2, 0, 1, 2, 60, 124, 125, 126, 127}, -127, 127, check);
+  if (HasFatalFailure()) return;
   EXPECT_GT(checked, 5000000);
 }
 
@@ -301,16 +312,10 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
   };
   EXPECT_FALSE(fast::fp4_unscaled_covers(-127));
   EXPECT_FALSE(fast::fp4_unscaled_covers(103));
-  const std::vector<float> bf16_values = finite_bf16_patterns(random);
-  for (const int exponent : {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}) {
-    ASSERT_TRUE(fast::fp4_unscaled_covers(exponent));
-    check(bf16_values, exponent);
-    if (HasFatalFailure()) return;
-  }
-  for (int exponent = -126; exponent <= 102; ++exponent) {
-    check(probe_values(random, exponent, -30, 5, 8), exponent);
-    if (HasFatalFailure()) return;
-  }
+  const std::initializer_list<int> exponents = {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102};
+  for (const int exponent : exponents) ASSERT_TRUE(fast::fp4_unscaled_covers(exponent));
+  sweep_fp4_encoder(random, exponents, -126, 102, check);
+  if (HasFatalFailure()) return;
   EXPECT_GT(checked, 2000000);
 }
 

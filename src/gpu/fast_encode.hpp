@@ -244,6 +244,17 @@ MXSCOPE_HD constexpr fp4_unscaled_bf16x2 fp4_unscaled_bf16x2_constants(int expon
 // single rounding of the exact sum for this encoder's operands: where c has bits below the fp32
 // ulp of magic, c < 2^-14 magic is below half a bf16 ulp of magic and both give magic; otherwise
 // the fp32 sum is exact.
+// The portable halfword maximum (Larger) or minimum.
+template <bool Larger>
+MXSCOPE_HD constexpr std::uint32_t pick_u16x2(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t out = 0;
+  for (int shift = 0; shift < 32; shift += 16) {
+    const std::uint32_t x = (a >> shift) & 0xffffU, y = (b >> shift) & 0xffffU;
+    out |= ((x > y) == Larger ? x : y) << shift;
+  }
+  return out;
+}
+
 MXSCOPE_HD constexpr std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
   if (!__builtin_is_constant_evaluated()) {
@@ -252,9 +263,7 @@ MXSCOPE_HD constexpr std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
     return r;
   }
 #endif
-  const std::uint32_t low = (a & 0xffffU) > (b & 0xffffU) ? a & 0xffffU : b & 0xffffU;
-  const std::uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
-  return high << 16 | low;
+  return pick_u16x2<true>(a, b);
 }
 
 MXSCOPE_HD constexpr std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
@@ -265,9 +274,7 @@ MXSCOPE_HD constexpr std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
     return r;
   }
 #endif
-  const std::uint32_t low = (a & 0xffffU) < (b & 0xffffU) ? a & 0xffffU : b & 0xffffU;
-  const std::uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
-  return high << 16 | low;
+  return pick_u16x2<false>(a, b);
 }
 
 MXSCOPE_HD constexpr std::uint32_t add_bf16x2(std::uint32_t a, std::uint32_t b) {
