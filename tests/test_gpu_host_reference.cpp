@@ -319,6 +319,51 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
   EXPECT_GT(checked, 2000000);
 }
 
+// The fused kernel's sr encoder on unscaled magnitudes (fast_encode::fp4_stochastic_unscaled,
+// composed by fp4_encode_stochastic; 32 random bits) against core::quantize_element over the block
+// exponents it covers (-125..102): the sweep of the other fp4 encoder tests, each value with a
+// random word, the extreme words and the two words on either side of its rounding threshold (the
+// word where floor(F 2^32) + word reaches 2^32, found from fp4_locate's fraction; the core decides
+// what either word must give).
+TEST(GpuHostReference, UnscaledStochasticFp4EncoderMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  std::mt19937_64 random(20261201);
+  std::int64_t checked = 0;
+  std::int64_t threshold_ups = 0;  // threshold words that rounded up: the boundary was met
+  const auto check = [&](const std::vector<float>& values, int exponent) {
+    for (const float value : values) {
+      const float scaled = std::fabs(value) * fast::power_of_two(-exponent);
+      const std::uint32_t fraction = fast::fp4_locate(scaled).fraction;
+      const std::uint32_t threshold = 0U - fraction;  // 2^32 - fraction (0: never up)
+      const std::uint32_t words[] = {static_cast<std::uint32_t>(random()), 0U, 0xffffffffU, 0x80000000U,
+                                     threshold - 1U, threshold};
+      for (const std::uint32_t word : words) {
+        const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
+        const auto got = fast::fp4_encode_stochastic(value, exponent, word);
+        ++checked;
+        if (word == threshold && fraction != 0) {
+          threshold_ups += (want.code & 7U) !=
+                           (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
+        }
+        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+            << "exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value)) << ") word "
+            << hex(word) << ": core code " << hex(want.code) << " saturated " << want.saturated << " flushed "
+            << want.flushed << ", stochastic code " << hex(got.code) << " saturated " << got.saturated
+            << " flushed " << got.flushed;
+      }
+    }
+  };
+  EXPECT_FALSE(fast::fp4_stochastic_covers(-126));
+  EXPECT_FALSE(fast::fp4_stochastic_covers(103));
+  const std::initializer_list<int> exponents = {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102};
+  for (const int exponent : exponents) ASSERT_TRUE(fast::fp4_stochastic_covers(exponent));
+  sweep_fp4_encoder(random, exponents, -125, 102, check);
+  if (HasFatalFailure()) return;
+  EXPECT_GT(checked, 10000000);
+  EXPECT_GT(threshold_ups, 100000);
+}
+
 // The halfword encoder of bf16 blocks (fast_encode::fp4_nearest_even_bf16x2 and
 // fp4_saturated_bf16x2, composed by fp4_encode_bf16x2) against core::quantize_element: every bf16
 // pattern, finite or not in the other half, in either half of the word, at the block exponents it

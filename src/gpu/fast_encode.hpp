@@ -189,7 +189,7 @@ MXSCOPE_HD constexpr fp4_unscaled fp4_unscaled_constants(int exponent) {
 MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled_biased(float clamped, fp4_unscaled block) {
   std::uint32_t binade = core::float_bits(clamped) & 0x7f800000U;
   binade = binade > block.one ? binade : block.one;
-  const float magic = core::bits_float(binade + (22U << 23));
+  const float magic = core::bits_float(binade) * 4194304.0f;  // 2^22 b: an fp32 multiply, off the integer pipe
   return core::float_bits(clamped + magic) - binade + (binade >> 22);
 }
 
@@ -206,6 +206,112 @@ MXSCOPE_HD constexpr std::uint32_t fp4_unscaled_word_offset(fp4_unscaled block) 
 MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled(float magnitude, fp4_unscaled block) {
   const float clamped = magnitude < block.six ? magnitude : block.six;
   return fp4_nearest_even_unscaled_biased(clamped, block) + fp4_unscaled_offset(block);
+}
+
+// Stochastic rounding with 32 random bits on the unscaled magnitudes, for the fused kernel's sr
+// (NUMERICS.md section 3: with F the fraction of |v| / spacing, round up iff
+// floor(F 2^32) + word >= 2^32). As 2^32 and the word are integers, that is exactly
+// rest + word 2^-32 spacing >= spacing, with rest = |v| - (the grid point below |v|) = F spacing:
+// the word's dither, added to the rest, must reach the next grid point. The grid is that of
+// fp4_nearest_even_unscaled (clamp to six, binade b raised to one, spacing s = b / 2,
+// magic = 2^22 b with ulp s), and the steps are fp32 operations with directed roundings:
+//   floor_sum = rz(clamped + magic)      magic + s floor(clamped / s): the grid point below, exactly
+//   rest = clamped - (floor_sum - magic) exact (both differences are of numbers within a factor 2,
+//                                        or the subtrahend is 0)
+//   low  = 2^-9 + (word & 511) 2^-32     the word's low 9 bits as an fp32 number (bit pattern)
+//   high = (word >> 9) 2^-23 - 2^-9      its high 23 bits, less the 2^-9 of low (one exact addition)
+//   partial  = rd(rest + low s)          one fma, rounded down
+//   dithered = rd(partial + high s)      one fma, rounded down: low s + high s = word 2^-32 s
+//   sum = rz(floor_sum + dithered)       floor_sum, or floor_sum + s where dithered >= s
+// Why the two rounded-down sums decide exactly: with C = s - high s = s (2 + 2^-9 - H) (H = 1 +
+// (word >> 9) 2^-23) an fp32 number (23 significant bits at s 2^-23, s >= 2^-126),
+// dithered >= s  <=>  partial + high s >= s  <=>  partial >= C  <=>  rest + low s >= C
+// <=>  rest + word 2^-32 s >= s, because a number rounded down reaches an fp32 number exactly when
+// the number itself does. dithered lies in [0, 2 s) (low s >= 2^-9 s covers a negative high s),
+// so the last sum adds s to floor_sum exactly when the word rounds up, and the code follows from
+// sum's bit pattern as in fp4_nearest_even_unscaled_biased (same bias, same word offset). Valid for
+// -125 <= e <= 102 (s >= 2^-126; magic and the sums finite). Nine fp32 operations and about six
+// integer ones per element, where the scaled encoder (fp4_locate, fp4_round) spends about twenty
+// integer ones; on sm_90 the integer pipe takes a warp's instruction every other cycle, the fp32
+// pipes one per cycle, and it is the integer pipe that limits the fused kernel.
+MXSCOPE_HD constexpr bool fp4_stochastic_covers(int exponent) { return exponent >= -125 && exponent <= 102; }
+
+// Directed roundings of fp32 operations: one instruction each in CUDA device code; elsewhere the
+// exact result s + err (fp64 TwoSum; the product of two fp32 numbers is exact in fp64) rounded to
+// the fp32 number at or below it. Rounding toward zero is rounding down for the nonnegative sums
+// the encoder forms. Finite results below 2^128 only.
+namespace detail {
+MXSCOPE_HD constexpr float round_down(double sum, double error) {
+  float out = static_cast<float>(sum);  // nearest: the wanted number or the one above it
+  if (static_cast<double>(out) > sum || (static_cast<double>(out) == sum && error < 0)) {
+    const std::uint32_t bits = core::float_bits(out);
+    out = (bits & 0x7fffffffU) == 0 ? core::bits_float(0x80000001U)
+                                    : core::bits_float((bits >> 31) != 0 ? bits + 1 : bits - 1);
+  }
+  return out;
+}
+
+MXSCOPE_HD constexpr float add_down(double a, double b) {
+  const double sum = a + b;
+  const double b_part = sum - a;
+  return round_down(sum, (a - (sum - b_part)) + (b - b_part));
+}
+}  // namespace detail
+
+MXSCOPE_HD constexpr float add_toward_zero(float a, float b) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) return __fadd_rz(a, b);
+#endif
+  return detail::add_down(a, b);  // nonnegative sums here
+}
+
+MXSCOPE_HD constexpr float fma_down(float a, float b, float c) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) return __fmaf_rd(a, b, c);
+#endif
+  return detail::add_down(static_cast<double>(a) * static_cast<double>(b), c);
+}
+
+// The fp32 number 2^-9 + (word & 511) 2^-32 and the bit pattern of 1 + (word >> 9) 2^-23.
+MXSCOPE_HD constexpr float fp4_dither_low(std::uint32_t word) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {  // one three-input logic operation, not two
+    std::uint32_t bits = 0;
+    asm("lop3.b32 %0, %1, 0x1ff, %2, 0xEA;" : "=r"(bits) : "r"(word), "r"(0x3b000000U));
+    return core::bits_float(bits);
+  }
+#endif
+  return core::bits_float(0x3b000000U | (word & 0x1ffU));
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_dither_high_bits(std::uint32_t word) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) return __funnelshift_r(word, 0x7fU, 9);  // one funnel shift
+#endif
+  return 0x3f800000U | (word >> 9);
+}
+
+// The code less fp4_unscaled_offset(block), modulo 2^32, as fp4_nearest_even_unscaled_biased.
+// `clamped` is min(|v|, six); `word` the element's Philox word.
+MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled_biased(float clamped, std::uint32_t word,
+                                                                  fp4_unscaled block) {
+  std::uint32_t binade = core::float_bits(clamped) & 0x7f800000U;
+  binade = binade > block.one ? binade : block.one;
+  const float b = core::bits_float(binade);
+  const float magic = b * 4194304.0f;  // 2^22 b
+  const float spacing = b * 0.5f;
+  const float floor_sum = add_toward_zero(clamped, magic);
+  const float rest = clamped - (floor_sum - magic);
+  const float high = core::bits_float(fp4_dither_high_bits(word)) - 1.001953125f;  // - (1 + 2^-9)
+  const float partial = fma_down(fp4_dither_low(word), spacing, rest);
+  const float dithered = fma_down(high, spacing, partial);
+  const float sum = add_toward_zero(floor_sum, dithered);
+  return core::float_bits(sum) - binade + (binade >> 22);
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled(float magnitude, std::uint32_t word, fp4_unscaled block) {
+  const float clamped = magnitude < block.six ? magnitude : block.six;
+  return fp4_stochastic_unscaled_biased(clamped, word, block) + fp4_unscaled_offset(block);
 }
 
 // The same encoder on two bf16 magnitudes at once, for bf16 input without rotation: each 32-bit
@@ -382,6 +488,26 @@ MXSCOPE_HD constexpr core::encoded fp4_encode_unscaled(float value, int exponent
   return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
 }
 
+// fp4_encode's sr code (32 random bits) through fp4_stochastic_unscaled (the fused kernel's
+// composition where it applies), for the tests.
+MXSCOPE_HD constexpr core::encoded fp4_encode_stochastic(float value, int exponent, std::uint32_t word) {
+  const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);
+  const fp4_unscaled block = fp4_unscaled_constants(exponent);
+  const std::uint32_t code = fp4_stochastic_unscaled(magnitude, word, block);
+  const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
+  return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
+}
+
+static_assert(fp4_encode_stochastic(1.25f, 0, 0x7fffffffU).code == 2 &&   // F = 1/2: stays below...
+              fp4_encode_stochastic(1.25f, 0, 0x80000000U).code == 3 &&   // ...until the word reaches 2^31
+              fp4_encode_stochastic(0.0f, 0, 0xffffffffU).code == 0 &&    // F = 0 never rounds up
+              fp4_encode_stochastic(6.0f, 0, 0xffffffffU).code == 7 &&
+              fp4_encode_stochastic(-5.0f, 0, 0x7fffffffU).code == 0xE &&  // 5 = 4 + 1/2 of the spacing 2
+              fp4_encode_stochastic(-5.0f, 0, 0x80000000U).code == 0xF &&
+              fp4_encode_stochastic(100.0f, 0, 0xffffffffU).saturated &&
+              fp4_encode_stochastic(0x1p-40f, 0, 0xffffffffU).code == 0 &&  // F 2^32 = 2^-7: floor 0
+              fp4_encode_stochastic(0x1p-33f, 0, 0xffffffffU).code == 1 &&  // F 2^32 = 1: 1 + word = 2^32
+              fp4_encode_stochastic(0x1p-33f, 0, 0xfffffffeU).code == 0);
 static_assert(fp4_encode_unscaled(0.25f, 0).code == 0 && fp4_encode_unscaled(0.75f, 0).code == 2 &&
               fp4_encode_unscaled(-1.25f, 0).code == 0xA && fp4_encode_unscaled(1.75f, 0).code == 4 &&
               fp4_encode_unscaled(20.0f, 2).code == 6 && fp4_encode_unscaled(14.0f, 1).code == 7 &&

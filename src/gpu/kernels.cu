@@ -89,6 +89,27 @@ __device__ inline double canonical_nan_double() { return core_ns::bits_double(do
 __device__ inline float canonical(float value) { return value != value ? canonical_nan_float() : value; }
 __device__ inline double canonical(double value) { return value != value ? canonical_nan_double() : value; }
 __device__ inline bool is_finite(float value) { return (core_ns::float_bits(value) & 0x7f800000U) != 0x7f800000U; }
+
+// count + (magnitude > limit): a compare and a predicated add on CUDA (nvcc made it three
+// instructions, an add, a predicated move and the compare).
+__device__ inline void count_above(unsigned& count, float magnitude, float limit) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, %2;\n @p add.u32 %0, %0, 1;\n}" : "+r"(count) : "f"(magnitude), "f"(limit));
+#else
+  count += magnitude > limit ? 1U : 0U;
+#endif
+}
+
+// The larger of a and b, NaN if either is NaN (one instruction on sm_80 and later).
+__device__ inline float max_or_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP__)
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
+  return out;
+#else
+  return a != a || b != b ? canonical_nan_float() : (a > b ? a : b);
+#endif
+}
 __device__ inline bool is_finite(double value) {
   return (core_ns::double_bits(value) & 0x7ff0000000000000ULL) != 0x7ff0000000000000ULL;
 }
@@ -615,7 +636,8 @@ constexpr int fused_block = 32;
 
 enum class fused_encoder {
   fp4_nearest_even,  // fp4, rne: fast_encode::fp4_nearest_even
-  fp4_by_carry,      // fp4, rna, rtz or sr: fast_encode::fp4_locate and fp4_round
+  fp4_stochastic,    // fp4, sr with 32 random bits: fast_encode::fp4_stochastic_unscaled
+  fp4_by_carry,      // fp4, rna, rtz or sr with fewer bits: fast_encode::fp4_locate and fp4_round
   any_format,        // the other formats: fast_encode::quantize_finite (float formats) or the core (int8)
 };
 
@@ -831,12 +853,16 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
       largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
       smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
     } else {
+      // As fp32 values: one instruction each per element (the absolute value is an operand
+      // modifier); NaN propagates into the maximum, inf is the largest value anyway.
+      float high = 0.0f, low = core_ns::bits_float(0x7F800000U);
 #pragma unroll
       for (int i = 0; i < fused_block; ++i) {
-        const std::uint32_t magnitude = core_ns::float_bits(v[i]) & 0x7FFFFFFFU;
-        largest = largest > magnitude ? largest : magnitude;
-        smallest = smallest < magnitude ? smallest : magnitude;
+        high = max_or_nan(high, fabsf(v[i]));
+        low = fminf(low, fabsf(v[i]));
       }
+      largest = core_ns::float_bits(high);
+      smallest = core_ns::float_bits(low);
     }
     if constexpr (folded > 0) largest = core_ns::float_bits(core_ns::bits_float(largest) * 0.25f);  // exact
     unsigned nonzero = fused_block;  // v != 0, NaN included
@@ -860,9 +886,13 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
       const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
       output.scales[g] = core_ns::scale_code(exponent);
       bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
+      bool stochastic_unscaled = false;  // sr codes from the unscaled encoder
       if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
         if (fast_encode::fp4_unscaled_covers(exponent + folded)) unscaled = true;
         if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
+      }
+      if constexpr (Encoder == fused_encoder::fp4_stochastic) {
+        stochastic_unscaled = fast_encode::fp4_stochastic_covers(exponent + folded);
       }
       if (packed_bf16) {
         // bf16 without rotation: fast_encode::fp4_nearest_even_bf16x2 on the words as read. Piece
@@ -897,7 +927,28 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
           const float magnitude = fabsf(v[i]);
           const float clamped = fminf(magnitude, grid.six);
           words[i / 8] += fast_encode::fp4_nearest_even_unscaled_biased(clamped, grid) << (4 * (i % 8));
-          counts[counter_saturated] += magnitude > grid.six ? 1U : 0U;
+          count_above(counts[counter_saturated], magnitude, grid.six);
+        }
+#pragma unroll
+        for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
+#pragma unroll
+        for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
+      } else if (stochastic_unscaled) {
+        // sr on the unscaled magnitudes (fast_encode::fp4_stochastic_unscaled): packed, offset and
+        // signed as the rne branch above; element 4 q + w draws word w of Philox block 8 g + q.
+        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
+        const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
+#pragma unroll
+        for (int q = 0; q < fused_block / 4; ++q) {
+          const core_ns::philox_block random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const int i = 4 * q + w;
+            const float magnitude = fabsf(v[i]);
+            const float clamped = fminf(magnitude, grid.six);
+            words[i / 8] += fast_encode::fp4_stochastic_unscaled_biased(clamped, random.word[w], grid) << (4 * (i % 8));
+            count_above(counts[counter_saturated], magnitude, grid.six);
+          }
         }
 #pragma unroll
         for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
@@ -908,7 +959,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
           core_ns::philox_block random{};
-          if (Encoder == fused_encoder::fp4_by_carry && stochastic)
+          if (Encoder != fused_encoder::fp4_nearest_even && stochastic)
             random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
@@ -924,7 +975,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
               code = fast_encode::fp4_round(position, fast_encode::fp4_round_addend(plan.rounding, position.floor_code,
                                                                                     random.word[w], random_mask));
             }
-            counts[counter_saturated] += magnitude > 6.0f ? 1U : 0U;
+            count_above(counts[counter_saturated], magnitude, 6.0f);
             code |= (core_ns::float_bits(scaled) >> 31) << 3;
             words[i / 8] |= code << (4 * (i % 8));
           }
@@ -1003,6 +1054,8 @@ void launch_fused_for_kind(const Input* input, std::int64_t rows, std::int64_t c
     launch_fused_encoder<Input, Rotation, fused_encoder::any_format>(input, rows, cols, plan, signs, output);
   } else if (plan.rounding == core_ns::rounding_mode::rne) {
     launch_fused_encoder<Input, Rotation, fused_encoder::fp4_nearest_even>(input, rows, cols, plan, signs, output);
+  } else if (plan.rounding == core_ns::rounding_mode::sr && plan.sr_bits == 32) {
+    launch_fused_encoder<Input, Rotation, fused_encoder::fp4_stochastic>(input, rows, cols, plan, signs, output);
   } else {
     launch_fused_encoder<Input, Rotation, fused_encoder::fp4_by_carry>(input, rows, cols, plan, signs, output);
   }
@@ -1132,9 +1185,17 @@ __global__ void encoder_self_test_kernel(element_kind kind, core_ns::rounding_mo
     const core_ns::encoded got = fast_encode::quantize_finite(constants, value, exponent, mode, word, sr_bits);
     const float want_value = static_cast<float>(core_ns::dequantize_element(kind, want.code, exponent));
     const float got_value = fast_encode::dequantize(constants, got.code, exponent);
+    // The fused kernel's fp4 sr encoder (32 bits) too, where it applies: its directed roundings are
+    // the device's own instructions here.
+    core_ns::encoded stochastic = want;
+    if (kind == element_kind::fp4_e2m1 && mode == core_ns::rounding_mode::sr && sr_bits == 32 &&
+        fast_encode::fp4_stochastic_covers(exponent)) {
+      stochastic = fast_encode::fp4_encode_stochastic(value, exponent, word);
+    }
     ++checked;
     if (want.code != got.code || want.saturated != got.saturated || want.flushed != got.flushed ||
-        core_ns::float_bits(want_value) != core_ns::float_bits(got_value)) {
+        core_ns::float_bits(want_value) != core_ns::float_bits(got_value) || want.code != stochastic.code ||
+        want.saturated != stochastic.saturated || want.flushed != stochastic.flushed) {
       ++mismatches;
       if (pattern < first_mismatch) first_mismatch = pattern;
     }

@@ -685,27 +685,31 @@ void quantize_fused(bool small) {
       }
     }
   }
-  // The fp4 rne encoders, in the small set too: the halfword one (bf16 without rotation), the
-  // unscaled one (fp32, or after a rotation) and the scaled one (blocks outside their exponent
-  // ranges, which the extreme inputs reach), on every input kind; odd row counts, several tiles.
-  for (int kind_index = 0; kind_index < test_inputs::value_kind_count; ++kind_index) {
-    for (const int rotation_size : {0, 16}) {
-      for (const bool bf16 : {true, false}) {
-        ++index;
-        const std::uint64_t seed = next_seed();
-        const value_kind kind = static_cast<value_kind>(kind_index);
-        const std::int64_t rows = 37, cols = 32 * (17 + index % 5);
-        const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
-        const auto options =
-            mx_options(0, 32, 1, core::rounding_mode::rne, static_cast<core::scale_rule>(index % 3), 32, seed + 1);
-        mxscope::rotation_options rotation;
-        rotation.size = rotation_size;
-        rotation.signs = rotation_size == 0 ? mxscope::sign_policy::none : mxscope::sign_policy::fixed;
-        rotation.seed = seed + 2;
-        const std::string name = std::string("quantize fused mxfp4 rne encoders H") + std::to_string(rotation_size) +
-                                 (bf16 ? " bf16 " : " fp32 ") + std::to_string(rows) + "x" + std::to_string(cols) +
-                                 " " + std::string(test_inputs::value_kind_name(kind));
-        run_case(name, [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::fused); });
+  // The fp4 rne and sr encoders, in the small set too: for rne the halfword one (bf16 without
+  // rotation), for both the unscaled one (fp32, or after a rotation) and the scaled one (blocks
+  // outside their exponent ranges, which the extreme inputs reach), on every input kind; odd row
+  // counts, several tiles.
+  for (const core::rounding_mode rounding : {core::rounding_mode::rne, core::rounding_mode::sr}) {
+    for (int kind_index = 0; kind_index < test_inputs::value_kind_count; ++kind_index) {
+      for (const int rotation_size : {0, 16}) {
+        for (const bool bf16 : {true, false}) {
+          ++index;
+          const std::uint64_t seed = next_seed();
+          const value_kind kind = static_cast<value_kind>(kind_index);
+          const std::int64_t rows = 37, cols = 32 * (17 + index % 5);
+          const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
+          const auto options =
+              mx_options(0, 32, 1, rounding, static_cast<core::scale_rule>(index % 3), 32, seed + 1);
+          mxscope::rotation_options rotation;
+          rotation.size = rotation_size;
+          rotation.signs = rotation_size == 0 ? mxscope::sign_policy::none : mxscope::sign_policy::fixed;
+          rotation.seed = seed + 2;
+          const std::string name = std::string("quantize fused mxfp4 ") + rounding_names[static_cast<int>(rounding)] +
+                                   " encoders H" + std::to_string(rotation_size) + (bf16 ? " bf16 " : " fp32 ") +
+                                   std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                                   std::string(test_inputs::value_kind_name(kind));
+          run_case(name, [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::fused); });
+        }
       }
     }
   }
