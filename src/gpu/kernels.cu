@@ -784,8 +784,8 @@ constexpr int fused_blocks_per_multiprocessor = Encoder == fused_encoder::any_fo
 
 template <class Input, int Rotation, fused_encoder Encoder>
 __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rotation, Encoder>))
-    mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan, const float* signs,
-                    mx_device_output output) {
+    mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                    core_ns::philox_keys keys, const float* signs, mx_device_output output) {
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
   // bf16 input rotated by H16 (fp4 encoders): v keeps the Hadamard sums s, without the factor
@@ -940,7 +940,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
-          const core_ns::philox_block random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
+          const core_ns::philox_block random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
@@ -960,7 +960,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         for (int q = 0; q < fused_block / 4; ++q) {
           core_ns::philox_block random{};
           if (Encoder != fused_encoder::fp4_nearest_even && stochastic)
-            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
+            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
@@ -997,7 +997,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
           core_ns::philox_block random{};
-          if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q);
+          if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
@@ -1043,8 +1043,9 @@ void launch_fused_encoder(const Input* input, std::int64_t rows, std::int64_t co
   const unsigned tiles = grid_for(rows * (cols / fused_block));  // threads_per_block MX blocks each
   const unsigned waves = 4U * static_cast<unsigned>(multiprocessor_count()) *
                          static_cast<unsigned>(fused_blocks_per_multiprocessor<Input, Rotation, Encoder>);
+  // The Philox round keys go in as a parameter: the rounds read them as constant operands.
   runtime::launch(mx_fused_kernel<Input, Rotation, Encoder>, std::min(tiles, waves), threads_per_block, 0, input, rows,
-                  cols, plan, signs, output);
+                  cols, plan, plan.stream.round_keys(), signs, output);
 }
 
 template <class Input, int Rotation>
