@@ -872,7 +872,7 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
     }
     counts[counter_nonzero] += nonzero;
     std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
-    bool unscaled = false;  // rne codes from the unscaled encoder
+    bool unscaled = false;  // rne or sr codes from an unscaled encoder
     if (largest >= 0x7F800000U) {
 #pragma unroll
       for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
@@ -886,14 +886,11 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
       const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
       output.scales[g] = core_ns::scale_code(exponent);
       bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
-      bool stochastic_unscaled = false;  // sr codes from the unscaled encoder
       if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
-        if (fast_encode::fp4_unscaled_covers(exponent + folded)) unscaled = true;
+        unscaled = fast_encode::fp4_unscaled_covers(exponent + folded);
         if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
       }
-      if constexpr (Encoder == fused_encoder::fp4_stochastic) {
-        stochastic_unscaled = fast_encode::fp4_stochastic_covers(exponent + folded);
-      }
+      if constexpr (Encoder == fused_encoder::fp4_stochastic) unscaled = fast_encode::fp4_stochastic_covers(exponent + folded);
       if (packed_bf16) {
         // bf16 without rotation: fast_encode::fp4_nearest_even_bf16x2 on the words as read. Piece
         // j holds elements 8 j .. 8 j + 7, word w of it elements 8 j + 2 w (low half) and
@@ -917,36 +914,31 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
         }
         counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
       } else if (unscaled) {
-        // rne on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled): no scaling
-        // multiply, no cap. The biased codes are packed by additions, each word then gets its
-        // offsets once (fast_encode::fp4_unscaled_word_offset), and the signs go in from v's bits.
-        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
-        const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
-#pragma unroll
-        for (int i = 0; i < fused_block; ++i) {
-          const float magnitude = fabsf(v[i]);
-          const float clamped = fminf(magnitude, grid.six);
-          words[i / 8] += fast_encode::fp4_nearest_even_unscaled_biased(clamped, grid) << (4 * (i % 8));
-          count_above(counts[counter_saturated], magnitude, grid.six);
-        }
-#pragma unroll
-        for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
-#pragma unroll
-        for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
-      } else if (stochastic_unscaled) {
-        // sr on the unscaled magnitudes (fast_encode::fp4_stochastic_unscaled): packed, offset and
-        // signed as the rne branch above; element 4 q + w draws word w of Philox block 8 g + q.
+        // rne or sr on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
+        // fp4_stochastic_unscaled): no scaling multiply, no cap. The biased codes are packed by
+        // additions, each word then gets its offsets once (fast_encode::fp4_unscaled_word_offset),
+        // and the signs go in from v's bits. For sr, element 4 q + w draws word w of Philox block
+        // 8 g + q.
         const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
         const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
-          const core_ns::philox_block random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+          core_ns::philox_block random{};
+          if constexpr (Encoder == fused_encoder::fp4_stochastic) {
+            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+          }
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
             const float magnitude = fabsf(v[i]);
             const float clamped = fminf(magnitude, grid.six);
-            words[i / 8] += fast_encode::fp4_stochastic_unscaled_biased(clamped, random.word[w], grid) << (4 * (i % 8));
+            std::uint32_t biased = 0;
+            if constexpr (Encoder == fused_encoder::fp4_stochastic) {
+              biased = fast_encode::fp4_stochastic_unscaled_biased(clamped, random.word[w], grid);
+            } else {
+              biased = fast_encode::fp4_nearest_even_unscaled_biased(clamped, grid);
+            }
+            words[i / 8] += biased << (4 * (i % 8));
             count_above(counts[counter_saturated], magnitude, grid.six);
           }
         }
