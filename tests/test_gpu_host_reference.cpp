@@ -207,6 +207,28 @@ constexpr mode_case encoder_modes[] = {{core::rounding_mode::rne, 32}, {core::ro
                                        {core::rounding_mode::rtz, 32}, {core::rounding_mode::sr, 32},
                                        {core::rounding_mode::sr, 9},   {core::rounding_mode::sr, 1}};
 
+// Whether a fast encoder's result is the core's (code, saturation and flush flags), both printed
+// where not; the caller adds the input.
+::testing::AssertionResult same_encoding(const core::encoded& want, const core::encoded& got) {
+  if (want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "core code " << hex(want.code) << " saturated " << want.saturated
+                                       << " flushed " << want.flushed << ", fast code " << hex(got.code)
+                                       << " saturated " << got.saturated << " flushed " << got.flushed;
+}
+
+// sweep_fp4_encoder over the block exponents an encoder covers (first..last, as `covers` says; the
+// given ones must be among them and the two next to the range must not).
+template <class Covers, class Check>
+void sweep_covered_exponents(std::mt19937_64& random, const Covers& covers, std::initializer_list<int> exponents,
+                             int first, int last, const Check& check) {
+  EXPECT_FALSE(covers(first - 1));
+  EXPECT_FALSE(covers(last + 1));
+  for (const int exponent : exponents) ASSERT_TRUE(covers(exponent)) << "exponent " << exponent;
+  sweep_fp4_encoder(random, exponents, first, last, check);
+}
+
 }  // namespace
 
 // The fused GPU quantizer's element encoder (src/gpu/fast_encode.hpp, integer arithmetic on the fp32
@@ -234,12 +256,10 @@ TEST(GpuHostReference, FastElementEncoderMatchesCore) {
           const auto got =
               mxscope::gpu::fast_encode::quantize_finite(constants, value, exponent, m.mode, word, m.sr_bits);
           ++checked;
-          ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
+          ASSERT_TRUE(same_encoding(want, got))
               << core::spec(kind).name << " mode " << static_cast<int>(m.mode) << " sr_bits " << m.sr_bits
               << " exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value)) << ") word "
-              << hex(word) << ": core code " << hex(want.code) << " saturated " << want.saturated << " flushed "
-              << want.flushed << ", fast code " << hex(got.code) << " saturated " << got.saturated << " flushed "
-              << got.flushed;
+              << hex(word);
         }
       }
     }
@@ -276,11 +296,9 @@ TEST(GpuHostReference, Fp4EncodersMatchCore) {
         const auto want = core::quantize_element(kind, value, exponent, m.mode, word, m.sr_bits);
         const auto got = mxscope::gpu::fast_encode::fp4_encode(value, exponent, m.mode, word, m.sr_bits);
         ++checked;
-        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
-            << "mode " << static_cast<int>(m.mode) << " sr_bits " << m.sr_bits << " exponent " << exponent
-            << " value " << value << " (" << hex(core::float_bits(value)) << ") word " << hex(word) << ": core code "
-            << hex(want.code) << " saturated " << want.saturated << " flushed " << want.flushed << ", fp4 code "
-            << hex(got.code) << " saturated " << got.saturated << " flushed " << got.flushed;
+        ASSERT_TRUE(same_encoding(want, got)) << "mode " << static_cast<int>(m.mode) << " sr_bits " << m.sr_bits
+                                              << " exponent " << exponent << " value " << value << " ("
+                                              << hex(core::float_bits(value)) << ") word " << hex(word);
       }
     }
   };
@@ -304,23 +322,18 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
       const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::rne, 0, 32);
       const auto got = fast::fp4_encode_unscaled(value, exponent);
       ++checked;
-      ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
-          << "exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value))
-          << "): core code " << hex(want.code) << " saturated " << want.saturated << " flushed " << want.flushed
-          << ", unscaled code " << hex(got.code) << " saturated " << got.saturated << " flushed " << got.flushed;
+      ASSERT_TRUE(same_encoding(want, got))
+          << "exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value)) << ")";
     }
   };
-  EXPECT_FALSE(fast::fp4_unscaled_covers(-127));
-  EXPECT_FALSE(fast::fp4_unscaled_covers(103));
-  const std::initializer_list<int> exponents = {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102};
-  for (const int exponent : exponents) ASSERT_TRUE(fast::fp4_unscaled_covers(exponent));
-  sweep_fp4_encoder(random, exponents, -126, 102, check);
+  sweep_covered_exponents(random, fast::fp4_unscaled_covers,
+                          {-126, -125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -126, 102, check);
   if (HasFatalFailure()) return;
   EXPECT_GT(checked, 2000000);
 }
 
 // The fused kernel's sr encoder on unscaled magnitudes (fast_encode::fp4_stochastic_unscaled,
-// composed by fp4_encode_stochastic; 32 random bits) against core::quantize_element over the block
+// composed by fp4_encode_unscaled; 32 random bits) against core::quantize_element over the block
 // exponents it covers (-125..102): the sweep of the other fp4 encoder tests, each value with a
 // random word, the extreme words and the two words on either side of its rounding threshold (the
 // word where floor(F 2^32) + word reaches 2^32, found from fp4_locate's fraction; the core decides
@@ -340,25 +353,19 @@ TEST(GpuHostReference, UnscaledStochasticFp4EncoderMatchesCore) {
                                      threshold - 1U, threshold};
       for (const std::uint32_t word : words) {
         const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
-        const auto got = fast::fp4_encode_stochastic(value, exponent, word);
+        const auto got = fast::fp4_encode_unscaled(value, exponent, true, word);
         ++checked;
         if (word == threshold && fraction != 0) {
           threshold_ups += (want.code & 7U) !=
                            (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
         }
-        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
-            << "exponent " << exponent << " value " << value << " (" << hex(core::float_bits(value)) << ") word "
-            << hex(word) << ": core code " << hex(want.code) << " saturated " << want.saturated << " flushed "
-            << want.flushed << ", stochastic code " << hex(got.code) << " saturated " << got.saturated
-            << " flushed " << got.flushed;
+        ASSERT_TRUE(same_encoding(want, got)) << "exponent " << exponent << " value " << value << " ("
+                                              << hex(core::float_bits(value)) << ") word " << hex(word);
       }
     }
   };
-  EXPECT_FALSE(fast::fp4_stochastic_covers(-126));
-  EXPECT_FALSE(fast::fp4_stochastic_covers(103));
-  const std::initializer_list<int> exponents = {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102};
-  for (const int exponent : exponents) ASSERT_TRUE(fast::fp4_stochastic_covers(exponent));
-  sweep_fp4_encoder(random, exponents, -125, 102, check);
+  sweep_covered_exponents(random, fast::fp4_stochastic_covers,
+                          {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -125, 102, check);
   if (HasFatalFailure()) return;
   EXPECT_GT(checked, 10000000);
   EXPECT_GT(threshold_ups, 100000);
@@ -390,11 +397,9 @@ TEST(GpuHostReference, HalfwordFp4EncoderMatchesCore) {
         if ((other & 0x7f80U) == 0x7f80U) other &= 0x807fU;
         const auto got = fast::fp4_encode_bf16x2(value, other, high, exponent);
         ++checked;
-        ASSERT_TRUE(want.code == got.code && want.saturated == got.saturated && want.flushed == got.flushed)
-            << "exponent " << exponent << " bf16 " << hex(value) << (high ? " (high half" : " (low half")
-            << ", other " << hex(other) << "): core code " << hex(want.code) << " saturated " << want.saturated
-            << " flushed " << want.flushed << ", halfword code " << hex(got.code) << " saturated " << got.saturated
-            << " flushed " << got.flushed;
+        ASSERT_TRUE(same_encoding(want, got)) << "exponent " << exponent << " bf16 " << hex(value)
+                                              << (high ? " (high half" : " (low half") << ", other " << hex(other)
+                                              << ")";
       }
     }
   }

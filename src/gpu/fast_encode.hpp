@@ -350,9 +350,20 @@ MXSCOPE_HD constexpr fp4_unscaled_bf16x2 fp4_unscaled_bf16x2_constants(int expon
 // single rounding of the exact sum for this encoder's operands: where c has bits below the fp32
 // ulp of magic, c < 2^-14 magic is below half a bf16 ulp of magic and both give magic; otherwise
 // the fp32 sum is exact.
-// The portable halfword maximum (Larger) or minimum.
+// The halfword unsigned maximum (Larger) or minimum: one instruction on sm_90, else per half.
 template <bool Larger>
 MXSCOPE_HD constexpr std::uint32_t pick_u16x2(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {
+    std::uint32_t r = 0;
+    if constexpr (Larger) {
+      asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    } else {
+      asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    }
+    return r;
+  }
+#endif
   std::uint32_t out = 0;
   for (int shift = 0; shift < 32; shift += 16) {
     const std::uint32_t x = (a >> shift) & 0xffffU, y = (b >> shift) & 0xffffU;
@@ -361,27 +372,8 @@ MXSCOPE_HD constexpr std::uint32_t pick_u16x2(std::uint32_t a, std::uint32_t b) 
   return out;
 }
 
-MXSCOPE_HD constexpr std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
-  if (!__builtin_is_constant_evaluated()) {
-    std::uint32_t r = 0;
-    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-#endif
-  return pick_u16x2<true>(a, b);
-}
-
-MXSCOPE_HD constexpr std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
-  if (!__builtin_is_constant_evaluated()) {
-    std::uint32_t r = 0;
-    asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-  }
-#endif
-  return pick_u16x2<false>(a, b);
-}
+MXSCOPE_HD constexpr std::uint32_t max_u16x2(std::uint32_t a, std::uint32_t b) { return pick_u16x2<true>(a, b); }
+MXSCOPE_HD constexpr std::uint32_t min_u16x2(std::uint32_t a, std::uint32_t b) { return pick_u16x2<false>(a, b); }
 
 MXSCOPE_HD constexpr std::uint32_t add_bf16x2(std::uint32_t a, std::uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
@@ -478,36 +470,29 @@ MXSCOPE_HD constexpr core::encoded fp4_encode(float value, int exponent, core::r
   return {static_cast<std::uint8_t>(code | sign), scaled > 6.0f, code == 0 && magnitude != 0.0f};
 }
 
-// fp4_encode's rne code through fp4_nearest_even_unscaled where it applies (the fused kernel's
+// fp4_encode's rne code through fp4_nearest_even_unscaled, or with `stochastic` its sr code (32
+// random bits, `word`) through fp4_stochastic_unscaled, where they apply (the fused kernel's
 // composition), for the tests.
-MXSCOPE_HD constexpr core::encoded fp4_encode_unscaled(float value, int exponent) {
+MXSCOPE_HD constexpr core::encoded fp4_encode_unscaled(float value, int exponent, bool stochastic = false,
+                                                       std::uint32_t word = 0) {
   const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);
   const fp4_unscaled block = fp4_unscaled_constants(exponent);
-  const std::uint32_t code = fp4_nearest_even_unscaled(magnitude, block);
+  const std::uint32_t code =
+      stochastic ? fp4_stochastic_unscaled(magnitude, word, block) : fp4_nearest_even_unscaled(magnitude, block);
   const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
   return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
 }
 
-// fp4_encode's sr code (32 random bits) through fp4_stochastic_unscaled (the fused kernel's
-// composition where it applies), for the tests.
-MXSCOPE_HD constexpr core::encoded fp4_encode_stochastic(float value, int exponent, std::uint32_t word) {
-  const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);
-  const fp4_unscaled block = fp4_unscaled_constants(exponent);
-  const std::uint32_t code = fp4_stochastic_unscaled(magnitude, word, block);
-  const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
-  return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
-}
-
-static_assert(fp4_encode_stochastic(1.25f, 0, 0x7fffffffU).code == 2 &&   // F = 1/2: stays below...
-              fp4_encode_stochastic(1.25f, 0, 0x80000000U).code == 3 &&   // ...until the word reaches 2^31
-              fp4_encode_stochastic(0.0f, 0, 0xffffffffU).code == 0 &&    // F = 0 never rounds up
-              fp4_encode_stochastic(6.0f, 0, 0xffffffffU).code == 7 &&
-              fp4_encode_stochastic(-5.0f, 0, 0x7fffffffU).code == 0xE &&  // 5 = 4 + 1/2 of the spacing 2
-              fp4_encode_stochastic(-5.0f, 0, 0x80000000U).code == 0xF &&
-              fp4_encode_stochastic(100.0f, 0, 0xffffffffU).saturated &&
-              fp4_encode_stochastic(0x1p-40f, 0, 0xffffffffU).code == 0 &&  // F 2^32 = 2^-7: floor 0
-              fp4_encode_stochastic(0x1p-33f, 0, 0xffffffffU).code == 1 &&  // F 2^32 = 1: 1 + word = 2^32
-              fp4_encode_stochastic(0x1p-33f, 0, 0xfffffffeU).code == 0);
+static_assert(fp4_encode_unscaled(1.25f, 0, true, 0x7fffffffU).code == 2 &&   // F = 1/2: stays below...
+              fp4_encode_unscaled(1.25f, 0, true, 0x80000000U).code == 3 &&   // ...until the word reaches 2^31
+              fp4_encode_unscaled(0.0f, 0, true, 0xffffffffU).code == 0 &&    // F = 0 never rounds up
+              fp4_encode_unscaled(6.0f, 0, true, 0xffffffffU).code == 7 &&
+              fp4_encode_unscaled(-5.0f, 0, true, 0x7fffffffU).code == 0xE &&  // 5 = 4 + 1/2 of the spacing 2
+              fp4_encode_unscaled(-5.0f, 0, true, 0x80000000U).code == 0xF &&
+              fp4_encode_unscaled(100.0f, 0, true, 0xffffffffU).saturated &&
+              fp4_encode_unscaled(0x1p-40f, 0, true, 0xffffffffU).code == 0 &&  // F 2^32 = 2^-7: floor 0
+              fp4_encode_unscaled(0x1p-33f, 0, true, 0xffffffffU).code == 1 &&  // F 2^32 = 1: 1 + word = 2^32
+              fp4_encode_unscaled(0x1p-33f, 0, true, 0xfffffffeU).code == 0);
 static_assert(fp4_encode_unscaled(0.25f, 0).code == 0 && fp4_encode_unscaled(0.75f, 0).code == 2 &&
               fp4_encode_unscaled(-1.25f, 0).code == 0xA && fp4_encode_unscaled(1.75f, 0).code == 4 &&
               fp4_encode_unscaled(20.0f, 2).code == 6 && fp4_encode_unscaled(14.0f, 1).code == 7 &&
