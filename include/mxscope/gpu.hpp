@@ -244,6 +244,17 @@ std::string_view gemm_path_name(gemm_path path);
 bool gemm_path_covers(gemm_path path, core::element_kind a, core::element_kind b, int block,
                       const accumulation_model& model);
 
+// The kernel behind the tensor-core path's fp32-block products (both give the same bits):
+// - mma_sync: mma.sync m16n8k32 s8 (sm_80 or newer), the automatic choice (the faster on the H200);
+// - wgmma: the asynchronous warpgroup MMA (wgmma m64n64k32 s8) of an sm_90a build on an sm_90
+//   device (H100, H200); docs/gpu.md and BENCHMARKS.md say where it stands.
+// The choice is process-wide (tests and benchmarks set it); the exact model keeps its own kernel.
+enum class tensor_core_kernel : std::uint8_t { automatic, mma_sync, wgmma };
+std::string_view tensor_core_kernel_name(tensor_core_kernel kernel);
+bool tensor_core_kernel_available(tensor_core_kernel kernel);
+void select_tensor_core_kernel(tensor_core_kernel kernel);
+tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what products run now
+
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
 // contiguous) for one path; reusable across products.
 class prepared_operand {

@@ -12,6 +12,7 @@
 //    -ffp-contract=off), and fp32 arithmetic keeps subnormals (no flush to zero).
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1409,7 +1410,48 @@ bool tensor_cores_present() {
 #endif
 }
 
+bool wgmma_present();  // below, next to the kernels
+
+std::atomic<tensor_core_kernel> chosen_tensor_core_kernel{tensor_core_kernel::automatic};
+
 }  // namespace
+
+std::string_view tensor_core_kernel_name(tensor_core_kernel kernel) {
+  switch (kernel) {
+    case tensor_core_kernel::automatic:
+      return "automatic";
+    case tensor_core_kernel::mma_sync:
+      return "mma_sync";
+    case tensor_core_kernel::wgmma:
+      return "wgmma";
+  }
+  return "?";
+}
+
+bool tensor_core_kernel_available(tensor_core_kernel kernel) {
+  switch (kernel) {
+    case tensor_core_kernel::automatic:
+    case tensor_core_kernel::mma_sync:
+      return tensor_cores_present();
+    case tensor_core_kernel::wgmma:
+      return wgmma_present();
+  }
+  return false;
+}
+
+void select_tensor_core_kernel(tensor_core_kernel kernel) {
+  if (!tensor_core_kernel_available(kernel)) {
+    throw input_error("gpu gemm: the tensor-core kernel " + std::string(tensor_core_kernel_name(kernel)) +
+                      " is not available in this build on this device");
+  }
+  chosen_tensor_core_kernel.store(kernel);
+}
+
+tensor_core_kernel selected_tensor_core_kernel() {
+  const tensor_core_kernel kernel = chosen_tensor_core_kernel.load();
+  if (kernel != tensor_core_kernel::automatic) return kernel;
+  return tensor_core_kernel::mma_sync;  // the faster of the two on the H200 (BENCHMARKS.md)
+}
 
 bool gemm_path_covers(gemm_path path, element_kind a, element_kind b, int block, const accumulation_model& model) {
   const auto kind = model.kind;
@@ -3212,8 +3254,291 @@ __global__ void __launch_bounds__(tcb_threads, 1)
   }
 }
 
+#if !defined(MXSCOPE_GPU_SIMULATE)
+
+// -------------------------------------------------------------------------------------------
+// The sm_90a fp32-block kernel (tensor_core_wgmma_kernel): the block dots from the asynchronous
+// warpgroup MMA (wgmma.mma_async m64n64k32 s8 x s8 -> s32, both operands read from shared memory
+// through matrix descriptors) and the same two fmas per step as tensor_core_block_kernel. The mma
+// starts from zero (scale-d 0); one integer addition per entry adds tcb_magic, so that the bits
+// read as the fp32 number 1.5 * 2^23 + D.
+//
+// A thread block of two warpgroups computes 128 x 128 entries, each warpgroup 64 rows: 64 fp32
+// accumulators per thread and two sets of 32 s32 dot registers, one per half of the 128 columns.
+// Within a K-block, the mma of the second half runs while the first half is stepped. No mma stays
+// in flight from one K-block to the next: ptxas serializes every mma of a loop whose flight
+// crosses the back edge while registers of other mma are read (C7514), which costs more than the
+// overlap gains. Stages hold four K-blocks, i.e. rows of 128 bytes in the 128-byte swizzle of the
+// descriptors (16-byte chunk c of row r at 128 r + 16 (c ^ (r mod 8)), 1024-byte aligned); they are
+// filled by cp.async, which writes through the generic proxy, so every thread fences the async
+// proxy (fence.proxy.async) before the barrier that hands a stage to the mma.
+
+constexpr int tcw_tile = 128;
+constexpr int tcw_threads = 256;
+constexpr int tcw_stage_blocks = 4;  // 4 x 32 bytes: a 128-byte row
+constexpr int tcw_stages = 4;
+constexpr int tcw_group = 8;  // row tiles per group of the launch order
+
+struct alignas(1024) tcw_stage {
+  std::uint8_t a[tcw_tile * 128];
+  std::uint8_t b[tcw_tile * 128];
+  std::uint32_t a_scales[tcw_stage_blocks][tcw_tile];
+  std::uint32_t b_scales[tcw_stage_blocks][tcw_tile];
+  unsigned slow[tcw_stage_blocks][4];  // per K-block: the A tile's flag, the B tile's, unused
+};
+constexpr std::size_t tcw_shared_bytes = tcw_stages * sizeof(tcw_stage) + 1024;  // + alignment slack
+static_assert(tcw_tile == tc_flag_rows && tc_scale_row_pad % tcw_tile == 0);
+
+__global__ void wgmma_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ inline int tcw_swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// The shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
+// leading byte offset unused (1), stride byte offset 1024 (8 rows of 128 bytes), swizzle mode 1.
+__device__ inline std::uint64_t tcw_descriptor(const void* shared) {
+  const auto address = static_cast<std::uint64_t>(__cvta_generic_to_shared(shared));
+  return ((address & 0x3FFFFULL) >> 4) | (1ULL << 16) | ((1024ULL >> 4) << 32) | (1ULL << 62);
+}
+
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int Pending>
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+__device__ inline void proxy_fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d = A B^T for the 64 x 32 A and 64 x 32 B tiles of the descriptors (s8, s32; scale-d 0).
+__device__ inline void wgmma_s8_m64n64k32(int (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p;\n}\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31])
+      : "l"(a_descriptor), "l"(b_descriptor));
+}
+#endif
+
+__global__ void __launch_bounds__(tcw_threads, 1)
+    tensor_core_wgmma_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
+                             const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,
+                             std::int64_t m, std::int64_t n, std::int64_t stride, std::int64_t padded_m,
+                             std::int64_t padded_n, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
+                             output_rounding output, float* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char tcw_raw[];
+  // 1024-byte aligned by an offset into the array (not an integer cast), so that the compiler
+  // still knows these are shared-memory addresses (LDS, not generic loads).
+  const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcw_raw));
+  tcw_stage* const stages = reinterpret_cast<tcw_stage*>(tcw_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  const int t = threadIdx.x;
+  const int warpgroup = t / 128;
+  const int warp = (t / 32) % 4;
+  const int lane = t % 32;
+  const int tile = static_cast<int>(blockIdx.x);
+  const int group_tiles = tcw_group * static_cast<int>(tiles_n);
+  const int first_row_tile = tile / group_tiles * tcw_group;
+  const int group_rows = min(static_cast<int>(tiles_m) - first_row_tile, tcw_group);
+  const int i0 = (first_row_tile + tile % group_tiles % group_rows) * tcw_tile;
+  const int j0 = tile % group_tiles / group_rows * tcw_tile;
+  const int block_count = static_cast<int>(blocks);
+  const int stage_count = (block_count + tcw_stage_blocks - 1) / tcw_stage_blocks;
+
+  // The copies of one stage: four 16-byte chunks of A and of B (chunk q = t + 256 p: row q / 8,
+  // chunk q % 8, i.e. K-block (q % 8) / 2), one 16-byte chunk of scales, and for 8 threads a flag.
+  // Rows past the end copy the last row; K-blocks past the end are zero-filled.
+  const auto load_stage = [&](int s) {
+    tcw_stage& stage = stages[s % tcw_stages];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int q = t + 256 * p;
+      const int row = q / 8;
+      const int chunk = q % 8;
+      const bool inside = 4 * s + chunk / 2 < block_count;
+      const std::int64_t column = inside ? 128 * static_cast<std::int64_t>(s) + 16 * chunk : 0;
+      copy_async_16(stage.a + tcw_swizzled(row, chunk),
+                    a + std::min<std::int64_t>(i0 + row, m - 1) * stride + column, inside);
+      copy_async_16(stage.b + tcw_swizzled(row, chunk),
+                    b + std::min<std::int64_t>(j0 + row, n - 1) * stride + column, inside);
+    }
+    {
+      const int u = (t % 128) / 32;
+      const int chunk = t % 32;
+      const bool inside = 4 * s + u < block_count;
+      const std::int64_t block = inside ? 4 * s + u : 0;
+      if (t < 128) {
+        copy_async_16(&stage.a_scales[u][4 * chunk], a_scales + block * padded_m + i0 + 4 * chunk, inside);
+      } else {
+        copy_async_16(&stage.b_scales[u][4 * chunk], b_scales + block * padded_n + j0 + 4 * chunk, inside);
+      }
+    }
+    if (t < 8) {
+      const int u = t / 2;
+      const bool inside = 4 * s + u < block_count;
+      const std::int64_t block = inside ? 4 * s + u : 0;
+      const unsigned* source = t % 2 == 0 ? a_slow + block * (padded_m / tcw_tile) + i0 / tcw_tile
+                                          : b_slow + block * (padded_n / tcw_tile) + j0 / tcw_tile;
+      copy_async_4(&stage.slow[u][t % 2], source, inside);
+    }
+  };
+
+  float accumulators[64];
+  int dots[2][32];  // the two column halves of a K-block: one is multiplied while the other is stepped
+#pragma unroll
+  for (int i = 0; i < 64; ++i) accumulators[i] = 0.0f;
+  // This thread's rows (+ 8) and first column pair (+ 8 j, + 64 for the second half) in the tile.
+  const int row0 = warpgroup * 64 + warp * 16 + lane / 4;
+  const int col0 = 2 * (lane % 4);
+
+  // Stage s is stepped while s + 1 .. s + 3 load; making stage s ready refills the slot of s - 1,
+  // whose mma every thread has waited for before the barrier.
+  constexpr int prefetch = tcw_stages - 1;
+#pragma unroll
+  for (int s = 0; s < prefetch; ++s) {
+    if (s < stage_count) load_stage(s);
+    copy_async_commit();
+  }
+  const auto make_ready = [&](int s) {
+    copy_async_wait<prefetch - 1>();
+    proxy_fence_shared();  // this thread's copies are read by the async proxy (wgmma)
+    __syncthreads();
+    if (s + prefetch < stage_count) load_stage(s + prefetch);
+    copy_async_commit();
+  };
+  // The mma of column half h of K-block kb into its register set.
+  const auto issue = [&](int (&d)[32], int kb, int h) {
+    const tcw_stage& stage = stages[(kb / tcw_stage_blocks) % tcw_stages];
+    const int u = kb % tcw_stage_blocks;
+    wgmma_fence();
+    wgmma_s8_m64n64k32(d, tcw_descriptor(stage.a + warpgroup * 64 * 128 + 32 * u),
+                       tcw_descriptor(stage.b + h * 64 * 128 + 32 * u));
+    wgmma_commit();
+  };
+  // A K-block's scale operands, read before its mma are waited for (they do not depend on them):
+  // the tile flags, the two row scales and their offsets, and one half's column scale pairs.
+  struct block_scales {
+    bool fast;
+    float rows[2];
+    float offsets[2];
+  };
+  const auto read_scales = [&](int kb) {
+    const tcw_stage& stage = stages[(kb / tcw_stage_blocks) % tcw_stages];
+    const int u = kb % tcw_stage_blocks;
+    block_scales scales;
+    scales.fast = (stage.slow[u][0] | stage.slow[u][1]) == 0U;  // the same in every thread
+    scales.rows[0] = core_ns::bits_float(stage.a_scales[u][row0]);
+    scales.rows[1] = core_ns::bits_float(stage.a_scales[u][row0 + 8]);
+    scales.offsets[0] = __fmul_rn(-tcb_magic_value, scales.rows[0]);
+    scales.offsets[1] = __fmul_rn(-tcb_magic_value, scales.rows[1]);
+    return scales;
+  };
+  const auto read_columns = [&](uint2 (&columns)[8], int kb, int h) {
+    const tcw_stage& stage = stages[(kb / tcw_stage_blocks) % tcw_stages];
+    const int u = kb % tcw_stage_blocks;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) columns[j] = *reinterpret_cast<const uint2*>(&stage.b_scales[u][col0 + 64 * h + 8 * j]);
+  };
+  // The fp32-block steps of column half h of K-block kb from its register set: d[4 j + 2 r + e]
+  // is the dot D of row row0 + 8 r, column col0 + 64 h + 8 j + e.
+  const auto step = [&](const int (&d)[32], int kb, int h, const block_scales& scales, const uint2 (&columns)[8]) {
+    float* const half_accumulators = accumulators + 32 * h;
+    if (scales.fast) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float col_scales[2] = {core_ns::bits_float(columns[j].x), core_ns::bits_float(columns[j].y)};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 4 * j + 2 * r + e;
+            const float x = __fmaf_rn(core_ns::bits_float(static_cast<std::uint32_t>(d[i] + tcb_magic)),
+                                      scales.rows[r], scales.offsets[r]);
+            half_accumulators[i] = __fmaf_rn(x, col_scales[e], half_accumulators[i]);
+          }
+        }
+      }
+    } else {
+      const tcw_stage& stage = stages[(kb / tcw_stage_blocks) % tcw_stages];
+      const int u = kb % tcw_stage_blocks;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int row = row0 + 8 * ((i / 2) % 2);
+        const int col = col0 + 64 * h + 8 * (i / 4) + i % 2;
+        half_accumulators[i] =
+            tensor_core_step(half_accumulators[i], d[i], tc_scale_exponent(stage.a_scales[u][row]),
+                             tc_scale_exponent(stage.b_scales[u][col]), 0);
+      }
+    }
+  };
+
+  for (int kb = 0; kb < block_count; ++kb) {
+    if (kb % tcw_stage_blocks == 0) make_ready(kb / tcw_stage_blocks);
+    const block_scales scales = read_scales(kb);
+    uint2 columns[2][8];
+    read_columns(columns[0], kb, 0);
+    issue(dots[0], kb, 0);
+    issue(dots[1], kb, 1);
+    read_columns(columns[1], kb, 1);
+    wgmma_wait<1>();  // half 0's mma is done; half 1's runs during the steps below
+    step(dots[0], kb, 0, scales, columns[0]);
+    wgmma_wait<0>();
+    step(dots[1], kb, 1, scales, columns[1]);
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int h = i / 32;
+    const int k = i % 32;
+    const std::int64_t row = i0 + row0 + 8 * ((k / 2) % 2);
+    const std::int64_t col = j0 + col0 + 64 * h + 8 * (k / 4) + k % 2;
+    if (row < m && col < n) out[row * n + col] = finish_output(accumulators[i] * 1.0f, output);
+  }
+#else
+  // Built without sm_90a: wgmma_present() reports false and the host never launches this.
+  (void)a, (void)a_scales, (void)a_slow, (void)b, (void)b_scales, (void)b_slow, (void)m, (void)n, (void)stride;
+  (void)padded_m, (void)padded_n, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
+#endif
+}
+#endif  // !MXSCOPE_GPU_SIMULATE
+
 #endif  // MXSCOPE_CUDA_TENSOR_CORES
 
+}  // namespace
+
+namespace {
+bool wgmma_present() {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES) && !defined(MXSCOPE_GPU_SIMULATE)
+  // An sm_90 device and a build whose code for it is sm_90a (the probe kernel says which).
+  static const bool present = [] {
+    int device = 0;
+    runtime::device_properties properties{};
+    if (runtime::get_device(&device) != runtime::success ||
+        runtime::properties(&properties, device) != runtime::success) {
+      (void)runtime::last_error();
+      return false;
+    }
+    if (properties.major != 9 || properties.minor != 0) return false;
+    device_buffer flag(sizeof(int));
+    flag.fill_bytes(0);
+    runtime::launch(wgmma_probe_kernel, 1, 1, 0, flag.as<int>());
+    int value = 0;
+    flag.download(&value, sizeof(int));
+    return value == 1;
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 #include "native_gfx950_kernels.hpp"  // the gfx950 native path (kernels for __gfx950__, stubs elsewhere)
@@ -3322,11 +3647,27 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
           throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
                             to_text(n) + " x " + to_text(a.depth) + ")");
         }
-        runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
-                        tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
-                        a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
-                        b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
-                        a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
+        const tensor_core_kernel kernel = selected_tensor_core_kernel();
+        if (kernel == tensor_core_kernel::mma_sync) {
+          runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
+                          tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                          a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
+        } else {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+          // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcw_shared_bytes)));
+          const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
+          const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
+          runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
+                          tcw_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                          a.padded_rows, b.padded_rows, a.blocks, wgmma_tiles_m, wgmma_tiles_n, output, out);
+#endif
+        }
       }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");

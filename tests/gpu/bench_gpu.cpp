@@ -68,7 +68,9 @@ void verdict(bool ok, const std::string& name, const std::string& detail) {
 
 int main(int argc, char** argv) {
   // --quantize-only: the copy baseline and the quantizer rows, without the GEMMs.
+  // --gemm-only: the copy baseline and the MXFP4 GEMM rows (for profilers).
   const bool quantize_only = argc > 1 && std::string(argv[1]) == "--quantize-only";
+  const bool gemm_only = argc > 1 && std::string(argv[1]) == "--gemm-only";
   if (gpu::device_count() == 0) {
     std::printf("FAIL no GPU device found\n");
     return 1;
@@ -90,7 +92,7 @@ int main(int argc, char** argv) {
 
   // ---- Quantizer: bf16 [16384, 16384] -> mxfp4 codes + e8m0 scales along rows (block 32).
   const std::int64_t rows = 16384, cols = 16384;
-  {
+  if (!gemm_only) {
     std::vector<std::uint16_t> host(static_cast<std::size_t>(rows * cols));
     std::uint64_t state = 0x9E3779B97F4A7C15ULL;
     for (auto& v : host) {
@@ -208,16 +210,44 @@ int main(int argc, char** argv) {
       const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::tensor_core);
       timer.stop();
       std::printf("gemm operand preparation (codes -> int8 2q, exponents): %.3f ms\n", timer.elapsed_ms());
-      out.fill_bytes(0xFF);
-      const double ms = median_ms(2, 7, [&] {
-        gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
-                               gpu::gemm_path::tensor_core);
-      });
-      std::printf("gemm mxfp4 fp32-block tensor_core n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                  ": %.3f ms, %.1f TFLOP/s\n",
-                  n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
-      out.download(tensor_core_result.data(), out.bytes());
-      have_tensor_core = true;
+      // Every tensor-core kernel of this build and device; the automatic choice last, so that its
+      // result is the one compared with the integer path below (the others are compared with it).
+      std::vector<float> kernel_result(tensor_core_result.size());
+      for (const gpu::tensor_core_kernel kernel :
+           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::automatic}) {
+        if (!gpu::tensor_core_kernel_available(kernel)) {
+          std::printf("gemm tensor_core kernel %s: not available in this build on this device\n",
+                      std::string(gpu::tensor_core_kernel_name(kernel)).c_str());
+          continue;
+        }
+        gpu::select_tensor_core_kernel(kernel);
+        const std::string name(gpu::tensor_core_kernel_name(gpu::selected_tensor_core_kernel()));
+        out.fill_bytes(0xFF);
+        const double ms = median_ms(2, 7, [&] {
+          gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
+                                 gpu::gemm_path::tensor_core);
+        });
+        std::printf("gemm mxfp4 fp32-block tensor_core%s %s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                    ": %.3f ms, %.1f TFLOP/s\n",
+                    kernel == gpu::tensor_core_kernel::automatic ? " (automatic)" : "", name.c_str(), n_out, n_in,
+                    k, ms, flops / (ms * 1e-3) / 1e12);
+        if (kernel == gpu::tensor_core_kernel::automatic) {
+          out.download(tensor_core_result.data(), out.bytes());
+        } else {
+          out.download(kernel_result.data(), out.bytes());
+          if (have_tensor_core) {
+            std::int64_t mismatches = 0;
+            for (std::size_t i = 0; i < kernel_result.size(); ++i) {
+              mismatches += std::memcmp(&kernel_result[i], &tensor_core_result[i], 4) != 0 ? 1 : 0;
+            }
+            verdict(mismatches == 0, ("bench gemm: tensor_core " + name + " == mma_sync in all entries").c_str(),
+                    mismatches == 0 ? "" : (std::to_string(mismatches) + " entries differ").c_str());
+          } else {
+            tensor_core_result = kernel_result;  // mma_sync's, the first
+          }
+        }
+        have_tensor_core = true;
+      }
     } else {
       std::printf("gemm tensor_core path not available on this device\n");
     }
@@ -276,7 +306,7 @@ int main(int argc, char** argv) {
   }
   // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block
   // product (K-block 32), whose chunks of 32 products are summed in fp64 where that is exact.
-  {
+  if (!gemm_only) {
     const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
     std::uint64_t state = 0x0123456789ABCDEFULL;
     const auto make_values = [&](std::int64_t operand_rows) {

@@ -1364,8 +1364,21 @@ void tensor_scale_checks(bool small) {
   });
 }
 
-// The tensor-core fp32-block kernel's tiles (128 x 256 entries of C per thread block, launched in
-// groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
+// Runs body(suffix) once per tensor-core kernel of the fp32-block model that this build and device
+// have (mma_sync everywhere the path exists; wgmma on sm_90 with an sm_90a build), with
+// that kernel selected; the suffix names it. Leaves the automatic choice selected.
+template <class Body>
+void for_each_tensor_core_kernel(Body&& body) {
+  for (const gpu::tensor_core_kernel kernel : {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma}) {
+    if (!gpu::tensor_core_kernel_available(kernel)) continue;
+    gpu::select_tensor_core_kernel(kernel);
+    body(" [" + std::string(gpu::tensor_core_kernel_name(kernel)) + "]");
+  }
+  gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
+}
+
+// The tensor-core fp32-block kernels' tiles (mma_sync: 128 x 256 entries of C per thread block,
+// wgmma: 128 x 128; both launched in groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
 // partial group, and operands whose tiles take the fast step in some K-blocks and the general
 // step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
 // huge blocks) and one holds a NaN, each confined to one tile and one K-block; in "far" operands
@@ -1442,9 +1455,11 @@ void gemm_tensor_core_tiles(bool small) {
                                "x" + format_names[c.b_format] + " fp32-block M" + std::to_string(c.m) + " N" +
                                std::to_string(c.n) + " K" + std::to_string(c.k) + " " + pattern +
                                (output == mxscope::output_rounding::bf16 ? " bf16 output" : "");
-      run_case(name, [&] {
-        const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
-        return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+      for_each_tensor_core_kernel([&](const std::string& kernel) {
+        run_case(name + kernel, [&] {
+          const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
+          return check_product_entries(qa, qb, model, output, got, {}, name + kernel + ", seed " + hex64(seed));
+        });
       });
       // The exact model on the same operands: tiles whose rows' block exponents stay in a window
       // take the check-free FMA step, the tiles holding the mixed pattern's extreme and NaN blocks
@@ -1505,24 +1520,27 @@ void gemm_large() {
   });
   if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1, 32,
                             block_model)) {
-    run_case(
-        "gemm large wgrad mxfp4 fp32-block tensor_core 2048x2048 K4096 (every entry vs integer path, samples vs host)",
-        [&]() -> std::string {
-          const gemm_output got =
-              gpu_product(qa, qb, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::tensor_core);
-          if (have_integer) {
-            for (std::int64_t i = 0; i < m * n; ++i) {
-              if (!same(integer_result.out.values[static_cast<std::size_t>(i)],
-                        got.out.values[static_cast<std::size_t>(i)])) {
-                return "entry (" + std::to_string(i / n) + ", " + std::to_string(i % n) + "): integer path " +
-                       show(integer_result.out.values[static_cast<std::size_t>(i)]) + ", tensor-core path " +
-                       show(got.out.values[static_cast<std::size_t>(i)]);
+    for_each_tensor_core_kernel([&](const std::string& kernel) {
+      run_case(
+          "gemm large wgrad mxfp4 fp32-block tensor_core 2048x2048 K4096 (every entry vs integer path, samples vs host)" +
+              kernel,
+          [&]() -> std::string {
+            const gemm_output got =
+                gpu_product(qa, qb, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::tensor_core);
+            if (have_integer) {
+              for (std::int64_t i = 0; i < m * n; ++i) {
+                if (!same(integer_result.out.values[static_cast<std::size_t>(i)],
+                          got.out.values[static_cast<std::size_t>(i)])) {
+                  return "entry (" + std::to_string(i / n) + ", " + std::to_string(i % n) + "): integer path " +
+                         show(integer_result.out.values[static_cast<std::size_t>(i)]) + ", tensor-core path " +
+                         show(got.out.values[static_cast<std::size_t>(i)]);
+                }
               }
             }
-          }
-          return check_product_entries(qa, qb, block_model, mxscope::output_rounding::fp32, got, samples,
-                                       "seed " + hex64(seed));
-        });
+            return check_product_entries(qa, qb, block_model, mxscope::output_rounding::fp32, got, samples,
+                                         "seed " + hex64(seed));
+          });
+    });
   }
   std::vector<std::pair<std::int64_t, std::int64_t>> few(samples.begin(), samples.begin() + 200);
   for (const auto& model :
