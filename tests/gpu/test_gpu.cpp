@@ -1378,9 +1378,9 @@ void for_each_tensor_core_kernel(Body&& body) {
 }
 
 // The tensor-core fp32-block kernels' tiles (mma_sync: 128 x 256 entries of C per thread block,
-// wgmma: 128 x 128; both launched in groups of 8 row tiles; block scales checked per 128-row tile): partial tiles in M, N and K, a
-// partial group, and operands whose tiles take the fast step in some K-blocks and the general
-// step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
+// wgmma: 128 x 128; both launched in groups of 8 row tiles; block scales checked per 128-row
+// tile): partial tiles in M, N and K, a partial group, and operands whose tiles take the fast step
+// in some K-blocks and the general step in others. In "mixed" operands some blocks have exponents outside the fast range (tiny and
 // huge blocks) and one holds a NaN, each confined to one tile and one K-block; in "far" operands
 // every block is in the fast range but the products overflow or fall into the fp32 subnormals.
 // Every entry against the host definition.
