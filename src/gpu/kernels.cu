@@ -2975,6 +2975,19 @@ constexpr std::size_t tcb_shared_bytes = tcb_stages * tcb_stage_bytes;
 static_assert(sizeof(tcb_block) % 16 == 0 && tcb_tile_n == 2 * tc_flag_rows && tcb_tile_m == tc_flag_rows &&
               tcb_tile_n == 2 * (tcb_threads / 2) && tcb_tile_m == tcb_threads / 2);
 
+// The first entry (i0, j0) of thread block `tile` when thread blocks are launched in groups of
+// tcb_group row tiles, column tile by column tile within a group: the blocks resident at one time
+// share fewer A and B tiles (L2 reuse). Sizes fit an int here (multiply_prepared checks).
+struct tile_origin {
+  int i0, j0;
+};
+__device__ inline tile_origin grouped_tile_origin(int tile, int tiles_m, int tiles_n, int tile_m, int tile_n) {
+  const int group_tiles = tcb_group * tiles_n;
+  const int first_row_tile = tile / group_tiles * tcb_group;
+  const int group_rows = min(tiles_m - first_row_tile, tcb_group);
+  return {(first_row_tile + tile % group_tiles % group_rows) * tile_m, tile % group_tiles / group_rows * tile_n};
+}
+
 __device__ inline int tcb_offset(int row, int half) { return row * 32 + (((half ^ (row >> 2)) & 1) << 4); }
 
 // The exponent e - fraction_bits (or nan_block_exponent) of prepare_tensor_core_scales_kernel's encoding.
@@ -3109,15 +3122,11 @@ __global__ void __launch_bounds__(tcb_threads, 1)
   const int thread_in_group = lane % 4;
   const int warp_m = warp / 4;  // 0..1: 64 rows each
   const int warp_n = warp % 4;  // 0..3: 64 columns each
-  // Thread blocks in groups of tcb_group row tiles, column tile by column tile within a group:
-  // the blocks resident at one time share fewer A and B tiles (L2 reuse).
-  // Sizes fit an int here (multiply_prepared checks).
-  const int tile = static_cast<int>(blockIdx.x);
-  const int group_tiles = tcb_group * static_cast<int>(tiles_n);
-  const int first_row_tile = tile / group_tiles * tcb_group;
-  const int group_rows = min(static_cast<int>(tiles_m) - first_row_tile, tcb_group);
-  const int i0 = (first_row_tile + tile % group_tiles % group_rows) * tcb_tile_m;
-  const int j0 = tile % group_tiles / group_rows * tcb_tile_n;
+  const tile_origin origin =
+      grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m), static_cast<int>(tiles_n),
+                          tcb_tile_m, tcb_tile_n);
+  const int i0 = origin.i0;
+  const int j0 = origin.j0;
   const int block_count = static_cast<int>(blocks);
   // ldmatrix row addresses of this lane (matrix lane / 8, its row lane % 8): A matrices 0..3 are
   // (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) of an m16
@@ -3277,7 +3286,6 @@ constexpr int tcw_tile = 128;
 constexpr int tcw_threads = 256;
 constexpr int tcw_stage_blocks = 4;  // 4 x 32 bytes: a 128-byte row
 constexpr int tcw_stages = 4;
-constexpr int tcw_group = 8;  // row tiles per group of the launch order
 
 struct alignas(1024) tcw_stage {
   std::uint8_t a[tcw_tile * 128];
@@ -3343,12 +3351,10 @@ __global__ void __launch_bounds__(tcw_threads, 1)
   const int warpgroup = t / 128;
   const int warp = (t / 32) % 4;
   const int lane = t % 32;
-  const int tile = static_cast<int>(blockIdx.x);
-  const int group_tiles = tcw_group * static_cast<int>(tiles_n);
-  const int first_row_tile = tile / group_tiles * tcw_group;
-  const int group_rows = min(static_cast<int>(tiles_m) - first_row_tile, tcw_group);
-  const int i0 = (first_row_tile + tile % group_tiles % group_rows) * tcw_tile;
-  const int j0 = tile % group_tiles / group_rows * tcw_tile;
+  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
+                                                 static_cast<int>(tiles_n), tcw_tile, tcw_tile);
+  const int i0 = origin.i0;
+  const int j0 = origin.j0;
   const int block_count = static_cast<int>(blocks);
   const int stage_count = (block_count + tcw_stage_blocks - 1) / tcw_stage_blocks;
 
