@@ -206,6 +206,19 @@ device_description describe_device() {
 
 namespace {
 
+// The current device's properties, or nothing where no device answers (the error cleared): for
+// the feature checks that report absence instead of throwing.
+[[maybe_unused]] std::optional<runtime::device_properties> current_device_properties() {
+  int device = 0;
+  runtime::device_properties properties{};
+  if (runtime::get_device(&device) != runtime::success ||
+      runtime::properties(&properties, device) != runtime::success) {
+    (void)runtime::last_error();
+    return std::nullopt;
+  }
+  return properties;
+}
+
 // Multiprocessors of the current device, queried once per device.
 int multiprocessor_count() {
   static std::mutex mutex;
@@ -1395,14 +1408,8 @@ bool tensor_cores_present() {
   return true;
 #elif defined(MXSCOPE_CUDA_TENSOR_CORES)
   static const bool present = [] {
-    int device = 0;
-    runtime::device_properties properties{};
-    if (runtime::get_device(&device) != runtime::success ||
-        runtime::properties(&properties, device) != runtime::success) {
-      (void)runtime::last_error();
-      return false;
-    }
-    return properties.major >= 8;
+    const auto properties = current_device_properties();
+    return properties && properties->major >= 8;
   }();
   return present;
 #else
@@ -3525,14 +3532,8 @@ bool wgmma_present() {
 #if defined(MXSCOPE_CUDA_TENSOR_CORES) && !defined(MXSCOPE_GPU_SIMULATE)
   // An sm_90 device and a build whose code for it is sm_90a (the probe kernel says which).
   static const bool present = [] {
-    int device = 0;
-    runtime::device_properties properties{};
-    if (runtime::get_device(&device) != runtime::success ||
-        runtime::properties(&properties, device) != runtime::success) {
-      (void)runtime::last_error();
-      return false;
-    }
-    if (properties.major != 9 || properties.minor != 0) return false;
+    const auto properties = current_device_properties();
+    if (!properties || properties->major != 9 || properties->minor != 0) return false;
     device_buffer flag(sizeof(int));
     flag.fill_bytes(0);
     runtime::launch(wgmma_probe_kernel, 1, 1, 0, flag.as<int>());

@@ -210,44 +210,40 @@ int main(int argc, char** argv) {
       const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::tensor_core);
       timer.stop();
       std::printf("gemm operand preparation (codes -> int8 2q, exponents): %.3f ms\n", timer.elapsed_ms());
-      // Every tensor-core kernel of this build and device; the automatic choice last, so that its
-      // result is the one compared with the integer path below (the others are compared with it).
-      std::vector<float> kernel_result(tensor_core_result.size());
-      for (const gpu::tensor_core_kernel kernel :
-           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::automatic}) {
+      // Every tensor-core kernel of this build and device, mma_sync first; the others are compared
+      // with it in every entry, and it (the automatic choice) with the integer path below.
+      const gpu::tensor_core_kernel automatic_kernel = gpu::selected_tensor_core_kernel();
+      for (const gpu::tensor_core_kernel kernel : {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma}) {
+        const std::string name(gpu::tensor_core_kernel_name(kernel));
         if (!gpu::tensor_core_kernel_available(kernel)) {
-          std::printf("gemm tensor_core kernel %s: not available in this build on this device\n",
-                      std::string(gpu::tensor_core_kernel_name(kernel)).c_str());
+          std::printf("gemm tensor_core kernel %s: not available in this build on this device\n", name.c_str());
           continue;
         }
         gpu::select_tensor_core_kernel(kernel);
-        const std::string name(gpu::tensor_core_kernel_name(gpu::selected_tensor_core_kernel()));
         out.fill_bytes(0xFF);
         const double ms = median_ms(2, 7, [&] {
           gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
                                  gpu::gemm_path::tensor_core);
         });
-        std::printf("gemm mxfp4 fp32-block tensor_core%s %s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+        std::printf("gemm mxfp4 fp32-block tensor_core %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
                     ": %.3f ms, %.1f TFLOP/s\n",
-                    kernel == gpu::tensor_core_kernel::automatic ? " (automatic)" : "", name.c_str(), n_out, n_in,
-                    k, ms, flops / (ms * 1e-3) / 1e12);
-        if (kernel == gpu::tensor_core_kernel::automatic) {
+                    name.c_str(), kernel == automatic_kernel ? " (automatic)" : "", n_out, n_in, k, ms,
+                    flops / (ms * 1e-3) / 1e12);
+        if (!have_tensor_core) {
           out.download(tensor_core_result.data(), out.bytes());
+          have_tensor_core = true;
         } else {
+          std::vector<float> kernel_result(tensor_core_result.size());
           out.download(kernel_result.data(), out.bytes());
-          if (have_tensor_core) {
-            std::int64_t mismatches = 0;
-            for (std::size_t i = 0; i < kernel_result.size(); ++i) {
-              mismatches += std::memcmp(&kernel_result[i], &tensor_core_result[i], 4) != 0 ? 1 : 0;
-            }
-            verdict(mismatches == 0, ("bench gemm: tensor_core " + name + " == mma_sync in all entries").c_str(),
-                    mismatches == 0 ? "" : (std::to_string(mismatches) + " entries differ").c_str());
-          } else {
-            tensor_core_result = kernel_result;  // mma_sync's, the first
+          std::int64_t mismatches = 0;
+          for (std::size_t i = 0; i < kernel_result.size(); ++i) {
+            mismatches += std::memcmp(&kernel_result[i], &tensor_core_result[i], 4) != 0 ? 1 : 0;
           }
+          verdict(mismatches == 0, "bench gemm: tensor_core " + name + " == mma_sync in all entries",
+                  mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
         }
-        have_tensor_core = true;
       }
+      gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
     } else {
       std::printf("gemm tensor_core path not available on this device\n");
     }
