@@ -1756,8 +1756,21 @@ constexpr int dot_chunk = 32;  // K per shared-memory stage
 constexpr int plain_tile = dot_tile;        // entries per thread block along M and N
 constexpr int plain_chunk = dot_chunk;      // K per chunk (shared-memory stage)
 constexpr int plain_side = plain_tile / 16;  // entries per thread along M and N (16 x 16 threads)
-constexpr int plain_chunk_budget = 53 - 7;   // spread_a + spread_b of a chunk summed in fp64
+// A sum of n products of values with spreads (leading minus lowest set-bit exponent) s_a and s_b
+// over one pair of rows is an integer below n 2^(s_a + s_b + 2) in units of its lowest product
+// bit: a double, with every partial sum, where s_a + s_b <= 51 - ceil(log2 n).
+constexpr int plain_spread_budget(int products) {
+  int bits = 0;
+  while ((1 << bits) < products) ++bits;
+  return 51 - bits;
+}
+constexpr int plain_chunk_budget = plain_spread_budget(plain_chunk);  // 46
 constexpr std::int8_t plain_empty_spread = -128;  // a chunk without nonzero finite values
+// The exact mode's super-chunks: an entry whose two rows' spreads over plain_super_chunks
+// consecutive chunks fit plain_super_budget keeps its tensor-core dot across them and takes one
+// 128-bit step per super-chunk instead of one per chunk.
+constexpr int plain_super_chunks = 8;
+constexpr int plain_super_budget = plain_spread_budget(plain_super_chunks * plain_chunk);  // 43
 
 enum class plain_mode : int { exact = 0, block = 1, group = 2 };
 
@@ -1772,7 +1785,7 @@ __device__ inline double fma_exact(double x, double y, double z) {
 }
 
 // -------------------------------------------------------------------------------------------
-// Chunk dots of a 64 x 64 tile of C on the fp64 tensor cores (mma.sync m8n8k4 f64, DMMA), shared by
+// Chunk dots of a 64 x 64 tile of C on the fp64 tensor cores (mma.sync m16n8k8 f64, DMMA), shared by
 // the plain-operand kernel and the integer path below. The two operand tiles of a chunk (64 rows x
 // 32 k) are staged in shared memory as doubles, [row][k] with a row stride of dot_stride doubles:
 // the staging writes of a warp are 32 consecutive k of one row, and the fragment reads of a warp
@@ -1780,7 +1793,8 @@ __device__ inline double fma_exact(double x, double y, double z) {
 //
 // Thread layout: 8 warps as 2 (M) x 4 (N), 32 x 16 entries per warp, 4 x 4 per thread. Entry (r, c)
 // of a thread is row dot_row(r) = 32 (warp / 4) + 8 r + lane / 4 and column dot_col(c) = 16 (warp % 4)
-// + 8 (c / 2) + 2 (lane % 4) + c % 2 of the tile: the accumulator fragment of mma r, c / 2.
+// + 8 (c / 2) + 2 (lane % 4) + c % 2 of the tile: element 2 (r % 2) + c % 2 of the accumulator
+// fragment of the mma of row pair r / 2 and column group c / 2.
 //
 // Exactness in any order: the callers only use a chunk dot whose every partial sum, over any
 // subset of its products, is a double (the plain kernel's spread budget; the integer path's
@@ -1805,19 +1819,25 @@ __device__ inline int dot_col(int c) {
 }
 
 #if defined(MXSCOPE_GPU_SIMULATE)
-inline void mma_f64(double& d0, double& d1, double a, double b) {
-  double d[2];
-  const double c[2] = {d0, d1};
+inline void mma_f64(double& d0, double& d1, double& d2, double& d3, const double (&a)[4], const double (&b)[2]) {
+  double d[4];
+  const double c[4] = {d0, d1, d2, d3};
   simulation::mma_f64(d, a, b, c);
   d0 = d[0];
   d1 = d[1];
+  d2 = d[2];
+  d3 = d[3];
 }
 #elif defined(MXSCOPE_CUDA_TENSOR_CORES)
-// D = A B + D, fragment layout as spelled out in simulation.hpp (mma_f64).
-__device__ inline void mma_f64(double& d0, double& d1, double a, double b) {
-  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};\n"
-      : "+d"(d0), "+d"(d1)
-      : "d"(a), "d"(b));
+// D = A B + D on a 16 x 8 x 8 tile (m16n8k8 f64, sm_90: twice the rate of m8n8k4, which runs at
+// half the fp64 tensor-core peak on the H200; tools/bench/dmma-shapes.cu), fragment layout as
+// spelled out in simulation.hpp (mma_f64).
+__device__ inline void mma_f64(double& d0, double& d1, double& d2, double& d3, const double (&a)[4],
+                               const double (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+d"(d0), "+d"(d1), "+d"(d2), "+d"(d3)
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
 }
 #endif
 
@@ -1835,17 +1855,26 @@ __device__ inline void tile_dots(const Tile* a_tile, const Tile* b_tile, Dot (&d
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const double* a_base = a_tile + (32 * (warp / 4) + lane / 4) * dot_stride + lane % 4;
     const double* b_base = b_tile + (16 * (warp % 4) + lane / 4) * dot_stride + lane % 4;
+    // Per 8 k: B fragment q holds columns 8 q + lane / 4 (entries c = 2 q, 2 q + 1 of each row);
+    // the A fragment of row pair p holds rows 16 p + lane / 4 and + 8 (entries r = 2 p, 2 p + 1).
 #pragma unroll
-    for (int kk = 0; kk < 32; kk += 4) {
-      double av[4], bv[2];
+    for (int kk = 0; kk < 32; kk += 8) {
+      double bv[2][2];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) av[r] = a_base[8 * r * dot_stride + kk];
+      for (int q = 0; q < 2; ++q) {
 #pragma unroll
-      for (int q = 0; q < 2; ++q) bv[q] = b_base[8 * q * dot_stride + kk];
+        for (int v = 0; v < 2; ++v) bv[q][v] = b_base[8 * q * dot_stride + kk + 4 * v];
+      }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
+      for (int p = 0; p < 2; ++p) {
+        double av[4];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) mma_f64(dots[r][2 * q], dots[r][2 * q + 1], av[r], bv[q]);
+        for (int v = 0; v < 4; ++v) av[v] = a_base[8 * (2 * p + v % 2) * dot_stride + kk + 4 * (v / 2)];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          mma_f64(dots[2 * p][2 * q], dots[2 * p][2 * q + 1], dots[2 * p + 1][2 * q], dots[2 * p + 1][2 * q + 1], av,
+                  bv[q]);
+        }
       }
     }
 #endif
@@ -1974,6 +2003,14 @@ __device__ __noinline__ void round_units(core_ns::int128 sum, int base, double& 
   out32 = static_cast<float>(core_ns::round_scaled_integer(magnitude, negative, base, core_ns::binary32, false));
 }
 
+// The spread of values with lowest set-bit exponent `low` and leading exponent `high`, clamped to
+// 127 (also for the nonfinite marker); plain_empty_spread for the empty marker.
+__device__ inline std::int8_t plain_spread_of(int low, int high) {
+  if (high == plain_empty_high) return plain_empty_spread;
+  if (high == plain_nonfinite_high) return 127;
+  return static_cast<std::int8_t>(high - low > 127 ? 127 : high - low);
+}
+
 // Per (chunk, row) of a canonical operand [rows, depth]: the spread of the chunk (clamped to 127;
 // plain_empty_spread without nonzero finite values) and its lo and hi for the row pass.
 __global__ void plain_chunks_kernel(const float* values, std::int64_t rows, std::int64_t depth, std::int64_t chunks,
@@ -2002,18 +2039,34 @@ __global__ void plain_chunks_kernel(const float* values, std::int64_t rows, std:
       if (lowest < low) low = lowest;
     }
     if (nonfinite) {
-      spreads[t] = 127;
-      lows[t] = 0;
-      highs[t] = plain_nonfinite_high;
-    } else if (high == plain_empty_high) {
-      spreads[t] = plain_empty_spread;
-      lows[t] = std::numeric_limits<int>::max();
-      highs[t] = plain_empty_high;
-    } else {
-      spreads[t] = static_cast<std::int8_t>(high - low > 127 ? 127 : high - low);
-      lows[t] = low;
-      highs[t] = high;
+      low = 0;
+      high = plain_nonfinite_high;
     }
+    spreads[t] = plain_spread_of(low, high);
+    lows[t] = low;
+    highs[t] = high;
+  }
+}
+
+// Per (super-chunk, row): the spread over plain_super_chunks consecutive chunks, from their lo and
+// hi (as plain_chunks_kernel: 127 with inf or NaN, plain_empty_spread without nonzero values).
+__global__ void plain_supers_kernel(const std::int32_t* chunk_lows, const std::int32_t* chunk_highs,
+                                    std::int64_t rows, std::int64_t chunks, std::int8_t* spreads) {
+  const std::int64_t supers = (chunks + plain_super_chunks - 1) / plain_super_chunks;
+  MXSCOPE_GRID_LOOP(t, supers * rows) {
+    const std::int64_t super = t / rows;
+    const std::int64_t row = t % rows;
+    const std::int64_t first = super * plain_super_chunks;
+    const std::int64_t end = chunks - first < plain_super_chunks ? chunks : first + plain_super_chunks;
+    int low = std::numeric_limits<int>::max();
+    int high = plain_empty_high;
+    for (std::int64_t c = first; c < end; ++c) {
+      const int chunk_low = chunk_lows[c * rows + row];
+      const int chunk_high = chunk_highs[c * rows + row];
+      if (chunk_low < low) low = chunk_low;
+      if (chunk_high > high) high = chunk_high;
+    }
+    spreads[t] = plain_spread_of(low, high);
   }
 }
 
@@ -2043,6 +2096,7 @@ __global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int
 template <plain_mode Mode>
 __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
+                      const std::int8_t* a_super_spreads, const std::int8_t* b_super_spreads,
                       plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                       std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
                       float* out32, double* out64) {
@@ -2050,6 +2104,9 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   __shared__ double b_tile[plain_tile * dot_stride];
   __shared__ int a_spread_tile[plain_tile];
   __shared__ int b_spread_tile[plain_tile];
+  [[maybe_unused]] __shared__ int a_super_tile[plain_tile];
+  [[maybe_unused]] __shared__ int b_super_tile[plain_tile];
+  constexpr bool supers = Mode == plain_mode::exact;
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * plain_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * plain_tile;
   const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
@@ -2077,53 +2134,94 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     }
   }
 
+  // Threads 0-63 fetch the chunk spreads of the tile's A rows, 64-127 those of its B rows; in exact
+  // mode threads 128-255 likewise the super-chunk spreads at the first chunk of each super-chunk.
   dot_chunk_values<float> next;
   int spread_next = plain_empty_spread;
   const auto fetch = [&](std::int64_t chunk) {
     const std::int64_t k0 = chunk * plain_chunk;
     next.load(a, b, i0, j0, m, n, depth, k0, depth - k0 < plain_chunk ? depth - k0 : plain_chunk);
-    if (threadIdx.x < plain_tile) {
-      const std::int64_t i = i0 + threadIdx.x;
-      spread_next = i < m ? a_spreads[chunk * m + i] : plain_empty_spread;
-    } else if (threadIdx.x < 2 * plain_tile) {
-      const std::int64_t j = j0 + threadIdx.x - plain_tile;
-      spread_next = j < n ? b_spreads[chunk * n + j] : plain_empty_spread;
+    const int role = static_cast<int>(threadIdx.x) / plain_tile;
+    const int row = static_cast<int>(threadIdx.x) % plain_tile;
+    const std::int64_t i = (role % 2 == 0 ? i0 : j0) + row;
+    const std::int64_t rows = role % 2 == 0 ? m : n;
+    if (role < 2) {
+      spread_next = i < rows ? (role == 0 ? a_spreads : b_spreads)[chunk * rows + i] : plain_empty_spread;
+    } else if (supers && chunk % plain_super_chunks == 0) {
+      const std::int64_t super = chunk / plain_super_chunks;
+      spread_next = i < rows ? (role == 2 ? a_super_spreads : b_super_spreads)[super * rows + i] : plain_empty_spread;
     }
   };
   if (chunks > 0) fetch(0);
 
+  // The tensor-core dots: zero at every chunk; in exact mode zero at the start and reset by each
+  // entry's step, after every chunk except for the entries in `fused`, which keep summing until
+  // the end of their super-chunk. (Not by resetting all 16 at the first chunk of each super-chunk:
+  // with that form, nvcc 13.0 for sm_90a gave the first DMMA of a chunk a uniform zero-accumulator
+  // predicate, and rows 8-15 of every warp's tile came out wrong on the H200; this form passes.)
+  double dots[plain_side][plain_side];
+#pragma unroll
+  for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+    for (int c = 0; c < plain_side; ++c) dots[r][c] = 0.0;
+  }
+  unsigned fused = 0;
+
   for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
     next.store(a_tile, b_tile);
-    if (threadIdx.x < plain_tile) {
-      a_spread_tile[threadIdx.x] = spread_next;
-    } else if (threadIdx.x < 2 * plain_tile) {
-      b_spread_tile[threadIdx.x - plain_tile] = spread_next;
+    const int role = static_cast<int>(threadIdx.x) / plain_tile;
+    if (role < 2 || (supers && chunk % plain_super_chunks == 0)) {
+      int* const tile = role == 0 ? a_spread_tile : role == 1 ? b_spread_tile : role == 2 ? a_super_tile : b_super_tile;
+      tile[threadIdx.x % plain_tile] = spread_next;
     }
     __syncthreads();
     if (chunk + 1 < chunks) fetch(chunk + 1);
-
-    double dots[plain_side][plain_side];
+    if (supers && chunk % plain_super_chunks == 0) {
+      fused = 0;
 #pragma unroll
-    for (int r = 0; r < plain_side; ++r) {
+      for (int r = 0; r < plain_side; ++r) {
 #pragma unroll
-      for (int c = 0; c < plain_side; ++c) dots[r][c] = 0.0;
+        for (int c = 0; c < plain_side; ++c) {
+          if (active[r][c] && a_super_tile[dot_row(r)] + b_super_tile[dot_col(c)] <= plain_super_budget) {
+            fused |= 1U << (r * plain_side + c);
+          }
+        }
+      }
+    }
+    const bool super_end = (chunk + 1) % plain_super_chunks == 0 || chunk + 1 == chunks;
+    if (!supers) {
+#pragma unroll
+      for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+        for (int c = 0; c < plain_side; ++c) dots[r][c] = 0.0;
+      }
     }
     tile_dots(a_tile, b_tile, dots);
 
     // The chunk's step for every entry whose fp64 dot is exact; the others (rare for bf16 values)
-    // are marked and take the per-product path below, out of the hot loop.
+    // are marked and take the per-product path below, out of the hot loop. A fused entry steps
+    // once, at the end of its super-chunk.
     unsigned per_product = 0;
 #pragma unroll
     for (int r = 0; r < plain_side; ++r) {
 #pragma unroll
       for (int c = 0; c < plain_side; ++c) {
         if (!active[r][c]) continue;
+        if ((fused & (1U << (r * plain_side + c))) != 0) {
+          if (super_end) {
+            add_in_units(sums[r][c], dots[r][c], a_low[r] + b_low[c]);
+            dots[r][c] = 0.0;
+          }
+          continue;
+        }
+        const double dot = dots[r][c];
+        dots[r][c] = 0.0;
         if (a_spread_tile[dot_row(r)] + b_spread_tile[dot_col(c)] > plain_chunk_budget) {
           per_product |= 1U << (r * plain_side + c);
         } else if constexpr (Mode == plain_mode::block) {
-          accumulators[r][c] = add_exact_dot(accumulators[r][c], dots[r][c]);
+          accumulators[r][c] = add_exact_dot(accumulators[r][c], dot);
         } else {
-          add_in_units(sums[r][c], dots[r][c], a_low[r] + b_low[c]);
+          add_in_units(sums[r][c], dot, a_low[r] + b_low[c]);
         }
       }
     }
@@ -2179,7 +2277,8 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 
 // The row metadata of one unscaled operand on the device.
 struct plain_rows_data {
-  device_buffer spreads;  // int8 [chunks, rows]
+  device_buffer spreads;        // int8 [chunks, rows]
+  device_buffer super_spreads;  // int8 [super-chunks, rows]
   device_buffer lows;     // int32 [rows]
   device_buffer highs;    // int32 [rows]
   plain_rows_view view() const { return {lows.as<const std::int32_t>(), highs.as<const std::int32_t>()}; }
@@ -2188,7 +2287,9 @@ struct plain_rows_data {
 plain_rows_data describe_plain_rows(const float* values, std::int64_t rows, std::int64_t depth) {
   const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
   plain_rows_data out;
+  const std::int64_t supers = (chunks + plain_super_chunks - 1) / plain_super_chunks;
   out.spreads = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(chunks * rows, 1)));
+  out.super_spreads = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(supers * rows, 1)));
   out.lows = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t));
   out.highs = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t));
   if (rows == 0) return out;
@@ -2198,6 +2299,9 @@ plain_rows_data describe_plain_rows(const float* values, std::int64_t rows, std:
   if (chunks > 0) {
     runtime::launch(plain_chunks_kernel, grid_for(chunks * rows), threads_per_block, 0, values, rows, depth, chunks,
                     out.spreads.as<std::int8_t>(), chunk_lows.as<std::int32_t>(), chunk_highs.as<std::int32_t>());
+    runtime::launch(plain_supers_kernel, grid_for(supers * rows), threads_per_block, 0,
+                    chunk_lows.as<const std::int32_t>(), chunk_highs.as<const std::int32_t>(), rows, chunks,
+                    out.super_spreads.as<std::int8_t>());
   }
   runtime::launch(plain_rows_kernel, grid_for(rows), threads_per_block, 0, chunk_lows.as<const std::int32_t>(),
                   chunk_highs.as<const std::int32_t>(), rows, chunks, out.lows.as<std::int32_t>(),
@@ -3789,7 +3893,8 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   }
   const int depth_bits = depth_bits_of(k);
   runtime::launch(plain_tile_kernel<plain_mode::exact>, plain_grid(m, n), 256, 0, a, b,
-                  a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(), a_rows.view(),
+                  a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
+                  a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
                   b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64);
   const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
                   static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
@@ -3842,12 +3947,15 @@ void plain_product_on_device(const float* a, const float* b, std::int64_t m, std
     const std::int64_t chunks_per_group = group_length / plain_chunk;
     const auto* a_spreads = a_rows.spreads.as<const std::int8_t>();
     const auto* b_spreads = b_rows.spreads.as<const std::int8_t>();
+    const std::int8_t* const no_spreads = nullptr;  // super-chunks: exact mode only
     if (chunks_per_group == 1) {
       runtime::launch(plain_tile_kernel<plain_mode::block>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
+                      no_spreads, no_spreads,
                       a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
                       static_cast<double*>(nullptr));
     } else {
       runtime::launch(plain_tile_kernel<plain_mode::group>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
+                      no_spreads, no_spreads,
                       a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
                       static_cast<double*>(nullptr));
     }

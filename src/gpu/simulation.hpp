@@ -2,7 +2,7 @@
 // kernels of kernels.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
 // thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
-// tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m8n8k4 f64) are emulated from their documented
+// tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m16n8k8 f64) are emulated from their documented
 // per-lane semantics, with a barrier per warp.
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
@@ -199,9 +199,9 @@ struct warp_fragments {
   std::uint32_t b[32][2];
   int c[32][4];
   const void* rows[32];  // ldmatrix: each lane's row address
-  double fa[32];         // mma m8n8k4 f64: each lane's A, B and C elements
-  double fb[32];
-  double fc[32][2];
+  double fa[32][4];      // mma m16n8k8 f64: each lane's A, B and C elements
+  double fb[32][2];
+  double fc[32][4];
 };
 
 class thread_pool {
@@ -370,34 +370,40 @@ inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t
   mma_s8(d, a, b, zero);
 }
 
-// mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64, D = A B + C, from the PTX ISA's fragment layout
-// (g = lane / 4, t = lane % 4): A 8x4: a0 = row g, k t; B 4x8: b0 = k t, column g; C, D 8x8: c0/d0,
-// c1/d1 = row g, columns 2t, 2t+1. Each entry is the fused sum in ascending k; the kernels only
-// give it inputs whose every partial sum is a double, where every order gives the same value.
-inline void mma_f64(double (&d)[2], double a, double b, const double (&c)[2]) {
+// mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64, D = A B + C, from the PTX ISA's fragment
+// layout (g = lane / 4, t = lane % 4): A 16x8: a[v] = row g + 8 (v % 2), k t + 4 (v / 2); B 8x8:
+// b[v] = k t + 4 v, column g; C, D 16x8: c[v] = row g + 8 (v / 2), column 2t + v % 2. Each entry
+// is the fused sum in ascending k; the kernels only give it inputs whose every partial sum is a
+// double, where every order gives the same value.
+inline void mma_f64(double (&d)[4], const double (&a)[4], const double (&b)[2], const double (&c)[4]) {
   auto& exchange = *static_cast<warp_fragments*>(current.warp_exchange);
   const unsigned lane = threadIdx.x % 32;
-  exchange.fa[lane] = a;
-  exchange.fb[lane] = b;
-  exchange.fc[lane][0] = c[0];
-  exchange.fc[lane][1] = c[1];
+  for (unsigned v = 0; v < 4; ++v) {
+    exchange.fa[lane][v] = a[v];
+    exchange.fc[lane][v] = c[v];
+  }
+  exchange.fb[lane][0] = b[0];
+  exchange.fb[lane][1] = b[1];
   current.warp_barrier->arrive_and_wait();
-  double matrix_a[8][4];
-  double matrix_b[4][8];
-  double matrix_c[8][8];
+  double matrix_a[16][8];
+  double matrix_b[8][8];
+  double matrix_c[16][8];
   for (unsigned l = 0; l < 32; ++l) {
     const unsigned g = l / 4, t = l % 4;
-    matrix_a[g][t] = exchange.fa[l];
-    matrix_b[t][g] = exchange.fb[l];
-    matrix_c[g][2 * t] = exchange.fc[l][0];
-    matrix_c[g][2 * t + 1] = exchange.fc[l][1];
+    for (unsigned v = 0; v < 4; ++v) {
+      matrix_a[g + 8 * (v % 2)][t + 4 * (v / 2)] = exchange.fa[l][v];
+      matrix_c[g + 8 * (v / 2)][2 * t + v % 2] = exchange.fc[l][v];
+    }
+    for (unsigned v = 0; v < 2; ++v) matrix_b[t + 4 * v][g] = exchange.fb[l][v];
   }
   current.warp_barrier->arrive_and_wait();  // everyone has read the exchange before it is reused
   const unsigned g = lane / 4, t = lane % 4;
-  for (unsigned e = 0; e < 2; ++e) {
-    double sum = matrix_c[g][2 * t + e];
-    for (unsigned k = 0; k < 4; ++k) sum = std::fma(matrix_a[g][k], matrix_b[k][2 * t + e], sum);
-    d[e] = sum;
+  for (unsigned v = 0; v < 4; ++v) {
+    const unsigned row = g + 8 * (v / 2);
+    const unsigned column = 2 * t + v % 2;
+    double sum = matrix_c[row][column];
+    for (unsigned k = 0; k < 8; ++k) sum = std::fma(matrix_a[row][k], matrix_b[k][column], sum);
+    d[v] = sum;
   }
 }
 

@@ -1788,6 +1788,74 @@ void plain_checks(bool small) {
       }
     }
   }
+  // The exact mode's super-chunks (8 chunks of 32): rows whose spread over a super-chunk is too wide
+  // for one fp64 dot of 256 products but whose chunks are not, beside rows that fit, several
+  // super-chunks and a partial last one.
+  run_case("plain reference super-chunks M70 N67 K600", []() -> std::string {
+    const std::uint64_t seed = next_seed();
+    const std::int64_t m = 70, n = 67, k = 600;
+    plain_input in{"super-chunks", test_inputs::make_bf16_matrix(m, k, 1, seed),
+                   test_inputs::make_bf16_matrix(n, k, 1, seed + 1)};
+    // Random rows: one element 2^-12 smaller in chunk 8 s + 1 of odd rows of A, in chunk 8 s + 5 of
+    // odd rows of B.
+    for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
+      for (std::int64_t i = 3; i < m && chunk % 8 == 1; i += 2) in.a(i, 32 * chunk + 5) *= 0x1p-12f;
+      for (std::int64_t j = 3; j < n && chunk % 8 == 5 && 32 * chunk + 9 < k; j += 2) in.b(j, 32 * chunk + 9) *= 0x1p-12f;
+    }
+    // Rows where a budget one bit too large would round: B row 0 is 255/128 (8 significant bits,
+    // spread 7) throughout. A row 0 holds 255/128 in super-chunk 1 (k 256-511) but one value 2^-30
+    // smaller (k 300: spreads 37 + 7 = 44, one past 51 - 8; 255 products of 3.97 and one of
+    // 2^-30 3.97 need 54 bits), and the same values negated in super-chunk 0 without the small one,
+    // so that the exact entry is that one product. Row 1 likewise within chunks: chunk 2 (k 64-95)
+    // with one value 2^-33 smaller (k 70: spreads 40 + 7 = 47, one past 51 - 5; 54 bits), chunk 0
+    // negated without it.
+    constexpr float full = 255.0f / 128.0f;
+    for (std::int64_t c = 0; c < k; ++c) {
+      in.b(0, c) = full;
+      in.a(0, c) = c < 256 ? -full : c < 512 ? full : 0.0f;
+      in.a(1, c) = c < 32 ? -full : c >= 64 && c < 96 ? full : 0.0f;
+    }
+    in.a(0, 300) = full * 0x1p-30f;
+    in.a(0, 300 - 256) = 0.0f;
+    in.a(1, 70) = full * 0x1p-33f;
+    in.a(1, 70 - 64) = 0.0f;
+    // The random rows must reach both paths: fused (spreads over 256 products within 51 - 8) and
+    // per chunk (not, but every chunk within 51 - 5).
+    const auto spread = [k](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
+      int high = -100000, low = 100000;
+      for (std::int64_t c = first; c < std::min(k, first + length); ++c) {
+        const float v = x(row, c);
+        if (v == 0.0f) continue;
+        int e = 0;
+        std::frexp(v, &e);
+        const auto significand = static_cast<std::uint32_t>(std::ldexp(std::fabs(v), 24 - e));  // 24 bits
+        high = std::max(high, e - 1);
+        low = std::min(low, e - 24 + __builtin_ctz(significand));
+      }
+      return high - low;
+    };
+    bool fused = false, per_chunk = false;
+    for (std::int64_t i = 2; i < 6; ++i) {
+      for (std::int64_t j = 2; j < 6; ++j) {
+        for (std::int64_t super = 0; 256 * super < k; ++super) {
+          if (spread(in.a, i, 256 * super, 256) + spread(in.b, j, 256 * super, 256) <= 43) {
+            fused = true;
+            continue;
+          }
+          bool chunks_fit = true;
+          for (std::int64_t c = 256 * super; c < std::min(k, 256 * super + 256); c += 32) {
+            chunks_fit = chunks_fit && spread(in.a, i, c, 32) + spread(in.b, j, c, 32) <= 46;
+          }
+          per_chunk = per_chunk || chunks_fit;
+        }
+      }
+    }
+    if (!fused || !per_chunk) return std::string("the input does not reach both super-chunk paths");
+    if (spread(in.a, 0, 256, 256) + spread(in.b, 0, 256, 256) != 44 || spread(in.a, 1, 64, 32) + spread(in.b, 0, 64, 32) != 47) {
+      return std::string("the budget rows do not have the spreads they are built for");
+    }
+    return check_reference(in.a, in.b, "seed " + hex64(seed));
+  });
   // The host convenience function runs the same device code.
   const std::uint64_t seed = next_seed();
   const std::vector<plain_input> inputs = plain_inputs(21, 19, 45, seed);
