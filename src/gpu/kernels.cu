@@ -1909,10 +1909,13 @@ __device__ inline void tile_dots(const Tile* a_tile, const Tile* b_tile, Dot (&d
 }
 
 // The chunk staging of both kernels: the next chunk's values are loaded into registers (value e of
-// a thread: row (threadIdx.x + 256 e) / 32, k (threadIdx.x + 256 e) % 32 of the two 64-row tiles;
-// consecutive threads, consecutive k: coalesced) while the tensor cores work on the current one,
-// then stored into the [row][k] tiles. Values past `length` or past the last row are zeros.
+// a thread: row threadIdx.x / 32 + 8 e, k threadIdx.x % 32 of the two 64-row tiles; consecutive
+// threads, consecutive k: coalesced) while the tensor cores work on the current one, then stored
+// into the [row][k] tiles. Values past `length` or past the last row are zeros. The addresses are
+// one pointer per operand stepped by 8 rows, the bounds one count per operand, and the tile
+// offsets constants from one base: the loop's own arithmetic, not per-value 64-bit index maths.
 constexpr int dot_loads = dot_tile * dot_chunk / dot_threads;
+constexpr int dot_load_rows = dot_threads / dot_chunk;  // rows between a thread's values (8)
 
 template <class T>
 struct dot_chunk_values {
@@ -1922,24 +1925,33 @@ struct dot_chunk_values {
   // Rows i0.. of a [m, depth] and j0.. of b [n, depth], columns k0 .. k0 + length - 1.
   __device__ void load(const T* a_rows, const T* b_rows, std::int64_t i0, std::int64_t j0, std::int64_t m,
                        std::int64_t n, std::int64_t depth, std::int64_t k0, std::int64_t length) {
+    const int row = static_cast<int>(threadIdx.x) / dot_chunk;
+    const int kk = static_cast<int>(threadIdx.x) % dot_chunk;
+    // Rows of each operand at and after this thread's first one (0 outside the chunk's columns).
+    const auto count = [&](std::int64_t rows_left) {
+      return kk >= length || rows_left <= 0 ? 0 : rows_left >= dot_tile ? dot_tile : static_cast<int>(rows_left);
+    };
+    const int a_count = count(m - i0 - row);
+    const int b_count = count(n - j0 - row);
+    const std::int64_t step = dot_load_rows * depth;
+    const T* a_next = a_rows + (i0 + row) * depth + k0 + kk;
+    const T* b_next = b_rows + (j0 + row) * depth + k0 + kk;
 #pragma unroll
     for (int e = 0; e < dot_loads; ++e) {
-      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-      const int row = t / dot_chunk;
-      const int kk = t % dot_chunk;
-      const bool inside = kk < length;
-      a[e] = (inside && i0 + row < m) ? a_rows[(i0 + row) * depth + k0 + kk] : T{0};
-      b[e] = (inside && j0 + row < n) ? b_rows[(j0 + row) * depth + k0 + kk] : T{0};
+      a[e] = dot_load_rows * e < a_count ? *a_next : T{0};
+      b[e] = dot_load_rows * e < b_count ? *b_next : T{0};
+      a_next += step;
+      b_next += step;
     }
   }
 
   template <class Tile>
   __device__ void store(Tile* a_tile, Tile* b_tile) const {
+    const int base = (static_cast<int>(threadIdx.x) / dot_chunk) * dot_stride + static_cast<int>(threadIdx.x) % dot_chunk;
 #pragma unroll
     for (int e = 0; e < dot_loads; ++e) {
-      const int t = static_cast<int>(threadIdx.x) + dot_threads * e;
-      a_tile[(t / dot_chunk) * dot_stride + t % dot_chunk] = static_cast<Tile>(a[e]);
-      b_tile[(t / dot_chunk) * dot_stride + t % dot_chunk] = static_cast<Tile>(b[e]);
+      a_tile[base + dot_load_rows * dot_stride * e] = static_cast<Tile>(a[e]);
+      b_tile[base + dot_load_rows * dot_stride * e] = static_cast<Tile>(b[e]);
     }
   }
 };
@@ -2122,6 +2134,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     b_high[s] = j < n ? b_rows.high[j] : plain_nonfinite_high;
   }
   bool active[plain_side][plain_side];
+  unsigned active_bits = 0;  // bit r plain_side + c: entry (r, c) is computed here
   [[maybe_unused]] core_ns::int128 sums[plain_side][plain_side];
   [[maybe_unused]] float accumulators[plain_side][plain_side];
 #pragma unroll
@@ -2129,6 +2142,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 #pragma unroll
     for (int c = 0; c < plain_side; ++c) {
       active[r][c] = plain_fits(a_low[r], a_high[r], b_low[c], b_high[c], depth_bits);
+      if (active[r][c]) active_bits |= 1U << (r * plain_side + c);
       sums[r][c] = 0;
       accumulators[r][c] = 0.0f;
     }
@@ -2200,44 +2214,46 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 
     // The chunk's step for every entry whose fp64 dot is exact; the others (rare for bf16 values)
     // are marked and take the per-product path below, out of the hot loop. A fused entry steps
-    // once, at the end of its super-chunk.
-    unsigned per_product = 0;
-#pragma unroll
-    for (int r = 0; r < plain_side; ++r) {
-#pragma unroll
-      for (int c = 0; c < plain_side; ++c) {
-        if (!active[r][c]) continue;
-        if ((fused & (1U << (r * plain_side + c))) != 0) {
-          if (super_end) {
-            add_in_units(sums[r][c], dots[r][c], a_low[r] + b_low[c]);
-            dots[r][c] = 0.0;
-          }
-          continue;
-        }
-        const double dot = dots[r][c];
-        dots[r][c] = 0.0;
-        if (a_spread_tile[dot_row(r)] + b_spread_tile[dot_col(c)] > plain_chunk_budget) {
-          per_product |= 1U << (r * plain_side + c);
-        } else if constexpr (Mode == plain_mode::block) {
-          accumulators[r][c] = add_exact_dot(accumulators[r][c], dot);
-        } else {
-          add_in_units(sums[r][c], dot, a_low[r] + b_low[c]);
-        }
-      }
-    }
-    if (per_product != 0) {
+    // once, at the end of its super-chunk (in most chunks of exact mode nothing is left to do).
+    if (!supers || super_end || (active_bits & ~fused) != 0) {
+      unsigned per_product = 0;
 #pragma unroll
       for (int r = 0; r < plain_side; ++r) {
 #pragma unroll
         for (int c = 0; c < plain_side; ++c) {
-          if ((per_product & (1U << (r * plain_side + c))) == 0) continue;
-          const int base = a_low[r] + b_low[c];
-          const core_ns::int128 products =
-              chunk_products_in_units(a_tile + dot_row(r) * dot_stride, b_tile + dot_col(c) * dot_stride, 1, base);
-          if constexpr (Mode == plain_mode::block) {
-            accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
+          if (!active[r][c]) continue;
+          if ((fused & (1U << (r * plain_side + c))) != 0) {
+            if (super_end) {
+              add_in_units(sums[r][c], dots[r][c], a_low[r] + b_low[c]);
+              dots[r][c] = 0.0;
+            }
+            continue;
+          }
+          const double dot = dots[r][c];
+          dots[r][c] = 0.0;
+          if (a_spread_tile[dot_row(r)] + b_spread_tile[dot_col(c)] > plain_chunk_budget) {
+            per_product |= 1U << (r * plain_side + c);
+          } else if constexpr (Mode == plain_mode::block) {
+            accumulators[r][c] = add_exact_dot(accumulators[r][c], dot);
           } else {
-            sums[r][c] += products;
+            add_in_units(sums[r][c], dot, a_low[r] + b_low[c]);
+          }
+        }
+      }
+      if (per_product != 0) {
+#pragma unroll
+        for (int r = 0; r < plain_side; ++r) {
+#pragma unroll
+          for (int c = 0; c < plain_side; ++c) {
+            if ((per_product & (1U << (r * plain_side + c))) == 0) continue;
+            const int base = a_low[r] + b_low[c];
+            const core_ns::int128 products =
+                chunk_products_in_units(a_tile + dot_row(r) * dot_stride, b_tile + dot_col(c) * dot_stride, 1, base);
+            if constexpr (Mode == plain_mode::block) {
+              accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
+            } else {
+              sums[r][c] += products;
+            }
           }
         }
       }
