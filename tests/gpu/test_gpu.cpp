@@ -1797,10 +1797,19 @@ void plain_checks(bool small) {
     plain_input in{"super-chunks", test_inputs::make_bf16_matrix(m, k, 1, seed),
                    test_inputs::make_bf16_matrix(n, k, 1, seed + 1)};
     // Random rows: one element 2^-12 smaller in chunk 8 s + 1 of odd rows of A, in chunk 8 s + 5 of
-    // odd rows of B.
+    // odd rows of B (which paths they take depends on the draw).
     for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
-      for (std::int64_t i = 3; i < m && chunk % 8 == 1; i += 2) in.a(i, 32 * chunk + 5) *= 0x1p-12f;
-      for (std::int64_t j = 3; j < n && chunk % 8 == 5 && 32 * chunk + 9 < k; j += 2) in.b(j, 32 * chunk + 9) *= 0x1p-12f;
+      for (std::int64_t i = 5; i < m && chunk % 8 == 1; i += 2) in.a(i, 32 * chunk + 5) *= 0x1p-12f;
+      for (std::int64_t j = 5; j < n && chunk % 8 == 5 && 32 * chunk + 9 < k; j += 2) in.b(j, 32 * chunk + 9) *= 0x1p-12f;
+    }
+    // Rows 2 and 3 reach each path whatever the draw: 1.5 throughout (spread 1), so entry (2, 2)
+    // is fused in every super-chunk; row 3 of A has one value 2^-30 smaller in chunk 8 s + 1 and
+    // row 3 of B in chunk 8 s + 5 (spreads 31), so entry (3, 3) steps per chunk in super-chunks 0
+    // and 1 (31 + 31 > 43 over each, at most 31 + 1 in any chunk).
+    for (std::int64_t c = 0; c < k; ++c) in.a(2, c) = in.b(2, c) = in.a(3, c) = in.b(3, c) = 1.5f;
+    for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
+      if (chunk % 8 == 1) in.a(3, 32 * chunk + 7) = 0x1.8p-30f;
+      if (chunk % 8 == 5 && 32 * chunk + 11 < k) in.b(3, 32 * chunk + 11) = 0x1.8p-30f;
     }
     // Rows where a budget one bit too large would round: B row 0 is 255/128 (8 significant bits,
     // spread 7) throughout. A row 0 holds 255/128 in super-chunk 1 (k 256-511) but one value 2^-30
@@ -1819,8 +1828,8 @@ void plain_checks(bool small) {
     in.a(0, 300 - 256) = 0.0f;
     in.a(1, 70) = full * 0x1p-33f;
     in.a(1, 70 - 64) = 0.0f;
-    // The random rows must reach both paths: fused (spreads over 256 products within 51 - 8) and
-    // per chunk (not, but every chunk within 51 - 5).
+    // Rows 2 and 3 must reach both paths: fused (spreads over 256 products within 51 - 8) and per
+    // chunk (not, but every chunk within 51 - 5).
     const auto spread = [k](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
       int high = -100000, low = 100000;
       for (std::int64_t c = first; c < std::min(k, first + length); ++c) {
@@ -1834,20 +1843,13 @@ void plain_checks(bool small) {
       }
       return high - low;
     };
-    bool fused = false, per_chunk = false;
-    for (std::int64_t i = 2; i < 6; ++i) {
-      for (std::int64_t j = 2; j < 6; ++j) {
-        for (std::int64_t super = 0; 256 * super < k; ++super) {
-          if (spread(in.a, i, 256 * super, 256) + spread(in.b, j, 256 * super, 256) <= 43) {
-            fused = true;
-            continue;
-          }
-          bool chunks_fit = true;
-          for (std::int64_t c = 256 * super; c < std::min(k, 256 * super + 256); c += 32) {
-            chunks_fit = chunks_fit && spread(in.a, i, c, 32) + spread(in.b, j, c, 32) <= 46;
-          }
-          per_chunk = per_chunk || chunks_fit;
-        }
+    bool fused = true, per_chunk = true;
+    for (std::int64_t super = 0; 256 * super < k; ++super) {
+      fused = fused && spread(in.a, 2, 256 * super, 256) + spread(in.b, 2, 256 * super, 256) <= 43;
+      if (super >= 2) continue;
+      per_chunk = per_chunk && spread(in.a, 3, 256 * super, 256) + spread(in.b, 3, 256 * super, 256) > 43;
+      for (std::int64_t c = 256 * super; c < 256 * super + 256; c += 32) {
+        per_chunk = per_chunk && spread(in.a, 3, c, 32) + spread(in.b, 3, c, 32) <= 46;
       }
     }
     if (!fused || !per_chunk) return std::string("the input does not reach both super-chunk paths");
