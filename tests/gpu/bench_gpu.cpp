@@ -69,8 +69,11 @@ void verdict(bool ok, const std::string& name, const std::string& detail) {
 int main(int argc, char** argv) {
   // --quantize-only: the copy baseline and the quantizer rows, without the GEMMs.
   // --gemm-only: the copy baseline and the MXFP4 GEMM rows (for profilers).
-  const bool quantize_only = argc > 1 && std::string(argv[1]) == "--quantize-only";
-  const bool gemm_only = argc > 1 && std::string(argv[1]) == "--gemm-only";
+  // --reference-only: the copy baseline, the exact reference and the plain-operand product rows.
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool quantize_only = mode == "--quantize-only";
+  const bool gemm_only = mode == "--gemm-only";
+  const bool reference_only = mode == "--reference-only";
   if (gpu::device_count() == 0) {
     std::printf("FAIL no GPU device found\n");
     return 1;
@@ -92,7 +95,7 @@ int main(int argc, char** argv) {
 
   // ---- Quantizer: bf16 [16384, 16384] -> mxfp4 codes + e8m0 scales along rows (block 32).
   const std::int64_t rows = 16384, cols = 16384;
-  if (!gemm_only) {
+  if (!gemm_only && !reference_only) {
     std::vector<std::uint16_t> host(static_cast<std::size_t>(rows * cols));
     std::uint64_t state = 0x9E3779B97F4A7C15ULL;
     for (auto& v : host) {
@@ -155,7 +158,7 @@ int main(int argc, char** argv) {
   if (quantize_only) return failures == 0 ? 0 : 1;
 
   // ---- MXFP4 fp32-block GEMM: C [4096, 14336] = A [4096, 8192] B [14336, 8192]^T, random MX operands.
-  {
+  if (!reference_only) {
     const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
     std::uint64_t state = 0x1234567887654321ULL;
     const auto make_operand = [&](std::int64_t operand_rows) {
