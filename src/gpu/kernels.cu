@@ -1976,6 +1976,20 @@ __device__ inline void add_in_units(core_ns::int128& sum, double value, int base
   sum += parts.negative ? -static_cast<core_ns::int128>(magnitude) : static_cast<core_ns::int128>(magnitude);
 }
 
+// add_in_units by exact fp64 steps instead of a 128-bit shift (reference_warp_kernel): the window
+// keeps |value| 2^-base an integer below 2^127, and base (the sum of two fp32 lowest set-bit
+// exponents) between -298 and 254, so the scaling by 2^-base (a normal double), the high half
+// trunc(t 2^-64) and the low half t - high 2^64 (the bits of t below 2^64, at most 53 of them) are
+// exact, and so are the conversions of the two halves to 64-bit integers. No branches.
+__device__ inline void add_in_units_by_halves(core_ns::int128& sum, double value, int base) {
+  const double scaled = fabs(value) * core_ns::bits_double(static_cast<std::uint64_t>(1023 - base) << 52);
+  const double high = trunc(scaled * 0x1p-64);
+  const double low = fma(-high, 0x1p64, scaled);
+  const core_ns::uint128 magnitude = (static_cast<core_ns::uint128>(static_cast<std::uint64_t>(high)) << 64) |
+                                     static_cast<std::uint64_t>(low);
+  sum += value < 0.0 ? -static_cast<core_ns::int128>(magnitude) : static_cast<core_ns::int128>(magnitude);
+}
+
 // The exact sum of a chunk's products (column kk of both shared-memory tiles, `stride` apart), in
 // units of 2^base: the per-product path of a chunk whose fp64 sum might round.
 __device__ __noinline__ core_ns::int128 chunk_products_in_units(const double* a_column, const double* b_column,
@@ -2305,6 +2319,337 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     }
   }
 }
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+// -------------------------------------------------------------------------------------------
+// The exact reference on 32 x 32 entries per warp (CUDA tensor-core builds; HIP keeps
+// plain_tile_kernel). The same 64 x 64 tile, chunks, spreads, super-chunks and steps as
+// plain_tile_kernel's exact mode, but 4 warps of 32 x 32 entries (each A fragment feeds four mmas,
+// each B fragment two: half the shared-memory bytes per product of the 32 x 16 warp tiles), and
+// the entries' 128-bit sums and the rows' lowest exponents in shared memory (the sums change at
+// most once per chunk, mostly once per super-chunk), so that the registers hold the 64 dots and
+// two thread blocks fit a multiprocessor. The operands come in chunk tiles (chunk_tiles_kernel):
+// a thread stages fixed float4 slots without bounds checks, A's through cp.async into shared
+// memory. The steps convert a dot to the 128-bit sum by fp64 halves (add_in_units_by_halves).
+// Measured on the H200 (BENCHMARKS.md): 23.5 TFLOP/s with the row-major staging of
+// plain_tile_kernel and 255 registers with spills, 30.4 to 30.7 with the chunk tiles, A's cp.async
+// and the lows in shared memory (no spills); the steps by halves cut the reference stage of the
+// Llama-shaped replay, whose rows step per chunk, from 0.15 to 0.12 s.
+//
+// Entry (r, c) of a thread (r < 4, c < 8): row rw_row(r) = 32 (warp / 2) + 8 r + lane / 4, column
+// rw_col(c) = 32 (warp % 2) + 8 (c / 2) + 2 (lane % 4) + c % 2: element 2 (r % 2) + c % 2 of the
+// accumulator fragment of the mma of row pair r / 2 and column group c / 2. Its sum lives at
+// rw_sums[(r rw_cols + c) rw_threads + threadIdx.x] (a warp's 32 sums are 512 consecutive bytes).
+constexpr int rw_threads = 128;
+constexpr int rw_rows = 4;
+constexpr int rw_cols = 8;
+constexpr std::size_t rw_tiles_bytes = 2 * plain_tile * dot_stride * sizeof(double);
+constexpr std::size_t rw_sums_bytes = rw_rows * rw_cols * rw_threads * sizeof(core_ns::int128);
+constexpr std::size_t rw_stage_bytes = plain_tile * plain_chunk * sizeof(float);  // A's next chunk, as read
+constexpr std::size_t rw_shared_bytes = rw_tiles_bytes + rw_sums_bytes + rw_stage_bytes;
+
+// Asynchronous 16- and 4-byte copies from global to shared memory (cp.async; zeros where
+// `inside` is false), and their commit and wait.
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
+  simulation::copy_async(shared_destination, global_source, 16, inside);
+}
+inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
+  simulation::copy_async(shared_destination, global_source, 4, inside);
+}
+inline void copy_async_commit() {}
+template <int Pending>
+inline void copy_async_wait() {}
+#else
+__device__ inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
+  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
+  const int source_bytes = inside ? 16 : 0;  // 0: fill the 16 bytes with zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(source_bytes));
+}
+
+__device__ inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
+  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
+  const int source_bytes = inside ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(source_bytes));
+}
+
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int Pending>
+__device__ inline void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+#endif
+
+// The staging: each operand goes to the kernel in chunk tiles (chunk_tiles_kernel), so that a
+// thread's values are four float4 at fixed offsets from one address, without bounds checks.
+// Slot v of a row (values 4 v .. 4 v + 3) goes to the shared tile as two 16-byte stores; slots 4-7
+// hold their halves swapped (values 4 v + 2, 4 v + 3, 4 v, 4 v + 1), and their threads store the
+// high half first, so that each store's eight threads of a quarter-warp meet eight different bank
+// groups (the row stride, 36 doubles, moves the low halves of all slots by multiples of 32 bytes).
+constexpr int rw_tile_slots = plain_tile * plain_chunk / 4;  // float4 per operand chunk tile (512)
+constexpr int rw_loads = rw_tile_slots / rw_threads;         // float4 per thread and operand (4)
+
+struct alignas(16) double_pair {
+  double x, y;
+};
+
+__device__ inline void rw_store(const float4 (&values)[rw_loads], double* tile) {
+  const int slot = static_cast<int>(threadIdx.x) % 8;
+  const int swapped = slot / 4;
+  double* const first = tile + (static_cast<int>(threadIdx.x) / 8) * dot_stride + 4 * slot + 2 * swapped;
+  double* const second = tile + (static_cast<int>(threadIdx.x) / 8) * dot_stride + 4 * slot + 2 * (1 - swapped);
+#pragma unroll
+  for (int e = 0; e < rw_loads; ++e) {
+    const float4 v = values[e];
+    const double_pair low_half = {static_cast<double>(v.x), static_cast<double>(v.y)};
+    const double_pair high_half = {static_cast<double>(v.z), static_cast<double>(v.w)};
+    *reinterpret_cast<double_pair*>(first + 16 * dot_stride * e) = low_half;
+    *reinterpret_cast<double_pair*>(second + 16 * dot_stride * e) = high_half;
+  }
+}
+
+// The operand x [rows, depth] as chunk tiles: tile t (rows 64 t .. 64 t + 63) and chunk c (columns
+// 32 c .. 32 c + 31) are 2048 consecutive values from (t chunks + c) 2048, row by row, with the
+// slots of each row ordered as rw_store reads them, and zeros past the last row and column.
+__global__ void chunk_tiles_kernel(const float* x, std::int64_t rows, std::int64_t depth, std::int64_t chunks,
+                                   float* out) {
+  const std::int64_t chunk = blockIdx.x;
+  const std::int64_t tiles = (rows + plain_tile - 1) / plain_tile;
+  for (std::int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    float* const tile_out = out + (tile * chunks + chunk) * (plain_tile * plain_chunk);
+    for (int e = static_cast<int>(threadIdx.x); e < plain_tile * plain_chunk; e += static_cast<int>(blockDim.x)) {
+      const int place = e % plain_chunk;
+      const std::int64_t row = tile * plain_tile + e / plain_chunk;
+      const std::int64_t k = chunk * plain_chunk + (place / 16 == 0 ? place : place ^ 2);  // slots 4-7: halves swapped
+      tile_out[e] = row < rows && k < depth ? x[row * depth + k] : 0.0f;
+    }
+  }
+}
+
+__device__ inline int rw_row(int r) {
+  return 32 * (static_cast<int>(threadIdx.x) / 64) + 8 * r + (static_cast<int>(threadIdx.x) % 32) / 4;
+}
+__device__ inline int rw_col(int c) {
+  const int thread = static_cast<int>(threadIdx.x);
+  return 32 * ((thread / 32) % 2) + 8 * (c / 2) + 2 * (thread % 4) + c % 2;
+}
+
+// dots[r][c] += the chunk's 32 products of row rw_row(r) of a_tile and row rw_col(c) of b_tile.
+__device__ inline void rw_tile_dots(const double* a_tile, const double* b_tile, double (&dots)[rw_rows][rw_cols]) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const double* a_base = a_tile + (32 * (warp / 2) + lane / 4) * dot_stride + lane % 4;
+  const double* b_base = b_tile + (32 * (warp % 2) + lane / 4) * dot_stride + lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < 32; kk += 8) {
+    double bv[rw_cols / 2][2];
+#pragma unroll
+    for (int q = 0; q < rw_cols / 2; ++q) {
+#pragma unroll
+      for (int v = 0; v < 2; ++v) bv[q][v] = b_base[8 * q * dot_stride + kk + 4 * v];
+    }
+#pragma unroll
+    for (int p = 0; p < rw_rows / 2; ++p) {
+      double av[4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) av[v] = a_base[8 * (2 * p + v % 2) * dot_stride + kk + 4 * (v / 2)];
+#pragma unroll
+      for (int q = 0; q < rw_cols / 2; ++q) {
+        mma_f64(dots[2 * p][2 * q], dots[2 * p][2 * q + 1], dots[2 * p + 1][2 * q], dots[2 * p + 1][2 * q + 1], av,
+                bv[q]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(rw_threads, 2)
+    reference_warp_kernel(const float* a_tiles, const float* b_tiles, const std::int8_t* a_spreads,
+                          const std::int8_t* b_spreads, const std::int8_t* a_super_spreads,
+                          const std::int8_t* b_super_spreads,
+                          plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
+                          std::int64_t depth, int depth_bits, float* out32, double* out64) {
+  MXSCOPE_DYNAMIC_SHARED(double, rw_shared);
+  double* const a_tile = rw_shared;
+  double* const b_tile = rw_shared + plain_tile * dot_stride;
+  core_ns::int128* const rw_sums = reinterpret_cast<core_ns::int128*>(rw_shared + 2 * plain_tile * dot_stride);
+  __shared__ int a_spread_tile[plain_tile];
+  __shared__ int b_spread_tile[plain_tile];
+  __shared__ int a_super_tile[plain_tile];
+  __shared__ int b_super_tile[plain_tile];
+  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * plain_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * plain_tile;
+  const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
+  const auto sum_at = [&](int r, int c) -> core_ns::int128& {
+    return rw_sums[(r * rw_cols + c) * rw_threads + static_cast<int>(threadIdx.x)];
+  };
+
+  // The rows' lowest exponents (the sums' units) in shared memory: read at the steps only.
+  __shared__ int a_low_tile[plain_tile];
+  __shared__ int b_low_tile[plain_tile];
+  const auto base_of = [&](int r, int c) { return a_low_tile[rw_row(r)] + b_low_tile[rw_col(c)]; };
+  unsigned active = 0;  // bit r rw_cols + c: entry (r, c) is computed here
+  {
+    const bool a_role = threadIdx.x < plain_tile;
+    const std::int64_t i = (a_role ? i0 : j0) + static_cast<int>(threadIdx.x) % plain_tile;
+    const std::int32_t* lows = a_role ? a_rows.low : b_rows.low;
+    (a_role ? a_low_tile : b_low_tile)[threadIdx.x % plain_tile] = i < (a_role ? m : n) ? lows[i] : 0;
+  }
+  {
+    int a_low[rw_rows], b_low[rw_cols];
+    int a_high[rw_rows], b_high[rw_cols];
+#pragma unroll
+    for (int r = 0; r < rw_rows; ++r) {
+      const std::int64_t i = i0 + rw_row(r);
+      a_low[r] = i < m ? a_rows.low[i] : 0;
+      a_high[r] = i < m ? a_rows.high[i] : plain_nonfinite_high;
+    }
+#pragma unroll
+    for (int c = 0; c < rw_cols; ++c) {
+      const std::int64_t j = j0 + rw_col(c);
+      b_low[c] = j < n ? b_rows.low[j] : 0;
+      b_high[c] = j < n ? b_rows.high[j] : plain_nonfinite_high;
+    }
+#pragma unroll
+    for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+      for (int c = 0; c < rw_cols; ++c) {
+        if (plain_fits(a_low[r], a_high[r], b_low[c], b_high[c], depth_bits)) active |= 1U << (r * rw_cols + c);
+        sum_at(r, c) = 0;
+      }
+    }
+  }
+  __syncthreads();  // the low tiles
+
+  // The next chunk. Its values: four float4 of each operand's chunk tile (chunk_tiles_kernel),
+  // elements threadIdx.x + 128 e of the tile's 512 (row threadIdx.x / 8 + 16 e, slot
+  // threadIdx.x % 8). A's go by cp.async to this thread's own slots of the stage, which only this
+  // thread reads back (so no barrier, and no registers held across the chunk's mmas); B's go to
+  // registers. Its spreads: threads 0-63 fetch those of the tile's A rows, 64-127 those of its B
+  // rows, the chunk's, and at the first chunk of a super-chunk also the super-chunk's.
+  float4 next_b[rw_loads];
+  float4* const a_stage =
+      reinterpret_cast<float4*>(rw_shared + (rw_tiles_bytes + rw_sums_bytes) / sizeof(double)) + threadIdx.x;
+  int spread_next = plain_empty_spread;
+  int super_next = plain_empty_spread;
+  const float4* const a_source =
+      reinterpret_cast<const float4*>(a_tiles) + blockIdx.y * chunks * rw_tile_slots + threadIdx.x;
+  const float4* const b_source =
+      reinterpret_cast<const float4*>(b_tiles) + blockIdx.x * chunks * rw_tile_slots + threadIdx.x;
+  const auto fetch = [&](std::int64_t chunk) {
+#pragma unroll
+    for (int e = 0; e < rw_loads; ++e) {
+      copy_async_16(a_stage + rw_threads * e, a_source + chunk * rw_tile_slots + rw_threads * e, true);
+      next_b[e] = b_source[chunk * rw_tile_slots + rw_threads * e];
+    }
+    copy_async_commit();
+    const bool a_role = threadIdx.x < plain_tile;
+    const std::int64_t i = (a_role ? i0 : j0) + static_cast<int>(threadIdx.x) % plain_tile;
+    const std::int64_t rows = a_role ? m : n;
+    spread_next = i < rows ? (a_role ? a_spreads : b_spreads)[chunk * rows + i] : plain_empty_spread;
+    if (chunk % plain_super_chunks == 0) {
+      const std::int64_t super = chunk / plain_super_chunks;
+      super_next = i < rows ? (a_role ? a_super_spreads : b_super_spreads)[super * rows + i] : plain_empty_spread;
+    }
+  };
+  if (chunks > 0) fetch(0);
+
+  // The dots: zero at the start, reset by each entry's own step (see plain_tile_kernel for why not
+  // all at once at a super-chunk's first chunk).
+  double dots[rw_rows][rw_cols];
+#pragma unroll
+  for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+    for (int c = 0; c < rw_cols; ++c) dots[r][c] = 0.0;
+  }
+  unsigned fused = 0;
+
+  for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
+    copy_async_wait<0>();
+    {
+      float4 staged[rw_loads];
+#pragma unroll
+      for (int e = 0; e < rw_loads; ++e) staged[e] = a_stage[rw_threads * e];
+      rw_store(staged, a_tile);
+    }
+    rw_store(next_b, b_tile);
+    const bool super_start = chunk % plain_super_chunks == 0;
+    (threadIdx.x < plain_tile ? a_spread_tile : b_spread_tile)[threadIdx.x % plain_tile] = spread_next;
+    if (super_start) (threadIdx.x < plain_tile ? a_super_tile : b_super_tile)[threadIdx.x % plain_tile] = super_next;
+    __syncthreads();
+    if (chunk + 1 < chunks) fetch(chunk + 1);
+    if (super_start) {
+      fused = 0;
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          if (a_super_tile[rw_row(r)] + b_super_tile[rw_col(c)] <= plain_super_budget) fused |= 1U << (r * rw_cols + c);
+        }
+      }
+      fused &= active;
+    }
+    const bool super_end = (chunk + 1) % plain_super_chunks == 0 || chunk + 1 == chunks;
+    rw_tile_dots(a_tile, b_tile, dots);
+
+    // The steps (as plain_tile_kernel's exact mode), on the sums in shared memory.
+    if (super_end || (active & ~fused) != 0) {
+      unsigned per_product = 0;
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          const unsigned bit = 1U << (r * rw_cols + c);
+          if ((active & bit) == 0) continue;
+          if ((fused & bit) != 0) {
+            if (super_end) {
+              add_in_units_by_halves(sum_at(r, c), dots[r][c], base_of(r, c));
+              dots[r][c] = 0.0;
+            }
+            continue;
+          }
+          const double dot = dots[r][c];
+          dots[r][c] = 0.0;
+          if (a_spread_tile[rw_row(r)] + b_spread_tile[rw_col(c)] > plain_chunk_budget) {
+            per_product |= bit;
+          } else {
+            add_in_units_by_halves(sum_at(r, c), dot, base_of(r, c));
+          }
+        }
+      }
+      if (per_product != 0) {
+#pragma unroll
+        for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+          for (int c = 0; c < rw_cols; ++c) {
+            if ((per_product & (1U << (r * rw_cols + c))) == 0) continue;
+            const int base = base_of(r, c);
+            sum_at(r, c) +=
+                chunk_products_in_units(a_tile + rw_row(r) * dot_stride, b_tile + rw_col(c) * dot_stride, 1, base);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+    for (int c = 0; c < rw_cols; ++c) {
+      if ((active & (1U << (r * rw_cols + c))) == 0) continue;
+      const std::int64_t entry = (i0 + rw_row(r)) * n + j0 + rw_col(c);
+      double value64 = 0.0;
+      float value32 = 0.0f;
+      round_units(sum_at(r, c), base_of(r, c), value64, value32);
+      if (out64 != nullptr) out64[entry] = value64;
+      if (out32 != nullptr) out32[entry] = value32;
+    }
+  }
+}
+#endif  // MXSCOPE_CUDA_TENSOR_CORES
 
 // The row metadata of one unscaled operand on the device.
 struct plain_rows_data {
@@ -2793,40 +3138,10 @@ struct alignas(16) tc_stage {
 };
 
 #if defined(MXSCOPE_GPU_SIMULATE)
-inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
-  simulation::copy_async(shared_destination, global_source, 16, inside);
-}
-inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
-  simulation::copy_async(shared_destination, global_source, 4, inside);
-}
-inline void copy_async_commit() {}
-template <int Pending>
-inline void copy_async_wait() {}
 inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
   simulation::mma_s8(d, a, b);
 }
 #else
-__device__ inline void copy_async_16(void* shared_destination, const void* global_source, bool inside) {
-  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
-  const int source_bytes = inside ? 16 : 0;  // 0: fill the 16 bytes with zeros
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
-               "r"(source_bytes));
-}
-
-__device__ inline void copy_async_4(void* shared_destination, const void* global_source, bool inside) {
-  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
-  const int source_bytes = inside ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination), "l"(global_source),
-               "r"(source_bytes));
-}
-
-__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int Pending>
-__device__ inline void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
-}
-
 // mma.sync m16n8k32 s8 x s8 + 0 -> s32 (the fragment layout is spelled out in simulation.hpp).
 __device__ inline void mma_s8(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
   asm volatile(
@@ -3923,10 +4238,35 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
     nonfinite_rows[1] = static_cast<std::int64_t>(host_counts[1]);
   }
   const int depth_bits = depth_bits_of(k);
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+#if !defined(MXSCOPE_GPU_SIMULATE)
+  // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute belongs
+  // to the current device).
+  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(rw_shared_bytes)));
+#endif
+  const std::int64_t chunks = (k + plain_chunk - 1) / plain_chunk;
+  const auto chunk_tiles = [&](const float* x, std::int64_t rows) {
+    const std::int64_t total = (rows + plain_tile - 1) / plain_tile * chunks * plain_tile * plain_chunk;
+    device_buffer out(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
+    const dim3 grid(static_cast<unsigned>(chunks),
+                    static_cast<unsigned>(std::min<std::int64_t>((rows + plain_tile - 1) / plain_tile, 65535)));
+    if (total > 0) runtime::launch(chunk_tiles_kernel, grid, threads_per_block, 0, x, rows, k, chunks, out.as<float>());
+    return out;
+  };
+  const device_buffer a_tiles = chunk_tiles(a, m);
+  const device_buffer b_tiles = chunk_tiles(b, n);
+  runtime::launch(reference_warp_kernel, plain_grid(m, n), rw_threads, rw_shared_bytes, a_tiles.as<const float>(),
+                  b_tiles.as<const float>(),
+                  a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
+                  a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
+                  b_rows.view(), m, n, k, depth_bits, out32, out64);
+#else
   runtime::launch(plain_tile_kernel<plain_mode::exact>, plain_grid(m, n), 256, 0, a, b,
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
                   a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
                   b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64);
+#endif
   const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
                   static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
   runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m, n,
