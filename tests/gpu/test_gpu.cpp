@@ -1751,6 +1751,27 @@ std::string check_plain_product(const plain_input& in, int block, const mxscope:
   return "";
 }
 
+// The leading and lowest set-bit exponents of the nonzero values x(row, first .. first + length - 1)
+// (finite, normal fp32), and their difference, the spread the reference's budgets read.
+struct exponent_range {
+  int high = -100000, low = 100000;
+  int spread() const { return high - low; }
+};
+
+exponent_range row_exponents(const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
+  exponent_range out;
+  for (std::int64_t c = first; c < std::min(x.cols, first + length); ++c) {
+    const float v = x(row, c);
+    if (v == 0.0f) continue;
+    int e = 0;
+    std::frexp(v, &e);
+    const auto significand = static_cast<std::uint32_t>(std::ldexp(std::fabs(v), 24 - e));  // 24 bits
+    out.high = std::max(out.high, e - 1);
+    out.low = std::min(out.low, e - 24 + __builtin_ctz(significand));
+  }
+  return out;
+}
+
 void plain_checks(bool small) {
   struct shape {
     std::int64_t m, n, k;
@@ -1830,18 +1851,8 @@ void plain_checks(bool small) {
     in.a(1, 70 - 64) = 0.0f;
     // Rows 2 and 3 must reach both paths: fused (spreads over 256 products within 51 - 8) and per
     // chunk (not, but every chunk within 51 - 5).
-    const auto spread = [k](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
-      int high = -100000, low = 100000;
-      for (std::int64_t c = first; c < std::min(k, first + length); ++c) {
-        const float v = x(row, c);
-        if (v == 0.0f) continue;
-        int e = 0;
-        std::frexp(v, &e);
-        const auto significand = static_cast<std::uint32_t>(std::ldexp(std::fabs(v), 24 - e));  // 24 bits
-        high = std::max(high, e - 1);
-        low = std::min(low, e - 24 + __builtin_ctz(significand));
-      }
-      return high - low;
+    const auto spread = [](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
+      return row_exponents(x, row, first, length).spread();
     };
     bool fused = true, per_chunk = true;
     for (std::int64_t super = 0; 256 * super < k; ++super) {
@@ -1855,6 +1866,61 @@ void plain_checks(bool small) {
     if (!fused || !per_chunk) return std::string("the input does not reach both super-chunk paths");
     if (spread(in.a, 0, 256, 256) + spread(in.b, 0, 256, 256) != 44 || spread(in.a, 1, 64, 32) + spread(in.b, 0, 64, 32) != 47) {
       return std::string("the budget rows do not have the spreads they are built for");
+    }
+    return check_reference(in.a, in.b, "seed " + hex64(seed));
+  });
+  // The 128-bit sums at the edges of their window (the steps' conversion of a dot into units of
+  // 2^(lo_a + lo_b), done by fp64 halves on CUDA): entries (0, 0) and (1, 1) use the whole window
+  // (spans 60 + 54 + 2 + depth bits = 126) with fused dots of 2^120 units in super-chunk 0 that
+  // chunk 16 (per-chunk steps: super-chunk 2 spans 60 binades) cancels exactly, so the result is
+  // the small rest from the window's bottom; entries (2, 2) and (3, 3) have a fused dot whose bits
+  // straddle 2^64 units (high and low halves both nonzero). Each pair once positive, once negative.
+  run_case("plain reference window edges M70 N67 K600", []() -> std::string {
+    const std::uint64_t seed = next_seed();
+    const std::int64_t m = 70, n = 67, k = 600;
+    plain_input in{"window edges", test_inputs::make_bf16_matrix(m, k, 1, seed),
+                   test_inputs::make_bf16_matrix(n, k, 1, seed + 1)};
+    for (std::int64_t r = 0; r < 4; ++r) {
+      const float s = r % 2 == 0 ? 1.0f : -1.0f;
+      for (std::int64_t c = 0; c < k; ++c) {
+        if (r < 2) {
+          in.a(r, c) = c < 256   ? -s * 0x1.8p60f
+                       : c < 512 ? s * 0x1.8p5f
+                       : c < 544 ? s * 0x1.8p63f
+                       : c < 576 ? -s * 0x1.4p5f
+                                 : 0.0f;
+          in.b(r, c) = c < 256 ? 0x1.8p30f : c < 512 ? 0x1.8p-23f : c < 544 ? 0x1.8p30f : c < 576 ? 0x1.8p-23f : 0.0f;
+        } else {
+          in.a(r, c) = c < 256 ? s * 0x1.000002p40f : 0x1.8p20f;
+          in.b(r, c) = c < 256 ? 0x1.8p30f : 0x1.8p-10f;
+        }
+      }
+    }
+    const auto whole = [&](const matrix& x, std::int64_t row) { return row_exponents(x, row, 0, k); };
+    const int depth_bits = 10;  // bit length of K = 600
+    for (std::int64_t r = 0; r < 2; ++r) {
+      if (whole(in.a, r).spread() + whole(in.b, r).spread() + 2 + depth_bits != 126) {
+        return std::string("rows 0 and 1 do not fill the 126-bit window");
+      }
+      for (std::int64_t super = 0; super < 2; ++super) {
+        if (row_exponents(in.a, r, 256 * super, 256).spread() + row_exponents(in.b, r, 256 * super, 256).spread() > 43) {
+          return std::string("rows 0 and 1 are not fused in super-chunks 0 and 1");
+        }
+      }
+      if (row_exponents(in.a, r, 512, 88).spread() + row_exponents(in.b, r, 512, 88).spread() <= 43 ||
+          row_exponents(in.a, r, 512, 32).spread() + row_exponents(in.b, r, 512, 32).spread() > 46 ||
+          row_exponents(in.a, r, 544, 32).spread() + row_exponents(in.b, r, 544, 32).spread() > 46) {
+        return std::string("rows 0 and 1 do not step per chunk in super-chunk 2");
+      }
+    }
+    for (std::int64_t r = 2; r < 4; ++r) {
+      // The super-chunk 0 dot, 256 (1 + 2^-23) 2^40 1.5 2^30, in units of 2^(lo_a + lo_b):
+      // bits from 2^(78 + 1 - base) down to 2^(54 - base).
+      const int base = whole(in.a, r).low + whole(in.b, r).low;
+      if (row_exponents(in.a, r, 0, 256).spread() + row_exponents(in.b, r, 0, 256).spread() > 43 ||
+          !(54 - base < 64 && 78 - base >= 64)) {
+        return std::string("rows 2 and 3 do not straddle the sums' halves");
+      }
     }
     return check_reference(in.a, in.b, "seed " + hex64(seed));
   });
