@@ -1980,7 +1980,10 @@ __device__ inline void add_in_units(core_ns::int128& sum, double value, int base
 // keeps |value| 2^-base an integer below 2^127, and base (the sum of two fp32 lowest set-bit
 // exponents) between -298 and 254, so the scaling by 2^-base (a normal double), the high half
 // trunc(t 2^-64) and the low half t - high 2^64 (the bits of t below 2^64, at most 53 of them) are
-// exact, and so are the conversions of the two halves to 64-bit integers. No branches.
+// exact, and so are the conversions of the two halves to 64-bit integers. No branches. The same
+// integer as add_in_units, which the other callers keep: with this form in every caller, ptxas
+// spilled more in plain_tile_kernel's group mode (408 bytes against 312), a kernel whose speed
+// with it has not been measured; in reference_warp_kernel it was (BENCHMARKS.md).
 __device__ inline void add_in_units_by_halves(core_ns::int128& sum, double value, int base) {
   const double scaled = fabs(value) * core_ns::bits_double(static_cast<std::uint64_t>(1023 - base) << 52);
   const double high = trunc(scaled * 0x1p-64);
