@@ -371,6 +371,57 @@ TEST(GpuHostReference, UnscaledStochasticFp4EncoderMatchesCore) {
   EXPECT_GT(threshold_ups, 100000);
 }
 
+// The fused kernel's first sr encoder (fast_encode::fp4_stochastic_sum, composed by
+// fp4_encode_stochastic_sum) against core::quantize_element over the exponents it covers: the
+// words of the test above, plus words that leave the sum undecided (floor(F 2^22) + (word >> 10) =
+// 2^22 - 1) with random low bits. Where the sum says it decided, the code and flags must be the
+// core's; it must call undecided exactly the words with that sum, and where F has no bits past
+// 2^-22 even those must come out right.
+TEST(GpuHostReference, StochasticSumFp4EncoderMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  std::mt19937_64 random(20261130);
+  std::int64_t checked = 0, undecided = 0, threshold_ups = 0;
+  const auto check = [&](const std::vector<float>& values, int exponent) {
+    for (const float value : values) {
+      // floor(F 2^32) in fp64, exactly: |value| 2^-e, its quotient by the spacing and that
+      // quotient's fraction all fit 53 bits.
+      const double scaled = std::ldexp(std::fabs(static_cast<double>(value)), -exponent);
+      const double spacing = scaled < 2.0 ? 0.5 : scaled < 4.0 ? 1.0 : 2.0;
+      const double units = scaled / spacing;
+      const auto fraction =
+          scaled >= 6.0 ? 0U : static_cast<std::uint32_t>(std::floor(std::ldexp(units - std::floor(units), 32)));
+      const std::uint32_t threshold = 0U - fraction;
+      const std::uint32_t open = ((0x3fffffU - (fraction >> 10)) << 10) | static_cast<std::uint32_t>(random() & 0x3ffU);
+      const std::uint32_t words[] = {static_cast<std::uint32_t>(random()), 0U, 0xffffffffU, 0x80000000U,
+                                     threshold - 1U, threshold, open, open | 0x3ffU, open & ~0x3ffU};
+      for (const std::uint32_t word : words) {
+        const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
+        const auto got = fast::fp4_encode_stochastic_sum(value, exponent, word);
+        ++checked;
+        const bool open_word = (fraction >> 10) + (word >> 10) == 0x3fffffU;
+        ASSERT_EQ(got.decided, !open_word) << "exponent " << exponent << " value " << value << " word " << hex(word);
+        if (!got.decided) {
+          ++undecided;
+          if ((fraction & 0x3ffU) != 0) continue;
+        }
+        if (word == threshold && fraction != 0) {
+          threshold_ups += (want.code & 7U) !=
+                           (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
+        }
+        ASSERT_TRUE(same_encoding(want, got.encoded)) << "exponent " << exponent << " value " << value << " ("
+                                                      << hex(core::float_bits(value)) << ") word " << hex(word);
+      }
+    }
+  };
+  sweep_covered_exponents(random, fast::fp4_stochastic_covers,
+                          {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -125, 102, check);
+  if (HasFatalFailure()) return;
+  EXPECT_GT(checked, 10000000);
+  EXPECT_GT(undecided, 1000000);
+  EXPECT_GT(threshold_ups, 100000);
+}
+
 // The halfword encoder of bf16 blocks (fast_encode::fp4_nearest_even_bf16x2 and
 // fp4_saturated_bf16x2, composed by fp4_encode_bf16x2) against core::quantize_element: every bf16
 // pattern, finite or not in the other half, in either half of the word, at the block exponents it

@@ -792,14 +792,25 @@ __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
 #endif
 
 template <class Input, int Rotation, fused_encoder Encoder>
-constexpr int fused_blocks_per_multiprocessor = Encoder == fused_encoder::any_format ? 1
-                                                : Rotation == 0 && sizeof(Input) == 2 ? 4
-                                                                                      : 3;
+constexpr int fused_blocks_per_multiprocessor =
+    Encoder == fused_encoder::any_format                               ? 1
+    : Encoder == fused_encoder::fp4_stochastic && sizeof(Input) == 2 ? (Rotation == 0 ? 3 : 2)
+    : Rotation == 0 && sizeof(Input) == 2                             ? 4
+                                                                      : 3;
 
-template <class Input, int Rotation, fused_encoder Encoder>
-__global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rotation, Encoder>))
-    mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
-                    core_ns::philox_keys keys, const float* signs, mx_device_output output) {
+// One MX block g of the fused kernel, read from `input` and written to `output`, its counts added
+// to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_sum, and a block
+// where one of its sums is undecided (about one block in 2^17 with random words) returns false with
+// no codes or flags written and its counts taken back; the kernel then encodes it again through
+// fused_block_again (fp4_stochastic_unscaled), a call of its own, so that the rare path's registers
+// do not weigh on the hot loop's.
+template <class Input, int Rotation, fused_encoder Encoder, bool Summed>
+__device__ __forceinline__ bool encode_fused_block(const Input* input, const uint4* loaded, std::int64_t g,
+                                                   std::int64_t blocks_per_row,
+                                                   const mx_plan& plan, const core_ns::philox_keys& keys,
+                                                   const float* signs, const mx_device_output& output,
+                                                   unsigned (&counts)[mx_counter_count]) {
+  constexpr bool summed = Summed;
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
   // bf16 input rotated by H16 (fp4 encoders): v keeps the Hadamard sums s, without the factor
@@ -815,222 +826,309 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
   const fast_encode::element_constants constants = fast_encode::constants_of(kind);
   const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
   const std::uint32_t random_mask = stochastic ? fast_encode::fp4_random_mask(plan.sr_bits) : 0U;
-  const std::int64_t blocks_per_row = cols / fused_block;
-  const std::int64_t blocks = rows * blocks_per_row;
   const uint4* source = reinterpret_cast<const uint4*>(input);
-  unsigned counts[mx_counter_count] = {0, 0, 0, 0};
-  for (std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * threads_per_block + threadIdx.x; g < blocks;
-       g += static_cast<std::int64_t>(gridDim.x) * threads_per_block) {
-    uint4 mine[pieces];
+  uint4 mine[pieces];  // the block as read: from `loaded` where the caller read it ahead
 #pragma unroll
-    for (int j = 0; j < pieces; ++j) mine[j] = source[g * pieces + j];
-    float v[fused_block];
-    unpack_pieces(mine, v);
-    if constexpr (Rotation > 0) {
-      // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
-      if (signs != nullptr) {
-        const float4* block_signs = reinterpret_cast<const float4*>(signs + (g % blocks_per_row) * fused_block);
+  for (int j = 0; j < pieces; ++j) mine[j] = loaded != nullptr ? loaded[j] : source[g * pieces + j];
+  float v[fused_block];
+  unpack_pieces(mine, v);
+  if constexpr (Rotation > 0) {
+    // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
+    if (signs != nullptr) {
+      const float4* block_signs = reinterpret_cast<const float4*>(signs + (g % blocks_per_row) * fused_block);
 #pragma unroll
-        for (int q = 0; q < fused_block / 4; ++q) {
-          const float4 s = block_signs[q];
-          v[4 * q] = v[4 * q] * s.x;
-          v[4 * q + 1] = v[4 * q + 1] * s.y;
-          v[4 * q + 2] = v[4 * q + 2] * s.z;
-          v[4 * q + 3] = v[4 * q + 3] * s.w;
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < fused_block / Rotation; ++s) {
-        if constexpr (folded > 0) {
-          core_ns::fwht(v + s * Rotation, Rotation);  // v holds 4x the rotated values
-        } else {
-          core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
-        }
+      for (int q = 0; q < fused_block / 4; ++q) {
+        const float4 s = block_signs[q];
+        v[4 * q] = v[4 * q] * s.x;
+        v[4 * q + 1] = v[4 * q + 1] * s.y;
+        v[4 * q + 2] = v[4 * q + 2] * s.z;
+        v[4 * q + 3] = v[4 * q + 3] * s.w;
       }
     }
-    // The largest magnitude as fp32 bits: the largest finite |v| when below the infinity pattern,
-    // else the block holds a non-finite value. The smallest says whether there are zeros to count.
-    std::uint32_t largest = 0;
-    std::uint32_t smallest = 0xFFFFFFFFU;
-    if constexpr (Rotation == 0 && sizeof(Input) == 2) {
-      // bf16 as read: two magnitudes per word, compared per halfword (the same order as fp32 bits).
-      std::uint32_t high = 0, low = 0xFFFFFFFFU;
+#pragma unroll
+    for (int s = 0; s < fused_block / Rotation; ++s) {
+      if constexpr (folded > 0) {
+        core_ns::fwht(v + s * Rotation, Rotation);  // v holds 4x the rotated values
+      } else {
+        core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
+      }
+    }
+  }
+  // The largest magnitude as fp32 bits: the largest finite |v| when below the infinity pattern,
+  // else the block holds a non-finite value. The smallest says whether there are zeros to count.
+  std::uint32_t largest = 0;
+  std::uint32_t smallest = 0xFFFFFFFFU;
+  if constexpr (Rotation == 0 && sizeof(Input) == 2) {
+    // bf16 as read: two magnitudes per word, compared per halfword (the same order as fp32 bits).
+    std::uint32_t high = 0, low = 0xFFFFFFFFU;
+#pragma unroll
+    for (int j = 0; j < pieces; ++j) {
+      const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        high = fast_encode::max_u16x2(high, words4[w] & 0x7FFF7FFFU);
+        low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+      }
+    }
+    largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
+    smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
+  } else {
+    // As fp32 values: one instruction each per element (the absolute value is an operand
+    // modifier); NaN propagates into the maximum, inf is the largest value anyway.
+    float high = 0.0f, low = core_ns::bits_float(0x7F800000U);
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) {
+      high = max_or_nan(high, fabsf(v[i]));
+      low = fminf(low, fabsf(v[i]));
+    }
+    largest = core_ns::float_bits(high);
+    smallest = core_ns::float_bits(low);
+  }
+  if constexpr (folded > 0) largest = core_ns::float_bits(core_ns::bits_float(largest) * 0.25f);  // exact
+  unsigned nonzero = fused_block;  // v != 0, NaN included
+  if (smallest == 0) {
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) nonzero -= (core_ns::float_bits(v[i]) & 0x7FFFFFFFU) == 0 ? 1U : 0U;
+  }
+  counts[counter_nonzero] += nonzero;
+  std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
+  bool unscaled = false;  // rne or sr codes from an unscaled encoder
+  if (largest >= 0x7F800000U) {
+#pragma unroll
+    for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
+    output.scales[g] = core_ns::scale_nan_code;
+    if (output.dequantized != nullptr) {
+#pragma unroll
+      for (int i = 0; i < fused_block; ++i) v[i] = canonical_nan_float();
+      store_dequantized(output.dequantized + g * fused_block, v);
+    }
+  } else {
+    const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
+    output.scales[g] = core_ns::scale_code(exponent);
+    bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
+    if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
+      unscaled = fast_encode::fp4_unscaled_covers(exponent + folded);
+      if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
+    }
+    if constexpr (Encoder == fused_encoder::fp4_stochastic) unscaled = fast_encode::fp4_stochastic_covers(exponent + folded);
+    if (packed_bf16) {
+      // bf16 without rotation: fast_encode::fp4_nearest_even_bf16x2 on the words as read. Piece
+      // j holds elements 8 j .. 8 j + 7, word w of it elements 8 j + 2 w (low half) and
+      // 8 j + 2 w + 1, which become byte w of code word j: the two codes with their signs
+      // (bits 15 and 31 of the word) moved to bits 3 and 19, folded into the low byte.
+      const fast_encode::fp4_unscaled_bf16x2 grid = fast_encode::fp4_unscaled_bf16x2_constants(exponent);
+      std::uint32_t saturated = 0;  // one count per half
 #pragma unroll
       for (int j = 0; j < pieces; ++j) {
         const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
+        std::uint32_t bytes[4];
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          high = fast_encode::max_u16x2(high, words4[w] & 0x7FFF7FFFU);
-          low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+          const std::uint32_t magnitudes = words4[w] & 0x7FFF7FFFU;
+          saturated += fast_encode::fp4_saturated_bf16x2(magnitudes, grid);
+          const std::uint32_t pair =
+              fast_encode::fp4_nearest_even_bf16x2(magnitudes, grid) | ((words4[w] >> 12) & 0x00080008U);
+          bytes[w] = pair | (pair >> 12);
         }
+        words[j] = low_bytes(bytes[0], bytes[1], bytes[2], bytes[3]);
       }
-      largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
-      smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
-    } else {
-      // As fp32 values: one instruction each per element (the absolute value is an operand
-      // modifier); NaN propagates into the maximum, inf is the largest value anyway.
-      float high = 0.0f, low = core_ns::bits_float(0x7F800000U);
-#pragma unroll
-      for (int i = 0; i < fused_block; ++i) {
-        high = max_or_nan(high, fabsf(v[i]));
-        low = fminf(low, fabsf(v[i]));
-      }
-      largest = core_ns::float_bits(high);
-      smallest = core_ns::float_bits(low);
-    }
-    if constexpr (folded > 0) largest = core_ns::float_bits(core_ns::bits_float(largest) * 0.25f);  // exact
-    unsigned nonzero = fused_block;  // v != 0, NaN included
-    if (smallest == 0) {
-#pragma unroll
-      for (int i = 0; i < fused_block; ++i) nonzero -= (core_ns::float_bits(v[i]) & 0x7FFFFFFFU) == 0 ? 1U : 0U;
-    }
-    counts[counter_nonzero] += nonzero;
-    std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
-    bool unscaled = false;  // rne or sr codes from an unscaled encoder
-    if (largest >= 0x7F800000U) {
-#pragma unroll
-      for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
-      output.scales[g] = core_ns::scale_nan_code;
-      if (output.dequantized != nullptr) {
-#pragma unroll
-        for (int i = 0; i < fused_block; ++i) v[i] = canonical_nan_float();
-        store_dequantized(output.dequantized + g * fused_block, v);
-      }
-    } else {
-      const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
-      output.scales[g] = core_ns::scale_code(exponent);
-      bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
-      if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
-        unscaled = fast_encode::fp4_unscaled_covers(exponent + folded);
-        if constexpr (Rotation == 0 && sizeof(Input) == 2) packed_bf16 = fast_encode::fp4_unscaled_bf16x2_covers(exponent);
-      }
-      if constexpr (Encoder == fused_encoder::fp4_stochastic) unscaled = fast_encode::fp4_stochastic_covers(exponent + folded);
-      if (packed_bf16) {
-        // bf16 without rotation: fast_encode::fp4_nearest_even_bf16x2 on the words as read. Piece
-        // j holds elements 8 j .. 8 j + 7, word w of it elements 8 j + 2 w (low half) and
-        // 8 j + 2 w + 1, which become byte w of code word j: the two codes with their signs
-        // (bits 15 and 31 of the word) moved to bits 3 and 19, folded into the low byte.
-        const fast_encode::fp4_unscaled_bf16x2 grid = fast_encode::fp4_unscaled_bf16x2_constants(exponent);
-        std::uint32_t saturated = 0;  // one count per half
-#pragma unroll
-        for (int j = 0; j < pieces; ++j) {
-          const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
-          std::uint32_t bytes[4];
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const std::uint32_t magnitudes = words4[w] & 0x7FFF7FFFU;
-            saturated += fast_encode::fp4_saturated_bf16x2(magnitudes, grid);
-            const std::uint32_t pair =
-                fast_encode::fp4_nearest_even_bf16x2(magnitudes, grid) | ((words4[w] >> 12) & 0x00080008U);
-            bytes[w] = pair | (pair >> 12);
-          }
-          words[j] = low_bytes(bytes[0], bytes[1], bytes[2], bytes[3]);
-        }
-        counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
-      } else if (unscaled) {
-        // rne or sr on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
-        // fp4_stochastic_unscaled): no scaling multiply, no cap. The biased codes are packed by
-        // additions, each word then gets its offsets once (fast_encode::fp4_unscaled_word_offset),
-        // and the signs go in from v's bits. For sr, element 4 q + w draws word w of Philox block
-        // 8 g + q.
-        const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
-        const std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
+      counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
+    } else if (unscaled) {
+      // rne or sr on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
+      // fp4_stochastic_sum): no scaling multiply, no cap. The biased codes are packed by
+      // additions, each word then gets its offsets once (fast_encode::fp4_unscaled_word_offset),
+      // and the signs go in from v's bits.
+      // For sr, element 4 q + w draws word w of Philox block 8 g + q.
+      const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
+      std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
+      if constexpr (Encoder == fused_encoder::fp4_stochastic && summed) {
+        const float half = fast_encode::fp4_stochastic_half(grid);
+        std::uint32_t margin = 0x3fffffU;  // the least 2^22 - 1 - (sum's low 22 bits): 0 when undecided
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
-          core_ns::philox_block random{};
-          if constexpr (Encoder == fused_encoder::fp4_stochastic) {
-            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
-          }
+          const core_ns::philox_block random =
+              plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
             const float magnitude = fabsf(v[i]);
-            const float clamped = fminf(magnitude, grid.six);
-            std::uint32_t biased = 0;
-            if constexpr (Encoder == fused_encoder::fp4_stochastic) {
-              biased = fast_encode::fp4_stochastic_unscaled_biased(clamped, random.word[w], grid);
-            } else {
-              biased = fast_encode::fp4_nearest_even_unscaled_biased(clamped, grid);
-            }
-            words[i / 8] += biased << (4 * (i % 8));
+            const std::uint32_t sum = fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), random.word[w], half);
+            margin = min(margin, ~sum & 0x3fffffU);
+            words[i / 8] += (sum >> 22) << (4 * (i % 8));
             count_above(counts[counter_saturated], magnitude, grid.six);
           }
         }
+        if (margin == 0) {  // take back what this block counted
+          counts[counter_nonzero] -= nonzero;
 #pragma unroll
-        for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
-#pragma unroll
-        for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
-      } else if constexpr (fp4) {
-        const float inverse = fast_encode::power_of_two(-(exponent + folded));
+          for (int i = 0; i < fused_block; ++i) counts[counter_saturated] -= fabsf(v[i]) > grid.six ? 1U : 0U;
+          return false;
+        }
+        word_offset = fast_encode::fp4_stochastic_sum_word_offset(grid);
+      } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
-          core_ns::philox_block random{};
-          if (Encoder != fused_encoder::fp4_nearest_even && stochastic)
-            random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+          const core_ns::philox_block random =
+              plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const int i = 4 * q + w;
-            // v 2^-e keeps v's sign (the magnitude rounds as |v| 2^-e would): v is dead after this.
-            const float scaled = v[i] * inverse;
-            const float magnitude = fabsf(scaled);
-            std::uint32_t code = 0;
-            if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
-              code = fast_encode::fp4_nearest_even(magnitude);
-            } else {
-              const fast_encode::fp4_position position = fast_encode::fp4_locate(magnitude);
-              code = fast_encode::fp4_round(position, fast_encode::fp4_round_addend(plan.rounding, position.floor_code,
-                                                                                    random.word[w], random_mask));
-            }
-            count_above(counts[counter_saturated], magnitude, 6.0f);
-            code |= (core_ns::float_bits(scaled) >> 31) << 3;
-            words[i / 8] |= code << (4 * (i % 8));
+            const float magnitude = fabsf(v[i]);
+            words[i / 8] += fast_encode::fp4_stochastic_unscaled_biased(fminf(magnitude, grid.six), random.word[w], grid)
+                            << (4 * (i % 8));
+            count_above(counts[counter_saturated], magnitude, grid.six);
           }
-        }
-      }
-      if constexpr (fp4) {
-        // Flushed: nonzero inputs with a zero code = zero codes - zero inputs.
-        const unsigned zero_codes = zero_fp4_magnitudes(words[0]) + zero_fp4_magnitudes(words[1]) +
-                                    zero_fp4_magnitudes(words[2]) + zero_fp4_magnitudes(words[3]);
-        counts[counter_flushed] += zero_codes - (fused_block - nonzero);
-        if (output.dequantized != nullptr) {
-          float decoded[fused_block];
-#pragma unroll
-          for (int i = 0; i < fused_block; ++i)
-            decoded[i] = fast_encode::dequantize(constants, (words[i / 8] >> (4 * (i % 8))) & 0xFU, exponent);
-          store_dequantized(output.dequantized + g * fused_block, decoded);
         }
       } else {
 #pragma unroll
-        for (int q = 0; q < fused_block / 4; ++q) {
-          core_ns::philox_block random{};
-          if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const int i = 4 * q + w;
-            element_result result;
-            if (fast) {
-              result.encoded =
-                  fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
-              result.dequantized = fast_encode::dequantize(constants, result.encoded.code, exponent);
-            } else {
-              result = quantize_one<-1>(kind, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
-            }
-            counts[counter_flushed] += result.encoded.flushed ? 1U : 0U;
-            counts[counter_saturated] += result.encoded.saturated ? 1U : 0U;
-            if (packed) {
-              words[i / 8] |= static_cast<std::uint32_t>(result.encoded.code & 0x0FU) << (4 * (i % 8));
-            } else {
-              words[i / 4] |= static_cast<std::uint32_t>(result.encoded.code) << (8 * (i % 4));
-            }
-            v[i] = result.dequantized;
-          }
+        for (int i = 0; i < fused_block; ++i) {
+          const float magnitude = fabsf(v[i]);
+          words[i / 8] += fast_encode::fp4_nearest_even_unscaled_biased(fminf(magnitude, grid.six), grid)
+                          << (4 * (i % 8));
+          count_above(counts[counter_saturated], magnitude, grid.six);
         }
-        if (output.dequantized != nullptr) store_dequantized(output.dequantized + g * fused_block, v);
+      }
+#pragma unroll
+      for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
+#pragma unroll
+      for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
+    } else if constexpr (fp4) {
+      const float inverse = fast_encode::power_of_two(-(exponent + folded));
+#pragma unroll
+      for (int q = 0; q < fused_block / 4; ++q) {
+        core_ns::philox_block random{};
+        if (Encoder != fused_encoder::fp4_nearest_even && stochastic)
+          random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int i = 4 * q + w;
+          // v 2^-e keeps v's sign (the magnitude rounds as |v| 2^-e would): v is dead after this.
+          const float scaled = v[i] * inverse;
+          const float magnitude = fabsf(scaled);
+          std::uint32_t code = 0;
+          if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
+            code = fast_encode::fp4_nearest_even(magnitude);
+          } else {
+            const fast_encode::fp4_position position = fast_encode::fp4_locate(magnitude);
+            code = fast_encode::fp4_round(position, fast_encode::fp4_round_addend(plan.rounding, position.floor_code,
+                                                                                  random.word[w], random_mask));
+          }
+          count_above(counts[counter_saturated], magnitude, 6.0f);
+          code |= (core_ns::float_bits(scaled) >> 31) << 3;
+          words[i / 8] |= code << (4 * (i % 8));
+        }
       }
     }
-    uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (packed ? fused_block / 2 : fused_block));
-    codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
-    if (!packed) codes[1] = make_uint4(words[4], words[5], words[6], words[7]);
+    if constexpr (fp4) {
+      // Flushed: nonzero inputs with a zero code = zero codes - zero inputs.
+      const unsigned zero_codes = zero_fp4_magnitudes(words[0]) + zero_fp4_magnitudes(words[1]) +
+                                  zero_fp4_magnitudes(words[2]) + zero_fp4_magnitudes(words[3]);
+      counts[counter_flushed] += zero_codes - (fused_block - nonzero);
+      if (output.dequantized != nullptr) {
+        float decoded[fused_block];
+#pragma unroll
+        for (int i = 0; i < fused_block; ++i)
+          decoded[i] = fast_encode::dequantize(constants, (words[i / 8] >> (4 * (i % 8))) & 0xFU, exponent);
+        store_dequantized(output.dequantized + g * fused_block, decoded);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < fused_block / 4; ++q) {
+        core_ns::philox_block random{};
+        if (stochastic) random = plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int i = 4 * q + w;
+          element_result result;
+          if (fast) {
+            result.encoded =
+                fast_encode::quantize_finite(constants, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+            result.dequantized = fast_encode::dequantize(constants, result.encoded.code, exponent);
+          } else {
+            result = quantize_one<-1>(kind, v[i], exponent, plan.rounding, random.word[w], plan.sr_bits);
+          }
+          counts[counter_flushed] += result.encoded.flushed ? 1U : 0U;
+          counts[counter_saturated] += result.encoded.saturated ? 1U : 0U;
+          if (packed) {
+            words[i / 8] |= static_cast<std::uint32_t>(result.encoded.code & 0x0FU) << (4 * (i % 8));
+          } else {
+            words[i / 4] |= static_cast<std::uint32_t>(result.encoded.code) << (8 * (i % 4));
+          }
+          v[i] = result.dequantized;
+        }
+      }
+      if (output.dequantized != nullptr) store_dequantized(output.dequantized + g * fused_block, v);
+    }
+  }
+  uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (packed ? fused_block / 2 : fused_block));
+  codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  if (!packed) codes[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  return true;
+}
+
+struct fused_counts {
+  unsigned values[mx_counter_count];
+};
+
+template <class Input, int Rotation, fused_encoder Encoder>
+__device__ __noinline__ fused_counts fused_block_again(const Input* input, std::int64_t g, std::int64_t blocks_per_row,
+                                                       mx_plan plan, core_ns::philox_keys keys, const float* signs,
+                                                       mx_device_output output) {
+  fused_counts out{{0, 0, 0, 0}};
+  encode_fused_block<Input, Rotation, Encoder, false>(input, nullptr, g, blocks_per_row, plan, keys, signs, output,
+                                                      out.values);
+  return out;
+}
+
+template <class Input, int Rotation, fused_encoder Encoder>
+__global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rotation, Encoder>))
+    mx_fused_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                    core_ns::philox_keys keys, const float* signs, mx_device_output output) {
+  const std::int64_t blocks_per_row = cols / fused_block;
+  const std::int64_t blocks = rows * blocks_per_row;
+  unsigned counts[mx_counter_count] = {0, 0, 0, 0};
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * threads_per_block;
+  if constexpr (Encoder == fused_encoder::fp4_stochastic && sizeof(Input) == 2) {
+    // sr on bf16: the next block's input is read while this one is encoded (the encoder's work is long
+    // enough to cover the load; without it, the first use of the input was the kernel's largest stall).
+    constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
+    const uint4* source = reinterpret_cast<const uint4*>(input);
+    std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * threads_per_block + threadIdx.x;
+    uint4 next[pieces];
+#pragma unroll
+    for (int j = 0; j < pieces; ++j) next[j] = g < blocks ? source[g * pieces + j] : uint4{};
+    for (; g < blocks; g += stride) {
+      uint4 mine[pieces];
+#pragma unroll
+      for (int j = 0; j < pieces; ++j) mine[j] = next[j];
+      if (g + stride < blocks) {
+#pragma unroll
+        for (int j = 0; j < pieces; ++j) next[j] = source[(g + stride) * pieces + j];
+      }
+      if (!encode_fused_block<Input, Rotation, Encoder, true>(input, mine, g, blocks_per_row, plan, keys, signs, output,
+                                                             counts)) {
+        const fused_counts again =
+            fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
+#pragma unroll
+        for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+      }
+    }
+  } else {
+    for (std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * threads_per_block + threadIdx.x; g < blocks;
+         g += stride) {
+      if constexpr (Encoder == fused_encoder::fp4_stochastic) {
+        if (!encode_fused_block<Input, Rotation, Encoder, true>(input, nullptr, g, blocks_per_row, plan, keys, signs,
+                                                               output, counts)) {
+          const fused_counts again =
+              fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
+#pragma unroll
+          for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+        }
+      } else {
+        encode_fused_block<Input, Rotation, Encoder, false>(input, nullptr, g, blocks_per_row, plan, keys, signs,
+                                                            output, counts);
+      }
+    }
   }
   if (output.counters != nullptr) {
     const unsigned long long wide[mx_counter_count] = {counts[0], counts[1], counts[2], counts[3]};
@@ -1192,17 +1290,20 @@ __global__ void encoder_self_test_kernel(element_kind kind, core_ns::rounding_mo
     const core_ns::encoded got = fast_encode::quantize_finite(constants, value, exponent, mode, word, sr_bits);
     const float want_value = static_cast<float>(core_ns::dequantize_element(kind, want.code, exponent));
     const float got_value = fast_encode::dequantize(constants, got.code, exponent);
-    // The fused kernel's fp4 sr encoder (32 bits) too, where it applies: its directed roundings are
-    // the device's own instructions here.
-    core_ns::encoded stochastic = want;
+    // The fused kernel's fp4 sr encoders (32 bits) too, where they apply: their directed roundings
+    // are the device's own instructions here. The sum's code counts where it says it decided.
+    core_ns::encoded stochastic = want, summed = want;
     if (kind == element_kind::fp4_e2m1 && mode == core_ns::rounding_mode::sr && sr_bits == 32 &&
         fast_encode::fp4_stochastic_covers(exponent)) {
       stochastic = fast_encode::fp4_encode_unscaled(value, exponent, true, word);
+      const fast_encode::sum_encoded sum = fast_encode::fp4_encode_stochastic_sum(value, exponent, word);
+      if (sum.decided) summed = sum.encoded;
     }
     ++checked;
     if (want.code != got.code || want.saturated != got.saturated || want.flushed != got.flushed ||
         core_ns::float_bits(want_value) != core_ns::float_bits(got_value) || want.code != stochastic.code ||
-        want.saturated != stochastic.saturated || want.flushed != stochastic.flushed) {
+        want.saturated != stochastic.saturated || want.flushed != stochastic.flushed || want.code != summed.code ||
+        want.saturated != summed.saturated || want.flushed != summed.flushed) {
       ++mismatches;
       if (pattern < first_mismatch) first_mismatch = pattern;
     }

@@ -32,6 +32,7 @@
 #define __device__
 #define __host__
 #define __noinline__ __attribute__((noinline))
+#define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __shared__ static  // one simulated thread block runs at a time, so a static is its shared memory
 

@@ -713,6 +713,43 @@ void quantize_fused(bool small) {
       }
     }
   }
+  // The sr encoder's undecided sums (fast_encode::fp4_stochastic_sum): fp32 blocks of exponent 0
+  // (4.0 first, then 7.0, which saturates) where every element whose Philox word w has w >> 10 >= 2^22 - 2^13 (about 1 in
+  // 512) is made (A 2^10 + B) 2^-33 with A = 2^22 - 1 - (w >> 10) and B in 1..1023: floor(F 2^22) =
+  // A fills the sum's low 22 bits, and B + (w & 1023) >= 1024, which the fast sum cannot see,
+  // decides. The kernel must take fp4_stochastic_unscaled for those blocks; both outcomes occur.
+  {
+    ++index;
+    const std::uint64_t seed = next_seed();
+    const std::int64_t rows = 16, cols = 32 * 96;
+    auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+    matrix input = test_inputs::make_matrix(rows, cols, value_kind::banded, seed);
+    std::uint64_t state = seed + 3;
+    int ups = 0, downs = 0;
+    for (std::int64_t n = 0; n < input.size(); ++n) {
+      float& v = input.values[static_cast<std::size_t>(n)];
+      v = std::fmod(v, 4.0f);
+      if (n % 32 < 2) {  // the grid's exponent 0 (the largest is in [4, 8)), and one saturated element
+        v = n % 32 == 0 ? 4.0f : 7.0f;
+        continue;
+      }
+      const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(n));
+      if ((word >> 10) < 0x3fffffU - 0x1fffU) continue;
+      const std::uint32_t a = 0x3fffffU - (word >> 10);
+      const std::uint32_t b = 1U + static_cast<std::uint32_t>(split_mix(state) % 1023U);
+      v = std::ldexp(static_cast<float>((a << 10) | b), -33) * (n % 2 == 0 ? 1.0f : -1.0f);
+      (b + (word & 0x3ffU) >= 0x400U ? ups : downs) += 1;
+    }
+    mxscope::rotation_options none;
+    run_case("quantize fused mxfp4 sr undecided sums fp32 " + std::to_string(rows) + "x" + std::to_string(cols),
+             [&]() -> std::string {
+               if (ups < 5 || downs < 5) {
+                 return "the input has " + std::to_string(ups) + " undecided elements rounding up and " +
+                        std::to_string(downs) + " rounding down, not 5 of each";
+               }
+               return check_quantize(input, false, options, none, gpu::quantize_path::fused);
+             });
+  }
   // Several tiles: the fused kernel takes 256 MX blocks per thread block; 37 x 1824 has 2109 blocks,
   // 8 full tiles and a partial one. mxfp4 (its own encoders) and mxfp8, rne and sr.
   for (const int format : {0, 3}) {
