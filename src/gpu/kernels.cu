@@ -91,6 +91,30 @@ __device__ inline float canonical(float value) { return value != value ? canonic
 __device__ inline double canonical(double value) { return value != value ? canonical_nan_double() : value; }
 __device__ inline bool is_finite(float value) { return (core_ns::float_bits(value) & 0x7f800000U) != 0x7f800000U; }
 
+// Integer multiply-adds, a * b + c (low or high 32 bits of the product), kept as such on CUDA: the
+// sr encoder spends them where it would otherwise shift or mask, because on sm_90 an IMAD runs on
+// the fp32 multiply-add pipe, which that loop leaves mostly idle, while shifts, masks and compares
+// share the integer pipe with Philox's xors.
+__device__ inline std::uint32_t multiply_add_low(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  std::uint32_t out = 0;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
+__device__ inline std::uint32_t multiply_add_high(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  std::uint32_t out = 0;
+  asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
+  return out;
+#else
+  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(a) * b) >> 32) + c;
+#endif
+}
+
 // count + (magnitude > limit): a compare and a predicated add on CUDA (nvcc made it three
 // instructions, an add, a predicated move and the compare).
 __device__ inline void count_above(unsigned& count, float magnitude, float limit) {
@@ -942,8 +966,15 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
       std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
       if constexpr (Encoder == fused_encoder::fp4_stochastic && summed) {
+        // Per element on the multiply-add pipe (multiply_add_low/high): the code sum >> 22 as the
+        // high word of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the
+        // sum is undecided (low 22 bits all ones), into the least of the block's; and the saturation
+        // count as the sign bit of bits(six) - bits(|v|) (nonnegative floats order as their bits),
+        // the high word of twice it.
         const float half = fast_encode::fp4_stochastic_half(grid);
-        std::uint32_t margin = 0x3fffffU;  // the least 2^22 - 1 - (sum's low 22 bits): 0 when undecided
+        const std::uint32_t six_bits = core_ns::float_bits(grid.six);
+        std::uint32_t margin = 0xffffffffU;
+        std::uint32_t saturated = 0;
 #pragma unroll
         for (int q = 0; q < fused_block / 4; ++q) {
           const core_ns::philox_block random =
@@ -953,17 +984,18 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
             const int i = 4 * q + w;
             const float magnitude = fabsf(v[i]);
             const std::uint32_t sum = fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), random.word[w], half);
-            margin = min(margin, ~sum & 0x3fffffU);
-            words[i / 8] += (sum >> 22) << (4 * (i % 8));
-            count_above(counts[counter_saturated], magnitude, grid.six);
+            const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
+            margin = distance < margin ? distance : margin;
+            words[i / 8] = multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
+            saturated =
+                multiply_add_high(multiply_add_low(core_ns::float_bits(magnitude), 0xffffffffU, six_bits), 2U, saturated);
           }
         }
         if (margin == 0) {  // take back what this block counted
           counts[counter_nonzero] -= nonzero;
-#pragma unroll
-          for (int i = 0; i < fused_block; ++i) counts[counter_saturated] -= fabsf(v[i]) > grid.six ? 1U : 0U;
           return false;
         }
+        counts[counter_saturated] += saturated;
         word_offset = fast_encode::fp4_stochastic_sum_word_offset(grid);
       } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
 #pragma unroll
