@@ -807,8 +807,10 @@ __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
 // Thread blocks per multiprocessor for the fp4 encoders on CUDA, so that enough loads are in flight
 // to cover the memory latency: 4 (64 registers) for bf16 without rotation, 3 (80 registers) for the
 // others, the most that ptxas fits without spilling (sm_90; H16 on bf16 at 4 spilled 80 bytes and
-// took 0.250 ms against 0.238). (HIP's second bound means something else; it keeps the plain
-// bound.)
+// took 0.250 ms against 0.238). sr on bf16 reads the next block ahead (16 more registers): 3 (80)
+// without rotation, where 4 spilled 124 bytes and 3 and 4 ran alike before the read-ahead, and 2
+// (128) with H16, which took 0.431 ms against 0.449 at 3 without it. (HIP's second bound means
+// something else; it keeps the plain bound.)
 #if defined(__CUDACC__) && !defined(__HIP__)
 #define MXSCOPE_FUSED_BOUNDS(min_blocks) __launch_bounds__(threads_per_block, min_blocks)
 #else
