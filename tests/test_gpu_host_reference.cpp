@@ -332,56 +332,22 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
   EXPECT_GT(checked, 2000000);
 }
 
-// The fused kernel's sr encoder on unscaled magnitudes (fast_encode::fp4_stochastic_unscaled,
-// composed by fp4_encode_unscaled; 32 random bits) against core::quantize_element over the block
-// exponents it covers (-125..102): the sweep of the other fp4 encoder tests, each value with a
-// random word, the extreme words and the two words on either side of its rounding threshold (the
-// word where floor(F 2^32) + word reaches 2^32, found from fp4_locate's fraction; the core decides
-// what either word must give).
-TEST(GpuHostReference, UnscaledStochasticFp4EncoderMatchesCore) {
+// The fused kernel's two sr encoders (32 random bits) against core::quantize_element over the
+// block exponents they cover (-125..102), on the sweep of the other fp4 encoder tests. Each value
+// gets a random word, the extreme words, the two words on either side of its rounding threshold
+// (where floor(F 2^32) + word reaches 2^32; the core decides what either must give) and words that
+// leave fp4_stochastic_sum undecided (floor(F 2^22) + (word >> 10) = 2^22 - 1) with random low bits.
+//   - fast_encode::fp4_stochastic_unscaled (composed by fp4_encode_unscaled) must give the core's
+//     code and flags for every word.
+//   - fast_encode::fp4_stochastic_sum (composed by fp4_encode_stochastic_sum) must call undecided
+//     exactly the words with that sum; where it decided, and where F has no bits past 2^-22 even
+//     where it did not, its code and flags must be the core's.
+TEST(GpuHostReference, StochasticFp4EncodersMatchCore) {
   namespace fast = mxscope::gpu::fast_encode;
   constexpr auto kind = core::element_kind::fp4_e2m1;
   std::mt19937_64 random(20261201);
-  std::int64_t checked = 0;
+  std::int64_t checked = 0, undecided = 0;
   std::int64_t threshold_ups = 0;  // threshold words that rounded up: the boundary was met
-  const auto check = [&](const std::vector<float>& values, int exponent) {
-    for (const float value : values) {
-      const float scaled = std::fabs(value) * fast::power_of_two(-exponent);
-      const std::uint32_t fraction = fast::fp4_locate(scaled).fraction;
-      const std::uint32_t threshold = 0U - fraction;  // 2^32 - fraction (0: never up)
-      const std::uint32_t words[] = {static_cast<std::uint32_t>(random()), 0U, 0xffffffffU, 0x80000000U,
-                                     threshold - 1U, threshold};
-      for (const std::uint32_t word : words) {
-        const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
-        const auto got = fast::fp4_encode_unscaled(value, exponent, true, word);
-        ++checked;
-        if (word == threshold && fraction != 0) {
-          threshold_ups += (want.code & 7U) !=
-                           (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
-        }
-        ASSERT_TRUE(same_encoding(want, got)) << "exponent " << exponent << " value " << value << " ("
-                                              << hex(core::float_bits(value)) << ") word " << hex(word);
-      }
-    }
-  };
-  sweep_covered_exponents(random, fast::fp4_stochastic_covers,
-                          {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -125, 102, check);
-  if (HasFatalFailure()) return;
-  EXPECT_GT(checked, 10000000);
-  EXPECT_GT(threshold_ups, 100000);
-}
-
-// The fused kernel's first sr encoder (fast_encode::fp4_stochastic_sum, composed by
-// fp4_encode_stochastic_sum) against core::quantize_element over the exponents it covers: the
-// words of the test above, plus words that leave the sum undecided (floor(F 2^22) + (word >> 10) =
-// 2^22 - 1) with random low bits. Where the sum says it decided, the code and flags must be the
-// core's; it must call undecided exactly the words with that sum, and where F has no bits past
-// 2^-22 even those must come out right.
-TEST(GpuHostReference, StochasticSumFp4EncoderMatchesCore) {
-  namespace fast = mxscope::gpu::fast_encode;
-  constexpr auto kind = core::element_kind::fp4_e2m1;
-  std::mt19937_64 random(20261130);
-  std::int64_t checked = 0, undecided = 0, threshold_ups = 0;
   const auto check = [&](const std::vector<float>& values, int exponent) {
     for (const float value : values) {
       // floor(F 2^32) in fp64, exactly: |value| 2^-e, its quotient by the spacing and that
@@ -391,26 +357,32 @@ TEST(GpuHostReference, StochasticSumFp4EncoderMatchesCore) {
       const double units = scaled / spacing;
       const auto fraction =
           scaled >= 6.0 ? 0U : static_cast<std::uint32_t>(std::floor(std::ldexp(units - std::floor(units), 32)));
-      const std::uint32_t threshold = 0U - fraction;
+      const std::uint32_t threshold = 0U - fraction;  // 2^32 - fraction (0: never up)
       const std::uint32_t open = ((0x3fffffU - (fraction >> 10)) << 10) | static_cast<std::uint32_t>(random() & 0x3ffU);
       const std::uint32_t words[] = {static_cast<std::uint32_t>(random()), 0U, 0xffffffffU, 0x80000000U,
                                      threshold - 1U, threshold, open, open | 0x3ffU, open & ~0x3ffU};
       for (const std::uint32_t word : words) {
         const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
-        const auto got = fast::fp4_encode_stochastic_sum(value, exponent, word);
         ++checked;
-        const bool open_word = (fraction >> 10) + (word >> 10) == 0x3fffffU;
-        ASSERT_EQ(got.decided, !open_word) << "exponent " << exponent << " value " << value << " word " << hex(word);
-        if (!got.decided) {
-          ++undecided;
-          if ((fraction & 0x3ffU) != 0) continue;
-        }
         if (word == threshold && fraction != 0) {
           threshold_ups += (want.code & 7U) !=
                            (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
         }
-        ASSERT_TRUE(same_encoding(want, got.encoded)) << "exponent " << exponent << " value " << value << " ("
-                                                      << hex(core::float_bits(value)) << ") word " << hex(word);
+        const auto unscaled = fast::fp4_encode_unscaled(value, exponent, true, word);
+        ASSERT_TRUE(same_encoding(want, unscaled)) << "fp4_stochastic_unscaled: exponent " << exponent << " value "
+                                                   << value << " (" << hex(core::float_bits(value)) << ") word "
+                                                   << hex(word);
+        const auto summed = fast::fp4_encode_stochastic_sum(value, exponent, word);
+        const bool open_word = (fraction >> 10) + (word >> 10) == 0x3fffffU;
+        ASSERT_EQ(summed.decided, !open_word) << "fp4_stochastic_sum: exponent " << exponent << " value " << value
+                                              << " word " << hex(word);
+        if (!summed.decided) {
+          ++undecided;
+          if ((fraction & 0x3ffU) != 0) continue;
+        }
+        ASSERT_TRUE(same_encoding(want, summed.encoded)) << "fp4_stochastic_sum: exponent " << exponent << " value "
+                                                         << value << " (" << hex(core::float_bits(value))
+                                                         << ") word " << hex(word);
       }
     }
   };

@@ -836,7 +836,6 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
                                                    const mx_plan& plan, const core_ns::philox_keys& keys,
                                                    const float* signs, const mx_device_output& output,
                                                    unsigned (&counts)[mx_counter_count]) {
-  constexpr bool summed = Summed;
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
   // bf16 input rotated by H16 (fp4 encoders): v keeps the Hadamard sums s, without the factor
@@ -967,7 +966,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       // For sr, element 4 q + w draws word w of Philox block 8 g + q.
       const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
       std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
-      if constexpr (Encoder == fused_encoder::fp4_stochastic && summed) {
+      if constexpr (Encoder == fused_encoder::fp4_stochastic && Summed) {
         // Per element on the multiply-add pipe (multiply_add_low/high): the code sum >> 22 as the
         // high word of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the
         // sum is undecided (low 22 bits all ones), into the least of the block's; and the saturation
