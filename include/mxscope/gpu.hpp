@@ -244,16 +244,26 @@ std::string_view gemm_path_name(gemm_path path);
 bool gemm_path_covers(gemm_path path, core::element_kind a, core::element_kind b, int block,
                       const accumulation_model& model);
 
-// The kernel behind the tensor-core path's fp32-block products (both give the same bits):
-// - mma_sync: mma.sync m16n8k32 s8 (sm_80 or newer), the automatic choice (the faster on the H200);
+// The kernel behind the tensor-core path's fp32-block products (all give the same bits):
+// - mma_sync: mma.sync m16n8k32 s8 (sm_80 or newer);
 // - wgmma: the asynchronous warpgroup MMA (wgmma m64n64k32 s8) of an sm_90a build on an sm_90
-//   device (H100, H200); docs/gpu.md and BENCHMARKS.md say where it stands.
+//   device (H100, H200);
+// - wgmma_bf16: MXFP4 x MXFP4 only, from the same builds and devices: the block scales inside
+//   bf16 operands (q 2^e), each block dot with its scales from wgmma m64n64k16 bf16 into fresh
+//   fp32 registers, one fp32 addition per entry and block. It runs where every block with a nonzero
+//   element has -125 <= e <= 125, the two operands' lowest exponents add up to at least -124 and
+//   their highest to at most 117, and no block is NaN (there every step is exact); other products
+//   take mma_sync.
+// docs/gpu.md and BENCHMARKS.md say where each stands; automatic is the fastest available.
 // The choice is process-wide (tests and benchmarks set it); the exact model keeps its own kernel.
-enum class tensor_core_kernel : std::uint8_t { automatic, mma_sync, wgmma };
+enum class tensor_core_kernel : std::uint8_t { automatic, mma_sync, wgmma, wgmma_bf16 };
 std::string_view tensor_core_kernel_name(tensor_core_kernel kernel);
 bool tensor_core_kernel_available(tensor_core_kernel kernel);
 void select_tensor_core_kernel(tensor_core_kernel kernel);
 tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what products run now
+// The kernel that ran the most recent fp32-block product of the tensor-core path (process-wide;
+// automatic before the first): wgmma_bf16 where selected falls back to mma_sync as said above.
+tensor_core_kernel last_tensor_core_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
 // contiguous) for one path; reusable across products.

@@ -1485,6 +1485,47 @@ __global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents,
   }
 }
 
+// The operands of the scaled kernel (tensor_core_scaled_kernel; MXFP4 only): element (row, k) as
+// the bf16 number q 2^e, i.e. the prepared byte 2q times 2^(e - 1), [rows, stride] like the bytes.
+// That is exact and normal for every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most
+// four significant bits); blocks outside that range get zeros, and the operand then does not fit
+// (scaled_kernel_fits). range[0] and range[1] collect the lowest and highest exponent of a block
+// with a nonzero element as maxima of 1000 - e and 1000 + e (0: no such block), range[2] whether a
+// NaN block is present.
+constexpr std::uint32_t scaled_range_offset = 1000;
+
+__global__ void prepare_scaled_kernel(const std::int8_t* bytes, const std::int32_t* exponents, std::int64_t rows,
+                                      std::int64_t blocks, std::int64_t stride, std::uint16_t* scaled,
+                                      unsigned* range) {
+  unsigned lowest = 0, highest = 0, nan_block = 0;
+  MXSCOPE_GRID_LOOP(t, rows * blocks) {
+    const std::int64_t row = t / blocks;
+    const std::int64_t b = t % blocks;
+    const std::int32_t e = exponents[b * rows + row];
+    const std::int8_t* const source = bytes + row * stride + 32 * b;
+    std::uint16_t* const destination = scaled + row * stride + 32 * b;
+    const bool representable = e >= -125 && e <= 125;
+    const float unit = core_ns::bits_float(static_cast<std::uint32_t>(representable ? e - 1 + 127 : 127) << 23);
+    bool nonzero = false;
+    for (int k = 0; k < 32; ++k) {
+      const int value = source[k];
+      nonzero = nonzero || value != 0;
+      destination[k] = representable
+                           ? static_cast<std::uint16_t>(core_ns::float_bits(__fmul_rn(static_cast<float>(value), unit)) >> 16)
+                           : std::uint16_t{0};
+    }
+    if (e == nan_block_exponent) {
+      nan_block = 1;
+    } else if (nonzero) {
+      lowest = std::max(lowest, static_cast<unsigned>(static_cast<std::int32_t>(scaled_range_offset) - e));
+      highest = std::max(highest, static_cast<unsigned>(static_cast<std::int32_t>(scaled_range_offset) + e));
+    }
+  }
+  atomicMax(&range[0], lowest);
+  atomicMax(&range[1], highest);
+  atomicMax(&range[2], nan_block);
+}
+
 }  // namespace
 
 struct prepared_operand::storage {
@@ -1504,6 +1545,12 @@ struct prepared_operand::storage {
   device_buffer scales;      // uint32 [blocks, padded_rows] (tensor_core; prepare_tensor_core_scales_kernel)
   device_buffer slow_tiles;  // unsigned [blocks, padded_rows / 128] (tensor_core)
   device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
+  // The scaled kernel's bf16 operand (tensor_core, MXFP4, where that kernel exists) and the lowest
+  // and highest block exponent over the blocks with a nonzero element (1000 and -1000: none).
+  device_buffer scaled;  // uint16 bf16 [rows, byte_stride] (prepare_scaled_kernel)
+  int scaled_lowest = 1000;
+  int scaled_highest = -1000;
+  bool scaled_nan = false;
 };
 
 prepared_operand::prepared_operand() : storage_(std::make_unique<storage>()) {}
@@ -1554,6 +1601,7 @@ bool tensor_cores_present() {
 bool wgmma_present();  // below, next to the kernels
 
 std::atomic<tensor_core_kernel> chosen_tensor_core_kernel{tensor_core_kernel::automatic};
+std::atomic<tensor_core_kernel> last_run_tensor_core_kernel{tensor_core_kernel::automatic};
 
 }  // namespace
 
@@ -1565,6 +1613,8 @@ std::string_view tensor_core_kernel_name(tensor_core_kernel kernel) {
       return "mma_sync";
     case tensor_core_kernel::wgmma:
       return "wgmma";
+    case tensor_core_kernel::wgmma_bf16:
+      return "wgmma_bf16";
   }
   return "?";
 }
@@ -1575,6 +1625,7 @@ bool tensor_core_kernel_available(tensor_core_kernel kernel) {
     case tensor_core_kernel::mma_sync:
       return tensor_cores_present();
     case tensor_core_kernel::wgmma:
+    case tensor_core_kernel::wgmma_bf16:
       return wgmma_present();
   }
   return false;
@@ -1591,8 +1642,11 @@ void select_tensor_core_kernel(tensor_core_kernel kernel) {
 tensor_core_kernel selected_tensor_core_kernel() {
   const tensor_core_kernel kernel = chosen_tensor_core_kernel.load();
   if (kernel != tensor_core_kernel::automatic) return kernel;
-  return tensor_core_kernel::mma_sync;  // the faster of the two on the H200 (BENCHMARKS.md)
+  // The fastest on the H200 (BENCHMARKS.md).
+  return wgmma_present() ? tensor_core_kernel::wgmma_bf16 : tensor_core_kernel::mma_sync;
 }
+
+tensor_core_kernel last_tensor_core_kernel() { return last_run_tensor_core_kernel.load(); }
 
 bool gemm_path_covers(gemm_path path, element_kind a, element_kind b, int block, const accumulation_model& model) {
   const auto kind = model.kind;
@@ -1669,7 +1723,8 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
     bytes = s.bytes.as<std::int8_t>();
   }
   s.exponents = device_buffer(static_cast<std::size_t>(s.blocks * s.rows) * sizeof(std::int32_t));
-  device_buffer flag(sizeof(int));
+  // The nonfinite-element flag, then prepare_scaled_kernel's range: one download for both.
+  device_buffer flag(4 * sizeof(unsigned));
   flag.fill_bytes(0);
   const std::int64_t stride = path == gemm_path::tensor_core ? s.byte_stride : s.depth;
   if (s.rows > 0 && stride > 0) {
@@ -1690,9 +1745,22 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
                     s.exponents.as<const std::int32_t>(), s.rows, s.padded_rows, s.blocks,
                     fraction_bits_of(operand.element), s.scales.as<std::uint32_t>(), s.slow_tiles.as<unsigned>());
   }
-  int nonfinite = 0;
-  flag.download(&nonfinite, sizeof(int));  // synchronizes
-  s.finite_elements = nonfinite == 0;
+  const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 &&
+                      tensor_core_kernel_available(tensor_core_kernel::wgmma_bf16) && s.rows > 0 && s.blocks > 0;
+  if (scaled) {
+    s.scaled = device_buffer(static_cast<std::size_t>(s.rows * s.byte_stride) * sizeof(std::uint16_t));
+    runtime::launch(prepare_scaled_kernel, reduction_grid(s.rows * s.blocks), threads_per_block, 0,
+                    s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(), s.rows, s.blocks,
+                    s.byte_stride, s.scaled.as<std::uint16_t>(), flag.as<unsigned>() + 1);
+  }
+  unsigned flags[4] = {};
+  flag.download(flags, sizeof(flags));  // synchronizes
+  s.finite_elements = flags[0] == 0;
+  if (scaled) {
+    s.scaled_lowest = flags[1] == 0 ? 1000 : static_cast<int>(scaled_range_offset) - static_cast<int>(flags[1]);
+    s.scaled_highest = flags[2] == 0 ? -1000 : static_cast<int>(flags[2]) - static_cast<int>(scaled_range_offset);
+    s.scaled_nan = flags[3] != 0;
+  }
   return out;
 }
 
@@ -4108,6 +4176,149 @@ __global__ void __launch_bounds__(tcw_threads, 1)
   (void)padded_m, (void)padded_n, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
 #endif
 }
+
+// -------------------------------------------------------------------------------------------
+// The sm_90a fp32-block kernel of MXFP4 operands with the block scales inside them
+// (tensor_core_scaled_kernel): A and B hold q 2^e as bf16 numbers (prepare_scaled_kernel), so the
+// warpgroup MMA's fp32 result for one K-block, two wgmma.mma_async m64n64k16 bf16 (the first
+// with scale-d 0, the second adding to it), is the scaled block dot D 2^(ea + eb) itself, and the
+// step fl32(acc + D 2^k) is one fp32 addition. That value is exact wherever the kernel runs
+// (scaled_kernel_fits): the products of two elements are 2qa 2qb 2^(k - 2) with |2q| <= 12, and
+// every partial sum of a block's 32 is an integer multiple of 2^(k - 2) below 2^13 2^(k - 2), so
+// with -124 <= k <= 117 they are all normal fp32 numbers (or zero) whatever the order of the
+// additions and however the tensor core aligns them (it keeps at least 24 bits below the largest
+// term). A block dot of zero may come out as -0; acc starts at +0 and can never become -0 (an
+// addition rounded to nearest gives -0 only from two negative zeros), so acc + (-0) = acc as
+// acc + 0 does.
+//
+// Layout and pipeline as tensor_core_wgmma_kernel: 128 x 128 entries per thread block, each of the
+// two warpgroups 64 rows and two column halves of 32 fp32 registers; rows of 128 bytes in the
+// 128-byte swizzle, which now hold two K-blocks (64 bf16), and more stages.
+constexpr int tcs_tile = 128;
+constexpr int tcs_threads = 256;
+constexpr int tcs_stage_blocks = 2;  // 2 x 32 bf16: a 128-byte row
+constexpr int tcs_stages = 6;
+
+struct alignas(1024) tcs_stage {
+  std::uint16_t a[tcs_tile * 64];
+  std::uint16_t b[tcs_tile * 64];
+};
+constexpr std::size_t tcs_shared_bytes = tcs_stages * sizeof(tcs_stage) + 1024;  // + alignment slack
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (+)= A B^T for the 64 x 16 bf16 A and B tiles of the descriptors, fp32; Accumulate false: scale-d 0.
+template <bool Accumulate>
+__device__ inline void wgmma_bf16_m64n64k16(float (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a_descriptor), "l"(b_descriptor), "n"(Accumulate ? 1 : 0));
+}
+#endif
+
+__global__ void __launch_bounds__(tcs_threads, 1)
+    tensor_core_scaled_kernel(const std::uint16_t* a, const std::uint16_t* b, std::int64_t m, std::int64_t n,
+                              std::int64_t stride, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
+                              output_rounding output, float* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char tcs_raw[];
+  const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcs_raw));
+  tcs_stage* const stages = reinterpret_cast<tcs_stage*>(tcs_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  const int t = threadIdx.x;
+  const int warpgroup = t / 128;
+  const int warp = (t / 32) % 4;
+  const int lane = t % 32;
+  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
+                                                 static_cast<int>(tiles_n), tcs_tile, tcs_tile);
+  const int i0 = origin.i0;
+  const int j0 = origin.j0;
+  const int block_count = static_cast<int>(blocks);
+  const int stage_count = (block_count + tcs_stage_blocks - 1) / tcs_stage_blocks;
+
+  // The copies of one stage: four 16-byte chunks of A and of B (chunk q = t + 256 p: row q / 8,
+  // chunk q % 8 of its 128 bytes, i.e. K-block (q % 8) / 4 of the stage). Rows past the end copy
+  // the last row; K-blocks past the end are zero-filled.
+  const auto load_stage = [&](int s) {
+    tcs_stage& stage = stages[s % tcs_stages];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int q = t + 256 * p;
+      const int row = q / 8;
+      const int chunk = q % 8;
+      const bool inside = tcs_stage_blocks * s + chunk / 4 < block_count;
+      const std::int64_t column = inside ? 64 * static_cast<std::int64_t>(s) + 8 * chunk : 0;
+      copy_async_16(reinterpret_cast<unsigned char*>(stage.a) + tcw_swizzled(row, chunk),
+                    a + std::min<std::int64_t>(i0 + row, m - 1) * stride + column, inside);
+      copy_async_16(reinterpret_cast<unsigned char*>(stage.b) + tcw_swizzled(row, chunk),
+                    b + std::min<std::int64_t>(j0 + row, n - 1) * stride + column, inside);
+    }
+  };
+
+  float accumulators[64];
+  float dots[2][32];  // the two column halves of a K-block: one is multiplied while the other is added
+#pragma unroll
+  for (int i = 0; i < 64; ++i) accumulators[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
+  const int row0 = warpgroup * 64 + warp * 16 + lane / 4;
+  const int col0 = 2 * (lane % 4);
+
+  constexpr int prefetch = tcs_stages - 1;
+#pragma unroll
+  for (int s = 0; s < prefetch; ++s) {
+    if (s < stage_count) load_stage(s);
+    copy_async_commit();
+  }
+  const auto make_ready = [&](int s) {
+    copy_async_wait<prefetch - 1>();
+    proxy_fence_shared();  // this thread's copies are read by the async proxy (wgmma)
+    __syncthreads();
+    if (s + prefetch < stage_count) load_stage(s + prefetch);
+    copy_async_commit();
+  };
+  // The two mma of column half h of K-block kb (its two 16-element halves, 32 bytes apart).
+  const auto issue = [&](float (&d)[32], int kb, int h) {
+    const tcs_stage& stage = stages[(kb / tcs_stage_blocks) % tcs_stages];
+    const int offset = 64 * (kb % tcs_stage_blocks);  // bytes into the 128-byte rows
+    const unsigned char* const a_tile = reinterpret_cast<const unsigned char*>(stage.a) + warpgroup * 64 * 128 + offset;
+    const unsigned char* const b_tile = reinterpret_cast<const unsigned char*>(stage.b) + h * 64 * 128 + offset;
+    wgmma_fence();
+    wgmma_bf16_m64n64k16<false>(d, tcw_descriptor(a_tile), tcw_descriptor(b_tile));
+    wgmma_bf16_m64n64k16<true>(d, tcw_descriptor(a_tile + 32), tcw_descriptor(b_tile + 32));
+    wgmma_commit();
+  };
+  const auto step = [&](const float (&d)[32], int h) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) accumulators[32 * h + i] = __fadd_rn(accumulators[32 * h + i], d[i]);
+  };
+
+  for (int kb = 0; kb < block_count; ++kb) {
+    if (kb % tcs_stage_blocks == 0) make_ready(kb / tcs_stage_blocks);
+    issue(dots[0], kb, 0);
+    issue(dots[1], kb, 1);
+    wgmma_wait<1>();  // half 0's mma are done; half 1's run during the additions below
+    step(dots[0], 0);
+    wgmma_wait<0>();
+    step(dots[1], 1);
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int h = i / 32;
+    const int k = i % 32;
+    const std::int64_t row = i0 + row0 + 8 * ((k / 2) % 2);
+    const std::int64_t col = j0 + col0 + 64 * h + 8 * (k / 4) + k % 2;
+    if (row < m && col < n) out[row * n + col] = finish_output(accumulators[i] * 1.0f, output);
+  }
+#else
+  // Built without sm_90a: wgmma_present() reports false and the host never launches this.
+  (void)a, (void)b, (void)m, (void)n, (void)stride, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
+#endif
+}
 #endif  // !MXSCOPE_GPU_SIMULATE
 
 #endif  // MXSCOPE_CUDA_TENSOR_CORES
@@ -4136,6 +4347,21 @@ bool wgmma_present() {
 }  // namespace
 
 #include "native_gfx950_kernels.hpp"  // the gfx950 native path (kernels for __gfx950__, stubs elsewhere)
+
+namespace {
+// Whether tensor_core_scaled_kernel computes this product exactly (see there): both operands have
+// its bf16 form, no NaN block, every nonzero block's bf16 elements normal (-125 <= e <= 125), and
+// every block dot's scale 2^k with -124 <= k <= 117.
+bool scaled_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
+  if (a.scaled.bytes() == 0 || b.scaled.bytes() == 0 || a.scaled_nan || b.scaled_nan) return false;
+  const auto inside = [](const prepared_operand::storage& x) {
+    return x.scaled_lowest > x.scaled_highest || (x.scaled_lowest >= -125 && x.scaled_highest <= 125);
+  };
+  if (!inside(a) || !inside(b)) return false;
+  if (a.scaled_lowest > a.scaled_highest || b.scaled_lowest > b.scaled_highest) return true;  // a zero operand
+  return a.scaled_lowest + b.scaled_lowest >= -124 && a.scaled_highest + b.scaled_highest <= 117;
+}
+}  // namespace
 
 void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
                        const accumulation_model& model, output_rounding output, float* out, double* exact_out,
@@ -4241,8 +4467,21 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
           throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
                             to_text(n) + " x " + to_text(a.depth) + ")");
         }
-        const tensor_core_kernel kernel = selected_tensor_core_kernel();
-        if (kernel == tensor_core_kernel::mma_sync) {
+        tensor_core_kernel kernel = selected_tensor_core_kernel();
+        if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) kernel = tensor_core_kernel::mma_sync;
+        last_run_tensor_core_kernel.store(kernel);
+        if (kernel == tensor_core_kernel::wgmma_bf16) {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_scaled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcs_shared_bytes)));
+          // 128 x 128 tiles, as the wgmma kernel's.
+          const std::int64_t scaled_tiles_m = (m + tcs_tile - 1) / tcs_tile;
+          const std::int64_t scaled_tiles_n = (n + tcs_tile - 1) / tcs_tile;
+          runtime::launch(tensor_core_scaled_kernel, static_cast<unsigned>(scaled_tiles_m * scaled_tiles_n), tcs_threads,
+                          tcs_shared_bytes, a.scaled.as<const std::uint16_t>(), b.scaled.as<const std::uint16_t>(), m,
+                          n, a.byte_stride, a.blocks, scaled_tiles_m, scaled_tiles_n, output, out);
+#endif
+        } else if (kernel == tensor_core_kernel::mma_sync) {
           runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
                           tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
                           a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),

@@ -216,7 +216,8 @@ int main(int argc, char** argv) {
       // Every tensor-core kernel of this build and device, mma_sync first; the others are compared
       // with it in every entry, and it (the automatic choice) with the integer path below.
       const gpu::tensor_core_kernel automatic_kernel = gpu::selected_tensor_core_kernel();
-      for (const gpu::tensor_core_kernel kernel : {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma}) {
+      for (const gpu::tensor_core_kernel kernel :
+           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16}) {
         const std::string name(gpu::tensor_core_kernel_name(kernel));
         if (!gpu::tensor_core_kernel_available(kernel)) {
           std::printf("gemm tensor_core kernel %s: not available in this build on this device\n", name.c_str());
@@ -228,10 +229,12 @@ int main(int argc, char** argv) {
           gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
                                  gpu::gemm_path::tensor_core);
         });
-        std::printf("gemm mxfp4 fp32-block tensor_core %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+        const gpu::tensor_core_kernel ran = gpu::last_tensor_core_kernel();
+        std::printf("gemm mxfp4 fp32-block tensor_core %s%s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
                     ": %.3f ms, %.1f TFLOP/s\n",
-                    name.c_str(), kernel == automatic_kernel ? " (automatic)" : "", n_out, n_in, k, ms,
-                    flops / (ms * 1e-3) / 1e12);
+                    name.c_str(), kernel == automatic_kernel ? " (automatic)" : "",
+                    ran == kernel ? "" : (" (ran " + std::string(gpu::tensor_core_kernel_name(ran)) + ")").c_str(),
+                    n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
         if (!have_tensor_core) {
           out.download(tensor_core_result.data(), out.bytes());
           have_tensor_core = true;

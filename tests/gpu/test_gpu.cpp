@@ -1401,17 +1401,74 @@ void tensor_scale_checks(bool small) {
   });
 }
 
-// Runs body(suffix) once per tensor-core kernel of the fp32-block model that this build and device
-// have (mma_sync everywhere the path exists; wgmma on sm_90 with an sm_90a build), with
-// that kernel selected; the suffix names it. Leaves the automatic choice selected.
+// Runs body(suffix, kernel) once per tensor-core kernel of the fp32-block model that this build and
+// device have (mma_sync everywhere the path exists; wgmma and wgmma_bf16 on sm_90 with an sm_90a
+// build), with that kernel selected; the suffix names it. Leaves the automatic choice selected.
 template <class Body>
 void for_each_tensor_core_kernel(Body&& body) {
-  for (const gpu::tensor_core_kernel kernel : {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma}) {
+  for (const gpu::tensor_core_kernel kernel :
+       {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16}) {
     if (!gpu::tensor_core_kernel_available(kernel)) continue;
     gpu::select_tensor_core_kernel(kernel);
-    body(" [" + std::string(gpu::tensor_core_kernel_name(kernel)) + "]");
+    body(" [" + std::string(gpu::tensor_core_kernel_name(kernel)) + "]", kernel);
   }
   gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
+}
+
+// Whether the wgmma_bf16 kernel should run a product of these operands (include/mxscope/gpu.hpp),
+// from the host quantizer's codes and scales: MXFP4 on both sides, no NaN block, and over the
+// blocks with a nonzero element, exponents in [-125, 125] whose lowest add up to at least -124 and
+// highest to at most 117.
+bool scaled_kernel_expected(const mxscope::quantized_tensor& qa, const mxscope::quantized_tensor& qb) {
+  if (qa.options.format.element != core::element_kind::fp4_e2m1 ||
+      qb.options.format.element != core::element_kind::fp4_e2m1) {
+    return false;
+  }
+  struct span {
+    int lowest = 1000, highest = -1000;
+    bool nan = false;
+  };
+  const auto span_of = [](const mxscope::quantized_tensor& q) {
+    const host_reference::operand_reader x(q);
+    span out;
+    for (std::int64_t row = 0; row < x.rows; ++row) {
+      for (std::int64_t k0 = 0; k0 < x.depth; k0 += 32) {
+        const std::uint8_t code = x.scale(row, k0);
+        if (code == core::scale_nan_code) {
+          out.nan = true;
+          continue;
+        }
+        bool nonzero = false;
+        for (std::int64_t k = k0; k < std::min<std::int64_t>(k0 + 32, x.depth); ++k) {
+          nonzero = nonzero || core::decode(q.options.format.element, x.code(row, k)) != 0.0;
+        }
+        if (!nonzero) continue;
+        out.lowest = std::min(out.lowest, core::scale_exponent(code));
+        out.highest = std::max(out.highest, core::scale_exponent(code));
+      }
+    }
+    return out;
+  };
+  const span a = span_of(qa), b = span_of(qb);
+  if (a.nan || b.nan) return false;
+  for (const span& x : {a, b}) {
+    if (x.lowest <= x.highest && (x.lowest < -125 || x.highest > 125)) return false;
+  }
+  if (a.lowest > a.highest || b.lowest > b.highest) return true;
+  return a.lowest + b.lowest >= -124 && a.highest + b.highest <= 117;
+}
+
+// "" when the kernel that ran the last product is the one `selected` should have run for qa, qb.
+std::string check_kernel_ran(gpu::tensor_core_kernel selected, const mxscope::quantized_tensor& qa,
+                             const mxscope::quantized_tensor& qb) {
+  gpu::tensor_core_kernel expected = selected;
+  if (selected == gpu::tensor_core_kernel::wgmma_bf16 && !scaled_kernel_expected(qa, qb)) {
+    expected = gpu::tensor_core_kernel::mma_sync;
+  }
+  const gpu::tensor_core_kernel ran = gpu::last_tensor_core_kernel();
+  if (ran == expected) return "";
+  return "kernel " + std::string(gpu::tensor_core_kernel_name(ran)) + " ran, expected " +
+         std::string(gpu::tensor_core_kernel_name(expected));
 }
 
 // The tensor-core fp32-block kernels' tiles (mma_sync: 128 x 256 entries of C per thread block,
@@ -1442,9 +1499,11 @@ void gemm_tensor_core_tiles(bool small) {
       continue;
     }
     const gemm_layout_case& layout = gemm_layouts[c.layout];
-    for (const char* pattern : {"banded", "mixed", "far"}) {
+    for (const char* pattern : {"banded", "mixed", "far", "edges", "edges outside"}) {
       const bool mixed = std::string(pattern) == "mixed";
       const bool far = std::string(pattern) == "far";
+      const bool edges = std::string(pattern).rfind("edges", 0) == 0;
+      if (edges && (c.a_format != 0 || c.b_format != 0)) continue;
       const std::uint64_t seed = next_seed();
       // Logical A [m, k] and B [n, k], then stored along their layout's axes.
       matrix a = test_inputs::make_matrix(c.m, c.k, value_kind::banded, seed);
@@ -1474,6 +1533,24 @@ void gemm_tensor_core_tiles(bool small) {
           for (std::int64_t q = 0; q < b.cols; ++q) b(r, q) = std::ldexp(b(r, q), exponent);
         }
       }
+      if (edges) {
+        // The limits of the wgmma_bf16 kernel's range: every block's largest element 6 2^e, rows of
+        // A at e = -125 and 60, rows of B at 1 and 57 (lowest sum -124, highest 117: inside, with
+        // block dots from 2^-126 up to 1152 2^117 and entries that overflow), or, for "edges
+        // outside", B at 0 and 57 (lowest sum -125: outside, so mma_sync runs instead).
+        const bool outside = std::string(pattern) == "edges outside";
+        const auto pin = [](matrix& x, int even_exponent, int odd_exponent) {
+          for (std::int64_t r = 0; r < x.rows; ++r) {
+            const int exponent = r % 2 == 0 ? even_exponent : odd_exponent;
+            for (std::int64_t q = 0; q < x.cols; ++q) {
+              const float v = q % 32 == 0 ? 6.0f : std::clamp(x(r, q), -5.9f, 5.9f);
+              x(r, q) = std::ldexp(v, exponent);
+            }
+          }
+        };
+        pin(a, -125, 60);
+        pin(b, outside ? 0 : 1, 57);
+      }
       const auto transpose = [](const matrix& x) {
         matrix t(x.cols, x.rows);
         for (std::int64_t r = 0; r < x.rows; ++r) {
@@ -1492,9 +1569,11 @@ void gemm_tensor_core_tiles(bool small) {
                                "x" + format_names[c.b_format] + " fp32-block M" + std::to_string(c.m) + " N" +
                                std::to_string(c.n) + " K" + std::to_string(c.k) + " " + pattern +
                                (output == mxscope::output_rounding::bf16 ? " bf16 output" : "");
-      for_each_tensor_core_kernel([&](const std::string& kernel) {
+      for_each_tensor_core_kernel([&](const std::string& kernel, gpu::tensor_core_kernel selected) {
         run_case(name + kernel, [&] {
           const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::tensor_core);
+          const std::string ran = check_kernel_ran(selected, qa, qb);
+          if (!ran.empty()) return ran;
           return check_product_entries(qa, qb, model, output, got, {}, name + kernel + ", seed " + hex64(seed));
         });
       });
@@ -1557,13 +1636,15 @@ void gemm_large() {
   });
   if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1, 32,
                             block_model)) {
-    for_each_tensor_core_kernel([&](const std::string& kernel) {
+    for_each_tensor_core_kernel([&](const std::string& kernel, gpu::tensor_core_kernel selected) {
       run_case(
           "gemm large wgrad mxfp4 fp32-block tensor_core 2048x2048 K4096 (every entry vs integer path, samples vs host)" +
               kernel,
           [&]() -> std::string {
             const gemm_output got =
                 gpu_product(qa, qb, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::tensor_core);
+            const std::string ran = check_kernel_ran(selected, qa, qb);
+            if (!ran.empty()) return ran;
             if (have_integer) {
               for (std::int64_t i = 0; i < m * n; ++i) {
                 if (!same(integer_result.out.values[static_cast<std::size_t>(i)],
