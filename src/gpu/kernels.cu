@@ -1486,33 +1486,52 @@ __global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents,
 }
 
 // The operands of the scaled kernel (tensor_core_scaled_kernel; MXFP4 only): element (row, k) as
-// the bf16 number q 2^e, i.e. the prepared byte 2q times 2^(e - 1), [rows, stride] like the bytes.
-// That is exact and normal for every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most
-// four significant bits); blocks outside that range get zeros, and the operand then does not fit
-// (scaled_kernel_fits). range[0] and range[1] collect the lowest and highest exponent of a block
-// with a nonzero element as maxima of 1000 - e and 1000 + e (0: no such block), range[2] whether a
-// NaN block is present.
+// the bf16 number q 2^e, i.e. the prepared byte 2q times 2^(e - 1). That is exact and normal for
+// every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most four significant bits);
+// blocks outside that range get zeros, and the operand then does not fit (scaled_kernel_fits).
+// The layout is the kernel's shared-memory stage, so that one bulk copy moves a tile: rows padded
+// to a multiple of 256 and k to a multiple of 64 (zeros), tiles of 128 rows x 64 k (16 KiB,
+// row-tile major, then k), each row 128 bytes in the 128-byte swizzle (its 16-byte chunk c at
+// c ^ (row mod 8)). range[0] and range[1] collect the lowest and highest exponent of a block with
+// a nonzero element as maxima of 1000 - e and 1000 + e (0: no such block), range[2] whether a NaN
+// block is present.
 constexpr std::uint32_t scaled_range_offset = 1000;
+constexpr int scaled_row_pad = 256;
+constexpr int scaled_tile_rows = 128;
+constexpr int scaled_tile_bytes = scaled_tile_rows * 128;
 
 __global__ void prepare_scaled_kernel(const std::int8_t* bytes, const std::int32_t* exponents, std::int64_t rows,
-                                      std::int64_t blocks, std::int64_t stride, std::uint16_t* scaled,
+                                      std::int64_t blocks, std::int64_t stride, unsigned char* scaled,
                                       unsigned* range) {
+  const std::int64_t chunks = (blocks + 1) / 2;  // 64-element chunks per row
   unsigned lowest = 0, highest = 0, nan_block = 0;
   MXSCOPE_GRID_LOOP(t, rows * blocks) {
     const std::int64_t row = t / blocks;
     const std::int64_t b = t % blocks;
     const std::int32_t e = exponents[b * rows + row];
     const std::int8_t* const source = bytes + row * stride + 32 * b;
-    std::uint16_t* const destination = scaled + row * stride + 32 * b;
+    const std::int64_t r = row % scaled_tile_rows;
+    unsigned char* const tile_row =
+        scaled + ((row / scaled_tile_rows) * chunks + b / 2) * scaled_tile_bytes + r * 128;
     const bool representable = e >= -125 && e <= 125;
     const float unit = core_ns::bits_float(static_cast<std::uint32_t>(representable ? e - 1 + 127 : 127) << 23);
     bool nonzero = false;
-    for (int k = 0; k < 32; ++k) {
-      const int value = source[k];
-      nonzero = nonzero || value != 0;
-      destination[k] = representable
-                           ? static_cast<std::uint16_t>(core_ns::float_bits(__fmul_rn(static_cast<float>(value), unit)) >> 16)
-                           : std::uint16_t{0};
+    for (int q = 0; q < 4; ++q) {  // the block's four 16-byte chunks: 4 (b mod 2) + q of the row
+      std::uint32_t words[4];
+      for (int w = 0; w < 4; ++w) {
+        std::uint32_t pair = 0;
+        for (int h = 0; h < 2; ++h) {
+          const int value = source[8 * q + 2 * w + h];
+          nonzero = nonzero || value != 0;
+          const std::uint32_t half =
+              representable ? core_ns::float_bits(__fmul_rn(static_cast<float>(value), unit)) >> 16 : 0U;
+          pair |= half << (16 * h);
+        }
+        words[w] = pair;
+      }
+      const int chunk = static_cast<int>(4 * (b % 2)) + q;
+      *reinterpret_cast<uint4*>(tile_row + ((chunk ^ static_cast<int>(r & 7)) << 4)) =
+          make_uint4(words[0], words[1], words[2], words[3]);
     }
     if (e == nan_block_exponent) {
       nan_block = 1;
@@ -1547,7 +1566,7 @@ struct prepared_operand::storage {
   device_buffer scale_codes;  // uint8 e8m0 [padded rows, byte_stride / 16] (native_mfma; `bytes` holds fp4 codes)
   // The scaled kernel's bf16 operand (tensor_core, MXFP4, where that kernel exists) and the lowest
   // and highest block exponent over the blocks with a nonzero element (1000 and -1000: none).
-  device_buffer scaled;  // uint16 bf16 [rows, byte_stride] (prepare_scaled_kernel)
+  device_buffer scaled;  // bf16 in tiles (prepare_scaled_kernel)
   int scaled_lowest = 1000;
   int scaled_highest = -1000;
   bool scaled_nan = false;
@@ -1748,10 +1767,13 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 &&
                       tensor_core_kernel_available(tensor_core_kernel::wgmma_bf16) && s.rows > 0 && s.blocks > 0;
   if (scaled) {
-    s.scaled = device_buffer(static_cast<std::size_t>(s.rows * s.byte_stride) * sizeof(std::uint16_t));
+    const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
+    s.scaled = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * ((s.blocks + 1) / 2)) *
+                             scaled_tile_bytes);
+    s.scaled.fill_bytes(0);
     runtime::launch(prepare_scaled_kernel, reduction_grid(s.rows * s.blocks), threads_per_block, 0,
                     s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(), s.rows, s.blocks,
-                    s.byte_stride, s.scaled.as<std::uint16_t>(), flag.as<unsigned>() + 1);
+                    s.byte_stride, s.scaled.as<unsigned char>(), flag.as<unsigned>() + 1);
   }
   unsigned flags[4] = {};
   flag.download(flags, sizeof(flags));  // synchronizes
@@ -4191,19 +4213,32 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // addition rounded to nearest gives -0 only from two negative zeros), so acc + (-0) = acc as
 // acc + 0 does.
 //
-// Layout and pipeline as tensor_core_wgmma_kernel: 128 x 128 entries per thread block, each of the
-// two warpgroups 64 rows and two column halves of 32 fp32 registers; rows of 128 bytes in the
-// 128-byte swizzle, which now hold two K-blocks (64 bf16), and more stages.
-constexpr int tcs_tile = 128;
-constexpr int tcs_threads = 256;
-constexpr int tcs_stage_blocks = 2;  // 2 x 32 bf16: a 128-byte row
-constexpr int tcs_stages = 6;
+// A thread block computes 128 x 256 entries with three warpgroups. The first loads: one thread
+// moves each stage (two K-blocks: a 16 KiB tile of A and two of B, already in the shared-memory
+// layout) with bulk asynchronous copies that complete on the stage's "full" barrier, after the
+// stage's "empty" barrier says both consumers are done with its previous contents. Each of the
+// other two computes 64 rows: 128 fp32 accumulators per thread and two sets of 32 dot registers
+// for the four column quarters of a K-block (the mma of one quarter runs while the previous one
+// is added). The consumers wait on barriers, not on each other, so one adds while the other's mma
+// run. setmaxnreg moves registers from the loader to them.
+constexpr int tcs_tile_m = 128;
+constexpr int tcs_tile_n = 256;
+constexpr int tcs_threads = 384;
+constexpr int tcs_stages = 4;
+constexpr int tcs_consumer_threads = 256;
 
 struct alignas(1024) tcs_stage {
-  std::uint16_t a[tcs_tile * 64];
-  std::uint16_t b[tcs_tile * 64];
+  unsigned char a[tcs_tile_m * 128];  // 128 rows x 64 k, in prepare_scaled_kernel's layout
+  unsigned char b[tcs_tile_n * 128];  // two such tiles
 };
-constexpr std::size_t tcs_shared_bytes = tcs_stages * sizeof(tcs_stage) + 1024;  // + alignment slack
+struct tcs_shared {
+  tcs_stage stages[tcs_stages];
+  std::uint64_t full[tcs_stages];
+  std::uint64_t empty[tcs_stages];
+};
+constexpr std::size_t tcs_shared_bytes = sizeof(tcs_shared) + 1024;  // + alignment slack
+static_assert(scaled_tile_rows == 128 && tcs_tile_n % scaled_tile_rows == 0 && scaled_row_pad % tcs_tile_n == 0 &&
+              scaled_row_pad % tcs_tile_m == 0);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d (+)= A B^T for the 64 x 16 bf16 A and B tiles of the descriptors, fp32; Accumulate false: scale-d 0.
@@ -4217,106 +4252,159 @@ __device__ inline void wgmma_bf16_m64n64k16(float (&d)[32], std::uint64_t a_desc
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a_descriptor), "l"(b_descriptor), "n"(Accumulate ? 1 : 0));
 }
+
+__device__ inline void barrier_init(std::uint64_t* barrier, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))),
+               "r"(count)
+               : "memory");
+}
+__device__ inline void barrier_arrive(std::uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier)))
+               : "memory");
+}
+__device__ inline void barrier_expect_bytes(std::uint64_t* barrier, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(barrier))),
+               "r"(bytes)
+               : "memory");
+}
+// Returns once the phase of the given parity (0 for the first) has completed.
+__device__ inline void barrier_wait(std::uint64_t* barrier, unsigned parity) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(barrier));
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(address), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+// A bulk asynchronous copy of `bytes` (a multiple of 16, both ends 16-byte aligned) that completes
+// on `barrier`.
+__device__ inline void bulk_copy(void* shared_destination, const void* global_source, unsigned bytes,
+                                 std::uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          static_cast<unsigned>(__cvta_generic_to_shared(shared_destination))),
+      "l"(global_source), "r"(bytes), "r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier)))
+      : "memory");
+}
 #endif
 
 __global__ void __launch_bounds__(tcs_threads, 1)
-    tensor_core_scaled_kernel(const std::uint16_t* a, const std::uint16_t* b, std::int64_t m, std::int64_t n,
-                              std::int64_t stride, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
-                              output_rounding output, float* out) {
+    tensor_core_scaled_kernel(const unsigned char* a, const unsigned char* b, std::int64_t m, std::int64_t n,
+                              std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
+                              float* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tcs_raw[];
   const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcs_raw));
-  tcs_stage* const stages = reinterpret_cast<tcs_stage*>(tcs_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  tcs_shared& shared = *reinterpret_cast<tcs_shared*>(tcs_raw + ((1024U - (raw_address & 1023U)) & 1023U));
   const int t = threadIdx.x;
   const int warpgroup = t / 128;
+  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
+                                                 static_cast<int>(tiles_n), tcs_tile_m, tcs_tile_n);
+  const int block_count = static_cast<int>(blocks);
+  const int chunks = (block_count + 1) / 2;  // stages: 64 k each
+  if (t == 0) {
+    for (int s = 0; s < tcs_stages; ++s) {
+      barrier_init(&shared.full[s], 1);
+      barrier_init(&shared.empty[s], tcs_consumer_threads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (t == 0) {
+      const unsigned char* a_source = a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+      const unsigned char* b_source = b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+      const std::int64_t b_second = static_cast<std::int64_t>(chunks) * scaled_tile_bytes;  // the next 128 rows
+      for (int s = 0; s < chunks; ++s) {
+        const int slot = s % tcs_stages;
+        if (s >= tcs_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / tcs_stages - 1) & 1U);
+        barrier_expect_bytes(&shared.full[slot], sizeof(tcs_stage));
+        tcs_stage& stage = shared.stages[slot];
+        const std::int64_t step = static_cast<std::int64_t>(s) * scaled_tile_bytes;
+        bulk_copy(stage.a, a_source + step, scaled_tile_bytes, &shared.full[slot]);
+        bulk_copy(stage.b, b_source + step, scaled_tile_bytes, &shared.full[slot]);
+        bulk_copy(stage.b + scaled_tile_bytes, b_source + b_second + step, scaled_tile_bytes, &shared.full[slot]);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+  const int consumer = warpgroup - 1;  // rows 64 consumer ..
   const int warp = (t / 32) % 4;
   const int lane = t % 32;
-  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
-                                                 static_cast<int>(tiles_n), tcs_tile, tcs_tile);
-  const int i0 = origin.i0;
-  const int j0 = origin.j0;
-  const int block_count = static_cast<int>(blocks);
-  const int stage_count = (block_count + tcs_stage_blocks - 1) / tcs_stage_blocks;
-
-  // The copies of one stage: four 16-byte chunks of A and of B (chunk q = t + 256 p: row q / 8,
-  // chunk q % 8 of its 128 bytes, i.e. K-block (q % 8) / 4 of the stage). Rows past the end copy
-  // the last row; K-blocks past the end are zero-filled.
-  const auto load_stage = [&](int s) {
-    tcs_stage& stage = stages[s % tcs_stages];
+  float accumulators[4][32];  // [column quarter][dot register]
+  float dots[2][32];          // quarters 0, 2 and 1, 3
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int q = t + 256 * p;
-      const int row = q / 8;
-      const int chunk = q % 8;
-      const bool inside = tcs_stage_blocks * s + chunk / 4 < block_count;
-      const std::int64_t column = inside ? 64 * static_cast<std::int64_t>(s) + 8 * chunk : 0;
-      copy_async_16(reinterpret_cast<unsigned char*>(stage.a) + tcw_swizzled(row, chunk),
-                    a + std::min<std::int64_t>(i0 + row, m - 1) * stride + column, inside);
-      copy_async_16(reinterpret_cast<unsigned char*>(stage.b) + tcw_swizzled(row, chunk),
-                    b + std::min<std::int64_t>(j0 + row, n - 1) * stride + column, inside);
-    }
-  };
-
-  float accumulators[64];
-  float dots[2][32];  // the two column halves of a K-block: one is multiplied while the other is added
+  for (int q = 0; q < 4; ++q)
 #pragma unroll
-  for (int i = 0; i < 64; ++i) accumulators[i] = 0.0f;
+    for (int i = 0; i < 32; ++i) accumulators[q][i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
-  const int row0 = warpgroup * 64 + warp * 16 + lane / 4;
-  const int col0 = 2 * (lane % 4);
 
-  constexpr int prefetch = tcs_stages - 1;
-#pragma unroll
-  for (int s = 0; s < prefetch; ++s) {
-    if (s < stage_count) load_stage(s);
-    copy_async_commit();
-  }
-  const auto make_ready = [&](int s) {
-    copy_async_wait<prefetch - 1>();
-    proxy_fence_shared();  // this thread's copies are read by the async proxy (wgmma)
-    __syncthreads();
-    if (s + prefetch < stage_count) load_stage(s + prefetch);
-    copy_async_commit();
-  };
-  // The two mma of column half h of K-block kb (its two 16-element halves, 32 bytes apart).
-  const auto issue = [&](float (&d)[32], int kb, int h) {
-    const tcs_stage& stage = stages[(kb / tcs_stage_blocks) % tcs_stages];
-    const int offset = 64 * (kb % tcs_stage_blocks);  // bytes into the 128-byte rows
-    const unsigned char* const a_tile = reinterpret_cast<const unsigned char*>(stage.a) + warpgroup * 64 * 128 + offset;
-    const unsigned char* const b_tile = reinterpret_cast<const unsigned char*>(stage.b) + h * 64 * 128 + offset;
+  // Descriptors of stage 0's A rows of this consumer and B's first quarter; a stage is
+  // sizeof(tcs_stage) further, K-block u of a stage 64 u bytes, its second k16 32 bytes, quarter q
+  // of B 64 q rows (8192 q bytes); descriptors count 16-byte units.
+  const std::uint64_t a_descriptor = tcw_descriptor(shared.stages[0].a + consumer * 64 * 128);
+  const std::uint64_t b_descriptor = tcw_descriptor(shared.stages[0].b);
+  const auto issue = [&](float (&d)[32], std::uint64_t a_at, std::uint64_t b_at, int quarter) {
+    const std::uint64_t b_quarter = b_at + static_cast<std::uint64_t>(quarter * 8192 / 16);
     wgmma_fence();
-    wgmma_bf16_m64n64k16<false>(d, tcw_descriptor(a_tile), tcw_descriptor(b_tile));
-    wgmma_bf16_m64n64k16<true>(d, tcw_descriptor(a_tile + 32), tcw_descriptor(b_tile + 32));
+    wgmma_bf16_m64n64k16<false>(d, a_at, b_quarter);
+    wgmma_bf16_m64n64k16<true>(d, a_at + 2, b_quarter + 2);
     wgmma_commit();
   };
-  const auto step = [&](const float (&d)[32], int h) {
+  const auto add = [&](float (&accumulator)[32], const float (&d)[32]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) accumulators[32 * h + i] = __fadd_rn(accumulators[32 * h + i], d[i]);
+    for (int i = 0; i < 32; ++i) accumulator[i] = __fadd_rn(accumulator[i], d[i]);
   };
 
-  for (int kb = 0; kb < block_count; ++kb) {
-    if (kb % tcs_stage_blocks == 0) make_ready(kb / tcs_stage_blocks);
-    issue(dots[0], kb, 0);
-    issue(dots[1], kb, 1);
-    wgmma_wait<1>();  // half 0's mma are done; half 1's run during the additions below
-    step(dots[0], 0);
-    wgmma_wait<0>();
-    step(dots[1], 1);
+  for (int s = 0; s < chunks; ++s) {
+    const int slot = s % tcs_stages;
+    barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
+    const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+#pragma unroll 1
+    for (int u = 0; u < 2; ++u) {
+      if (2 * s + u >= block_count) break;
+      const std::uint64_t a_at = a_descriptor + stage_units + static_cast<std::uint64_t>(4 * u);
+      const std::uint64_t b_at = b_descriptor + stage_units + static_cast<std::uint64_t>(4 * u);
+      issue(dots[0], a_at, b_at, 0);
+      issue(dots[1], a_at, b_at, 1);
+      wgmma_wait<1>();
+      add(accumulators[0], dots[0]);
+      issue(dots[0], a_at, b_at, 2);
+      wgmma_wait<1>();
+      add(accumulators[1], dots[1]);
+      issue(dots[1], a_at, b_at, 3);
+      wgmma_wait<1>();
+      add(accumulators[2], dots[0]);
+      wgmma_wait<0>();
+      add(accumulators[3], dots[1]);
+    }
+    barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
   }
-  copy_async_wait<0>();
 
+  // d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column 64 q + 8 j + 2 (lane % 4) + e.
+  const std::int64_t row0 = origin.i0 + consumer * 64 + warp * 16 + lane / 4;
+  const std::int64_t col0 = origin.j0 + 2 * (lane % 4);
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    const int h = i / 32;
-    const int k = i % 32;
-    const std::int64_t row = i0 + row0 + 8 * ((k / 2) % 2);
-    const std::int64_t col = j0 + col0 + 64 * h + 8 * (k / 4) + k % 2;
-    if (row < m && col < n) out[row * n + col] = finish_output(accumulators[i] * 1.0f, output);
+  for (int q = 0; q < 4; ++q) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const std::int64_t row = row0 + 8 * ((i / 2) % 2);
+      const std::int64_t col = col0 + 64 * q + 8 * (i / 4) + i % 2;
+      if (row < m && col < n) out[row * n + col] = finish_output(accumulators[q][i] * 1.0f, output);
+    }
   }
 #else
   // Built without sm_90a: wgmma_present() reports false and the host never launches this.
-  (void)a, (void)b, (void)m, (void)n, (void)stride, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
+  (void)a, (void)b, (void)m, (void)n, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
 #endif
 }
 #endif  // !MXSCOPE_GPU_SIMULATE
@@ -4474,12 +4562,10 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
 #if !defined(MXSCOPE_GPU_SIMULATE)
           MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_scaled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(tcs_shared_bytes)));
-          // 128 x 128 tiles, as the wgmma kernel's.
-          const std::int64_t scaled_tiles_m = (m + tcs_tile - 1) / tcs_tile;
-          const std::int64_t scaled_tiles_n = (n + tcs_tile - 1) / tcs_tile;
-          runtime::launch(tensor_core_scaled_kernel, static_cast<unsigned>(scaled_tiles_m * scaled_tiles_n), tcs_threads,
-                          tcs_shared_bytes, a.scaled.as<const std::uint16_t>(), b.scaled.as<const std::uint16_t>(), m,
-                          n, a.byte_stride, a.blocks, scaled_tiles_m, scaled_tiles_n, output, out);
+          // 128 x 256 tiles, as tensor_core_block_kernel's.
+          runtime::launch(tensor_core_scaled_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcs_threads,
+                          tcs_shared_bytes, a.scaled.as<const unsigned char>(), b.scaled.as<const unsigned char>(), m,
+                          n, a.blocks, tiles_m, tiles_n, output, out);
 #endif
         } else if (kernel == tensor_core_kernel::mma_sync) {
           runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
