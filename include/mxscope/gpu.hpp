@@ -253,16 +253,21 @@ bool gemm_path_covers(gemm_path path, core::element_kind a, core::element_kind b
 //   fp32 registers, one fp32 addition per entry and block. It runs where every block with a nonzero
 //   element has -125 <= e <= 125, the two operands' lowest exponents add up to at least -124 and
 //   their highest to at most 117, and no block is NaN (there every step is exact); other products
-//   take mma_sync.
+//   take mma_sync;
+// - wgmma_fp8: the same with e5m2 operands q 2^(e - b), one base exponent b per 128-row tile and
+//   K-block, wgmma m64n64k32 e5m2 and one fma with 2^(ba + bb) per entry and block; it runs where
+//   wgmma_bf16 does and every tile's blocks with a nonzero element span at most 28 exponents in
+//   each K-block, and hands the other products to wgmma_bf16 (then mma_sync).
 // docs/gpu.md and BENCHMARKS.md say where each stands; automatic is the fastest available.
 // The choice is process-wide (tests and benchmarks set it); the exact model keeps its own kernel.
-enum class tensor_core_kernel : std::uint8_t { automatic, mma_sync, wgmma, wgmma_bf16 };
+enum class tensor_core_kernel : std::uint8_t { automatic, mma_sync, wgmma, wgmma_bf16, wgmma_fp8 };
 std::string_view tensor_core_kernel_name(tensor_core_kernel kernel);
 bool tensor_core_kernel_available(tensor_core_kernel kernel);
 void select_tensor_core_kernel(tensor_core_kernel kernel);
 tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what products run now
 // The kernel that ran the most recent fp32-block product of the tensor-core path (process-wide;
-// automatic before the first): wgmma_bf16 where selected falls back to mma_sync as said above.
+// automatic before the first): where a selected kernel hands a product on as said above, the one
+// that took it.
 tensor_core_kernel last_tensor_core_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction

@@ -1545,6 +1545,96 @@ __global__ void prepare_scaled_kernel(const std::int8_t* bytes, const std::int32
   atomicMax(&range[2], nan_block);
 }
 
+// The fp8 operands of the scaled kernel (tensor_core_scaled_kernel<true>; MXFP4 only). Per 128-row
+// tile and K-block a base exponent b; element (row, k) is q 2^(e - b) as an fp8 e5m2 number, which
+// is exact (|2q| <= 12 has at most two significant bits) while -15 <= e - b <= 13: from 0.5 2^-15,
+// e5m2's least subnormal, to 6 2^13 = 49152. So b exists when the tile's blocks with a nonzero
+// element span at most 28 exponents (lo .. hi): any b in [hi - 13, lo + 15]; the kernel takes the
+// one nearest 0 (0 for a tile without such blocks), so that wherever scaled_kernel_fits holds the
+// step's scale 2^(ba + bb) is a normal fp32 number (both bases negative: ba + bb = lo_a + lo_b + 30
+// >= -94; both positive: hi_a + hi_b - 26 <= 91; else between -110 and 112). The layout is the
+// kernel's stage: tiles of 128 rows x 128 k (16 KiB; four K-blocks of 32 bytes per 128-byte row,
+// the same swizzle as the bf16 tiles), rows padded to 256 and k to 128; the bases as int32
+// [row tiles][k tiles][4], 16 bytes per tile. fp8_tile_bases_kernel sets range[0] when some
+// tile spans more than 28 exponents (or holds a NaN block), and the operand then does not fit.
+constexpr int fp8_tile_k_blocks = 4;
+constexpr int fp8_window = 28;
+
+__global__ void fp8_tile_bases_kernel(const std::int8_t* bytes, const std::int32_t* exponents, std::int64_t rows,
+                                      std::int64_t blocks, std::int64_t stride, std::int32_t* bases,
+                                      unsigned* too_wide) {
+  const std::int64_t tiles = (rows + scaled_tile_rows - 1) / scaled_tile_rows;
+  const std::int64_t k_tiles = (blocks + fp8_tile_k_blocks - 1) / fp8_tile_k_blocks;
+  MXSCOPE_GRID_LOOP(t, tiles * blocks) {
+    const std::int64_t tile = t / blocks;
+    const std::int64_t b = t % blocks;
+    int lowest = 1 << 30, highest = -(1 << 30);
+    bool wide = false;
+    for (std::int64_t row = tile * scaled_tile_rows; row < std::min<std::int64_t>(rows, (tile + 1) * scaled_tile_rows);
+         ++row) {
+      const std::int32_t e = exponents[b * rows + row];
+      const uint4* const source = reinterpret_cast<const uint4*>(bytes + row * stride + 32 * b);
+      const uint4 x = source[0], y = source[1];
+      const bool nonzero = (x.x | x.y | x.z | x.w | y.x | y.y | y.z | y.w) != 0U;
+      if (e == nan_block_exponent) wide = true;
+      if (!nonzero || e == nan_block_exponent) continue;
+      lowest = std::min(lowest, static_cast<int>(e));
+      highest = std::max(highest, static_cast<int>(e));
+    }
+    int base = 0;
+    if (lowest <= highest) {
+      wide = wide || highest - lowest > fp8_window;
+      base = std::min(std::max(0, highest - 13), lowest + 15);
+    }
+    bases[(tile * k_tiles + b / fp8_tile_k_blocks) * 4 + b % fp8_tile_k_blocks] = base;
+    if (wide) atomicMax(too_wide, 1U);
+  }
+}
+
+// The e5m2 bits of an fp32 number that is an e5m2 number (magnitude zero or in [2^-16, 57344]).
+__device__ inline std::uint32_t exact_e5m2_bits(float value) {
+  const std::uint32_t bits = core_ns::float_bits(value);
+  const std::uint32_t sign = (bits >> 24) & 0x80U;
+  const std::uint32_t magnitude = bits & 0x7FFFFFFFU;
+  if (magnitude == 0U) return sign;
+  const int exponent = static_cast<int>(magnitude >> 23) - 127;
+  if (exponent >= -14) return sign | (static_cast<std::uint32_t>(exponent + 15) << 2) | ((magnitude >> 21) & 3U);
+  // A subnormal: an integer multiple of 2^-16 below 2^-14.
+  return sign | static_cast<std::uint32_t>(__fmul_rn(core_ns::bits_float(magnitude), 65536.0f));
+}
+
+__global__ void prepare_fp8_kernel(const std::int8_t* bytes, const std::int32_t* exponents, const std::int32_t* bases,
+                                   std::int64_t rows, std::int64_t blocks, std::int64_t stride,
+                                   unsigned char* tiles) {
+  const std::int64_t k_tiles = (blocks + fp8_tile_k_blocks - 1) / fp8_tile_k_blocks;
+  MXSCOPE_GRID_LOOP(t, rows * blocks) {
+    const std::int64_t row = t / blocks;
+    const std::int64_t b = t % blocks;
+    const std::int64_t tile = row / scaled_tile_rows;
+    const std::int64_t r = row % scaled_tile_rows;
+    const int shift = exponents[b * rows + row] - bases[(tile * k_tiles + b / fp8_tile_k_blocks) * 4 + b % fp8_tile_k_blocks];
+    const bool inside = shift >= -15 && shift <= 13;
+    const float unit = core_ns::bits_float(static_cast<std::uint32_t>(inside ? shift - 1 + 127 : 127) << 23);
+    const std::int8_t* const source = bytes + row * stride + 32 * b;
+    unsigned char* const tile_row = tiles + (tile * k_tiles + b / fp8_tile_k_blocks) * scaled_tile_bytes + r * 128;
+    for (int q = 0; q < 2; ++q) {  // the block's two 16-byte chunks: 2 (b mod 4) + q of the row
+      std::uint32_t words[4];
+      for (int w = 0; w < 4; ++w) {
+        std::uint32_t word = 0;
+        for (int h = 0; h < 4; ++h) {
+          const int value = source[16 * q + 4 * w + h];
+          const std::uint32_t code = inside ? exact_e5m2_bits(__fmul_rn(static_cast<float>(value), unit)) : 0U;
+          word |= code << (8 * h);
+        }
+        words[w] = word;
+      }
+      const int chunk = static_cast<int>(2 * (b % fp8_tile_k_blocks)) + q;
+      *reinterpret_cast<uint4*>(tile_row + ((chunk ^ static_cast<int>(r & 7)) << 4)) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  }
+}
+
 }  // namespace
 
 struct prepared_operand::storage {
@@ -1570,6 +1660,11 @@ struct prepared_operand::storage {
   int scaled_lowest = 1000;
   int scaled_highest = -1000;
   bool scaled_nan = false;
+  // The fp8 form (prepare_fp8_kernel), made with the bf16 one; fp8_fits: no tile spans more than
+  // fp8_window exponents.
+  device_buffer fp8;        // e5m2 in tiles
+  device_buffer fp8_bases;  // int32 [row tiles][k tiles][4]
+  bool fp8_fits = false;
 };
 
 prepared_operand::prepared_operand() : storage_(std::make_unique<storage>()) {}
@@ -1634,6 +1729,8 @@ std::string_view tensor_core_kernel_name(tensor_core_kernel kernel) {
       return "wgmma";
     case tensor_core_kernel::wgmma_bf16:
       return "wgmma_bf16";
+    case tensor_core_kernel::wgmma_fp8:
+      return "wgmma_fp8";
   }
   return "?";
 }
@@ -1645,6 +1742,7 @@ bool tensor_core_kernel_available(tensor_core_kernel kernel) {
       return tensor_cores_present();
     case tensor_core_kernel::wgmma:
     case tensor_core_kernel::wgmma_bf16:
+    case tensor_core_kernel::wgmma_fp8:
       return wgmma_present();
   }
   return false;
@@ -1662,7 +1760,7 @@ tensor_core_kernel selected_tensor_core_kernel() {
   const tensor_core_kernel kernel = chosen_tensor_core_kernel.load();
   if (kernel != tensor_core_kernel::automatic) return kernel;
   // The fastest on the H200 (BENCHMARKS.md).
-  return wgmma_present() ? tensor_core_kernel::wgmma_bf16 : tensor_core_kernel::mma_sync;
+  return wgmma_present() ? tensor_core_kernel::wgmma_fp8 : tensor_core_kernel::mma_sync;
 }
 
 tensor_core_kernel last_tensor_core_kernel() { return last_run_tensor_core_kernel.load(); }
@@ -1742,8 +1840,9 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
     bytes = s.bytes.as<std::int8_t>();
   }
   s.exponents = device_buffer(static_cast<std::size_t>(s.blocks * s.rows) * sizeof(std::int32_t));
-  // The nonfinite-element flag, then prepare_scaled_kernel's range: one download for both.
-  device_buffer flag(4 * sizeof(unsigned));
+  // The nonfinite-element flag, prepare_scaled_kernel's range and fp8_tile_bases_kernel's flag: one
+  // download for all.
+  device_buffer flag(5 * sizeof(unsigned));
   flag.fill_bytes(0);
   const std::int64_t stride = path == gemm_path::tensor_core ? s.byte_stride : s.depth;
   if (s.rows > 0 && stride > 0) {
@@ -1765,7 +1864,7 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
                     fraction_bits_of(operand.element), s.scales.as<std::uint32_t>(), s.slow_tiles.as<unsigned>());
   }
   const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 &&
-                      tensor_core_kernel_available(tensor_core_kernel::wgmma_bf16) && s.rows > 0 && s.blocks > 0;
+                      wgmma_present() && s.rows > 0 && s.blocks > 0;
   if (scaled) {
     const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
     s.scaled = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * ((s.blocks + 1) / 2)) *
@@ -1775,13 +1874,29 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
                     s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(), s.rows, s.blocks,
                     s.byte_stride, s.scaled.as<unsigned char>(), flag.as<unsigned>() + 1);
   }
-  unsigned flags[4] = {};
+  if (scaled) {
+    const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
+    const std::int64_t k_tiles = (s.blocks + fp8_tile_k_blocks - 1) / fp8_tile_k_blocks;
+    s.fp8 = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * scaled_tile_bytes);
+    s.fp8.fill_bytes(0);
+    s.fp8_bases = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * 4 * sizeof(std::int32_t));
+    s.fp8_bases.fill_bytes(0);
+    const std::int64_t tiles = (s.rows + scaled_tile_rows - 1) / scaled_tile_rows;
+    runtime::launch(fp8_tile_bases_kernel, grid_for(tiles * s.blocks), threads_per_block, 0,
+                    s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(), s.rows, s.blocks,
+                    s.byte_stride, s.fp8_bases.as<std::int32_t>(), flag.as<unsigned>() + 4);
+    runtime::launch(prepare_fp8_kernel, grid_for(s.rows * s.blocks), threads_per_block, 0,
+                    s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(),
+                    s.fp8_bases.as<const std::int32_t>(), s.rows, s.blocks, s.byte_stride, s.fp8.as<unsigned char>());
+  }
+  unsigned flags[5] = {};
   flag.download(flags, sizeof(flags));  // synchronizes
   s.finite_elements = flags[0] == 0;
   if (scaled) {
     s.scaled_lowest = flags[1] == 0 ? 1000 : static_cast<int>(scaled_range_offset) - static_cast<int>(flags[1]);
     s.scaled_highest = flags[2] == 0 ? -1000 : static_cast<int>(flags[2]) - static_cast<int>(scaled_range_offset);
     s.scaled_nan = flags[3] != 0;
+    s.fp8_fits = flags[4] == 0;
   }
   return out;
 }
@@ -4213,14 +4328,28 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // addition rounded to nearest gives -0 only from two negative zeros), so acc + (-0) = acc as
 // acc + 0 does.
 //
+// The fp8 form (Fp8 = true; prepare_fp8_kernel) halves the tensor core's time per block: A and B
+// hold q 2^(e - b) as e5m2 numbers with one base exponent b per 128-row tile and K-block, so one
+// wgmma m64n64k32 e5m2 (scale-d 0) gives D 2^(da + db), da = ea - ba and db = eb - bb the same for
+// all 32 products of an entry, and the step is fl32(acc + D 2^(da + db) 2^(ba + bb)), one fma with
+// the tile pair's scale 2^(ba + bb) (a normal fp32 number: prepare_fp8_kernel). The products are
+// 2qa 2qb 2^(da + db - 2) with -30 <= da + db <= 26, every partial sum a multiple of
+// 2^(da + db - 2) below 2^13 2^(da + db - 2): at most 13 significant bits, all normal. That is
+// exact for the fp8 tensor core of sm_90 as the MMA-Sim project measured it
+// (github.com/microsoft/MMA-Sim, mmasim/simulator/nv.py): products exact, aligned to the largest
+// product exponent with 13 fraction bits kept (our products need 6 below it: 6 x 6 = 2.25 2^4, and
+// the least bit 2^-2), and the result cut to 13 fraction bits (14 significant). The bf16 form
+// keeps 25 fraction bits there; fp32 needs only the 13.
+//
 // A thread block computes 128 x 256 entries with three warpgroups. The first loads: one thread
-// moves each stage (two K-blocks: a 16 KiB tile of A and two of B, already in the shared-memory
-// layout) with bulk asynchronous copies that complete on the stage's "full" barrier, after the
-// stage's "empty" barrier says both consumers are done with its previous contents. Each of the
-// other two computes 64 rows: 128 fp32 accumulators per thread and two sets of 32 dot registers
-// for the four column quarters of a K-block (the mma of one quarter runs while the previous one
-// is added). The consumers wait on barriers, not on each other, so one adds while the other's mma
-// run. setmaxnreg moves registers from the loader to them.
+// moves each stage (a 16 KiB tile of A and two of B, already in the shared-memory layout: two
+// K-blocks of bf16 or four of fp8, and for fp8 the three tiles' bases) with bulk asynchronous
+// copies that complete on the stage's "full" barrier, after the stage's "empty" barrier says both
+// consumers are done with its previous contents. Each of the other two computes 64 rows: 128 fp32
+// accumulators per thread and two sets of 32 dot registers for the four column quarters of a
+// K-block (the mma of one quarter runs while the previous one is added). The consumers wait on
+// barriers, not on each other, so one adds while the other's mma run. setmaxnreg moves registers
+// from the loader to them.
 constexpr int tcs_tile_m = 128;
 constexpr int tcs_tile_n = 256;
 constexpr int tcs_threads = 384;
@@ -4228,11 +4357,12 @@ constexpr int tcs_stages = 4;
 constexpr int tcs_consumer_threads = 256;
 
 struct alignas(1024) tcs_stage {
-  unsigned char a[tcs_tile_m * 128];  // 128 rows x 64 k, in prepare_scaled_kernel's layout
+  unsigned char a[tcs_tile_m * 128];  // 128 rows x 128 bytes, in prepare_scaled_kernel's or prepare_fp8_kernel's layout
   unsigned char b[tcs_tile_n * 128];  // two such tiles
 };
 struct tcs_shared {
   tcs_stage stages[tcs_stages];
+  std::int32_t bases[tcs_stages][3][4];  // fp8: per stage the A tile's, then B's two tiles' bases
   std::uint64_t full[tcs_stages];
   std::uint64_t empty[tcs_stages];
 };
@@ -4251,6 +4381,17 @@ __device__ inline void wgmma_bf16_m64n64k16(float (&d)[32], std::uint64_t a_desc
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a_descriptor), "l"(b_descriptor), "n"(Accumulate ? 1 : 0));
+}
+
+// d = A B^T for the 64 x 32 e5m2 A and B tiles of the descriptors, fp32 (scale-d 0).
+__device__ inline void wgmma_e5m2_m64n64k32(float (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e5m2.e5m2 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a_descriptor), "l"(b_descriptor));
 }
 
 __device__ inline void barrier_init(std::uint64_t* barrier, unsigned count) {
@@ -4292,10 +4433,11 @@ __device__ inline void bulk_copy(void* shared_destination, const void* global_so
 }
 #endif
 
+template <bool Fp8>
 __global__ void __launch_bounds__(tcs_threads, 1)
-    tensor_core_scaled_kernel(const unsigned char* a, const unsigned char* b, std::int64_t m, std::int64_t n,
-                              std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
-                              float* out) {
+    tensor_core_scaled_kernel(const unsigned char* a, const unsigned char* b, const std::int32_t* a_bases,
+                              const std::int32_t* b_bases, std::int64_t m, std::int64_t n, std::int64_t blocks,
+                              std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output, float* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tcs_raw[];
   const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcs_raw));
@@ -4305,7 +4447,8 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
                                                  static_cast<int>(tiles_n), tcs_tile_m, tcs_tile_n);
   const int block_count = static_cast<int>(blocks);
-  const int chunks = (block_count + 1) / 2;  // stages: 64 k each
+  constexpr int stage_blocks = Fp8 ? fp8_tile_k_blocks : 2;  // K-blocks per 128-byte row
+  const int chunks = (block_count + stage_blocks - 1) / stage_blocks;  // stages
   if (t == 0) {
     for (int s = 0; s < tcs_stages; ++s) {
       barrier_init(&shared.full[s], 1);
@@ -4321,15 +4464,24 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       const unsigned char* a_source = a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
       const unsigned char* b_source = b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
       const std::int64_t b_second = static_cast<std::int64_t>(chunks) * scaled_tile_bytes;  // the next 128 rows
+      const std::int32_t* const a_base_source =
+          Fp8 ? a_bases + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * 4 : nullptr;
+      const std::int32_t* const b_base_source =
+          Fp8 ? b_bases + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * 4 : nullptr;
       for (int s = 0; s < chunks; ++s) {
         const int slot = s % tcs_stages;
         if (s >= tcs_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / tcs_stages - 1) & 1U);
-        barrier_expect_bytes(&shared.full[slot], sizeof(tcs_stage));
+        barrier_expect_bytes(&shared.full[slot], sizeof(tcs_stage) + (Fp8 ? 3 * 16 : 0));
         tcs_stage& stage = shared.stages[slot];
         const std::int64_t step = static_cast<std::int64_t>(s) * scaled_tile_bytes;
         bulk_copy(stage.a, a_source + step, scaled_tile_bytes, &shared.full[slot]);
         bulk_copy(stage.b, b_source + step, scaled_tile_bytes, &shared.full[slot]);
         bulk_copy(stage.b + scaled_tile_bytes, b_source + b_second + step, scaled_tile_bytes, &shared.full[slot]);
+        if (Fp8) {
+          bulk_copy(shared.bases[slot][0], a_base_source + 4 * s, 16, &shared.full[slot]);
+          bulk_copy(shared.bases[slot][1], b_base_source + 4 * s, 16, &shared.full[slot]);
+          bulk_copy(shared.bases[slot][2], b_base_source + 4 * (chunks + s), 16, &shared.full[slot]);
+        }
       }
     }
     return;
@@ -4349,20 +4501,32 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
 
   // Descriptors of stage 0's A rows of this consumer and B's first quarter; a stage is
-  // sizeof(tcs_stage) further, K-block u of a stage 64 u bytes, its second k16 32 bytes, quarter q
-  // of B 64 q rows (8192 q bytes); descriptors count 16-byte units.
+  // sizeof(tcs_stage) further, K-block u of a stage 64 u bytes (bf16; its second k16 32 bytes) or
+  // 32 u bytes (fp8), quarter q of B 64 q rows (8192 q bytes); descriptors count 16-byte units.
   const std::uint64_t a_descriptor = tcw_descriptor(shared.stages[0].a + consumer * 64 * 128);
   const std::uint64_t b_descriptor = tcw_descriptor(shared.stages[0].b);
   const auto issue = [&](float (&d)[32], std::uint64_t a_at, std::uint64_t b_at, int quarter) {
     const std::uint64_t b_quarter = b_at + static_cast<std::uint64_t>(quarter * 8192 / 16);
     wgmma_fence();
-    wgmma_bf16_m64n64k16<false>(d, a_at, b_quarter);
-    wgmma_bf16_m64n64k16<true>(d, a_at + 2, b_quarter + 2);
+    if constexpr (Fp8) {
+      wgmma_e5m2_m64n64k32(d, a_at, b_quarter);
+    } else {
+      wgmma_bf16_m64n64k16<false>(d, a_at, b_quarter);
+      wgmma_bf16_m64n64k16<true>(d, a_at + 2, b_quarter + 2);
+    }
     wgmma_commit();
   };
-  const auto add = [&](float (&accumulator)[32], const float (&d)[32]) {
+  // The step of one quarter: fl32(acc + D 2^k), the scale (fp8: 2^(ba + bb)) applied exactly.
+  const auto add = [&](float (&accumulator)[32], const float (&d)[32], float scale) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) accumulator[i] = __fadd_rn(accumulator[i], d[i]);
+    for (int i = 0; i < 32; ++i) {
+      accumulator[i] = Fp8 ? __fmaf_rn(d[i], scale, accumulator[i]) : __fadd_rn(accumulator[i], d[i]);
+    }
+  };
+  // 2^(ba + bb) as an fp32 number; clamped for tile pairs where a tile has no nonzero block (D is
+  // zero there; elsewhere prepare_fp8_kernel keeps the sum in range).
+  const auto pair_scale = [](int exponent) {
+    return core_ns::bits_float(static_cast<std::uint32_t>(min(max(exponent, -126), 127) + 127) << 23);
   };
 
   for (int s = 0; s < chunks; ++s) {
@@ -4370,22 +4534,29 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
     const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
 #pragma unroll 1
-    for (int u = 0; u < 2; ++u) {
-      if (2 * s + u >= block_count) break;
-      const std::uint64_t a_at = a_descriptor + stage_units + static_cast<std::uint64_t>(4 * u);
-      const std::uint64_t b_at = b_descriptor + stage_units + static_cast<std::uint64_t>(4 * u);
+    for (int u = 0; u < stage_blocks; ++u) {
+      if (stage_blocks * s + u >= block_count) break;
+      float scales[2] = {1.0f, 1.0f};  // B's first and second 128 rows
+      if constexpr (Fp8) {
+        const int a_base = shared.bases[slot][0][u];
+        scales[0] = pair_scale(a_base + shared.bases[slot][1][u]);
+        scales[1] = pair_scale(a_base + shared.bases[slot][2][u]);
+      }
+      const std::uint64_t block_units = static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+      const std::uint64_t a_at = a_descriptor + stage_units + block_units;
+      const std::uint64_t b_at = b_descriptor + stage_units + block_units;
       issue(dots[0], a_at, b_at, 0);
       issue(dots[1], a_at, b_at, 1);
       wgmma_wait<1>();
-      add(accumulators[0], dots[0]);
+      add(accumulators[0], dots[0], scales[0]);
       issue(dots[0], a_at, b_at, 2);
       wgmma_wait<1>();
-      add(accumulators[1], dots[1]);
+      add(accumulators[1], dots[1], scales[0]);
       issue(dots[1], a_at, b_at, 3);
       wgmma_wait<1>();
-      add(accumulators[2], dots[0]);
+      add(accumulators[2], dots[0], scales[1]);
       wgmma_wait<0>();
-      add(accumulators[3], dots[1]);
+      add(accumulators[3], dots[1], scales[1]);
     }
     barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
   }
@@ -4404,7 +4575,8 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   }
 #else
   // Built without sm_90a: wgmma_present() reports false and the host never launches this.
-  (void)a, (void)b, (void)m, (void)n, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
+  (void)a, (void)b, (void)a_bases, (void)b_bases, (void)m, (void)n, (void)blocks, (void)tiles_m, (void)tiles_n;
+  (void)output, (void)out;
 #endif
 }
 #endif  // !MXSCOPE_GPU_SIMULATE
@@ -4448,6 +4620,11 @@ bool scaled_kernel_fits(const prepared_operand::storage& a, const prepared_opera
   if (!inside(a) || !inside(b)) return false;
   if (a.scaled_lowest > a.scaled_highest || b.scaled_lowest > b.scaled_highest) return true;  // a zero operand
   return a.scaled_lowest + b.scaled_lowest >= -124 && a.scaled_highest + b.scaled_highest <= 117;
+}
+// The same for its fp8 form: also no 128-row tile of either operand spans more than fp8_window
+// exponents in a K-block (prepare_fp8_kernel).
+bool fp8_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
+  return scaled_kernel_fits(a, b) && a.fp8_fits && b.fp8_fits;
 }
 }  // namespace
 
@@ -4556,16 +4733,23 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
                             to_text(n) + " x " + to_text(a.depth) + ")");
         }
         tensor_core_kernel kernel = selected_tensor_core_kernel();
+        if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) kernel = tensor_core_kernel::wgmma_bf16;
         if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) kernel = tensor_core_kernel::mma_sync;
         last_run_tensor_core_kernel.store(kernel);
-        if (kernel == tensor_core_kernel::wgmma_bf16) {
+        if (kernel == tensor_core_kernel::wgmma_fp8 || kernel == tensor_core_kernel::wgmma_bf16) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
-          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_scaled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          const bool fp8 = kernel == tensor_core_kernel::wgmma_fp8;
+          const auto entry = fp8 ? tensor_core_scaled_kernel<true> : tensor_core_scaled_kernel<false>;
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(tcs_shared_bytes)));
           // 128 x 256 tiles, as tensor_core_block_kernel's.
-          runtime::launch(tensor_core_scaled_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcs_threads,
-                          tcs_shared_bytes, a.scaled.as<const unsigned char>(), b.scaled.as<const unsigned char>(), m,
-                          n, a.blocks, tiles_m, tiles_n, output, out);
+          const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
+          const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
+          runtime::launch(entry, static_cast<unsigned>(tiles_m * tiles_n), tcs_threads, tcs_shared_bytes,
+                          a_tiles.as<const unsigned char>(), b_tiles.as<const unsigned char>(),
+                          fp8 ? a.fp8_bases.as<const std::int32_t>() : nullptr,
+                          fp8 ? b.fp8_bases.as<const std::int32_t>() : nullptr, m, n, a.blocks, tiles_m, tiles_n,
+                          output, out);
 #endif
         } else if (kernel == tensor_core_kernel::mma_sync) {
           runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,

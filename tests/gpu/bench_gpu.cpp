@@ -217,7 +217,8 @@ int main(int argc, char** argv) {
       // with it in every entry, and it (the automatic choice) with the integer path below.
       const gpu::tensor_core_kernel automatic_kernel = gpu::selected_tensor_core_kernel();
       for (const gpu::tensor_core_kernel kernel :
-           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16}) {
+           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16,
+            gpu::tensor_core_kernel::wgmma_fp8}) {
         const std::string name(gpu::tensor_core_kernel_name(kernel));
         if (!gpu::tensor_core_kernel_available(kernel)) {
           std::printf("gemm tensor_core kernel %s: not available in this build on this device\n", name.c_str());

@@ -1402,12 +1402,13 @@ void tensor_scale_checks(bool small) {
 }
 
 // Runs body(suffix, kernel) once per tensor-core kernel of the fp32-block model that this build and
-// device have (mma_sync everywhere the path exists; wgmma and wgmma_bf16 on sm_90 with an sm_90a
-// build), with that kernel selected; the suffix names it. Leaves the automatic choice selected.
+// device have (mma_sync everywhere the path exists; wgmma, wgmma_bf16 and wgmma_fp8 on sm_90 with
+// an sm_90a build), with that kernel selected; the suffix names it. Leaves the automatic choice selected.
 template <class Body>
 void for_each_tensor_core_kernel(Body&& body) {
   for (const gpu::tensor_core_kernel kernel :
-       {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16}) {
+       {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16,
+        gpu::tensor_core_kernel::wgmma_fp8}) {
     if (!gpu::tensor_core_kernel_available(kernel)) continue;
     gpu::select_tensor_core_kernel(kernel);
     body(" [" + std::string(gpu::tensor_core_kernel_name(kernel)) + "]", kernel);
@@ -1458,11 +1459,37 @@ bool scaled_kernel_expected(const mxscope::quantized_tensor& qa, const mxscope::
   return a.lowest + b.lowest >= -124 && a.highest + b.highest <= 117;
 }
 
+// Whether no 128-row tile of the operand spans more than 28 exponents over its blocks with a nonzero
+// element in any K-block (wgmma_fp8's condition on each operand, on top of wgmma_bf16's).
+bool tiles_within_fp8_window(const mxscope::quantized_tensor& q) {
+  const host_reference::operand_reader x(q);
+  for (std::int64_t tile = 0; tile < x.rows; tile += 128) {
+    for (std::int64_t k0 = 0; k0 < x.depth; k0 += 32) {
+      int lowest = 1000, highest = -1000;
+      for (std::int64_t row = tile; row < std::min<std::int64_t>(tile + 128, x.rows); ++row) {
+        bool nonzero = false;
+        for (std::int64_t k = k0; k < std::min<std::int64_t>(k0 + 32, x.depth); ++k) {
+          nonzero = nonzero || core::decode(q.options.format.element, x.code(row, k)) != 0.0;
+        }
+        if (!nonzero || x.scale(row, k0) == core::scale_nan_code) continue;
+        lowest = std::min(lowest, core::scale_exponent(x.scale(row, k0)));
+        highest = std::max(highest, core::scale_exponent(x.scale(row, k0)));
+      }
+      if (highest - lowest > 28) return false;
+    }
+  }
+  return true;
+}
+
 // "" when the kernel that ran the last product is the one `selected` should have run for qa, qb.
 std::string check_kernel_ran(gpu::tensor_core_kernel selected, const mxscope::quantized_tensor& qa,
                              const mxscope::quantized_tensor& qb) {
   gpu::tensor_core_kernel expected = selected;
-  if (selected == gpu::tensor_core_kernel::wgmma_bf16 && !scaled_kernel_expected(qa, qb)) {
+  if (selected == gpu::tensor_core_kernel::wgmma_fp8 &&
+      !(scaled_kernel_expected(qa, qb) && tiles_within_fp8_window(qa) && tiles_within_fp8_window(qb))) {
+    expected = gpu::tensor_core_kernel::wgmma_bf16;
+  }
+  if (expected == gpu::tensor_core_kernel::wgmma_bf16 && !scaled_kernel_expected(qa, qb)) {
     expected = gpu::tensor_core_kernel::mma_sync;
   }
   const gpu::tensor_core_kernel ran = gpu::last_tensor_core_kernel();
@@ -1499,11 +1526,14 @@ void gemm_tensor_core_tiles(bool small) {
       continue;
     }
     const gemm_layout_case& layout = gemm_layouts[c.layout];
-    for (const char* pattern : {"banded", "mixed", "far", "edges", "edges outside"}) {
+    for (const char* pattern :
+         {"banded", "mixed", "far", "edges", "edges outside", "window", "window outside", "full blocks"}) {
       const bool mixed = std::string(pattern) == "mixed";
       const bool far = std::string(pattern) == "far";
       const bool edges = std::string(pattern).rfind("edges", 0) == 0;
-      if (edges && (c.a_format != 0 || c.b_format != 0)) continue;
+      const bool window = std::string(pattern).rfind("window", 0) == 0;
+      const bool full = std::string(pattern) == "full blocks";
+      if ((edges || window || full) && (c.a_format != 0 || c.b_format != 0)) continue;
       const std::uint64_t seed = next_seed();
       // Logical A [m, k] and B [n, k], then stored along their layout's axes.
       matrix a = test_inputs::make_matrix(c.m, c.k, value_kind::banded, seed);
@@ -1533,21 +1563,38 @@ void gemm_tensor_core_tiles(bool small) {
           for (std::int64_t q = 0; q < b.cols; ++q) b(r, q) = std::ldexp(b(r, q), exponent);
         }
       }
+      const auto pin = [](matrix& x, int even_exponent, int odd_exponent) {
+        for (std::int64_t r = 0; r < x.rows; ++r) {
+          const int exponent = r % 2 == 0 ? even_exponent : odd_exponent;
+          for (std::int64_t q = 0; q < x.cols; ++q) {
+            const float v = q % 32 == 0 ? 6.0f : std::clamp(x(r, q), -5.9f, 5.9f);
+            x(r, q) = std::ldexp(v, exponent);
+          }
+        }
+      };
+      if (window) {
+        // The wgmma_fp8 kernel's window: rows alternating between two block exponents 28 apart
+        // (A at -20 and 8, B at -5 and 23), so each tile's elements take every e5m2 exponent from
+        // the least subnormal up; "window outside" puts A's 29 apart (wgmma_bf16 runs instead).
+        pin(a, -20, std::string(pattern) == "window outside" ? 9 : 8);
+        pin(b, -5, 23);
+      }
+      if (full) {
+        // Block dots with the most significant bits: 31 products 6 x 6 and one 0.5 x 0.5 (1116.25,
+        // thirteen bits), or two 0.5 x 6 where the 0.5 elements sit apart; B's odd rows negative.
+        for (std::int64_t r = 0; r < a.rows; ++r) {
+          for (std::int64_t q = 0; q < a.cols; ++q) a(r, q) = q % 32 == r % 32 ? 0.5f : 6.0f;
+        }
+        for (std::int64_t r = 0; r < b.rows; ++r) {
+          for (std::int64_t q = 0; q < b.cols; ++q) b(r, q) = (q % 32 == r % 32 ? 0.5f : 6.0f) * (r % 2 == 0 ? 1 : -1);
+        }
+      }
       if (edges) {
         // The limits of the wgmma_bf16 kernel's range: every block's largest element 6 2^e, rows of
         // A at e = -125 and 60, rows of B at 1 and 57 (lowest sum -124, highest 117: inside, with
         // block dots from 2^-126 up to 1152 2^117 and entries that overflow), or, for "edges
         // outside", B at 0 and 57 (lowest sum -125: outside, so mma_sync runs instead).
         const bool outside = std::string(pattern) == "edges outside";
-        const auto pin = [](matrix& x, int even_exponent, int odd_exponent) {
-          for (std::int64_t r = 0; r < x.rows; ++r) {
-            const int exponent = r % 2 == 0 ? even_exponent : odd_exponent;
-            for (std::int64_t q = 0; q < x.cols; ++q) {
-              const float v = q % 32 == 0 ? 6.0f : std::clamp(x(r, q), -5.9f, 5.9f);
-              x(r, q) = std::ldexp(v, exponent);
-            }
-          }
-        };
         pin(a, -125, 60);
         pin(b, outside ? 0 : 1, 57);
       }
