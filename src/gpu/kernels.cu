@@ -4529,22 +4529,66 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     return core_ns::bits_float(static_cast<std::uint32_t>(min(max(exponent, -126), 127) + 127) << 23);
   };
 
-  for (int s = 0; s < chunks; ++s) {
+  // Within a stage the quarters' mma form one stream, two in flight: quarter q of K-block u goes
+  // into dot set q % 2 once quarter q - 2's dots are added, so K-block u + 1's first two start while
+  // u's last two are added. The stream drains at the end of each stage: ptxas serializes every
+  // wgmma (C7514) when one is in flight across a branch or the loop's back edge.
+  const auto scales_of = [&](int slot, int u, float (&scales)[2]) {  // B's first and second 128 rows
+    scales[0] = scales[1] = 1.0f;
+    if constexpr (Fp8) {
+      const int a_base = shared.bases[slot][0][u];
+      scales[0] = pair_scale(a_base + shared.bases[slot][1][u]);
+      scales[1] = pair_scale(a_base + shared.bases[slot][2][u]);
+    }
+  };
+  const int full_stages = block_count / stage_blocks;
+#pragma unroll 1
+  for (int s = 0; s < full_stages; ++s) {
+    const int slot = s % tcs_stages;
+    barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
+    const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+    const auto at = [&](int u, std::uint64_t descriptor) {
+      return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+    };
+    issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
+    issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
+#pragma unroll
+    for (int u = 0; u < stage_blocks; ++u) {
+      float scales[2];
+      scales_of(slot, u, scales);
+      wgmma_wait<1>();
+      add(accumulators[0], dots[0], scales[0]);
+      issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
+      wgmma_wait<1>();
+      add(accumulators[1], dots[1], scales[0]);
+      issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
+      wgmma_wait<1>();
+      add(accumulators[2], dots[0], scales[1]);
+      if (u + 1 < stage_blocks) {
+        issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
+        wgmma_wait<1>();
+        add(accumulators[3], dots[1], scales[1]);
+        issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
+      } else {
+        wgmma_wait<0>();
+        add(accumulators[3], dots[1], scales[1]);
+      }
+    }
+    barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
+  }
+  // The last stage when it holds fewer K-blocks: one K-block at a time.
+  if (full_stages * stage_blocks < block_count) {
+    const int s = full_stages;
     const int slot = s % tcs_stages;
     barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
     const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
 #pragma unroll 1
-    for (int u = 0; u < stage_blocks; ++u) {
-      if (stage_blocks * s + u >= block_count) break;
-      float scales[2] = {1.0f, 1.0f};  // B's first and second 128 rows
-      if constexpr (Fp8) {
-        const int a_base = shared.bases[slot][0][u];
-        scales[0] = pair_scale(a_base + shared.bases[slot][1][u]);
-        scales[1] = pair_scale(a_base + shared.bases[slot][2][u]);
-      }
-      const std::uint64_t block_units = static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
-      const std::uint64_t a_at = a_descriptor + stage_units + block_units;
-      const std::uint64_t b_at = b_descriptor + stage_units + block_units;
+    for (int u = 0; stage_blocks * s + u < block_count; ++u) {
+      float scales[2];
+      scales_of(slot, u, scales);
+      const std::uint64_t block_units = stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+      const std::uint64_t a_at = a_descriptor + block_units;
+      const std::uint64_t b_at = b_descriptor + block_units;
       issue(dots[0], a_at, b_at, 0);
       issue(dots[1], a_at, b_at, 1);
       wgmma_wait<1>();
@@ -4558,7 +4602,6 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       wgmma_wait<0>();
       add(accumulators[3], dots[1], scales[1]);
     }
-    barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
   }
 
   // d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column 64 q + 8 j + 2 (lane % 4) + e.
