@@ -4323,8 +4323,8 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // (scaled_kernel_fits): the products of two elements are 2qa 2qb 2^(k - 2) with |2q| <= 12, and
 // every partial sum of a block's 32 is an integer multiple of 2^(k - 2) below 2^13 2^(k - 2), so
 // with -124 <= k <= 117 they are all normal fp32 numbers (or zero) whatever the order of the
-// additions and however the tensor core aligns them (it keeps at least 24 bits below the largest
-// term). A block dot of zero may come out as -0; acc starts at +0 and can never become -0 (an
+// additions; sm_90's bf16 tensor core aligns its 16-product steps 25 bits below the largest
+// exponent sum (docs/conformance.md), far below these sums' last bit. A block dot of zero may come out as -0; acc starts at +0 and can never become -0 (an
 // addition rounded to nearest gives -0 only from two negative zeros), so acc + (-0) = acc as
 // acc + 0 does.
 //
@@ -4334,12 +4334,10 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // all 32 products of an entry, and the step is fl32(acc + D 2^(da + db) 2^(ba + bb)), one fma with
 // the tile pair's scale 2^(ba + bb) (a normal fp32 number: prepare_fp8_kernel). The products are
 // 2qa 2qb 2^(da + db - 2) with -30 <= da + db <= 26, every partial sum a multiple of
-// 2^(da + db - 2) below 2^13 2^(da + db - 2): at most 13 significant bits, all normal. That is
-// exact for the fp8 tensor core of sm_90 as the MMA-Sim project measured it
-// (github.com/microsoft/MMA-Sim, mmasim/simulator/nv.py): products exact, aligned to the largest
-// product exponent with 13 fraction bits kept (our products need 6 below it: 6 x 6 = 2.25 2^4, and
-// the least bit 2^-2), and the result cut to 13 fraction bits (14 significant). The bf16 form
-// keeps 25 fraction bits there; fp32 needs only the 13.
+// 2^(da + db - 2) below 2^13 2^(da + db - 2): at most 13 significant bits, all normal. The H200
+// conformance captures (docs/conformance.md) measured sm_90's fp8 tensor core as 32-product steps
+// aligned 13 bits below the largest exponent sum (here at most da + db + 4: 6 x 6 = 2.25 2^4), so
+// it drops nothing above 2^(da + db - 9), and a result of 14 significant bits: exact here.
 //
 // A thread block computes 128 x 256 entries with three warpgroups. The first loads: one thread
 // moves each stage (a 16 KiB tile of A and two of B, already in the shared-memory layout: two
