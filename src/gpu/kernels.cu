@@ -4442,8 +4442,13 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   tcs_shared& shared = *reinterpret_cast<tcs_shared*>(tcs_raw + ((1024U - (raw_address & 1023U)) & 1023U));
   const int t = threadIdx.x;
   const int warpgroup = t / 128;
-  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
-                                                 static_cast<int>(tiles_n), tcs_tile_m, tcs_tile_n);
+  // Persistent: thread block p computes tiles p, p + grid, ... in the grouped order, so that the
+  // loader fills the next tile's stages while the consumers store this one's entries. Both roles
+  // count stages over all their tiles (use), which gives each barrier's slot and parity.
+  const int tile_count = static_cast<int>(tiles_m * tiles_n);
+  const auto origin_of = [&](int tile) {
+    return grouped_tile_origin(tile, static_cast<int>(tiles_m), static_cast<int>(tiles_n), tcs_tile_m, tcs_tile_n);
+  };
   const int block_count = static_cast<int>(blocks);
   constexpr int stage_blocks = Fp8 ? fp8_tile_k_blocks : 2;  // K-blocks per 128-byte row
   const int chunks = (block_count + stage_blocks - 1) / stage_blocks;  // stages
@@ -4459,26 +4464,30 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (t == 0) {
-      const unsigned char* a_source = a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
-      const unsigned char* b_source = b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
       const std::int64_t b_second = static_cast<std::int64_t>(chunks) * scaled_tile_bytes;  // the next 128 rows
-      const std::int32_t* const a_base_source =
-          Fp8 ? a_bases + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * 4 : nullptr;
-      const std::int32_t* const b_base_source =
-          Fp8 ? b_bases + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * 4 : nullptr;
-      for (int s = 0; s < chunks; ++s) {
-        const int slot = s % tcs_stages;
-        if (s >= tcs_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / tcs_stages - 1) & 1U);
-        barrier_expect_bytes(&shared.full[slot], sizeof(tcs_stage) + (Fp8 ? 3 * 16 : 0));
-        tcs_stage& stage = shared.stages[slot];
-        const std::int64_t step = static_cast<std::int64_t>(s) * scaled_tile_bytes;
-        bulk_copy(stage.a, a_source + step, scaled_tile_bytes, &shared.full[slot]);
-        bulk_copy(stage.b, b_source + step, scaled_tile_bytes, &shared.full[slot]);
-        bulk_copy(stage.b + scaled_tile_bytes, b_source + b_second + step, scaled_tile_bytes, &shared.full[slot]);
-        if (Fp8) {
-          bulk_copy(shared.bases[slot][0], a_base_source + 4 * s, 16, &shared.full[slot]);
-          bulk_copy(shared.bases[slot][1], b_base_source + 4 * s, 16, &shared.full[slot]);
-          bulk_copy(shared.bases[slot][2], b_base_source + 4 * (chunks + s), 16, &shared.full[slot]);
+      int use = 0;
+      for (int tile = static_cast<int>(blockIdx.x); tile < tile_count; tile += static_cast<int>(gridDim.x)) {
+        const tile_origin origin = origin_of(tile);
+        const unsigned char* a_source = a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+        const unsigned char* b_source = b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+        const std::int32_t* const a_base_source =
+            Fp8 ? a_bases + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * 4 : nullptr;
+        const std::int32_t* const b_base_source =
+            Fp8 ? b_bases + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * 4 : nullptr;
+        for (int s = 0; s < chunks; ++s, ++use) {
+          const int slot = use % tcs_stages;
+          if (use >= tcs_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(use / tcs_stages - 1) & 1U);
+          barrier_expect_bytes(&shared.full[slot], sizeof(tcs_stage) + (Fp8 ? 3 * 16 : 0));
+          tcs_stage& stage = shared.stages[slot];
+          const std::int64_t step = static_cast<std::int64_t>(s) * scaled_tile_bytes;
+          bulk_copy(stage.a, a_source + step, scaled_tile_bytes, &shared.full[slot]);
+          bulk_copy(stage.b, b_source + step, scaled_tile_bytes, &shared.full[slot]);
+          bulk_copy(stage.b + scaled_tile_bytes, b_source + b_second + step, scaled_tile_bytes, &shared.full[slot]);
+          if (Fp8) {
+            bulk_copy(shared.bases[slot][0], a_base_source + 4 * s, 16, &shared.full[slot]);
+            bulk_copy(shared.bases[slot][1], b_base_source + 4 * s, 16, &shared.full[slot]);
+            bulk_copy(shared.bases[slot][2], b_base_source + 4 * (chunks + s), 16, &shared.full[slot]);
+          }
         }
       }
     }
@@ -4491,10 +4500,6 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   const int lane = t % 32;
   float accumulators[4][32];  // [column quarter][dot register]
   float dots[2][32];          // quarters 0, 2 and 1, 3
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) accumulators[q][i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
 
@@ -4540,80 +4545,90 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     }
   };
   const int full_stages = block_count / stage_blocks;
-#pragma unroll 1
-  for (int s = 0; s < full_stages; ++s) {
-    const int slot = s % tcs_stages;
-    barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
-    const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
-    const auto at = [&](int u, std::uint64_t descriptor) {
-      return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
-    };
-    issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
-    issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
+  int use = 0;
+  for (int tile = static_cast<int>(blockIdx.x); tile < tile_count; tile += static_cast<int>(gridDim.x)) {
+    const tile_origin origin = origin_of(tile);
 #pragma unroll
-    for (int u = 0; u < stage_blocks; ++u) {
-      float scales[2];
-      scales_of(slot, u, scales);
-      wgmma_wait<1>();
-      add(accumulators[0], dots[0], scales[0]);
-      issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
-      wgmma_wait<1>();
-      add(accumulators[1], dots[1], scales[0]);
-      issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
-      wgmma_wait<1>();
-      add(accumulators[2], dots[0], scales[1]);
-      if (u + 1 < stage_blocks) {
-        issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) accumulators[q][i] = 0.0f;
+#pragma unroll 1
+    for (int s = 0; s < full_stages; ++s, ++use) {
+      const int slot = use % tcs_stages;
+      barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
+      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+      const auto at = [&](int u, std::uint64_t descriptor) {
+        return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+      };
+      issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
+      issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
+#pragma unroll
+      for (int u = 0; u < stage_blocks; ++u) {
+        float scales[2];
+        scales_of(slot, u, scales);
         wgmma_wait<1>();
-        add(accumulators[3], dots[1], scales[1]);
-        issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
-      } else {
+        add(accumulators[0], dots[0], scales[0]);
+        issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
+        wgmma_wait<1>();
+        add(accumulators[1], dots[1], scales[0]);
+        issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
+        wgmma_wait<1>();
+        add(accumulators[2], dots[0], scales[1]);
+        if (u + 1 < stage_blocks) {
+          issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
+          wgmma_wait<1>();
+          add(accumulators[3], dots[1], scales[1]);
+          issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
+        } else {
+          wgmma_wait<0>();
+          add(accumulators[3], dots[1], scales[1]);
+        }
+      }
+      barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
+    }
+    // The last stage when it holds fewer K-blocks: one K-block at a time.
+    if (full_stages * stage_blocks < block_count) {
+      const int s = full_stages;
+      const int slot = use % tcs_stages;
+      barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
+      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+#pragma unroll 1
+      for (int u = 0; stage_blocks * s + u < block_count; ++u) {
+        float scales[2];
+        scales_of(slot, u, scales);
+        const std::uint64_t block_units = stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+        const std::uint64_t a_at = a_descriptor + block_units;
+        const std::uint64_t b_at = b_descriptor + block_units;
+        issue(dots[0], a_at, b_at, 0);
+        issue(dots[1], a_at, b_at, 1);
+        wgmma_wait<1>();
+        add(accumulators[0], dots[0], scales[0]);
+        issue(dots[0], a_at, b_at, 2);
+        wgmma_wait<1>();
+        add(accumulators[1], dots[1], scales[0]);
+        issue(dots[1], a_at, b_at, 3);
+        wgmma_wait<1>();
+        add(accumulators[2], dots[0], scales[1]);
         wgmma_wait<0>();
         add(accumulators[3], dots[1], scales[1]);
       }
+      barrier_arrive(&shared.empty[slot]);
+      ++use;
     }
-    barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
-  }
-  // The last stage when it holds fewer K-blocks: one K-block at a time.
-  if (full_stages * stage_blocks < block_count) {
-    const int s = full_stages;
-    const int slot = s % tcs_stages;
-    barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tcs_stages) & 1U);
-    const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
-#pragma unroll 1
-    for (int u = 0; stage_blocks * s + u < block_count; ++u) {
-      float scales[2];
-      scales_of(slot, u, scales);
-      const std::uint64_t block_units = stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
-      const std::uint64_t a_at = a_descriptor + block_units;
-      const std::uint64_t b_at = b_descriptor + block_units;
-      issue(dots[0], a_at, b_at, 0);
-      issue(dots[1], a_at, b_at, 1);
-      wgmma_wait<1>();
-      add(accumulators[0], dots[0], scales[0]);
-      issue(dots[0], a_at, b_at, 2);
-      wgmma_wait<1>();
-      add(accumulators[1], dots[1], scales[0]);
-      issue(dots[1], a_at, b_at, 3);
-      wgmma_wait<1>();
-      add(accumulators[2], dots[0], scales[1]);
-      wgmma_wait<0>();
-      add(accumulators[3], dots[1], scales[1]);
-    }
-  }
 
-  // d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column 64 q + 8 j + 2 (lane % 4) + e.
-  const std::int64_t row0 = origin.i0 + consumer * 64 + warp * 16 + lane / 4;
-  const std::int64_t col0 = origin.j0 + 2 * (lane % 4);
+    // d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column 64 q + 8 j + 2 (lane % 4) + e.
+    const std::int64_t row0 = origin.i0 + consumer * 64 + warp * 16 + lane / 4;
+    const std::int64_t col0 = origin.j0 + 2 * (lane % 4);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
+    for (int q = 0; q < 4; ++q) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const std::int64_t row = row0 + 8 * ((i / 2) % 2);
-      const std::int64_t col = col0 + 64 * q + 8 * (i / 4) + i % 2;
-      if (row < m && col < n) out[row * n + col] = finish_output(accumulators[q][i] * 1.0f, output);
+      for (int i = 0; i < 32; ++i) {
+        const std::int64_t row = row0 + 8 * ((i / 2) % 2);
+        const std::int64_t col = col0 + 64 * q + 8 * (i / 4) + i % 2;
+        if (row < m && col < n) out[row * n + col] = finish_output(accumulators[q][i] * 1.0f, output);
+      }
     }
-  }
+  }  // tiles
 #else
   // Built without sm_90a: wgmma_present() reports false and the host never launches this.
   (void)a, (void)b, (void)a_bases, (void)b_bases, (void)m, (void)n, (void)blocks, (void)tiles_m, (void)tiles_n;
@@ -4786,7 +4801,9 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
           // 128 x 256 tiles, as tensor_core_block_kernel's.
           const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
           const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
-          runtime::launch(entry, static_cast<unsigned>(tiles_m * tiles_n), tcs_threads, tcs_shared_bytes,
+          // Persistent: one thread block per multiprocessor (its shared memory allows no second).
+          const std::int64_t persistent = std::min<std::int64_t>(tiles_m * tiles_n, multiprocessor_count());
+          runtime::launch(entry, static_cast<unsigned>(persistent), tcs_threads, tcs_shared_bytes,
                           a_tiles.as<const unsigned char>(), b_tiles.as<const unsigned char>(),
                           fp8 ? a.fp8_bases.as<const std::int32_t>() : nullptr,
                           fp8 ? b.fp8_bases.as<const std::int32_t>() : nullptr, m, n, a.blocks, tiles_m, tiles_n,
