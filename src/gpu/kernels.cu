@@ -1487,7 +1487,7 @@ __global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents,
 
 // The operands of the scaled kernel (tensor_core_scaled_kernel; MXFP4 only): element (row, k) as
 // the bf16 number q 2^e, i.e. the prepared byte 2q times 2^(e - 1). That is exact and normal for
-// every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most four significant bits);
+// every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most two significant bits);
 // blocks outside that range get zeros, and the operand then does not fit (scaled_kernel_fits).
 // The layout is the kernel's shared-memory stage, so that one bulk copy moves a tile: rows padded
 // to a multiple of 256 and k to a multiple of 64 (zeros), tiles of 128 rows x 64 k (16 KiB,
@@ -1866,6 +1866,7 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 &&
                       wgmma_present() && s.rows > 0 && s.blocks > 0;
   if (scaled) {
+    // The bf16 form (rows of 64 k per tile), then the fp8 form (128 k) with its bases.
     const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
     s.scaled = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * ((s.blocks + 1) / 2)) *
                              scaled_tile_bytes);
@@ -1873,9 +1874,6 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
     runtime::launch(prepare_scaled_kernel, reduction_grid(s.rows * s.blocks), threads_per_block, 0,
                     s.bytes.as<const std::int8_t>(), s.exponents.as<const std::int32_t>(), s.rows, s.blocks,
                     s.byte_stride, s.scaled.as<unsigned char>(), flag.as<unsigned>() + 1);
-  }
-  if (scaled) {
-    const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
     const std::int64_t k_tiles = (s.blocks + fp8_tile_k_blocks - 1) / fp8_tile_k_blocks;
     s.fp8 = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * scaled_tile_bytes);
     s.fp8.fill_bytes(0);
