@@ -26,6 +26,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mxscope/compare.hpp"
 #include "mxscope/core/accumulate.hpp"
@@ -290,6 +291,27 @@ class prepared_operand {
 // Throws input_error when the operand's format or block does not fit `path` (automatic resolves
 // per pair in multiply_prepared: prepare with the path you will multiply with).
 prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path);
+
+// The scaled kernels' forms of an operand prepared for the tensor-core path (MXFP4; made where
+// those kernels exist, and always in the CPU simulation, so that tests can check them there),
+// copied to the host. Both are tiles of 128 rows x 128 bytes, rows padded to a multiple of 256,
+// each row's 16-byte chunk c stored at chunk c ^ (row mod 8), tiles ordered by row tile, then k:
+// bf16 holds q 2^e (64 k per tile), fp8 holds q 2^(e - b) as e5m2 (128 k per tile) with b in
+// fp8_bases [row tiles][k tiles][4] (one per K-block); blocks outside a form's range hold zeros.
+// lowest / highest: the least and largest block exponent over blocks with a nonzero element (1000
+// and -1000 when there are none); nan_block: a NaN block is present; fp8_fits: every 128-row tile's
+// blocks with a nonzero element span at most 28 exponents per K-block and no block is NaN.
+struct scaled_operand_forms {
+  bool made = false;
+  std::vector<std::uint16_t> bf16;
+  std::vector<std::uint8_t> fp8;
+  std::vector<std::int32_t> fp8_bases;
+  int lowest = 1000;
+  int highest = -1000;
+  bool nan_block = false;
+  bool fp8_fits = false;
+};
+scaled_operand_forms scaled_forms(const prepared_operand& operand);
 
 // out[M x N] (fp32, row-major) = the emulated A B^T; exact_out [M x N] (fp64) only for the exact
 // model (may be null). Throws input_error for mismatched depths or blocks or an uncovered path.

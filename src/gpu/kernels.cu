@@ -1612,7 +1612,8 @@ __global__ void prepare_fp8_kernel(const std::int8_t* bytes, const std::int32_t*
     const std::int64_t b = t % blocks;
     const std::int64_t tile = row / scaled_tile_rows;
     const std::int64_t r = row % scaled_tile_rows;
-    const int shift = exponents[b * rows + row] - bases[(tile * k_tiles + b / fp8_tile_k_blocks) * 4 + b % fp8_tile_k_blocks];
+    const int shift =
+        exponents[b * rows + row] - bases[(tile * k_tiles + b / fp8_tile_k_blocks) * 4 + b % fp8_tile_k_blocks];
     const bool inside = shift >= -15 && shift <= 13;
     const float unit = core_ns::bits_float(static_cast<std::uint32_t>(inside ? shift - 1 + 127 : 127) << 23);
     const std::int8_t* const source = bytes + row * stride + 32 * b;
@@ -1863,8 +1864,13 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
                     s.exponents.as<const std::int32_t>(), s.rows, s.padded_rows, s.blocks,
                     fraction_bits_of(operand.element), s.scales.as<std::uint32_t>(), s.slow_tiles.as<unsigned>());
   }
-  const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 &&
-                      wgmma_present() && s.rows > 0 && s.blocks > 0;
+#if defined(MXSCOPE_GPU_SIMULATE)
+  constexpr bool scaled_kernels = true;  // no wgmma here, but the forms are made for tests to check
+#else
+  const bool scaled_kernels = wgmma_present();
+#endif
+  const bool scaled = path == gemm_path::tensor_core && s.element == element_kind::fp4_e2m1 && scaled_kernels &&
+                      s.rows > 0 && s.blocks > 0;
   if (scaled) {
     // The bf16 form (rows of 64 k per tile), then the fp8 form (128 k) with its bases.
     const std::int64_t padded = (s.rows + scaled_row_pad - 1) / scaled_row_pad * scaled_row_pad;
@@ -1877,7 +1883,8 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
     const std::int64_t k_tiles = (s.blocks + fp8_tile_k_blocks - 1) / fp8_tile_k_blocks;
     s.fp8 = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * scaled_tile_bytes);
     s.fp8.fill_bytes(0);
-    s.fp8_bases = device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * 4 * sizeof(std::int32_t));
+    s.fp8_bases =
+        device_buffer(static_cast<std::size_t>(padded / scaled_tile_rows * k_tiles) * 4 * sizeof(std::int32_t));
     s.fp8_bases.fill_bytes(0);
     const std::int64_t tiles = (s.rows + scaled_tile_rows - 1) / scaled_tile_rows;
     runtime::launch(fp8_tile_bases_kernel, grid_for(tiles * s.blocks), threads_per_block, 0,
@@ -1897,6 +1904,24 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
     s.fp8_fits = flags[4] == 0;
   }
   return out;
+}
+
+scaled_operand_forms scaled_forms(const prepared_operand& operand) {
+  const auto& s = operand.data();
+  scaled_operand_forms forms;
+  if (s.scaled.bytes() == 0) return forms;
+  forms.made = true;
+  forms.bf16.resize(s.scaled.bytes() / sizeof(std::uint16_t));
+  s.scaled.download(forms.bf16.data(), s.scaled.bytes());
+  forms.fp8.resize(s.fp8.bytes());
+  s.fp8.download(forms.fp8.data(), s.fp8.bytes());
+  forms.fp8_bases.resize(s.fp8_bases.bytes() / sizeof(std::int32_t));
+  s.fp8_bases.download(forms.fp8_bases.data(), s.fp8_bases.bytes());
+  forms.lowest = s.scaled_lowest;
+  forms.highest = s.scaled_highest;
+  forms.nan_block = s.scaled_nan;
+  forms.fp8_fits = s.fp8_fits;
+  return forms;
 }
 
 // ================================================================================================
@@ -4322,9 +4347,9 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // every partial sum of a block's 32 is an integer multiple of 2^(k - 2) below 2^13 2^(k - 2), so
 // with -124 <= k <= 117 they are all normal fp32 numbers (or zero) whatever the order of the
 // additions; sm_90's bf16 tensor core aligns its 16-product steps 25 bits below the largest
-// exponent sum (docs/conformance.md), far below these sums' last bit. A block dot of zero may come out as -0; acc starts at +0 and can never become -0 (an
-// addition rounded to nearest gives -0 only from two negative zeros), so acc + (-0) = acc as
-// acc + 0 does.
+// exponent sum (docs/conformance.md), far below these sums' last bit. A block dot of zero may
+// come out as -0; acc starts at +0 and can never become -0 (an addition rounded to nearest gives
+// -0 only from two negative zeros), so acc + (-0) = acc as acc + 0 does.
 //
 // The fp8 form (Fp8 = true; prepare_fp8_kernel) halves the tensor core's time per block: A and B
 // hold q 2^(e - b) as e5m2 numbers with one base exponent b per 128-row tile and K-block, so one
@@ -4391,13 +4416,12 @@ __device__ inline void wgmma_e5m2_m64n64k32(float (&d)[32], std::uint64_t a_desc
 }
 
 __device__ inline void barrier_init(std::uint64_t* barrier, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))),
-               "r"(count)
-               : "memory");
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(barrier));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(address), "r"(count) : "memory");
 }
 __device__ inline void barrier_arrive(std::uint64_t* barrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier)))
-               : "memory");
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(barrier));
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(address) : "memory");
 }
 __device__ inline void barrier_expect_bytes(std::uint64_t* barrier, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
@@ -4466,8 +4490,10 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       int use = 0;
       for (int tile = static_cast<int>(blockIdx.x); tile < tile_count; tile += static_cast<int>(gridDim.x)) {
         const tile_origin origin = origin_of(tile);
-        const unsigned char* a_source = a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
-        const unsigned char* b_source = b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+        const unsigned char* a_source =
+            a + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
+        const unsigned char* b_source =
+            b + static_cast<std::int64_t>(origin.j0 / scaled_tile_rows) * chunks * scaled_tile_bytes;
         const std::int32_t* const a_base_source =
             Fp8 ? a_bases + static_cast<std::int64_t>(origin.i0 / scaled_tile_rows) * chunks * 4 : nullptr;
         const std::int32_t* const b_base_source =
@@ -4787,8 +4813,12 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
                             to_text(n) + " x " + to_text(a.depth) + ")");
         }
         tensor_core_kernel kernel = selected_tensor_core_kernel();
-        if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) kernel = tensor_core_kernel::wgmma_bf16;
-        if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) kernel = tensor_core_kernel::mma_sync;
+        if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) {
+          kernel = tensor_core_kernel::wgmma_bf16;
+        }
+        if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) {
+          kernel = tensor_core_kernel::mma_sync;
+        }
         last_run_tensor_core_kernel.store(kernel);
         if (kernel == tensor_core_kernel::wgmma_fp8 || kernel == tensor_core_kernel::wgmma_bf16) {
 #if !defined(MXSCOPE_GPU_SIMULATE)

@@ -28,6 +28,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -1636,6 +1637,169 @@ void gemm_tensor_core_tiles(bool small) {
   }
 }
 
+// The scaled kernels' operand forms (gpu::scaled_forms) against the same tiles built here from the
+// host quantizer's codes and scales: every element of both forms (padding included), every base
+// exponent, and the range flags. Runs wherever the forms are made: on the GPU with the scaled
+// kernels, and in the CPU simulation (so CI checks the layout, the e5m2 encoding and the bases).
+void gemm_scaled_forms(bool small) {
+  struct form_case {
+    std::int64_t rows, k;
+    int axis;
+    const char* pattern;
+    bool in_small_set;
+  };
+  const form_case cases[] = {{130, 200, 1, "banded", true},       {257, 100, 0, "window", true},
+                             {70, 330, 1, "extreme", true},       {129, 64, 1, "nonfinite", false},
+                             {3, 31, 0, "window outside", true},  {300, 450, 1, "window", false}};
+  // e5m2 code of each exactly representable value (the finite codes; +0 for zero).
+  std::map<double, std::uint8_t> e5m2_codes;
+  for (int c = 0; c < 256; ++c) {
+    const int biased = (c >> 2) & 31;
+    if (biased == 31 || c == 0x80) continue;
+    const double magnitude =
+        biased == 0 ? (c & 3) * std::ldexp(1.0, -16) : (1.0 + (c & 3) / 4.0) * std::ldexp(1.0, biased - 15);
+    e5m2_codes[(c & 0x80) != 0 ? -magnitude : magnitude] = static_cast<std::uint8_t>(c);
+  }
+  for (const form_case& c : cases) {
+    if (small && !c.in_small_set) continue;
+    const std::uint64_t seed = next_seed();
+    const std::string pattern = c.pattern;
+    const bool window = pattern.rfind("window", 0) == 0;
+    matrix x = test_inputs::make_matrix(c.rows, c.k,
+                                        pattern == "extreme"     ? value_kind::extreme
+                                        : pattern == "nonfinite" ? value_kind::nonfinite
+                                                                 : value_kind::banded,
+                                        seed);
+    if (window) {  // rows alternating between block exponents -20 and 8 (9 outside: 29 apart)
+      for (std::int64_t r = 0; r < x.rows; ++r) {
+        const int exponent = r % 2 == 0 ? -20 : (pattern == "window outside" ? 9 : 8);
+        for (std::int64_t q = 0; q < x.cols; ++q) {
+          x(r, q) = std::ldexp(q % 32 == 0 ? 6.0f : std::clamp(x(r, q), -5.9f, 5.9f), exponent);
+        }
+      }
+    }
+    matrix stored = x;
+    if (c.axis == 0) {
+      stored = matrix(x.cols, x.rows);
+      for (std::int64_t r = 0; r < x.rows; ++r) {
+        for (std::int64_t q = 0; q < x.cols; ++q) stored(q, r) = x(r, q);
+      }
+    }
+    const auto options = mx_options(0, 32, c.axis, core::rounding_mode::rne, core::scale_rule::floor, 32, seed + 1);
+    const auto quantized = host_reference::quantize_mx(stored, options);
+    const std::string name = "gemm scaled operand forms mxfp4 " + pattern + " rows " + std::to_string(c.rows) + " K " +
+                             std::to_string(c.k) + " axis " + std::to_string(c.axis);
+    run_case(name, [&]() -> std::string {
+      const device_operand operand = upload_operand(quantized);
+      const gpu::prepared_operand prepared = gpu::prepare_operand(operand.view, gpu::gemm_path::tensor_core);
+      const gpu::scaled_operand_forms forms = gpu::scaled_forms(prepared);
+      if (!forms.made) return "the forms were not made";
+      const host_reference::operand_reader reader(quantized);
+      const std::int64_t rows = reader.rows, depth = reader.depth, blocks = (depth + 31) / 32;
+      const std::int64_t tiles = (rows + 255) / 256 * 2, bf16_chunks = (blocks + 1) / 2, k_tiles = (blocks + 3) / 4;
+      std::vector<std::uint16_t> bf16(static_cast<std::size_t>(tiles * bf16_chunks * 8192), 0);
+      std::vector<std::uint8_t> fp8(static_cast<std::size_t>(tiles * k_tiles * 16384), 0);
+      std::vector<std::int32_t> bases(static_cast<std::size_t>(tiles * k_tiles * 4), 0);
+      int lowest = 1000, highest = -1000;
+      bool nan_block = false, fits = true;
+      // Per block: NaN, nonzero, exponent; per tile and K-block: the base.
+      const auto block_exponent = [&](std::int64_t row, std::int64_t b) {
+        return core::scale_exponent(reader.scale(row, 32 * b));
+      };
+      const auto block_nan = [&](std::int64_t row, std::int64_t b) {
+        return reader.scale(row, 32 * b) == core::scale_nan_code;
+      };
+      const auto block_nonzero = [&](std::int64_t row, std::int64_t b) {
+        for (std::int64_t k = 32 * b; k < std::min(depth, 32 * b + 32); ++k) {
+          if (core::decode(core::element_kind::fp4_e2m1, reader.code(row, k)) != 0.0) return true;
+        }
+        return false;
+      };
+      for (std::int64_t tile = 0; tile * 128 < rows; ++tile) {
+        for (std::int64_t b = 0; b < blocks; ++b) {
+          int lo = 1000, hi = -1000;
+          for (std::int64_t row = 128 * tile; row < std::min(rows, 128 * tile + 128); ++row) {
+            if (block_nan(row, b)) {
+              nan_block = true;
+              fits = false;
+            } else if (block_nonzero(row, b)) {
+              lo = std::min(lo, block_exponent(row, b));
+              hi = std::max(hi, block_exponent(row, b));
+            }
+          }
+          if (lo <= hi) {
+            fits = fits && hi - lo <= 28;
+            bases[static_cast<std::size_t>((tile * k_tiles + b / 4) * 4 + b % 4)] =
+                std::min(std::max(0, hi - 13), lo + 15);
+            lowest = std::min(lowest, lo);
+            highest = std::max(highest, hi);
+          }
+        }
+      }
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const std::int64_t tile = row / 128, r = row % 128;
+        for (std::int64_t k = 0; k < depth; ++k) {
+          const std::int64_t b = k / 32;
+          const double v = core::decode(core::element_kind::fp4_e2m1, reader.code(row, k));
+          if (block_nan(row, b) || v == 0.0) continue;
+          const int e = block_exponent(row, b);
+          if (e >= -125 && e <= 125) {
+            const float value = static_cast<float>(std::ldexp(v, e));
+            std::uint32_t bits;
+            std::memcpy(&bits, &value, 4);
+            const std::int64_t chunk = (k % 64) / 8;
+            const std::int64_t byte = (tile * bf16_chunks + k / 64) * 16384 + r * 128 + ((chunk ^ (r & 7)) << 4);
+            bf16[static_cast<std::size_t>(byte / 2 + k % 8)] = static_cast<std::uint16_t>(bits >> 16);
+          }
+          const int shift = e - bases[static_cast<std::size_t>((tile * k_tiles + b / 4) * 4 + b % 4)];
+          if (shift >= -15 && shift <= 13) {
+            const auto found = e5m2_codes.find(std::ldexp(v, shift));
+            if (found == e5m2_codes.end()) {
+              return "element (" + std::to_string(row) + ", " + std::to_string(k) + ") " +
+                     show(std::ldexp(v, shift)) + " is no e5m2 number";
+            }
+            const std::int64_t chunk = (k % 128) / 16;
+            const std::int64_t byte = (tile * k_tiles + k / 128) * 16384 + r * 128 + ((chunk ^ (r & 7)) << 4);
+            fp8[static_cast<std::size_t>(byte + k % 16)] = found->second;
+          }
+        }
+      }
+      const std::string where = ", seed " + hex64(seed);
+      if (forms.bf16.size() != bf16.size() || forms.fp8.size() != fp8.size() ||
+          forms.fp8_bases.size() != bases.size()) {
+        return "sizes differ: bf16 " + std::to_string(forms.bf16.size()) + " / " + std::to_string(bf16.size()) +
+               ", fp8 " + std::to_string(forms.fp8.size()) + " / " + std::to_string(fp8.size()) + ", bases " +
+               std::to_string(forms.fp8_bases.size()) + " / " + std::to_string(bases.size()) + where;
+      }
+      for (std::size_t i = 0; i < bf16.size(); ++i) {
+        if (forms.bf16[i] != bf16[i]) {
+          return "bf16 element " + std::to_string(i) + ": " + hex32(forms.bf16[i]) + ", expected " + hex32(bf16[i]) +
+                 where;
+        }
+      }
+      for (std::size_t i = 0; i < bases.size(); ++i) {
+        if (forms.fp8_bases[i] != bases[i]) {
+          return "base " + std::to_string(i) + ": " + std::to_string(forms.fp8_bases[i]) + ", expected " +
+                 std::to_string(bases[i]) + where;
+        }
+      }
+      for (std::size_t i = 0; i < fp8.size(); ++i) {
+        if (forms.fp8[i] != fp8[i]) {
+          return "fp8 byte " + std::to_string(i) + ": " + hex32(forms.fp8[i]) + ", expected " + hex32(fp8[i]) + where;
+        }
+      }
+      if (forms.lowest != lowest || forms.highest != highest || forms.nan_block != nan_block ||
+          forms.fp8_fits != fits) {
+        return "flags: lowest " + std::to_string(forms.lowest) + " / " + std::to_string(lowest) + ", highest " +
+               std::to_string(forms.highest) + " / " + std::to_string(highest) + ", NaN block " +
+               std::to_string(forms.nan_block) + " / " + std::to_string(nan_block) + ", fp8 fits " +
+               std::to_string(forms.fp8_fits) + " / " + std::to_string(fits) + where;
+      }
+      return "";
+    });
+  }
+}
+
 // 2048 x 2048 x 4096 wgrad (dy and x quantized along K on the GPU, checked against the host
 // quantizer in full), then the products: tensor-core and integer paths equal in every entry, and
 // sampled entries equal to the host definition.
@@ -2513,6 +2677,9 @@ int main(int argc, char** argv) {
   timed("gemm sweep", [&] { gemm_sweep(small); });
   timed("gemm edges", [&] { gemm_edges(small); });
   timed("gemm tensor-core tiles", [&] { gemm_tensor_core_tiles(small); });
+  if (simulated || gpu::tensor_core_kernel_available(gpu::tensor_core_kernel::wgmma_fp8)) {
+    timed("gemm scaled operand forms", [&] { gemm_scaled_forms(small); });
+  }
   timed("gemm integer tiles", [&] { gemm_integer_tiles(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
   timed("per-tensor scales", [&] { tensor_scale_checks(small); });
