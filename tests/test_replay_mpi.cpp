@@ -64,9 +64,13 @@ pid_t start_mpirun(int ranks, const std::vector<std::string>& replay_arguments, 
   std::vector<std::string> arguments = {find_mpirun(), "-np", std::to_string(ranks), "--oversubscribe",
                                         MXSCOPE_CLI_PATH, "replay"};
   arguments.insert(arguments.end(), replay_arguments.begin(), replay_arguments.end());
-  // Test machines and containers often run as root, which OpenMPI refuses unless told.
+  // Test machines and containers often run as root, which OpenMPI refuses unless told. When a rank
+  // dies, mpirun gives the others one second between SIGTERM and SIGKILL by default, which a loaded
+  // 2-core machine can spend before the surviving rank has written its report (docs/scaling.md).
   return mxscope::testing::spawn_logged(arguments, log,
-                                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+                                        {{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                         {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                                         {"OMPI_MCA_odls_base_sigkill_timeout", "10"}});
 }
 
 int run_mpirun(int ranks, const std::vector<std::string>& replay_arguments, const fs::path& log) {
