@@ -236,6 +236,8 @@ struct mx_operand_view {
 //   accumulator per 32-block) then the canonical fp32 scale-add (fp32-block) or an fp64 running
 //   sum checked by TwoSum at every addition, with a long-accumulator pass over the entries where
 //   one rounded (exact); block 32, fp4 / fp6 e2m3 / int8 elements on both sides, sm_80 or newer;
+//   for MXFP4 x MXFP4 fp32-block on sm_90 (sm_90a build) the scaled wgmma kernels instead, whose
+//   bf16 or e5m2 operands carry the block scales (tensor_core_kernel below);
 // - native_mfma: gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4), one fp32 rounding per
 //   128-k instruction; MXFP4 x MXFP4, block 32, and only the fp32-group:4 model, which that
 //   instruction implements by hypothesis (unverified until measured on an MI355X: docs/gpu.md);
