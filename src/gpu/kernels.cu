@@ -1485,6 +1485,11 @@ __global__ void prepare_tensor_core_scales_kernel(const std::int32_t* exponents,
   }
 }
 
+// The 128-byte swizzle of the wgmma matrix descriptors, for rows of 128 bytes: 16-byte chunk c of
+// row r sits at chunk c ^ (r mod 8). swizzled_chunk is its byte offset within the row.
+__device__ inline int swizzled_chunk(int row, int chunk) { return (chunk ^ (row & 7)) << 4; }
+__device__ inline int swizzled_offset(int row, int chunk) { return row * 128 + swizzled_chunk(row, chunk); }
+
 // The operands of the scaled kernel (tensor_core_scaled_kernel; MXFP4 only): element (row, k) as
 // the bf16 number q 2^e, i.e. the prepared byte 2q times 2^(e - 1). That is exact and normal for
 // every nonzero element when -125 <= e <= 125 (|2q| <= 12 has at most two significant bits);
@@ -1530,7 +1535,7 @@ __global__ void prepare_scaled_kernel(const std::int8_t* bytes, const std::int32
         words[w] = pair;
       }
       const int chunk = static_cast<int>(4 * (b % 2)) + q;
-      *reinterpret_cast<uint4*>(tile_row + ((chunk ^ static_cast<int>(r & 7)) << 4)) =
+      *reinterpret_cast<uint4*>(tile_row + swizzled_chunk(static_cast<int>(r), chunk)) =
           make_uint4(words[0], words[1], words[2], words[3]);
     }
     if (e == nan_block_exponent) {
@@ -1630,7 +1635,7 @@ __global__ void prepare_fp8_kernel(const std::int8_t* bytes, const std::int32_t*
         words[w] = word;
       }
       const int chunk = static_cast<int>(2 * (b % fp8_tile_k_blocks)) + q;
-      *reinterpret_cast<uint4*>(tile_row + ((chunk ^ static_cast<int>(r & 7)) << 4)) =
+      *reinterpret_cast<uint4*>(tile_row + swizzled_chunk(static_cast<int>(r), chunk)) =
           make_uint4(words[0], words[1], words[2], words[3]);
     }
   }
@@ -4128,7 +4133,6 @@ __global__ void wgmma_probe_kernel(int* out) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ inline int tcw_swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 // The shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
 // leading byte offset unused (1), stride byte offset 1024 (8 rows of 128 bytes), swizzle mode 1.
@@ -4192,9 +4196,9 @@ __global__ void __launch_bounds__(tcw_threads, 1)
       const int chunk = q % 8;
       const bool inside = 4 * s + chunk / 2 < block_count;
       const std::int64_t column = inside ? 128 * static_cast<std::int64_t>(s) + 16 * chunk : 0;
-      copy_async_16(stage.a + tcw_swizzled(row, chunk),
+      copy_async_16(stage.a + swizzled_offset(row, chunk),
                     a + std::min<std::int64_t>(i0 + row, m - 1) * stride + column, inside);
-      copy_async_16(stage.b + tcw_swizzled(row, chunk),
+      copy_async_16(stage.b + swizzled_offset(row, chunk),
                     b + std::min<std::int64_t>(j0 + row, n - 1) * stride + column, inside);
     }
     {
