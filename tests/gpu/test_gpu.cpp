@@ -1417,6 +1417,24 @@ void for_each_tensor_core_kernel(Body&& body) {
   gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
 }
 
+// A 32-element block of an operand (canonical row, K-block b) as the scaled kernels' conditions see
+// it: a NaN block, one holding a nonzero element, and its exponent.
+struct block_facts {
+  bool nan = false;
+  bool nonzero = false;
+  int exponent = 0;
+};
+block_facts facts_of(const host_reference::operand_reader& x, std::int64_t row, std::int64_t b) {
+  block_facts facts;
+  const std::uint8_t code = x.scale(row, 32 * b);
+  facts.nan = code == core::scale_nan_code;
+  facts.exponent = facts.nan ? 0 : core::scale_exponent(code);
+  for (std::int64_t k = 32 * b; k < std::min<std::int64_t>(32 * b + 32, x.depth); ++k) {
+    facts.nonzero = facts.nonzero || core::decode(x.q->options.format.element, x.code(row, k)) != 0.0;
+  }
+  return facts;
+}
+
 // Whether the wgmma_bf16 kernel should run a product of these operands (include/mxscope/gpu.hpp),
 // from the host quantizer's codes and scales: MXFP4 on both sides, no NaN block, and over the
 // blocks with a nonzero element, exponents in [-125, 125] whose lowest add up to at least -124 and
@@ -1434,19 +1452,12 @@ bool scaled_kernel_expected(const mxscope::quantized_tensor& qa, const mxscope::
     const host_reference::operand_reader x(q);
     span out;
     for (std::int64_t row = 0; row < x.rows; ++row) {
-      for (std::int64_t k0 = 0; k0 < x.depth; k0 += 32) {
-        const std::uint8_t code = x.scale(row, k0);
-        if (code == core::scale_nan_code) {
-          out.nan = true;
-          continue;
-        }
-        bool nonzero = false;
-        for (std::int64_t k = k0; k < std::min<std::int64_t>(k0 + 32, x.depth); ++k) {
-          nonzero = nonzero || core::decode(q.options.format.element, x.code(row, k)) != 0.0;
-        }
-        if (!nonzero) continue;
-        out.lowest = std::min(out.lowest, core::scale_exponent(code));
-        out.highest = std::max(out.highest, core::scale_exponent(code));
+      for (std::int64_t b = 0; 32 * b < x.depth; ++b) {
+        const block_facts block = facts_of(x, row, b);
+        out.nan = out.nan || block.nan;
+        if (block.nan || !block.nonzero) continue;
+        out.lowest = std::min(out.lowest, block.exponent);
+        out.highest = std::max(out.highest, block.exponent);
       }
     }
     return out;
@@ -1465,16 +1476,13 @@ bool scaled_kernel_expected(const mxscope::quantized_tensor& qa, const mxscope::
 bool tiles_within_fp8_window(const mxscope::quantized_tensor& q) {
   const host_reference::operand_reader x(q);
   for (std::int64_t tile = 0; tile < x.rows; tile += 128) {
-    for (std::int64_t k0 = 0; k0 < x.depth; k0 += 32) {
+    for (std::int64_t b = 0; 32 * b < x.depth; ++b) {
       int lowest = 1000, highest = -1000;
       for (std::int64_t row = tile; row < std::min<std::int64_t>(tile + 128, x.rows); ++row) {
-        bool nonzero = false;
-        for (std::int64_t k = k0; k < std::min<std::int64_t>(k0 + 32, x.depth); ++k) {
-          nonzero = nonzero || core::decode(q.options.format.element, x.code(row, k)) != 0.0;
-        }
-        if (!nonzero || x.scale(row, k0) == core::scale_nan_code) continue;
-        lowest = std::min(lowest, core::scale_exponent(x.scale(row, k0)));
-        highest = std::max(highest, core::scale_exponent(x.scale(row, k0)));
+        const block_facts block = facts_of(x, row, b);
+        if (block.nan || !block.nonzero) continue;
+        lowest = std::min(lowest, block.exponent);
+        highest = std::max(highest, block.exponent);
       }
       if (highest - lowest > 28) return false;
     }
@@ -1702,29 +1710,18 @@ void gemm_scaled_forms(bool small) {
       std::vector<std::int32_t> bases(static_cast<std::size_t>(tiles * k_tiles * 4), 0);
       int lowest = 1000, highest = -1000;
       bool nan_block = false, fits = true;
-      // Per block: NaN, nonzero, exponent; per tile and K-block: the base.
-      const auto block_exponent = [&](std::int64_t row, std::int64_t b) {
-        return core::scale_exponent(reader.scale(row, 32 * b));
-      };
-      const auto block_nan = [&](std::int64_t row, std::int64_t b) {
-        return reader.scale(row, 32 * b) == core::scale_nan_code;
-      };
-      const auto block_nonzero = [&](std::int64_t row, std::int64_t b) {
-        for (std::int64_t k = 32 * b; k < std::min(depth, 32 * b + 32); ++k) {
-          if (core::decode(core::element_kind::fp4_e2m1, reader.code(row, k)) != 0.0) return true;
-        }
-        return false;
-      };
+      // Per tile and K-block: the base.
       for (std::int64_t tile = 0; tile * 128 < rows; ++tile) {
         for (std::int64_t b = 0; b < blocks; ++b) {
           int lo = 1000, hi = -1000;
           for (std::int64_t row = 128 * tile; row < std::min(rows, 128 * tile + 128); ++row) {
-            if (block_nan(row, b)) {
+            const block_facts block = facts_of(reader, row, b);
+            if (block.nan) {
               nan_block = true;
               fits = false;
-            } else if (block_nonzero(row, b)) {
-              lo = std::min(lo, block_exponent(row, b));
-              hi = std::max(hi, block_exponent(row, b));
+            } else if (block.nonzero) {
+              lo = std::min(lo, block.exponent);
+              hi = std::max(hi, block.exponent);
             }
           }
           if (lo <= hi) {
@@ -1741,8 +1738,9 @@ void gemm_scaled_forms(bool small) {
         for (std::int64_t k = 0; k < depth; ++k) {
           const std::int64_t b = k / 32;
           const double v = core::decode(core::element_kind::fp4_e2m1, reader.code(row, k));
-          if (block_nan(row, b) || v == 0.0) continue;
-          const int e = block_exponent(row, b);
+          const std::uint8_t scale = reader.scale(row, k);
+          if (scale == core::scale_nan_code || v == 0.0) continue;
+          const int e = core::scale_exponent(scale);
           if (e >= -125 && e <= 125) {
             const float value = static_cast<float>(std::ldexp(v, e));
             std::uint32_t bits;
