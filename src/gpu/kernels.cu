@@ -797,6 +797,24 @@ __device__ inline std::uint32_t nibble_signs(const float* v) {
   return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
 }
 
+// nibble_signs of the 8 bf16 elements of a piece as read (element 2 w in the low half of word w,
+// its sign at bit 15; element 2 w + 1 in the high half, sign at bit 31): byte 1 of each word in
+// place of the even elements' byte 3.
+__device__ inline std::uint32_t nibble_signs_bf16(const uint4& piece) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  const std::uint32_t even =
+      __byte_perm(__byte_perm(piece.x, piece.y, 0x0051U), __byte_perm(piece.z, piece.w, 0x0051U), 0x5410U);
+  const std::uint32_t odd =
+      __byte_perm(__byte_perm(piece.x, piece.y, 0x0073U), __byte_perm(piece.z, piece.w, 0x0073U), 0x5410U);
+#else
+  const auto low = [](std::uint32_t x) { return (x >> 8) & 0xFFU; };
+  const auto high = [](std::uint32_t x) { return x >> 24; };
+  const std::uint32_t even = low(piece.x) | low(piece.y) << 8 | low(piece.z) << 16 | low(piece.w) << 24;
+  const std::uint32_t odd = high(piece.x) | high(piece.y) << 8 | high(piece.z) << 16 | high(piece.w) << 24;
+#endif
+  return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
+}
+
 // Zero magnitudes among the 8 fp4 codes of a word (bit 3 of each nibble is the sign): one flag per
 // nibble, summed into the top nibble by the multiplication (partial sums stay below 16: no carries).
 __device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
@@ -967,30 +985,47 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
       std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
       if constexpr (Encoder == fused_encoder::fp4_stochastic && Summed) {
-        // Per element on the multiply-add pipe (multiply_add_low/high): the code sum >> 22 as the
-        // high word of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the
-        // sum is undecided (low 22 bits all ones), into the least of the block's; and the saturation
-        // count as the sign bit of bits(six) - bits(|v|) (nonnegative floats order as their bits),
-        // the high word of twice it.
+        // Per element, as multiply-adds (multiply_add_low/high): the code sum >> 22 as the high word
+        // of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the sum is
+        // undecided (low 22 bits all ones), into the least of the block's; and the saturation count
+        // as the sign bit of six - |v| (an fp32 subtraction, so |v| stays an operand modifier:
+        // negative exactly when |v| > six, +0 at six), the high word of twice its bits.
+        // For bf16 without rotation, a block whose least magnitude is at least 2^(e - 16) needs no
+        // undecided check: there every element below one is m 2^(k - 7) with k >= e - 16, so
+        // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides
+        // (fast_encode::fp4_stochastic_sum); from one on F 2^22 is an integer anyway. A block with a
+        // zero takes the check (its least magnitude is 0). ptxas turns the multiply-adds by constant
+        // powers of two into LEA / LEA.HI (integer pipe); keeping them on IMAD (constants it cannot
+        // see) was measured slower: the multiply-add pipe's IMAD.WIDE (Philox) fill it first.
         const float half = fast_encode::fp4_stochastic_half(grid);
-        const std::uint32_t six_bits = core_ns::float_bits(grid.six);
         std::uint32_t margin = 0xffffffffU;
         std::uint32_t saturated = 0;
+        const auto encode_all = [&](auto checked) {
 #pragma unroll
-        for (int q = 0; q < fused_block / 4; ++q) {
-          const core_ns::philox_block random =
-              plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+          for (int q = 0; q < fused_block / 4; ++q) {
+            const core_ns::philox_block random =
+                plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const int i = 4 * q + w;
-            const float magnitude = fabsf(v[i]);
-            const std::uint32_t sum = fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), random.word[w], half);
-            const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
-            margin = distance < margin ? distance : margin;
-            words[i / 8] = multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
-            saturated =
-                multiply_add_high(multiply_add_low(core_ns::float_bits(magnitude), 0xffffffffU, six_bits), 2U, saturated);
+            for (int w = 0; w < 4; ++w) {
+              const int i = 4 * q + w;
+              const float magnitude = fabsf(v[i]);
+              const std::uint32_t sum =
+                  fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), random.word[w], half);
+              if constexpr (decltype(checked)::value) {
+                const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
+                margin = distance < margin ? distance : margin;
+              }
+              words[i / 8] =
+                  multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
+              saturated = multiply_add_high(core_ns::float_bits(grid.six - magnitude), 2U, saturated);
+            }
           }
+        };
+        if (Rotation == 0 && sizeof(Input) == 2 &&
+            smallest >= core_ns::float_bits(fast_encode::power_of_two(exponent - 16))) {
+          encode_all(std::false_type{});
+        } else {
+          encode_all(std::true_type{});
         }
         if (margin == 0) {  // take back what this block counted
           counts[counter_nonzero] -= nonzero;
@@ -1024,7 +1059,13 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
       for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
 #pragma unroll
-      for (int j = 0; j < fused_block / 8; ++j) words[j] |= nibble_signs(v + 8 * j);
+      for (int j = 0; j < fused_block / 8; ++j) {
+        if constexpr (Rotation == 0 && sizeof(Input) == 2) {
+          words[j] |= nibble_signs_bf16(mine[j]);
+        } else {
+          words[j] |= nibble_signs(v + 8 * j);
+        }
+      }
     } else if constexpr (fp4) {
       const float inverse = fast_encode::power_of_two(-(exponent + folded));
 #pragma unroll

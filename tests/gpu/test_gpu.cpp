@@ -751,6 +751,64 @@ void quantize_fused(bool small) {
                return check_quantize(input, false, options, none, gpu::quantize_path::fused);
              });
   }
+  // The same on bf16 input, where a block whose least magnitude is at least 2^(e - 16) skips the
+  // undecided check (encode_fused_block). Blocks of exponent 0 (4.0 first, 7.0 second), the other
+  // elements random bf16 in [2^-16, 4), and where an element's Philox word w allows (W = w >> 10):
+  //   A: W = 2^22 - 1 - 2^15 t (t < 128): 0.5 + t / 256 (F 2^22 = 2^15 t fills the sum's low bits);
+  //   B: W = 2^22 - 1 - m (128 <= m < 256): m 2^-23, at 2^-16 and above;
+  //   C: W = 2^22 - 1 - u (64 <= u < 128): (2 u + 1) 2^-24, below 2^-16: F 2^32 = (2 u + 1) 2^9,
+  //      so (w & 1023) >= 512 rounds it up, which the sum's carry cannot see.
+  // A and B sit in blocks that skip the check and must round down; a C block must take the check.
+  // The seed is advanced until each kind occurs (and C both ways).
+  {
+    ++index;
+    std::uint64_t seed = next_seed();
+    const std::int64_t rows = 96, cols = 32 * 128;
+    for (int attempt = 0;; ++attempt, ++seed) {
+      auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+      matrix input(rows, cols);
+      std::uint64_t state = seed + 3;
+      int a_kind = 0, b_kind = 0, c_up = 0, c_down = 0;
+      for (std::int64_t n = 0; n < input.size(); ++n) {
+        float& v = input.values[static_cast<std::size_t>(n)];
+        const std::uint64_t r = split_mix(state);
+        const float sign = (r & 1) != 0 ? -1.0f : 1.0f;
+        if (n % 32 < 2) {
+          v = sign * (n % 32 == 0 ? 4.0f : 7.0f);
+          continue;
+        }
+        const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(n));
+        const std::uint32_t rest = 0x3fffffU - (word >> 10);
+        if (rest % 0x8000U == 0) {
+          v = 0.5f + static_cast<float>(rest >> 15) / 256.0f;
+          ++a_kind;
+        } else if (rest >= 128 && rest < 256) {
+          v = std::ldexp(static_cast<float>(rest), -23);
+          ++b_kind;
+        } else if (rest >= 64 && rest < 128) {
+          v = std::ldexp(static_cast<float>(2 * rest + 1), -24);
+          ((word & 0x3ffU) >= 0x200U ? c_up : c_down) += 1;
+        } else {  // 2^(k - 7) (128 + f), -16 <= k <= 1
+          const int k = -16 + static_cast<int>((r >> 1) % 18);
+          v = std::ldexp(static_cast<float>(128 + ((r >> 8) & 0x7f)), k - 7);
+        }
+        v *= sign;
+      }
+      if (a_kind < 2 || b_kind < 2 || c_up < 1 || c_down < 1) {
+        if (attempt < 64) continue;
+        run_case("quantize fused mxfp4 sr undecided sums bf16", [&] {
+          return std::string("no seed gave every kind of element in 64 attempts");
+        });
+        break;
+      }
+      mxscope::rotation_options none;
+      run_case("quantize fused mxfp4 sr undecided sums bf16 " + std::to_string(rows) + "x" + std::to_string(cols) +
+                   " (" + std::to_string(a_kind) + " + " + std::to_string(b_kind) + " carry-decided, " +
+                   std::to_string(c_up) + " up and " + std::to_string(c_down) + " down below 2^(e - 16))",
+               [&] { return check_quantize(input, true, options, none, gpu::quantize_path::fused); });
+      break;
+    }
+  }
   // Several tiles: the fused kernel takes 256 MX blocks per thread block; 37 x 1824 has 2109 blocks,
   // 8 full tiles and a partial one. mxfp4 (its own encoders) and mxfp8, rne and sr.
   for (const int format : {0, 3}) {
