@@ -353,6 +353,37 @@ MXSCOPE_HD constexpr bool fp4_stochastic_sum_undecided(std::uint32_t sum) { retu
 // h = 2^(e - 1) for the block's one = 2^e.
 MXSCOPE_HD constexpr float fp4_stochastic_half(fp4_unscaled block) { return core::bits_float(block.one - 0x800000U); }
 
+// The saturation flag of one magnitude as an fp32 number, 1.0 where |v| > six and 0.0 elsewhere,
+// from one fma with saturation to [0, 1]: with six = 6 2^e, two fp32 numbers above and at six
+// differ by at least six's spacing 2^(e - 21), so (|v| - six) 2^(21 - e), formed exactly by the fma
+// before its one rounding, is at least 1 where |v| > six and at most 0 elsewhere, and the clamp
+// leaves exactly 1 or 0. The flags add up exactly in fp32. The fused kernel counts saturations this
+// way on the fp32 pipes instead of the integer one; the scale 2^(21 - e) is a normal number for
+// fp4_saturation_flag_covers(e).
+MXSCOPE_HD constexpr bool fp4_saturation_flag_covers(int exponent) { return exponent >= -105 && exponent <= 102; }
+
+struct fp4_saturation_flag {
+  float scale;   // 2^(21 - e)
+  float offset;  // -six 2^(21 - e) = -6 2^21
+};
+
+MXSCOPE_HD constexpr fp4_saturation_flag fp4_saturation_flag_constants(int exponent) {
+  return {power_of_two(21 - exponent), -12582912.0f};
+}
+
+MXSCOPE_HD constexpr float fp4_saturated(float magnitude, fp4_saturation_flag flag) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  if (!__builtin_is_constant_evaluated()) {
+    float out = 0.0f;
+    asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(out) : "f"(magnitude), "f"(flag.scale), "f"(flag.offset));
+    return out;
+  }
+#endif
+  // The sign of the exact (|v| - six) 2^(21 - e) decides; the products and the sum are exact here.
+  const double exact = static_cast<double>(magnitude) * static_cast<double>(flag.scale) + flag.offset;
+  return exact >= 1.0 ? 1.0f : exact <= 0.0 ? 0.0f : static_cast<float>(exact);
+}
+
 // The offsets of 8 codes (sum >> 22) packed at nibbles 0..7: -(bits(h) >> 22) * 0x11111111, modulo 2^32.
 MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_sum_word_offset(fp4_unscaled block) {
   return (0U - (core::float_bits(fp4_stochastic_half(block)) >> 22)) * 0x11111111U;

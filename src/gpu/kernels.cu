@@ -844,7 +844,8 @@ constexpr int fused_blocks_per_multiprocessor =
 
 // One MX block g of the fused kernel, read from `input` and written to `output`, its counts added
 // to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_sum, and a block
-// where one of its sums is undecided (about one block in 2^17 with random words) returns false with
+// where one of its sums is undecided (about one block in 2^17 with random words), or whose grid
+// exponent is below the fp32 saturation flags' range (values under 2^-102), returns false with
 // no codes or flags written and its counts taken back; the kernel then encodes it again through
 // fused_block_again (fp4_stochastic_unscaled), a call of its own, so that the rare path's registers
 // do not weigh on the hot loop's.
@@ -987,9 +988,10 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       if constexpr (Encoder == fused_encoder::fp4_stochastic && Summed) {
         // Per element, as multiply-adds (multiply_add_low/high): the code sum >> 22 as the high word
         // of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the sum is
-        // undecided (low 22 bits all ones), into the least of the block's; and the saturation count
-        // as the sign bit of six - |v| (an fp32 subtraction, so |v| stays an operand modifier:
-        // negative exactly when |v| > six, +0 at six), the high word of twice its bits.
+        // undecided (low 22 bits all ones), into the least of the block's. The saturation count
+        // adds fp32 flags (fast_encode::fp4_saturated: one fma on the fp32 pipes, |v| an operand
+        // modifier); blocks of a grid exponent below -105 (values under 2^-102) go to
+        // fused_block_again instead, as undecided blocks do.
         // For bf16 without rotation, a block whose least magnitude is at least 2^(e - 16) needs no
         // undecided check: there every element below one is m 2^(k - 7) with k >= e - 16, so
         // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides
@@ -997,9 +999,14 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         // zero takes the check (its least magnitude is 0). ptxas turns the multiply-adds by constant
         // powers of two into LEA / LEA.HI (integer pipe); keeping them on IMAD (constants it cannot
         // see) was measured slower: the multiply-add pipe's IMAD.WIDE (Philox) fill it first.
+        if (!fast_encode::fp4_saturation_flag_covers(exponent + folded)) {
+          counts[counter_nonzero] -= nonzero;
+          return false;
+        }
+        const fast_encode::fp4_saturation_flag flag = fast_encode::fp4_saturation_flag_constants(exponent + folded);
         const float half = fast_encode::fp4_stochastic_half(grid);
         std::uint32_t margin = 0xffffffffU;
-        std::uint32_t saturated = 0;
+        float saturated = 0.0f;
         const auto encode_all = [&](auto checked) {
 #pragma unroll
           for (int q = 0; q < fused_block / 4; ++q) {
@@ -1017,7 +1024,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
               }
               words[i / 8] =
                   multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
-              saturated = multiply_add_high(core_ns::float_bits(grid.six - magnitude), 2U, saturated);
+              saturated += fast_encode::fp4_saturated(magnitude, flag);
             }
           }
         };
@@ -1031,7 +1038,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
           counts[counter_nonzero] -= nonzero;
           return false;
         }
-        counts[counter_saturated] += saturated;
+        counts[counter_saturated] += static_cast<unsigned>(saturated);
         word_offset = fast_encode::fp4_stochastic_sum_word_offset(grid);
       } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
 #pragma unroll

@@ -809,6 +809,34 @@ void quantize_fused(bool small) {
       break;
     }
   }
+  // sr blocks on both sides of the fp32 saturation flags' range (grid exponent -105: below it the
+  // kernel encodes the block through fused_block_again): block b of a row holds values of about
+  // 2^(-98 - b), one of them 7/4 of the block's largest power of two (saturated without rotation),
+  // one six 2^e and one an fp32 step above it (saturated in fp32), bf16 and fp32 input, without rotation and with H16 (whose grid exponent is the block's + 2).
+  for (const int rotation_size : {0, 16}) {
+    for (const bool bf16 : {true, false}) {
+      ++index;
+      const std::uint64_t seed = next_seed();
+      const std::int64_t rows = 4, cols = 32 * 16;
+      matrix input(rows, cols);
+      std::uint64_t state = seed + 3;
+      for (std::int64_t n = 0; n < input.size(); ++n) {
+        const int top = -98 - static_cast<int>((n % cols) / 32);
+        const std::uint64_t r = split_mix(state);
+        float v = std::ldexp(static_cast<float>(128 + (r & 0x7f)) / 128.0f, -static_cast<int>((r >> 8) % 12));
+        if (n % 32 == 0) v = 7.0f;
+        if (n % 32 == 1) v = 6.0f;                        // six itself: not saturated
+        if (n % 32 == 2) v = std::nextafter(6.0f, 7.0f);  // one fp32 step above (bf16 rounds it to six)
+        input.values[static_cast<std::size_t>(n)] = std::ldexp(v, top) * ((r >> 20) % 2 != 0 ? -1.0f : 1.0f);
+      }
+      const auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+      mxscope::rotation_options rotation;
+      rotation.size = rotation_size;
+      run_case("quantize fused mxfp4 sr saturation flags' exponent edge H" + std::to_string(rotation_size) +
+                   (bf16 ? " bf16" : " fp32"),
+               [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::fused); });
+    }
+  }
   // Several tiles: the fused kernel takes 256 MX blocks per thread block; 37 x 1824 has 2109 blocks,
   // 8 full tiles and a partial one. mxfp4 (its own encoders) and mxfp8, rne and sr.
   for (const int format : {0, 3}) {
