@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -427,6 +428,41 @@ TEST(GpuHostReference, HalfwordFp4EncoderMatchesCore) {
     }
   }
   EXPECT_GT(checked, 3000000);
+}
+
+// fast_encode::fp4_saturated against the core's saturation flag (a magnitude above the largest
+// element 6 2^e) for every exponent it covers, on six itself, the fp32 numbers on either side of
+// it, zero, the smallest subnormal and random magnitudes below 2^(e + 3); also the flags' sums.
+TEST(GpuHostReference, Fp4SaturationFlagMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  constexpr auto kind = core::element_kind::fp4_e2m1;
+  EXPECT_FALSE(fast::fp4_saturation_flag_covers(-106));
+  EXPECT_FALSE(fast::fp4_saturation_flag_covers(103));
+  std::mt19937_64 random(20261130);
+  std::int64_t checked = 0;
+  for (int exponent = -105; exponent <= 102; ++exponent) {
+    ASSERT_TRUE(fast::fp4_saturation_flag_covers(exponent));
+    const fast::fp4_saturation_flag flag = fast::fp4_saturation_flag_constants(exponent);
+    const float six = std::ldexp(6.0f, exponent);
+    std::vector<float> magnitudes = {six, std::nextafter(six, 0.0f), std::nextafter(six, 1e38f), 0.0f,
+                                     std::numeric_limits<float>::denorm_min(), std::ldexp(7.99f, exponent)};
+    for (int k = 0; k < 64; ++k) {
+      const float fraction = static_cast<float>(random() % (1U << 24)) / 16777216.0f;
+      magnitudes.push_back(std::ldexp(fraction, exponent + 3));
+    }
+    float sum = 0.0f;
+    int count = 0;
+    for (const float magnitude : magnitudes) {
+      const bool want = core::quantize_element(kind, magnitude, exponent, core::rounding_mode::rne, 0, 32).saturated;
+      const float got = fast::fp4_saturated(magnitude, flag);
+      ++checked;
+      ASSERT_EQ(got, want ? 1.0f : 0.0f) << "exponent " << exponent << " magnitude " << magnitude;
+      sum += got;
+      count += want ? 1 : 0;
+    }
+    EXPECT_EQ(static_cast<int>(sum), count);
+  }
+  EXPECT_GT(checked, 10000);
 }
 
 TEST(GpuHostReference, RotationMatchesLibrary) {
