@@ -842,6 +842,22 @@ constexpr int fused_blocks_per_multiprocessor =
     : Rotation == 0 && sizeof(Input) == 2                             ? 4
                                                                       : 3;
 
+// Calls f(i, word) for the elements i = 0 .. 31 of MX block g in order, where element 4 q + w draws
+// word w of Philox block 8 g + q of the plan's stream (NUMERICS.md section 4): the sr encoders' walk.
+// (The scaled encoders' loops, which draw only for some rounding modes, keep their own form: through
+// this helper ptxas scheduled them differently, and those are the measured kernels.)
+template <class F>
+__device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_plan& plan,
+                                                     const core_ns::philox_keys& keys, F&& f) {
+#pragma unroll
+  for (int q = 0; q < fused_block / 4; ++q) {
+    const core_ns::philox_block random =
+        plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) f(4 * q + w, random.word[w]);
+  }
+}
+
 // One MX block g of the fused kernel, read from `input` and written to `output`, its counts added
 // to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_sum, and a block
 // where one of its sums is undecided (about one block in 2^17 with random words), or whose grid
@@ -1008,25 +1024,16 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         std::uint32_t margin = 0xffffffffU;
         float saturated = 0.0f;
         const auto encode_all = [&](auto checked) {
-#pragma unroll
-          for (int q = 0; q < fused_block / 4; ++q) {
-            const core_ns::philox_block random =
-                plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-              const int i = 4 * q + w;
-              const float magnitude = fabsf(v[i]);
-              const std::uint32_t sum =
-                  fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), random.word[w], half);
-              if constexpr (decltype(checked)::value) {
-                const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
-                margin = distance < margin ? distance : margin;
-              }
-              words[i / 8] =
-                  multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
-              saturated += fast_encode::fp4_saturated(magnitude, flag);
+          for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
+            const float magnitude = fabsf(v[i]);
+            const std::uint32_t sum = fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), word, half);
+            if constexpr (decltype(checked)::value) {
+              const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
+              margin = distance < margin ? distance : margin;
             }
-          }
+            words[i / 8] = multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
+            saturated += fast_encode::fp4_saturated(magnitude, flag);
+          });
         };
         if (Rotation == 0 && sizeof(Input) == 2 &&
             smallest >= core_ns::float_bits(fast_encode::power_of_two(exponent - 16))) {
@@ -1041,19 +1048,12 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         counts[counter_saturated] += static_cast<unsigned>(saturated);
         word_offset = fast_encode::fp4_stochastic_sum_word_offset(grid);
       } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
-#pragma unroll
-        for (int q = 0; q < fused_block / 4; ++q) {
-          const core_ns::philox_block random =
-              plan.stream.block(static_cast<std::uint64_t>(g) * (fused_block / 4) + q, keys);
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const int i = 4 * q + w;
-            const float magnitude = fabsf(v[i]);
-            words[i / 8] += fast_encode::fp4_stochastic_unscaled_biased(fminf(magnitude, grid.six), random.word[w], grid)
-                            << (4 * (i % 8));
-            count_above(counts[counter_saturated], magnitude, grid.six);
-          }
-        }
+        for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
+          const float magnitude = fabsf(v[i]);
+          words[i / 8] += fast_encode::fp4_stochastic_unscaled_biased(fminf(magnitude, grid.six), word, grid)
+                          << (4 * (i % 8));
+          count_above(counts[counter_saturated], magnitude, grid.six);
+        });
       } else {
 #pragma unroll
         for (int i = 0; i < fused_block; ++i) {
