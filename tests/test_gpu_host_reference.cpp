@@ -334,30 +334,32 @@ TEST(GpuHostReference, UnscaledFp4EncoderMatchesCore) {
 }
 
 // The fused kernel's two sr encoders (32 random bits) against core::quantize_element over the
-// block exponents they cover (-125..102), on the sweep of the other fp4 encoder tests. Each value
-// gets a random word, the extreme words, the two words on either side of its rounding threshold
-// (where floor(F 2^32) + word reaches 2^32; the core decides what either must give) and words that
-// leave fp4_stochastic_sum undecided (floor(F 2^22) + (word >> 10) = 2^22 - 1) with random low bits.
-//   - fast_encode::fp4_stochastic_unscaled (composed by fp4_encode_unscaled) must give the core's
-//     code and flags for every word.
-//   - fast_encode::fp4_stochastic_sum (composed by fp4_encode_stochastic_sum) must call undecided
-//     exactly the words with that sum; where it decided, and where F has no bits past 2^-22 even
-//     where it did not, its code and flags must be the core's.
+// block exponents each covers, on the sweep of the other fp4 encoder tests. Each value gets a random
+// word, the extreme words, the two words on either side of its rounding threshold (where floor(F
+// 2^32) + word reaches 2^32; the core decides what either must give) and words that leave the
+// anchored sum undecided (floor(F 2^22) + (word >> 10) = 2^22 - 1) with random low bits.
+//   - fast_encode::fp4_stochastic_unscaled (composed by fp4_encode_unscaled, exponents -125..102)
+//     must give the core's code and flags for every word.
+//   - fast_encode::fp4_stochastic_anchored_sum (composed by fp4_encode_stochastic_anchored,
+//     exponents -127..23, magnitudes below 8 2^e as in the kernel's blocks, the saturating ones in
+//     (6, 8) 2^e included) must call undecided exactly the words with that sum; where it decided,
+//     and where F has no bits past 2^-22 even where it did not, its code and flags must be the core's.
 TEST(GpuHostReference, StochasticFp4EncodersMatchCore) {
   namespace fast = mxscope::gpu::fast_encode;
   constexpr auto kind = core::element_kind::fp4_e2m1;
   std::mt19937_64 random(20261201);
-  std::int64_t checked = 0, undecided = 0;
+  std::int64_t checked = 0, undecided = 0, saturating = 0;
   std::int64_t threshold_ups = 0;  // threshold words that rounded up: the boundary was met
-  const auto check = [&](const std::vector<float>& values, int exponent) {
+  const auto check = [&](const std::vector<float>& values, int exponent, bool anchored) {
     for (const float value : values) {
       // floor(F 2^32) in fp64, exactly: |value| 2^-e, its quotient by the spacing and that
       // quotient's fraction all fit 53 bits.
       const double scaled = std::ldexp(std::fabs(static_cast<double>(value)), -exponent);
+      if (anchored && scaled >= 8.0) continue;  // outside the anchored encoder's blocks
+      saturating += anchored && scaled > 6.0;
       const double spacing = scaled < 2.0 ? 0.5 : scaled < 4.0 ? 1.0 : 2.0;
       const double units = scaled / spacing;
-      const auto fraction =
-          scaled >= 6.0 ? 0U : static_cast<std::uint32_t>(std::floor(std::ldexp(units - std::floor(units), 32)));
+      const auto fraction = static_cast<std::uint32_t>(std::floor(std::ldexp(units - std::floor(units), 32)));
       const std::uint32_t threshold = 0U - fraction;  // 2^32 - fraction (0: never up)
       const std::uint32_t open = ((0x3fffffU - (fraction >> 10)) << 10) | static_cast<std::uint32_t>(random() & 0x3ffU);
       const std::uint32_t words[] = {static_cast<std::uint32_t>(random()), 0U, 0xffffffffU, 0x80000000U,
@@ -365,34 +367,43 @@ TEST(GpuHostReference, StochasticFp4EncodersMatchCore) {
       for (const std::uint32_t word : words) {
         const auto want = core::quantize_element(kind, value, exponent, core::rounding_mode::sr, word, 32);
         ++checked;
-        if (word == threshold && fraction != 0) {
+        if (word == threshold && fraction != 0 && scaled < 6.0) {
           threshold_ups += (want.code & 7U) !=
                            (core::quantize_element(kind, value, exponent, core::rounding_mode::rtz, 0, 32).code & 7U);
         }
-        const auto unscaled = fast::fp4_encode_unscaled(value, exponent, true, word);
-        ASSERT_TRUE(same_encoding(want, unscaled)) << "fp4_stochastic_unscaled: exponent " << exponent << " value "
-                                                   << value << " (" << hex(core::float_bits(value)) << ") word "
-                                                   << hex(word);
-        const auto summed = fast::fp4_encode_stochastic_sum(value, exponent, word);
+        if (!anchored) {
+          const auto unscaled = fast::fp4_encode_unscaled(value, exponent, true, word);
+          ASSERT_TRUE(same_encoding(want, unscaled)) << "fp4_stochastic_unscaled: exponent " << exponent << " value "
+                                                     << value << " (" << hex(core::float_bits(value)) << ") word "
+                                                     << hex(word);
+          continue;
+        }
+        const auto summed = fast::fp4_encode_stochastic_anchored(value, exponent, word);
         const bool open_word = (fraction >> 10) + (word >> 10) == 0x3fffffU;
-        ASSERT_EQ(summed.decided, !open_word) << "fp4_stochastic_sum: exponent " << exponent << " value " << value
-                                              << " word " << hex(word);
+        ASSERT_EQ(summed.decided, !open_word) << "fp4_stochastic_anchored_sum: exponent " << exponent << " value "
+                                              << value << " word " << hex(word);
         if (!summed.decided) {
           ++undecided;
           if ((fraction & 0x3ffU) != 0) continue;
         }
-        ASSERT_TRUE(same_encoding(want, summed.encoded)) << "fp4_stochastic_sum: exponent " << exponent << " value "
-                                                         << value << " (" << hex(core::float_bits(value))
-                                                         << ") word " << hex(word);
+        ASSERT_TRUE(same_encoding(want, summed.encoded)) << "fp4_stochastic_anchored_sum: exponent " << exponent
+                                                         << " value " << value << " ("
+                                                         << hex(core::float_bits(value)) << ") word " << hex(word);
       }
     }
   };
   sweep_covered_exponents(random, fast::fp4_stochastic_covers,
-                          {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -125, 102, check);
+                          {-125, -124, -123, -100, -3, -2, -1, 0, 1, 2, 60, 100, 101, 102}, -125, 102,
+                          [&](const std::vector<float>& values, int exponent) { check(values, exponent, false); });
+  if (HasFatalFailure()) return;
+  sweep_covered_exponents(random, fast::fp4_stochastic_anchored_covers,
+                          {-127, -126, -125, -124, -100, -3, -2, -1, 0, 1, 2, 20, 21, 22, 23}, -127, 23,
+                          [&](const std::vector<float>& values, int exponent) { check(values, exponent, true); });
   if (HasFatalFailure()) return;
   EXPECT_GT(checked, 10000000);
-  EXPECT_GT(undecided, 1000000);
+  EXPECT_GT(undecided, 500000);
   EXPECT_GT(threshold_ups, 100000);
+  EXPECT_GT(saturating, 10000);
 }
 
 // The halfword encoder of bf16 blocks (fast_encode::fp4_nearest_even_bf16x2 and

@@ -314,44 +314,57 @@ MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled(float magnitude, std:
   return fp4_stochastic_unscaled_biased(clamped, word, block) + fp4_unscaled_offset(block);
 }
 
-// A shorter sr encoder (32 random bits) on the same unscaled magnitudes, which decides almost every
-// element and says where it does not; the fused kernel takes it first and re-encodes a block with
-// fp4_stochastic_unscaled where any element is undecided. With c = min(|v|, six), h = 2^(e - 1)
-// (half of one) and F the fraction of c on the grid of spacing s (NUMERICS.md section 3):
-//   y = max(c, rd(c / 2 + h))       c itself from one on (there c / 2 + h <= c), else rd(c / 2 + h)
-//   sum = bits(y) + (word >> 10)    one integer addition
-//   code = (sum >> 22) - (bits(h) >> 22)
-// Why: from one on, c lies in a binade b >= one with s = b / 2, so c / s = 2 + m 2^-22 for c's
-// 23-bit significand field m: the grid index is 2 (log2(b / one)) + 2 + (m >> 22) and floor(F 2^22)
-// is m's low 22 bits, exactly. Below one, s = h and c / 2 + h = h (1 + (c / s) / 2) lies in [h, 2 h),
-// where fp32's spacing is h 2^-23, so rounded down its field is floor((c / s) 2^22): the index
-// (0 or 1) in bit 22 and floor(F 2^22) below. Either way bits(y) = bits(h) + 2^22 (index) +
-// floor(F 2^22), and adding word >> 10 carries into bit 22 exactly when
-// floor(F 2^22) + (word >> 10) >= 2^22. The rule rounds up iff floor(F 2^32) + word >= 2^32; with
-// floor(F 2^32) = floor(F 2^22) 2^10 + r10 and word = (word >> 10) 2^10 + w10 (r10, w10 < 2^10) the
-// two agree unless floor(F 2^22) + (word >> 10) = 2^22 - 1, where r10 + w10 decides: sum's low 22
-// bits are then all ones (fp4_stochastic_sum_undecided), and only then. A carry out of the
-// significand field moves y to the next binade, which is the next grid point's index (c <= six has
-// F = 0 at six, so the index never passes 7). bits(h) is a multiple of 2^23, so the code less
-// (bits(h) >> 22) packs by additions as fp4_unscaled_offset does (fp4_stochastic_sum_word_offset).
-// Valid for -125 <= e <= 102, as fp4_stochastic_unscaled (h a normal number). Two fp32 operations
-// and one or two integer ones per element, where fp4_stochastic_unscaled takes about fifteen.
-MXSCOPE_HD constexpr float fp4_stochastic_lift(float clamped, float half) {
-  const float lifted = fma_down(clamped, 0.5f, half);
+// A shorter sr encoder (32 random bits), which decides almost every element and says where it does
+// not; the fused kernel takes it first and re-encodes a block with fp4_stochastic_unscaled where any
+// element is undecided. It anchors the block's grid at fp32's smallest normal number: with c = |v|,
+// one = 2^e and F the fraction of c on the grid of spacing s (NUMERICS.md section 3),
+//   y = rz(c a), a = 2^(-126 - e)    one fp32 multiplication rounded toward zero: one becomes 2^-126
+//   sum = bits(y) + (word >> 10)     one integer addition
+//   code = min(sum >> 22, 7)         (fp4_stochastic_anchored_saturate, on 8 packed codes at once)
+// Why: below 2^-126 fp32's numbers are the multiples of 2^-149 and above it a binade [2^k, 2^(k+1))
+// holds 2^23 numbers, so bits(y) counts grid steps directly. Below one, s = one / 2 and y < 2^-126:
+// bits(y) = floor(c a 2^149) = floor((c / s) 2^22), the index (0 or 1) in bit 22 and floor(F 2^22)
+// below. From one on, c lies in a binade b = 2^k one (k = 0, 1, 2) with s = b / 2, c a is exact and
+// normal, bits(y) = (k + 1) 2^23 + m for c's significand field m, and c / s = 2 + m 2^-22: the index
+// is 2 (k + 1) + (m >> 22) and floor(F 2^22) is m's low 22 bits. Either way bits(y) = 2^22 (index) +
+// floor(F 2^22), where the index of c in [6, 8) one is 7. Adding word >> 10 carries into bit 22
+// exactly when floor(F 2^22) + (word >> 10) >= 2^22. The rule rounds up iff floor(F 2^32) + word >=
+// 2^32; with floor(F 2^32) = floor(F 2^22) 2^10 + r10 and word = (word >> 10) 2^10 + w10 (r10, w10 <
+// 2^10) the two agree unless floor(F 2^22) + (word >> 10) = 2^22 - 1, where r10 + w10 decides: sum's
+// low 22 bits are then all ones (fp4_stochastic_sum_undecided), and only then. A carry out of the
+// significand field moves y to the next binade, which is the next grid point's index. So sum >> 22
+// is the code up to six (F = 0 at six: it stays 7), and 7 or 8 above six, where the code saturates
+// to 7 whatever the word; no offsets, no clamp, no lift. Valid for -127 <= e <= 23 (a an fp32
+// number) and c < 8 one, which every scale rule gives the block's largest magnitude (the kernel
+// checks). One fp32 operation and one or two integer ones per element.
+MXSCOPE_HD constexpr bool fp4_stochastic_anchored_covers(int exponent) { return exponent >= -127 && exponent <= 23; }
+
+MXSCOPE_HD constexpr float fp4_stochastic_anchor(int exponent) { return power_of_two(-126 - exponent); }
+
+MXSCOPE_HD constexpr float multiply_toward_zero(float a, float b) {
 #if defined(__CUDA_ARCH__) && !defined(__HIP__)
-  if (!__builtin_is_constant_evaluated()) return fmaxf(clamped, lifted);
+  if (!__builtin_is_constant_evaluated()) return __fmul_rz(a, b);
 #endif
-  return clamped > lifted ? clamped : lifted;
+  // Nonnegative operands: the product is exact in fp64. Below 2^-126 the fp32 numbers are the
+  // multiples of 2^-149, so the pattern is the product's floor in those units (constant evaluation
+  // does not convert there).
+  const double product = static_cast<double>(a) * static_cast<double>(b);
+  if (product < 0x1p-126) return core::bits_float(static_cast<std::uint32_t>(product * 0x1p149));
+  return detail::round_down(product, 0.0);
 }
 
-MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_sum(float clamped, std::uint32_t word, float half) {
-  return core::float_bits(fp4_stochastic_lift(clamped, half)) + (word >> 10);
+// `magnitude` is |v| (an operand modifier in the kernel), `anchor` fp4_stochastic_anchor(e).
+MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_anchored_sum(float magnitude, std::uint32_t word, float anchor) {
+  return core::float_bits(multiply_toward_zero(magnitude, anchor)) + (word >> 10);
 }
 
 MXSCOPE_HD constexpr bool fp4_stochastic_sum_undecided(std::uint32_t sum) { return (sum & 0x3fffffU) == 0x3fffffU; }
 
-// h = 2^(e - 1) for the block's one = 2^e.
-MXSCOPE_HD constexpr float fp4_stochastic_half(fp4_unscaled block) { return core::bits_float(block.one - 0x800000U); }
+// Eight codes sum >> 22 (0..8) packed at nibbles 0..7, each 8 (1000) turned into 7 (0111): bit 3 of a
+// nibble is set only there, and flipping its four bits is the change.
+MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_anchored_saturate(std::uint32_t codes) {
+  return codes ^ (((codes >> 3) & 0x11111111U) * 15U);
+}
 
 // The saturation flag of one magnitude as an fp32 number, 1.0 where |v| > six and 0.0 elsewhere,
 // from one fma with saturation to [0, 1]: with six = 6 2^e, two fp32 numbers above and at six
@@ -382,11 +395,6 @@ MXSCOPE_HD constexpr float fp4_saturated(float magnitude, fp4_saturation_flag fl
   // The sign of the exact (|v| - six) 2^(21 - e) decides; the products and the sum are exact here.
   const double exact = static_cast<double>(magnitude) * static_cast<double>(flag.scale) + flag.offset;
   return exact >= 1.0 ? 1.0f : exact <= 0.0 ? 0.0f : static_cast<float>(exact);
-}
-
-// The offsets of 8 codes (sum >> 22) packed at nibbles 0..7: -(bits(h) >> 22) * 0x11111111, modulo 2^32.
-MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_sum_word_offset(fp4_unscaled block) {
-  return (0U - (core::float_bits(fp4_stochastic_half(block)) >> 22)) * 0x11111111U;
 }
 
 // The same encoder on two bf16 magnitudes at once, for bf16 input without rotation: each 32-bit
@@ -558,36 +566,39 @@ MXSCOPE_HD constexpr core::encoded fp4_encode_unscaled(float value, int exponent
   return {static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f};
 }
 
-// fp4_stochastic_sum composed as the fused kernel does, for the tests: the encoding (code with its
-// sign, flags) and whether the sum decided it; where it did not, the kernel's answer is
-// fp4_encode_unscaled's.
+// fp4_stochastic_anchored_sum composed as the fused kernel does, for the tests: the encoding (code
+// with its sign, flags) and whether the sum decided it; where it did not, the kernel's answer is
+// fp4_encode_unscaled's. Only for |value| < 8 2^e (the kernel's blocks).
 struct sum_encoded {
   core::encoded encoded;
   bool decided = true;
 };
 
-MXSCOPE_HD constexpr sum_encoded fp4_encode_stochastic_sum(float value, int exponent, std::uint32_t word) {
+MXSCOPE_HD constexpr sum_encoded fp4_encode_stochastic_anchored(float value, int exponent, std::uint32_t word) {
   const float magnitude = core::bits_float(core::float_bits(value) & 0x7fffffffU);
-  const fp4_unscaled block = fp4_unscaled_constants(exponent);
-  const float clamped = magnitude < block.six ? magnitude : block.six;
-  const std::uint32_t sum = fp4_stochastic_sum(clamped, word, fp4_stochastic_half(block));
-  const std::uint32_t code = (sum >> 22) - (core::float_bits(fp4_stochastic_half(block)) >> 22);
+  const std::uint32_t sum = fp4_stochastic_anchored_sum(magnitude, word, fp4_stochastic_anchor(exponent));
+  const std::uint32_t code = fp4_stochastic_anchored_saturate(sum >> 22);
   const std::uint32_t sign = (core::float_bits(value) >> 31) << 3;
-  return {{static_cast<std::uint8_t>(code | sign), magnitude > block.six, code == 0 && magnitude != 0.0f},
+  const float six = 6.0f * power_of_two(exponent);
+  return {{static_cast<std::uint8_t>(code | sign), magnitude > six, code == 0 && magnitude != 0.0f},
           !fp4_stochastic_sum_undecided(sum)};
 }
 
-static_assert(fp4_encode_stochastic_sum(1.25f, 0, 0x7fffffffU).encoded.code == 2 &&
-              fp4_encode_stochastic_sum(1.25f, 0, 0x80000000U).encoded.code == 3 &&
-              fp4_encode_stochastic_sum(0.0f, 0, 0xffffffffU).encoded.code == 0 &&
-              fp4_encode_stochastic_sum(6.0f, 0, 0xffffffffU).encoded.code == 7 &&
-              fp4_encode_stochastic_sum(-5.0f, 0, 0x7fffffffU).encoded.code == 0xE &&
-              fp4_encode_stochastic_sum(-5.0f, 0, 0x80000000U).encoded.code == 0xF &&
-              fp4_encode_stochastic_sum(1.75f, 0, 0x7fffffffU).encoded.code == 3 &&
-              fp4_encode_stochastic_sum(1.75f, 0, 0x80000000U).encoded.code == 4 &&  // up into the next binade
-              !fp4_encode_stochastic_sum(0x1p-33f, 0, 0xfffffffeU).decided &&        // F 2^32 = 1: bits past 22
-              fp4_encode_stochastic_sum(0x1p-33f, 0, 0xfffff7feU).decided &&
-              fp4_encode_stochastic_sum(0x1p-33f, 0, 0xfffff7feU).encoded.code == 0);
+static_assert(fp4_encode_stochastic_anchored(1.25f, 0, 0x7fffffffU).encoded.code == 2 &&
+              fp4_encode_stochastic_anchored(1.25f, 0, 0x80000000U).encoded.code == 3 &&
+              fp4_encode_stochastic_anchored(0.0f, 0, 0xffffffffU).encoded.code == 0 &&
+              fp4_encode_stochastic_anchored(6.0f, 0, 0xffffffffU).encoded.code == 7 &&
+              fp4_encode_stochastic_anchored(7.9f, 0, 0xffffffffU).encoded.code == 7 &&  // sum >> 22 = 8
+              fp4_encode_stochastic_anchored(7.9f, 0, 0xffffffffU).encoded.saturated &&
+              fp4_encode_stochastic_anchored(-5.0f, 0, 0x7fffffffU).encoded.code == 0xE &&
+              fp4_encode_stochastic_anchored(-5.0f, 0, 0x80000000U).encoded.code == 0xF &&
+              fp4_encode_stochastic_anchored(1.75f, 0, 0x7fffffffU).encoded.code == 3 &&
+              fp4_encode_stochastic_anchored(1.75f, 0, 0x80000000U).encoded.code == 4 &&  // up into the next binade
+              fp4_encode_stochastic_anchored(0.75f, 10, 0xffffffffU).encoded.code == 1 &&  // a subnormal anchor
+              !fp4_encode_stochastic_anchored(0x1p-33f, 0, 0xfffffffeU).decided &&        // F 2^32 = 1: bits past 22
+              fp4_encode_stochastic_anchored(0x1p-33f, 0, 0xfffff7feU).decided &&
+              fp4_encode_stochastic_anchored(0x1p-33f, 0, 0xfffff7feU).encoded.code == 0 &&
+              fp4_encode_stochastic_anchored(0x1p-149f, -127, 0xffffffffU).encoded.code == 1);
 static_assert(fp4_encode_unscaled(1.25f, 0, true, 0x7fffffffU).code == 2 &&   // F = 1/2: stays below...
               fp4_encode_unscaled(1.25f, 0, true, 0x80000000U).code == 3 &&   // ...until the word reaches 2^31
               fp4_encode_unscaled(0.0f, 0, true, 0xffffffffU).code == 0 &&    // F = 0 never rounds up

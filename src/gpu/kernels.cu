@@ -859,9 +859,10 @@ __device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_pl
 }
 
 // One MX block g of the fused kernel, read from `input` and written to `output`, its counts added
-// to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_sum, and a block
-// where one of its sums is undecided (about one block in 2^17 with random words), or whose grid
-// exponent is below the fp32 saturation flags' range (values under 2^-102), returns false with
+// to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_anchored_sum, and
+// a block where one of its sums is undecided (about one block in 2^17 with random words), or whose
+// grid exponent is outside that encoder's or the fp32 saturation flags' range (values under 2^-102
+// or from 2^25 on), returns false with
 // no codes or flags written and its counts taken back; the kernel then encodes it again through
 // fused_block_again (fp4_stochastic_unscaled), a call of its own, so that the rare path's registers
 // do not weigh on the hot loop's.
@@ -995,38 +996,42 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
     } else if (unscaled) {
       // rne or sr on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
-      // fp4_stochastic_sum): no scaling multiply, no cap. The biased codes are packed by
+      // fp4_stochastic_anchored_sum): no scaling multiply by 2^-e, no cap. The biased codes are packed by
       // additions, each word then gets its offsets once (fast_encode::fp4_unscaled_word_offset),
       // and the signs go in from v's bits.
       // For sr, element 4 q + w draws word w of Philox block 8 g + q.
       const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
       std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
       if constexpr (Encoder == fused_encoder::fp4_stochastic && Summed) {
-        // Per element, as multiply-adds (multiply_add_low/high): the code sum >> 22 as the high word
-        // of sum 2^10, packed as code 16^k + word; (sum + 1) 2^10, zero exactly when the sum is
-        // undecided (low 22 bits all ones), into the least of the block's. The saturation count
-        // adds fp32 flags (fast_encode::fp4_saturated: one fma on the fp32 pipes, |v| an operand
-        // modifier); blocks of a grid exponent below -105 (values under 2^-102) go to
-        // fused_block_again instead, as undecided blocks do.
+        // fast_encode::fp4_stochastic_anchored_sum per element: one fp32 multiplication toward zero
+        // (|v| an operand modifier), then as multiply-adds (multiply_add_low/high) the code sum >> 22
+        // as the high word of sum 2^10, packed as code 16^k + word, and (sum + 1) 2^10, zero exactly
+        // when the sum is undecided (low 22 bits all ones), into the least of the block's. Codes of 8
+        // (above six) become 7 once per word (fp4_stochastic_anchored_saturate). The saturation count
+        // adds fp32 flags (fast_encode::fp4_saturated: one fma on the fp32 pipes). Blocks outside the
+        // anchor's exponents (-127..23) or the flags' (-105..102), or with a magnitude of 8 2^e or
+        // more (no scale rule gives one), go to fused_block_again instead, as undecided blocks do.
         // For bf16 without rotation, a block whose least magnitude is at least 2^(e - 16) needs no
         // undecided check: there every element below one is m 2^(k - 7) with k >= e - 16, so
-        // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides
-        // (fast_encode::fp4_stochastic_sum); from one on F 2^22 is an integer anyway. A block with a
-        // zero takes the check (its least magnitude is 0). ptxas turns the multiply-adds by constant
-        // powers of two into LEA / LEA.HI (integer pipe); keeping them on IMAD (constants it cannot
-        // see) was measured slower: the multiply-add pipe's IMAD.WIDE (Philox) fill it first.
-        if (!fast_encode::fp4_saturation_flag_covers(exponent + folded)) {
+        // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides;
+        // from one on F 2^22 is an integer anyway. A block with a zero takes the check (its least
+        // magnitude is 0). ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI
+        // (integer pipe); keeping them on IMAD (constants it cannot see) was measured slower: the
+        // multiply-add pipe's IMAD.WIDE (Philox) fill it first.
+        if (!fast_encode::fp4_stochastic_anchored_covers(exponent + folded) ||
+            !fast_encode::fp4_saturation_flag_covers(exponent + folded) ||
+            largest >= core_ns::float_bits(fast_encode::power_of_two(exponent + 3))) {
           counts[counter_nonzero] -= nonzero;
           return false;
         }
         const fast_encode::fp4_saturation_flag flag = fast_encode::fp4_saturation_flag_constants(exponent + folded);
-        const float half = fast_encode::fp4_stochastic_half(grid);
+        const float anchor = fast_encode::fp4_stochastic_anchor(exponent + folded);
         std::uint32_t margin = 0xffffffffU;
         float saturated = 0.0f;
         const auto encode_all = [&](auto checked) {
           for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
             const float magnitude = fabsf(v[i]);
-            const std::uint32_t sum = fast_encode::fp4_stochastic_sum(fminf(magnitude, grid.six), word, half);
+            const std::uint32_t sum = fast_encode::fp4_stochastic_anchored_sum(magnitude, word, anchor);
             if constexpr (decltype(checked)::value) {
               const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
               margin = distance < margin ? distance : margin;
@@ -1046,7 +1051,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
           return false;
         }
         counts[counter_saturated] += static_cast<unsigned>(saturated);
-        word_offset = fast_encode::fp4_stochastic_sum_word_offset(grid);
+#pragma unroll
+        for (int j = 0; j < fused_block / 8; ++j) words[j] = fast_encode::fp4_stochastic_anchored_saturate(words[j]);
+        word_offset = 0;
       } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
         for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
           const float magnitude = fabsf(v[i]);
@@ -1377,7 +1384,11 @@ __global__ void encoder_self_test_kernel(element_kind kind, core_ns::rounding_mo
     if (kind == element_kind::fp4_e2m1 && mode == core_ns::rounding_mode::sr && sr_bits == 32 &&
         fast_encode::fp4_stochastic_covers(exponent)) {
       stochastic = fast_encode::fp4_encode_unscaled(value, exponent, true, word);
-      const fast_encode::sum_encoded sum = fast_encode::fp4_encode_stochastic_sum(value, exponent, word);
+    }
+    if (kind == element_kind::fp4_e2m1 && mode == core_ns::rounding_mode::sr && sr_bits == 32 &&
+        fast_encode::fp4_stochastic_anchored_covers(exponent) &&
+        fabsf(value) < 8.0f * fast_encode::power_of_two(exponent)) {
+      const fast_encode::sum_encoded sum = fast_encode::fp4_encode_stochastic_anchored(value, exponent, word);
       if (sum.decided) summed = sum.encoded;
     }
     ++checked;

@@ -714,7 +714,7 @@ void quantize_fused(bool small) {
       }
     }
   }
-  // The sr encoder's undecided sums (fast_encode::fp4_stochastic_sum): fp32 blocks of exponent 0
+  // The sr encoder's undecided sums (fast_encode::fp4_stochastic_anchored_sum): fp32 blocks of exponent 0
   // (4.0 first, then 7.0, which saturates) where every element whose Philox word w has w >> 10 >= 2^22 - 2^13 (about 1 in
   // 512) is made (A 2^10 + B) 2^-33 with A = 2^22 - 1 - (w >> 10) and B in 1..1023: floor(F 2^22) =
   // A fills the sum's low 22 bits, and B + (w & 1023) >= 1024, which the fast sum cannot see,
@@ -809,10 +809,13 @@ void quantize_fused(bool small) {
       break;
     }
   }
-  // sr blocks on both sides of the fp32 saturation flags' range (grid exponent -105: below it the
-  // kernel encodes the block through fused_block_again): block b of a row holds values of about
-  // 2^(-98 - b), one of them 7/4 of the block's largest power of two (saturated without rotation),
-  // one six 2^e and one an fp32 step above it (saturated in fp32), bf16 and fp32 input, without rotation and with H16 (whose grid exponent is the block's + 2).
+  // sr blocks on both sides of the fp32 saturation flags' range (grid exponent -105) and of the
+  // anchored sum's (grid exponent 23; fast_encode::fp4_stochastic_anchored_covers): outside them
+  // the kernel encodes the block through fused_block_again. Block b of a row holds values of about
+  // 2^(top - b) (top -98, resp. 30), one of them 7/4 of the block's largest power of two (saturated
+  // without rotation), one six 2^e and one an fp32 step above it (saturated in fp32), bf16 and fp32
+  // input, without rotation and with H16 (whose grid exponent is the block's + 2).
+  for (const int top_block : {-98, 30})
   for (const int rotation_size : {0, 16}) {
     for (const bool bf16 : {true, false}) {
       ++index;
@@ -821,7 +824,7 @@ void quantize_fused(bool small) {
       matrix input(rows, cols);
       std::uint64_t state = seed + 3;
       for (std::int64_t n = 0; n < input.size(); ++n) {
-        const int top = -98 - static_cast<int>((n % cols) / 32);
+        const int top = top_block - static_cast<int>((n % cols) / 32);
         const std::uint64_t r = split_mix(state);
         float v = std::ldexp(static_cast<float>(128 + (r & 0x7f)) / 128.0f, -static_cast<int>((r >> 8) % 12));
         if (n % 32 == 0) v = 7.0f;
@@ -832,7 +835,9 @@ void quantize_fused(bool small) {
       const auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
       mxscope::rotation_options rotation;
       rotation.size = rotation_size;
-      run_case("quantize fused mxfp4 sr saturation flags' exponent edge H" + std::to_string(rotation_size) +
+      run_case(std::string("quantize fused mxfp4 sr ") +
+                   (top_block < 0 ? "saturation flags' exponent edge H" : "anchor's exponent edge H") +
+                   std::to_string(rotation_size) +
                    (bf16 ? " bf16" : " fp32"),
                [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::fused); });
     }
