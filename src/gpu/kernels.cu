@@ -815,11 +815,54 @@ __device__ inline std::uint32_t nibble_signs_bf16(const uint4& piece) {
   return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
 }
 
-// Zero magnitudes among the 8 fp4 codes of a word (bit 3 of each nibble is the sign): one flag per
-// nibble, summed into the top nibble by the multiplication (partial sums stay below 16: no carries).
-__device__ inline unsigned zero_fp4_magnitudes(std::uint32_t word) {
-  const std::uint32_t zero_flags = ~(word | (word >> 1) | (word >> 2)) & 0x11111111U;
-  return (zero_flags * 0x11111111U) >> 28;
+// Nonzero magnitudes among the 32 fp4 codes of a block's 4 code words (bit 3 of each nibble is the
+// sign): in each word, (nibble | 8) - 1 = 7 + magnitude has bit 3 set exactly when the magnitude is
+// nonzero (no borrow leaves a nibble), the four words' flags are moved to bits 3, 2, 1 and 0 of the
+// nibbles and counted by one population count.
+__device__ inline unsigned nonzero_fp4_magnitudes(const std::uint32_t (&words)[8]) {
+  std::uint32_t flags = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) flags |= (((words[j] | 0x88888888U) - 0x11111111U) & 0x88888888U) >> j;
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  return static_cast<unsigned>(__popc(flags));
+#else
+  unsigned count = 0;
+  for (; flags != 0; flags &= flags - 1) ++count;
+  return count;
+#endif
+}
+
+// core::fwht on one segment of `Size` elements (the same additions in the same stages), which also
+// folds the magnitudes of its output into `high` (largest, NaN if any is) and `low` (smallest)
+// from the last stage's pairs: the outputs a + c and a - c of a pair have the magnitudes
+// fl(|a| + |c|) and |fl(|a| - |c|)| (rounding is monotone and symmetric), so one fp32 addition per
+// pair and per extreme replaces two comparisons on the integer pipe. Where a + c or a - c is
+// inf - inf (NaN), |a| + |c| is inf, still at or above the infinity pattern, and |a| - |c| is NaN,
+// which fminf passes over: the other output is nonzero then. A zero output makes |a| = |c|.
+template <int Size>
+__device__ inline void fwht_with_extremes(float* v, float& high, float& low) {
+#pragma unroll
+  for (int half = 1; half < Size / 2; half *= 2) {
+#pragma unroll
+    for (int start = 0; start < Size; start += 2 * half) {
+#pragma unroll
+      for (int j = start; j < start + half; ++j) {
+        const float a = v[j];
+        const float c = v[j + half];
+        v[j] = a + c;
+        v[j + half] = a - c;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < Size / 2; ++j) {
+    const float a = v[j];
+    const float c = v[j + Size / 2];
+    high = max_or_nan(high, fabsf(a) + fabsf(c));
+    low = fminf(low, fabsf(fabsf(a) - fabsf(c)));
+    v[j] = a + c;
+    v[j + Size / 2] = a - c;
+  }
 }
 
 // Thread blocks per multiprocessor for the fp4 encoders on CUDA, so that enough loads are in flight
@@ -893,6 +936,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   for (int j = 0; j < pieces; ++j) mine[j] = loaded != nullptr ? loaded[j] : source[g * pieces + j];
   float v[fused_block];
   unpack_pieces(mine, v);
+  float pair_high = 0.0f, pair_low = core_ns::bits_float(0x7F800000U);  // folded: fwht_with_extremes
   if constexpr (Rotation > 0) {
     // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
     if (signs != nullptr) {
@@ -909,7 +953,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
     for (int s = 0; s < fused_block / Rotation; ++s) {
       if constexpr (folded > 0) {
-        core_ns::fwht(v + s * Rotation, Rotation);  // v holds 4x the rotated values
+        fwht_with_extremes<Rotation>(v + s * Rotation, pair_high, pair_low);  // v holds 4x the rotated values
       } else {
         core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
       }
@@ -933,6 +977,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     }
     largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
     smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
+  } else if constexpr (folded > 0) {
+    largest = core_ns::float_bits(pair_high);
+    smallest = core_ns::float_bits(pair_low);
   } else {
     // As fp32 values: one instruction each per element (the absolute value is an operand
     // modifier); NaN propagates into the maximum, inf is the largest value anyway.
@@ -1108,10 +1155,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       }
     }
     if constexpr (fp4) {
-      // Flushed: nonzero inputs with a zero code = zero codes - zero inputs.
-      const unsigned zero_codes = zero_fp4_magnitudes(words[0]) + zero_fp4_magnitudes(words[1]) +
-                                  zero_fp4_magnitudes(words[2]) + zero_fp4_magnitudes(words[3]);
-      counts[counter_flushed] += zero_codes - (fused_block - nonzero);
+      // Flushed: nonzero inputs with a zero code = nonzero inputs - nonzero codes.
+      counts[counter_flushed] += nonzero - nonzero_fp4_magnitudes(words);
       if (output.dequantized != nullptr) {
         float decoded[fused_block];
 #pragma unroll
