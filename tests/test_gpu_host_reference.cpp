@@ -441,6 +441,32 @@ TEST(GpuHostReference, HalfwordFp4EncoderMatchesCore) {
   EXPECT_GT(checked, 3000000);
 }
 
+// fast_encode::floor_rule_exponent against core::shared_exponent under the floor rule, for every
+// element format, on every fp32 exponent field (subnormals and zero included) with the smallest,
+// the largest and random significand fields.
+TEST(GpuHostReference, FloorRuleExponentMatchesCore) {
+  namespace fast = mxscope::gpu::fast_encode;
+  const core::element_kind kinds[] = {core::element_kind::fp4_e2m1, core::element_kind::fp6_e2m3,
+                                      core::element_kind::fp6_e3m2, core::element_kind::fp8_e4m3,
+                                      core::element_kind::fp8_e5m2, core::element_kind::int8};
+  std::mt19937_64 random(20261202);
+  std::int64_t checked = 0, clamped = 0;
+  for (const auto kind : kinds) {
+    for (std::uint32_t field = 0; field < 255; ++field) {
+      for (const std::uint32_t significand : {0U, 1U, 0x7fffffU, static_cast<std::uint32_t>(random()) & 0x7fffffU}) {
+        const std::uint32_t bits = field << 23 | significand;
+        const int want = core::shared_exponent(kind, core::scale_rule::floor, core::bits_float(bits));
+        ASSERT_EQ(fast::floor_rule_exponent(core::emax_elem(kind), bits), want)
+            << "kind " << static_cast<int>(kind) << " largest " << hex(bits);
+        ++checked;
+        clamped += want == core::scale_exponent_min;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 255 * 4);
+  EXPECT_GT(clamped, 6 * 4);  // zero and the subnormals at least
+}
+
 // fast_encode::fp4_saturated against the core's saturation flag (a magnitude above the largest
 // element 6 2^e) for every exponent it covers, on six itself, the fp32 numbers on either side of
 // it, zero, the smallest subnormal and random magnitudes below 2^(e + 3); also the flags' sums.

@@ -110,6 +110,16 @@ MXSCOPE_HD constexpr float power_of_two(int exponent) {
                           : core::bits_float(1U << (exponent + 149));
 }
 
+// core::shared_exponent under the floor rule, from the bits of a finite, nonnegative largest
+// magnitude: its fp32 exponent field less 127 and emax, which is floor(log2) - emax for a normal
+// number; a subnormal or zero largest gives -127 - emax or less, which the clamp to -127 turns into
+// the core's answer (its floor_log2 is -127 or less there too), and no finite number passes 127.
+// A few integer operations where the core's function goes through fp64.
+MXSCOPE_HD constexpr int floor_rule_exponent(int emax, std::uint32_t largest_bits) {
+  const int exponent = static_cast<int>(largest_bits >> 23) - 127 - emax;
+  return exponent > core::scale_exponent_min ? exponent : core::scale_exponent_min;
+}
+
 // static_cast<float>(core::dequantize_element(kind, code, exponent)) for a code of the format.
 // The element value is exact in fp32; one fp32 multiplication by 2^exponent rounds the exact
 // product once, as the core's conversion of the exact fp64 product does.

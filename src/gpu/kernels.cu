@@ -1011,7 +1011,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       store_dequantized(output.dequantized + g * fused_block, v);
     }
   } else {
-    const int exponent = core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
+    const int exponent = plan.rule == core_ns::scale_rule::floor
+                             ? fast_encode::floor_rule_exponent(core_ns::emax_elem(kind), largest)
+                             : core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
     output.scales[g] = core_ns::scale_code(exponent);
     bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
     if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
