@@ -905,10 +905,9 @@ __device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_pl
 // to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_anchored_sum, and
 // a block where one of its sums is undecided (about one block in 2^17 with random words), or whose
 // grid exponent is outside that encoder's or the fp32 saturation flags' range (values under 2^-102
-// or from 2^25 on), returns false with
-// no codes or flags written and its counts taken back; the kernel then encodes it again through
-// fused_block_again (fp4_stochastic_unscaled), a call of its own, so that the rare path's registers
-// do not weigh on the hot loop's.
+// or from 2^25 on), returns false with no codes or flags written and its counts taken back; the
+// kernel then encodes it again through fused_block_again (fp4_stochastic_unscaled), a call of its
+// own, so that the rare path's registers do not weigh on the hot loop's.
 template <class Input, int Rotation, fused_encoder Encoder, bool Summed>
 __device__ __forceinline__ bool encode_fused_block(const Input* input, const uint4* loaded, std::int64_t g,
                                                    std::int64_t blocks_per_row,
@@ -1045,9 +1044,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       counts[counter_saturated] += (saturated & 0xFFFFU) + (saturated >> 16);
     } else if (unscaled) {
       // rne or sr on the unscaled magnitudes (fast_encode::fp4_nearest_even_unscaled,
-      // fp4_stochastic_anchored_sum): no scaling multiply by 2^-e, no cap. The biased codes are packed by
-      // additions, each word then gets its offsets once (fast_encode::fp4_unscaled_word_offset),
-      // and the signs go in from v's bits.
+      // fp4_stochastic_anchored_sum): no scaling multiply by 2^-e, no cap. The codes are packed by
+      // additions, each word then gets its offsets once (rne: fast_encode::fp4_unscaled_word_offset;
+      // the anchored sums have none), and the signs go in from v's bits.
       // For sr, element 4 q + w draws word w of Philox block 8 g + q.
       const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(exponent + folded);
       std::uint32_t word_offset = fast_encode::fp4_unscaled_word_offset(grid);
