@@ -913,7 +913,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
                                                    std::int64_t blocks_per_row,
                                                    const mx_plan& plan, const core_ns::philox_keys& keys,
                                                    const float* signs, const mx_device_output& output,
-                                                   unsigned (&counts)[mx_counter_count]) {
+                                                   unsigned (&counts)[mx_counter_count], uint4* refill = nullptr,
+                                                   std::int64_t refill_block = 0) {
   constexpr int pieces = fused_block * static_cast<int>(sizeof(Input)) / 16;
   constexpr bool fp4 = Encoder != fused_encoder::any_format;
   // bf16 input rotated by H16 (fp4 encoders): v keeps the Hadamard sums s, without the factor
@@ -936,6 +937,27 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   float v[fused_block];
   unpack_pieces(mine, v);
   float pair_high = 0.0f, pair_low = core_ns::bits_float(0x7F800000U);  // folded: fwht_with_extremes
+  // Folded sr: the least bf16 magnitude pattern among the block's inputs (the undecided check's skip).
+  std::uint32_t least_input = 0;
+  if constexpr (folded > 0 && Encoder == fused_encoder::fp4_stochastic && Summed) {
+    std::uint32_t low = 0xFFFFFFFFU;
+#pragma unroll
+    for (int j = 0; j < pieces; ++j) {
+      const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+    }
+    least_input = (low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16;
+  }
+  if constexpr (Rotation > 0) {
+    // The caller's read-ahead: block refill_block goes into `refill` (where `loaded` came from) once
+    // the words as read are no longer needed (rotated blocks take their signs from v). Always a
+    // load, so that it can land in the registers the words came in.
+    if (refill != nullptr) {
+#pragma unroll
+      for (int j = 0; j < pieces; ++j) refill[j] = source[refill_block * pieces + j];
+    }
+  }
   if constexpr (Rotation > 0) {
     // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
     if (signs != nullptr) {
@@ -1063,7 +1085,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         // undecided check: there every element below one is m 2^(k - 7) with k >= e - 16, so
         // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides;
         // from one on F 2^22 is an integer anyway. A block with a zero takes the check (its least
-        // magnitude is 0). ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI
+        // magnitude is 0). Folded H16 likewise where the least input's exponent field is at least
+        // e + 113: v (4x the rotation) is then a multiple of 2^(field - 134) >= 2^(e + 2 - 23). ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI
         // (integer pipe); keeping them on IMAD (constants it cannot see) was measured slower: the
         // multiply-add pipe's IMAD.WIDE (Philox) fill it first.
         if (!fast_encode::fp4_stochastic_anchored_covers(exponent + folded) ||
@@ -1088,8 +1111,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
             saturated += fast_encode::fp4_saturated(magnitude, flag);
           });
         };
-        if (Rotation == 0 && sizeof(Input) == 2 &&
-            smallest >= core_ns::float_bits(fast_encode::power_of_two(exponent - 16))) {
+        if ((Rotation == 0 && sizeof(Input) == 2 &&
+             smallest >= core_ns::float_bits(fast_encode::power_of_two(exponent - 16))) ||
+            (folded > 0 && least_input >= static_cast<std::uint32_t>(exponent + 113) << 7)) {
           encode_all(std::false_type{});
         } else {
           encode_all(std::true_type{});
@@ -1231,7 +1255,21 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
     uint4 next[pieces];
 #pragma unroll
     for (int j = 0; j < pieces; ++j) next[j] = g < blocks ? source[g * pieces + j] : uint4{};
-    for (; g < blocks; g += stride) {
+    if constexpr (Rotation > 0) {
+      // Rotated blocks refill `next` inside encode_fused_block, right after reading it: no copies
+      // and no second buffer (the last block reads itself again).
+      for (; g < blocks; g += stride) {
+        if (!encode_fused_block<Input, Rotation, Encoder, true>(input, next, g, blocks_per_row, plan, keys, signs,
+                                                               output, counts, next,
+                                                               g + stride < blocks ? g + stride : g)) {
+          const fused_counts again =
+              fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
+#pragma unroll
+          for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+        }
+      }
+    }
+    for (; Rotation == 0 && g < blocks; g += stride) {
       uint4 mine[pieces];
 #pragma unroll
       for (int j = 0; j < pieces; ++j) mine[j] = next[j];

@@ -809,6 +809,102 @@ void quantize_fused(bool small) {
       break;
     }
   }
+  // H16 on bf16 (signs none): a block whose least input magnitude has an exponent field of at least
+  // e + 113 skips the undecided check (every rotated value, 4x as the kernel keeps it, is then a
+  // multiple of 2^(e + 2 - 23), so F 2^32 has no bits below 2^10). Each block: elements 0..15 all
+  // 1.0 (outputs 16 and 0: grid exponent e = 0, the kernel's grid 2^2 for 4x the rotation), elements
+  // 16..31 all t except one t' (outputs 15 t + t' and +-(t' - t)). With t = m 2^-22 (m odd, 129..255:
+  // exponent field 112 = e + 112, one below the skip) and t' - t = D 2^-22, an output k of the
+  // second half has F 2^22 = D / 2 on the grid's spacing 2: D = 2 n + 1 with
+  // n = 2^22 - 1 - (W >> 10) for that output's word W fills the sum's low 22 bits, and F 2^32 ends in
+  // 512, so (W & 1023) >= 512 rounds it up, which the sum's carry cannot see: those blocks must take
+  // the check (a threshold one binade lower fails the case). The other blocks get t = m 2^-21
+  // (field 113: they skip the check; t' - t a multiple of 2^-21, so the carry decides exactly).
+  // Only a t' = t + D 2^-22 of 8 significant bits is a bf16 number: blocks are taken where some
+  // output's word allows one. The host checks each built output against the rotation itself.
+  {
+    ++index;
+    std::uint64_t seed = next_seed();
+    const std::int64_t rows = 16, cols = 32 * 128;
+    for (int attempt = 0;; ++attempt, ++seed) {
+      auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+      matrix input(rows, cols);
+      std::uint64_t state = seed + 3;
+      int ups = 0, downs = 0, skipped = 0;
+      std::string construction_error;
+      for (std::int64_t g = 0; g < input.size() / 32; ++g) {
+        float* block = input.values.data() + g * 32;
+        for (int i = 0; i < 16; ++i) block[i] = 1.0f;
+        // An output k (1..15) of the second half and an odd m whose t' has 8 significant bits.
+        int found_k = -1;
+        std::uint32_t found_m = 0, found_d = 0;
+        for (int k = 1; k < 16 && found_k < 0; ++k) {
+          const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + k));
+          const std::uint32_t d = 2U * (0x3fffffU - (word >> 10)) + 1U;
+          for (std::uint32_t m = 129; m < 256; m += 2) {
+            std::uint32_t sum = m + d;
+            while (sum % 2 == 0) sum /= 2;
+            if (sum < 256) {
+              found_k = k;
+              found_m = m;
+              found_d = d;
+              break;
+            }
+          }
+        }
+        const std::uint64_t r = split_mix(state);
+        const int j = 1 + static_cast<int>(r % 15);  // where t' sits in the second half
+        if (found_k >= 0) {
+          const float t = std::ldexp(static_cast<float>(found_m), -22);
+          for (int i = 16; i < 32; ++i) block[i] = t;
+          block[16 + j] = std::ldexp(static_cast<float>(found_m + found_d), -22);
+          // The rotation as the core does it: output found_k must be +-D 2^-22, 4x as the kernel
+          // keeps it, and its sum undecided.
+          float rotated[16];
+          std::copy(block + 16, block + 32, rotated);
+          core::rotate_segment(rotated, 16, nullptr);
+          const double kept = std::fabs(4.0 * static_cast<double>(rotated[found_k]));
+          const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + found_k));
+          const double units = std::ldexp(kept, 22 - 1);  // F 2^22 on the grid spacing 2 (kept < 2)
+          if (kept >= 2.0 || std::floor(units) + static_cast<double>(word >> 10) != 4194303.0 ||
+              units == std::floor(units)) {
+            construction_error = "block " + std::to_string(g) + ": output " + std::to_string(found_k) +
+                                 " is not an undecided sum";
+          }
+          ((word & 0x3ffU) >= 0x200U ? ups : downs) += 1;
+        } else {
+          const std::uint32_t m = 129U + 2U * static_cast<std::uint32_t>((r >> 8) % 64);
+          const float t = std::ldexp(static_cast<float>(m), -21);
+          for (int i = 16; i < 32; ++i) block[i] = t;
+          block[16 + j] = std::ldexp(static_cast<float>(128 + ((r >> 20) & 0x7f)), -21 + static_cast<int>((r >> 30) % 8));
+          ++skipped;
+        }
+        for (int i = 0; i < 32; ++i) {
+          if (test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(block[i])) != block[i]) {
+            construction_error = "block " + std::to_string(g) + " element " + std::to_string(i) + " is not a bf16 number";
+          }
+        }
+      }
+      if ((ups < 3 || downs < 3 || skipped < 16) && construction_error.empty()) {
+        if (attempt < 64) continue;
+        run_case("quantize fused mxfp4 sr undecided sums H16 bf16", [&] {
+          return std::string("no seed gave 3 undecided sums each way in 64 attempts");
+        });
+        break;
+      }
+      mxscope::rotation_options rotation;
+      rotation.size = 16;
+      rotation.signs = mxscope::sign_policy::none;
+      run_case("quantize fused mxfp4 sr undecided sums H16 bf16 " + std::to_string(rows) + "x" + std::to_string(cols) +
+                   " (" + std::to_string(ups) + " up and " + std::to_string(downs) + " down one binade below the skip, " +
+                   std::to_string(skipped) + " skipping blocks)",
+               [&] {
+                 if (!construction_error.empty()) return construction_error;
+                 return check_quantize(input, true, options, rotation, gpu::quantize_path::fused);
+               });
+      break;
+    }
+  }
   // sr blocks on both sides of the fp32 saturation flags' range (grid exponent -105) and of the
   // anchored sum's (grid exponent 23; fast_encode::fp4_stochastic_anchored_covers): outside them
   // the kernel encodes the block through fused_block_again. Block b of a row holds values of about
