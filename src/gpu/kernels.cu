@@ -1086,8 +1086,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         // F 2^32 = m 2^(k - e + 26) has no bits below 2^10 and the carry of the sum alone decides;
         // from one on F 2^22 is an integer anyway. A block with a zero takes the check (its least
         // magnitude is 0). Folded H16 likewise where the least input's exponent field is at least
-        // e + 113: v (4x the rotation) is then a multiple of 2^(field - 134) >= 2^(e + 2 - 23). ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI
-        // (integer pipe); keeping them on IMAD (constants it cannot see) was measured slower: the
+        // e + 113: v (4x the rotation) is then a multiple of 2^(field - 134) >= 2^(e + 2 - 23).
+        // ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI (integer
+        // pipe); keeping them on IMAD (constants it cannot see) was measured slower: the
         // multiply-add pipe's IMAD.WIDE (Philox) fill it first.
         if (!fast_encode::fp4_stochastic_anchored_covers(exponent + folded) ||
             !fast_encode::fp4_saturation_flag_covers(exponent + folded) ||
