@@ -876,12 +876,14 @@ void quantize_fused(bool small) {
           const std::uint32_t m = 129U + 2U * static_cast<std::uint32_t>((r >> 8) % 64);
           const float t = std::ldexp(static_cast<float>(m), -21);
           for (int i = 16; i < 32; ++i) block[i] = t;
-          block[16 + j] = std::ldexp(static_cast<float>(128 + ((r >> 20) & 0x7f)), -21 + static_cast<int>((r >> 30) % 8));
+          const int binade = -21 + static_cast<int>((r >> 30) % 8);
+          block[16 + j] = std::ldexp(static_cast<float>(128 + ((r >> 20) & 0x7f)), binade);
           ++skipped;
         }
         for (int i = 0; i < 32; ++i) {
           if (test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(block[i])) != block[i]) {
-            construction_error = "block " + std::to_string(g) + " element " + std::to_string(i) + " is not a bf16 number";
+            construction_error =
+                "block " + std::to_string(g) + " element " + std::to_string(i) + " is not a bf16 number";
           }
         }
       }
@@ -896,7 +898,8 @@ void quantize_fused(bool small) {
       rotation.size = 16;
       rotation.signs = mxscope::sign_policy::none;
       run_case("quantize fused mxfp4 sr undecided sums H16 bf16 " + std::to_string(rows) + "x" + std::to_string(cols) +
-                   " (" + std::to_string(ups) + " up and " + std::to_string(downs) + " down one binade below the skip, " +
+                   " (" + std::to_string(ups) + " up and " + std::to_string(downs) +
+                   " down one binade below the skip, " +
                    std::to_string(skipped) + " skipping blocks)",
                [&] {
                  if (!construction_error.empty()) return construction_error;
