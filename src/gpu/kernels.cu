@@ -815,6 +815,28 @@ __device__ inline std::uint32_t nibble_signs_bf16(const uint4& piece) {
   return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
 }
 
+// The largest and smallest magnitude of a bf16 block as read, as the bf16 bit patterns (two
+// magnitudes per word, compared per halfword: the same order as their values).
+struct bf16_extremes {
+  std::uint32_t largest;
+  std::uint32_t smallest;
+};
+template <int Pieces>
+__device__ __forceinline__ bf16_extremes bf16_block_extremes(const uint4 (&pieces)[Pieces]) {
+  std::uint32_t high = 0, low = 0xFFFFFFFFU;
+#pragma unroll
+  for (int j = 0; j < Pieces; ++j) {
+    const std::uint32_t words4[4] = {pieces[j].x, pieces[j].y, pieces[j].z, pieces[j].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      high = fast_encode::max_u16x2(high, words4[w] & 0x7FFF7FFFU);
+      low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
+    }
+  }
+  return {(high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16,
+          (low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16};
+}
+
 // Nonzero magnitudes among the 32 fp4 codes of a block's 4 code words (bit 3 of each nibble is the
 // sign): in each word, (nibble | 8) - 1 = 7 + magnitude has bit 3 set exactly when the magnitude is
 // nonzero (no borrow leaves a nibble), the four words' flags are moved to bits 3, 2, 1 and 0 of the
@@ -937,17 +959,11 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   float v[fused_block];
   unpack_pieces(mine, v);
   float pair_high = 0.0f, pair_low = core_ns::bits_float(0x7F800000U);  // folded: fwht_with_extremes
-  // Folded sr: the least bf16 magnitude pattern among the block's inputs (the undecided check's skip).
+  // Folded sr: the least bf16 magnitude pattern among the block's inputs (the undecided check's skip;
+  // the unused largest costs nothing).
   std::uint32_t least_input = 0;
   if constexpr (folded > 0 && Encoder == fused_encoder::fp4_stochastic && Summed) {
-    std::uint32_t low = 0xFFFFFFFFU;
-#pragma unroll
-    for (int j = 0; j < pieces; ++j) {
-      const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
-    }
-    least_input = (low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16;
+    least_input = bf16_block_extremes(mine).smallest;
   }
   if constexpr (Rotation > 0) {
     // The caller's read-ahead: block refill_block goes into `refill` (where `loaded` came from) once
@@ -957,8 +973,6 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
       for (int j = 0; j < pieces; ++j) refill[j] = source[refill_block * pieces + j];
     }
-  }
-  if constexpr (Rotation > 0) {
     // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
     if (signs != nullptr) {
       const float4* block_signs = reinterpret_cast<const float4*>(signs + (g % blocks_per_row) * fused_block);
@@ -985,19 +999,10 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   std::uint32_t largest = 0;
   std::uint32_t smallest = 0xFFFFFFFFU;
   if constexpr (Rotation == 0 && sizeof(Input) == 2) {
-    // bf16 as read: two magnitudes per word, compared per halfword (the same order as fp32 bits).
-    std::uint32_t high = 0, low = 0xFFFFFFFFU;
-#pragma unroll
-    for (int j = 0; j < pieces; ++j) {
-      const std::uint32_t words4[4] = {mine[j].x, mine[j].y, mine[j].z, mine[j].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        high = fast_encode::max_u16x2(high, words4[w] & 0x7FFF7FFFU);
-        low = fast_encode::min_u16x2(low, words4[w] & 0x7FFF7FFFU);
-      }
-    }
-    largest = ((high & 0xFFFFU) > (high >> 16) ? high & 0xFFFFU : high >> 16) << 16;
-    smallest = ((low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16) << 16;
+    // bf16 as read (bf16 patterns order as the fp32 ones they widen to).
+    const bf16_extremes extremes = bf16_block_extremes(mine);
+    largest = extremes.largest << 16;
+    smallest = extremes.smallest << 16;
   } else if constexpr (folded > 0) {
     largest = core_ns::float_bits(pair_high);
     smallest = core_ns::float_bits(pair_low);
@@ -1256,30 +1261,26 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
     uint4 next[pieces];
 #pragma unroll
     for (int j = 0; j < pieces; ++j) next[j] = g < blocks ? source[g * pieces + j] : uint4{};
-    if constexpr (Rotation > 0) {
-      // Rotated blocks refill `next` inside encode_fused_block, right after reading it: no copies
-      // and no second buffer (the last block reads itself again).
-      for (; g < blocks; g += stride) {
-        if (!encode_fused_block<Input, Rotation, Encoder, true>(input, next, g, blocks_per_row, plan, keys, signs,
-                                                               output, counts, next,
-                                                               g + stride < blocks ? g + stride : g)) {
-          const fused_counts again =
-              fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
+    for (; g < blocks; g += stride) {
+      bool encoded = false;
+      if constexpr (Rotation > 0) {
+        // Rotated blocks refill `next` inside encode_fused_block, right after reading it: no copies
+        // and no second buffer (the last block reads itself again).
+        encoded = encode_fused_block<Input, Rotation, Encoder, true>(input, next, g, blocks_per_row, plan, keys,
+                                                                     signs, output, counts, next,
+                                                                     g + stride < blocks ? g + stride : g);
+      } else {
+        uint4 mine[pieces];
 #pragma unroll
-          for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+        for (int j = 0; j < pieces; ++j) mine[j] = next[j];
+        if (g + stride < blocks) {
+#pragma unroll
+          for (int j = 0; j < pieces; ++j) next[j] = source[(g + stride) * pieces + j];
         }
+        encoded = encode_fused_block<Input, Rotation, Encoder, true>(input, mine, g, blocks_per_row, plan, keys,
+                                                                     signs, output, counts);
       }
-    }
-    for (; Rotation == 0 && g < blocks; g += stride) {
-      uint4 mine[pieces];
-#pragma unroll
-      for (int j = 0; j < pieces; ++j) mine[j] = next[j];
-      if (g + stride < blocks) {
-#pragma unroll
-        for (int j = 0; j < pieces; ++j) next[j] = source[(g + stride) * pieces + j];
-      }
-      if (!encode_fused_block<Input, Rotation, Encoder, true>(input, mine, g, blocks_per_row, plan, keys, signs, output,
-                                                             counts)) {
+      if (!encoded) {
         const fused_counts again =
             fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
 #pragma unroll
