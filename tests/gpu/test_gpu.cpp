@@ -17,6 +17,7 @@
 //   --only   run the suites whose name contains SUITE (e.g. "gemm", "quantize", "reference")
 //   --seed S replay a run (the seed is printed at the start; MXSCOPE_GPU_TEST_SEED works too)
 #include <algorithm>
+#include <optional>
 #include <array>
 #include <chrono>
 #include <cinttypes>
@@ -653,6 +654,28 @@ void quantize_per_tensor_energies(bool small) {
 
 // The fused one-pass quantizer (axis 1, block 32, rotation none / 16 / 32) on fp32 and bf16 inputs, and
 // the generic path on the same inputs (bf16 widening and rotation through an fp32 copy).
+// An sr case (mxfp4, blocks of 32 along rows, floor rule, 32 random bits) on the first of 64
+// successive seeds whose input has what the case needs: build(options, input, state) fills `input`
+// (from the seed's stream and the generator `state`) and returns the detail for the case's name,
+// or std::nullopt where the seed fell short; check(options, input) is then the case. Where no seed
+// does, the case fails saying `short_of`.
+template <class Build, class Check>
+void run_on_first_fitting_seed(const std::string& name, const std::string& short_of, std::int64_t rows,
+                               std::int64_t cols, Build&& build, Check&& check) {
+  std::uint64_t seed = next_seed();
+  for (int attempt = 0; attempt < 64; ++attempt, ++seed) {
+    const auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+    matrix input(rows, cols);
+    std::uint64_t state = seed + 3;
+    const std::optional<std::string> detail = build(options, input, state);
+    if (!detail) continue;
+    run_case(name + " " + std::to_string(rows) + "x" + std::to_string(cols) + " (" + *detail + ")",
+             [&] { return check(options, input); });
+    return;
+  }
+  run_case(name, [&] { return short_of; });
+}
+
 void quantize_fused(bool small) {
   int index = 0;
   for (int format = 0; format < 6; ++format) {
@@ -760,55 +783,44 @@ void quantize_fused(bool small) {
   //      so (w & 1023) >= 512 rounds it up, which the sum's carry cannot see.
   // A and B sit in blocks that skip the check and must round down; a C block must take the check.
   // The seed is advanced until each kind occurs (and C both ways).
-  {
-    ++index;
-    std::uint64_t seed = next_seed();
-    const std::int64_t rows = 96, cols = 32 * 128;
-    for (int attempt = 0;; ++attempt, ++seed) {
-      auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
-      matrix input(rows, cols);
-      std::uint64_t state = seed + 3;
-      int a_kind = 0, b_kind = 0, c_up = 0, c_down = 0;
-      for (std::int64_t n = 0; n < input.size(); ++n) {
-        float& v = input.values[static_cast<std::size_t>(n)];
-        const std::uint64_t r = split_mix(state);
-        const float sign = (r & 1) != 0 ? -1.0f : 1.0f;
-        if (n % 32 < 2) {
-          v = sign * (n % 32 == 0 ? 4.0f : 7.0f);
-          continue;
+  ++index;
+  run_on_first_fitting_seed(
+      "quantize fused mxfp4 sr undecided sums bf16", "no seed gave every kind of element in 64 attempts", 96,
+      32 * 128,
+      [&](const mxscope::quantize_options& options, matrix& input, std::uint64_t& state) -> std::optional<std::string> {
+        int a_kind = 0, b_kind = 0, c_up = 0, c_down = 0;
+        for (std::int64_t n = 0; n < input.size(); ++n) {
+          float& v = input.values[static_cast<std::size_t>(n)];
+          const std::uint64_t r = split_mix(state);
+          const float sign = (r & 1) != 0 ? -1.0f : 1.0f;
+          if (n % 32 < 2) {
+            v = sign * (n % 32 == 0 ? 4.0f : 7.0f);
+            continue;
+          }
+          const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(n));
+          const std::uint32_t rest = 0x3fffffU - (word >> 10);
+          if (rest % 0x8000U == 0) {
+            v = 0.5f + static_cast<float>(rest >> 15) / 256.0f;
+            ++a_kind;
+          } else if (rest >= 128 && rest < 256) {
+            v = std::ldexp(static_cast<float>(rest), -23);
+            ++b_kind;
+          } else if (rest >= 64 && rest < 128) {
+            v = std::ldexp(static_cast<float>(2 * rest + 1), -24);
+            ((word & 0x3ffU) >= 0x200U ? c_up : c_down) += 1;
+          } else {  // 2^(k - 7) (128 + f), -16 <= k <= 1
+            const int k = -16 + static_cast<int>((r >> 1) % 18);
+            v = std::ldexp(static_cast<float>(128 + ((r >> 8) & 0x7f)), k - 7);
+          }
+          v *= sign;
         }
-        const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(n));
-        const std::uint32_t rest = 0x3fffffU - (word >> 10);
-        if (rest % 0x8000U == 0) {
-          v = 0.5f + static_cast<float>(rest >> 15) / 256.0f;
-          ++a_kind;
-        } else if (rest >= 128 && rest < 256) {
-          v = std::ldexp(static_cast<float>(rest), -23);
-          ++b_kind;
-        } else if (rest >= 64 && rest < 128) {
-          v = std::ldexp(static_cast<float>(2 * rest + 1), -24);
-          ((word & 0x3ffU) >= 0x200U ? c_up : c_down) += 1;
-        } else {  // 2^(k - 7) (128 + f), -16 <= k <= 1
-          const int k = -16 + static_cast<int>((r >> 1) % 18);
-          v = std::ldexp(static_cast<float>(128 + ((r >> 8) & 0x7f)), k - 7);
-        }
-        v *= sign;
-      }
-      if (a_kind < 2 || b_kind < 2 || c_up < 1 || c_down < 1) {
-        if (attempt < 64) continue;
-        run_case("quantize fused mxfp4 sr undecided sums bf16", [&] {
-          return std::string("no seed gave every kind of element in 64 attempts");
-        });
-        break;
-      }
-      mxscope::rotation_options none;
-      run_case("quantize fused mxfp4 sr undecided sums bf16 " + std::to_string(rows) + "x" + std::to_string(cols) +
-                   " (" + std::to_string(a_kind) + " + " + std::to_string(b_kind) + " carry-decided, " +
-                   std::to_string(c_up) + " up and " + std::to_string(c_down) + " down below 2^(e - 16))",
-               [&] { return check_quantize(input, true, options, none, gpu::quantize_path::fused); });
-      break;
-    }
-  }
+        if (a_kind < 2 || b_kind < 2 || c_up < 1 || c_down < 1) return std::nullopt;
+        return std::to_string(a_kind) + " + " + std::to_string(b_kind) + " carry-decided, " + std::to_string(c_up) +
+               " up and " + std::to_string(c_down) + " down below 2^(e - 16)";
+      },
+      [&](const mxscope::quantize_options& options, const matrix& input) {
+        return check_quantize(input, true, options, mxscope::rotation_options{}, gpu::quantize_path::fused);
+      });
   // H16 on bf16 (signs none): a block whose least input magnitude has an exponent field of at least
   // e + 113 skips the undecided check (every rotated value, 4x as the kernel keeps it, is then a
   // multiple of 2^(e + 2 - 23), so F 2^32 has no bits below 2^10). Each block: elements 0..15 all
@@ -822,91 +834,82 @@ void quantize_fused(bool small) {
   // (field 113: they skip the check; t' - t a multiple of 2^-21, so the carry decides exactly).
   // Only a t' = t + D 2^-22 of 8 significant bits is a bf16 number: blocks are taken where some
   // output's word allows one. The host checks each built output against the rotation itself.
+  ++index;
   {
-    ++index;
-    std::uint64_t seed = next_seed();
-    const std::int64_t rows = 16, cols = 32 * 128;
-    for (int attempt = 0;; ++attempt, ++seed) {
-      auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
-      matrix input(rows, cols);
-      std::uint64_t state = seed + 3;
-      int ups = 0, downs = 0, skipped = 0;
-      std::string construction_error;
-      for (std::int64_t g = 0; g < input.size() / 32; ++g) {
-        float* block = input.values.data() + g * 32;
-        for (int i = 0; i < 16; ++i) block[i] = 1.0f;
-        // An output k (1..15) of the second half and an odd m whose t' has 8 significant bits.
-        int found_k = -1;
-        std::uint32_t found_m = 0, found_d = 0;
-        for (int k = 1; k < 16 && found_k < 0; ++k) {
-          const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + k));
-          const std::uint32_t d = 2U * (0x3fffffU - (word >> 10)) + 1U;
-          for (std::uint32_t m = 129; m < 256; m += 2) {
-            std::uint32_t sum = m + d;
-            while (sum % 2 == 0) sum /= 2;
-            if (sum < 256) {
-              found_k = k;
-              found_m = m;
-              found_d = d;
-              break;
+    std::string construction_error;
+    mxscope::rotation_options h16;
+    h16.size = 16;
+    h16.signs = mxscope::sign_policy::none;
+    run_on_first_fitting_seed(
+        "quantize fused mxfp4 sr undecided sums H16 bf16", "no seed gave 3 undecided sums each way in 64 attempts",
+        16, 32 * 128,
+        [&](const mxscope::quantize_options& options, matrix& input,
+            std::uint64_t& state) -> std::optional<std::string> {
+          int ups = 0, downs = 0, skipped = 0;
+          construction_error.clear();
+          for (std::int64_t g = 0; g < input.size() / 32; ++g) {
+            float* block = input.values.data() + g * 32;
+            for (int i = 0; i < 16; ++i) block[i] = 1.0f;
+            // An output k (1..15) of the second half and an odd m whose t' has 8 significant bits.
+            int found_k = -1;
+            std::uint32_t found_m = 0, found_d = 0;
+            for (int k = 1; k < 16 && found_k < 0; ++k) {
+              const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + k));
+              const std::uint32_t d = 2U * (0x3fffffU - (word >> 10)) + 1U;
+              for (std::uint32_t m = 129; m < 256; m += 2) {
+                std::uint32_t sum = m + d;
+                while (sum % 2 == 0) sum /= 2;
+                if (sum < 256) {
+                  found_k = k;
+                  found_m = m;
+                  found_d = d;
+                  break;
+                }
+              }
+            }
+            const std::uint64_t r = split_mix(state);
+            const int j = 1 + static_cast<int>(r % 15);  // where t' sits in the second half
+            if (found_k >= 0) {
+              const float t = std::ldexp(static_cast<float>(found_m), -22);
+              for (int i = 16; i < 32; ++i) block[i] = t;
+              block[16 + j] = std::ldexp(static_cast<float>(found_m + found_d), -22);
+              // The rotation as the core does it: output found_k must be +-D 2^-22, 4x as the kernel
+              // keeps it, and its sum undecided.
+              float rotated[16];
+              std::copy(block + 16, block + 32, rotated);
+              core::rotate_segment(rotated, 16, nullptr);
+              const double kept = std::fabs(4.0 * static_cast<double>(rotated[found_k]));
+              const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + found_k));
+              const double units = std::ldexp(kept, 22 - 1);  // F 2^22 on the grid spacing 2 (kept < 2)
+              if (kept >= 2.0 || std::floor(units) + static_cast<double>(word >> 10) != 4194303.0 ||
+                  units == std::floor(units)) {
+                construction_error = "block " + std::to_string(g) + ": output " + std::to_string(found_k) +
+                                     " is not an undecided sum";
+              }
+              ((word & 0x3ffU) >= 0x200U ? ups : downs) += 1;
+            } else {
+              const std::uint32_t m = 129U + 2U * static_cast<std::uint32_t>((r >> 8) % 64);
+              const float t = std::ldexp(static_cast<float>(m), -21);
+              for (int i = 16; i < 32; ++i) block[i] = t;
+              const int binade = -21 + static_cast<int>((r >> 30) % 8);
+              block[16 + j] = std::ldexp(static_cast<float>(128 + ((r >> 20) & 0x7f)), binade);
+              ++skipped;
+            }
+            for (int i = 0; i < 32; ++i) {
+              if (test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(block[i])) != block[i]) {
+                construction_error =
+                    "block " + std::to_string(g) + " element " + std::to_string(i) + " is not a bf16 number";
+              }
             }
           }
-        }
-        const std::uint64_t r = split_mix(state);
-        const int j = 1 + static_cast<int>(r % 15);  // where t' sits in the second half
-        if (found_k >= 0) {
-          const float t = std::ldexp(static_cast<float>(found_m), -22);
-          for (int i = 16; i < 32; ++i) block[i] = t;
-          block[16 + j] = std::ldexp(static_cast<float>(found_m + found_d), -22);
-          // The rotation as the core does it: output found_k must be +-D 2^-22, 4x as the kernel
-          // keeps it, and its sum undecided.
-          float rotated[16];
-          std::copy(block + 16, block + 32, rotated);
-          core::rotate_segment(rotated, 16, nullptr);
-          const double kept = std::fabs(4.0 * static_cast<double>(rotated[found_k]));
-          const std::uint32_t word = options.stream.word(static_cast<std::uint64_t>(g * 32 + 16 + found_k));
-          const double units = std::ldexp(kept, 22 - 1);  // F 2^22 on the grid spacing 2 (kept < 2)
-          if (kept >= 2.0 || std::floor(units) + static_cast<double>(word >> 10) != 4194303.0 ||
-              units == std::floor(units)) {
-            construction_error = "block " + std::to_string(g) + ": output " + std::to_string(found_k) +
-                                 " is not an undecided sum";
-          }
-          ((word & 0x3ffU) >= 0x200U ? ups : downs) += 1;
-        } else {
-          const std::uint32_t m = 129U + 2U * static_cast<std::uint32_t>((r >> 8) % 64);
-          const float t = std::ldexp(static_cast<float>(m), -21);
-          for (int i = 16; i < 32; ++i) block[i] = t;
-          const int binade = -21 + static_cast<int>((r >> 30) % 8);
-          block[16 + j] = std::ldexp(static_cast<float>(128 + ((r >> 20) & 0x7f)), binade);
-          ++skipped;
-        }
-        for (int i = 0; i < 32; ++i) {
-          if (test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(block[i])) != block[i]) {
-            construction_error =
-                "block " + std::to_string(g) + " element " + std::to_string(i) + " is not a bf16 number";
-          }
-        }
-      }
-      if ((ups < 3 || downs < 3 || skipped < 16) && construction_error.empty()) {
-        if (attempt < 64) continue;
-        run_case("quantize fused mxfp4 sr undecided sums H16 bf16", [&] {
-          return std::string("no seed gave 3 undecided sums each way in 64 attempts");
+          if ((ups < 3 || downs < 3 || skipped < 16) && construction_error.empty()) return std::nullopt;
+          return std::to_string(ups) + " up and " + std::to_string(downs) + " down one binade below the skip, " +
+                 std::to_string(skipped) + " skipping blocks";
+        },
+        [&](const mxscope::quantize_options& options, const matrix& input) {
+          if (!construction_error.empty()) return construction_error;
+          return check_quantize(input, true, options, h16, gpu::quantize_path::fused);
         });
-        break;
-      }
-      mxscope::rotation_options rotation;
-      rotation.size = 16;
-      rotation.signs = mxscope::sign_policy::none;
-      run_case("quantize fused mxfp4 sr undecided sums H16 bf16 " + std::to_string(rows) + "x" + std::to_string(cols) +
-                   " (" + std::to_string(ups) + " up and " + std::to_string(downs) +
-                   " down one binade below the skip, " +
-                   std::to_string(skipped) + " skipping blocks)",
-               [&] {
-                 if (!construction_error.empty()) return construction_error;
-                 return check_quantize(input, true, options, rotation, gpu::quantize_path::fused);
-               });
-      break;
-    }
   }
   // sr blocks on both sides of the fp32 saturation flags' range (grid exponent -105) and of the
   // anchored sum's (grid exponent 23; fast_encode::fp4_stochastic_anchored_covers): outside them
