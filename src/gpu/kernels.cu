@@ -837,6 +837,28 @@ __device__ __forceinline__ bf16_extremes bf16_block_extremes(const uint4 (&piece
           (low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16};
 }
 
+// The least magnitude of a bf16 block as read, as a bf16 bit pattern. On sm_90 one bf16x2
+// minimum of magnitudes per word (min.xorsign.abs: the minimum of |x| and |y| per half, its sign
+// bit the halves' signs' xor, cleared at the end), 15 instructions where masking the signs off
+// first takes 16 more; elsewhere bf16_block_extremes. NaN halves are passed over (those blocks are
+// non-finite after the rotation and take no code from this encoder).
+template <int Pieces>
+__device__ __forceinline__ std::uint32_t bf16_least_magnitude(const uint4 (&pieces)[Pieces]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP__)
+  std::uint32_t low = pieces[0].x;
+#pragma unroll
+  for (int j = 0; j < Pieces; ++j) {
+    const std::uint32_t words4[4] = {pieces[j].x, pieces[j].y, pieces[j].z, pieces[j].w};
+#pragma unroll
+    for (int w = j == 0 ? 1 : 0; w < 4; ++w) asm("min.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(low) : "r"(words4[w]));
+  }
+  low &= 0x7FFF7FFFU;
+  return (low & 0xFFFFU) < (low >> 16) ? low & 0xFFFFU : low >> 16;
+#else
+  return bf16_block_extremes(pieces).smallest;
+#endif
+}
+
 // Nonzero magnitudes among the 32 fp4 codes of a block's 4 code words (bit 3 of each nibble is the
 // sign): in each word, (nibble | 8) - 1 = 7 + magnitude has bit 3 set exactly when the magnitude is
 // nonzero (no borrow leaves a nibble), the four words' flags are moved to bits 3, 2, 1 and 0 of the
@@ -855,14 +877,24 @@ __device__ inline unsigned nonzero_fp4_magnitudes(const std::uint32_t (&words)[8
 }
 
 // core::fwht on one segment of `Size` elements (the same additions in the same stages), which also
-// folds the magnitudes of its output into `high` (largest, NaN if any is) and `low` (smallest)
-// from the last stage's pairs: the outputs a + c and a - c of a pair have the magnitudes
-// fl(|a| + |c|) and |fl(|a| - |c|)| (rounding is monotone and symmetric), so one fp32 addition per
-// pair and per extreme replaces two comparisons on the integer pipe. Where a + c or a - c is
-// inf - inf (NaN), |a| + |c| is inf, still at or above the infinity pattern, and |a| - |c| is NaN,
-// which fminf passes over: the other output is nonzero then. A zero output makes |a| = |c|.
+// folds the magnitudes of its output into `high` and `zero` from the last stage's pairs: the outputs
+// a + c and a - c of a pair have the magnitudes s = fl(|a| + |c|) and |d| with d = fl(|a| - |c|)
+// (rounding is monotone and symmetric), so one fp32 addition per pair and per extreme replaces two
+// comparisons per element, and the comparisons go on the bit patterns, two pairs per instruction
+// (a three-way unsigned maximum or minimum on sm_90; ptxas fuses the two-way ones):
+// - high: the largest pattern of s, which orders as the value (s >= 0); a NaN s (a NaN input) is a
+//   positive NaN pattern, above infinity's, and where a + c or a - c is inf - inf (NaN), s is inf.
+//   So high is the largest output magnitude when below infinity's pattern, else the block holds a
+//   non-finite output.
+// - zero: the least pattern of d, 0 exactly when an output is zero: a + c or a - c is zero exactly
+//   when |a| = |c| (both finite; fp32 addition is exact near zero), and then d = |a| - |a| = +0,
+//   whose pattern is 0; any other d, negative, NaN (inf - inf: the outputs are inf and NaN) or
+//   positive, has a nonzero pattern.
+__device__ __forceinline__ std::uint32_t max_u32(std::uint32_t a, std::uint32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ std::uint32_t min_u32(std::uint32_t a, std::uint32_t b) { return a < b ? a : b; }
+
 template <int Size>
-__device__ inline void fwht_with_extremes(float* v, float& high, float& low) {
+__device__ inline void fwht_with_extremes(float* v, std::uint32_t& high, std::uint32_t& zero) {
 #pragma unroll
   for (int half = 1; half < Size / 2; half *= 2) {
 #pragma unroll
@@ -880,8 +912,8 @@ __device__ inline void fwht_with_extremes(float* v, float& high, float& low) {
   for (int j = 0; j < Size / 2; ++j) {
     const float a = v[j];
     const float c = v[j + Size / 2];
-    high = max_or_nan(high, fabsf(a) + fabsf(c));
-    low = fminf(low, fabsf(fabsf(a) - fabsf(c)));
+    high = max_u32(high, core_ns::float_bits(fabsf(a) + fabsf(c)));
+    zero = min_u32(zero, core_ns::float_bits(fabsf(a) - fabsf(c)));
     v[j] = a + c;
     v[j + Size / 2] = a - c;
   }
@@ -958,12 +990,12 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   for (int j = 0; j < pieces; ++j) mine[j] = loaded != nullptr ? loaded[j] : source[g * pieces + j];
   float v[fused_block];
   unpack_pieces(mine, v);
-  float pair_high = 0.0f, pair_low = core_ns::bits_float(0x7F800000U);  // folded: fwht_with_extremes
+  std::uint32_t pair_high = 0, pair_zero = 0xFFFFFFFFU;  // folded: fwht_with_extremes
   // Folded sr: the least bf16 magnitude pattern among the block's inputs (the undecided check's skip;
   // the unused largest costs nothing).
   std::uint32_t least_input = 0;
   if constexpr (folded > 0 && Encoder == fused_encoder::fp4_stochastic && Summed) {
-    least_input = bf16_block_extremes(mine).smallest;
+    least_input = bf16_least_magnitude(mine);
   }
   if constexpr (Rotation > 0) {
     // The caller's read-ahead: block refill_block goes into `refill` (where `loaded` came from) once
@@ -988,7 +1020,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
     for (int s = 0; s < fused_block / Rotation; ++s) {
       if constexpr (folded > 0) {
-        fwht_with_extremes<Rotation>(v + s * Rotation, pair_high, pair_low);  // v holds 4x the rotated values
+        fwht_with_extremes<Rotation>(v + s * Rotation, pair_high, pair_zero);  // v holds 4x the rotated values
       } else {
         core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
       }
@@ -1004,8 +1036,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     largest = extremes.largest << 16;
     smallest = extremes.smallest << 16;
   } else if constexpr (folded > 0) {
-    largest = core_ns::float_bits(pair_high);
-    smallest = core_ns::float_bits(pair_low);
+    largest = pair_high;
+    smallest = pair_zero;  // 0 exactly where an output is zero, which is all that is asked of it here
   } else {
     // As fp32 values: one instruction each per element (the absolute value is an operand
     // modifier); NaN propagates into the maximum, inf is the largest value anyway.

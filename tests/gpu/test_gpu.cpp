@@ -824,7 +824,9 @@ void quantize_fused(bool small) {
   // H16 on bf16 (signs none): a block whose least input magnitude has an exponent field of at least
   // e + 113 skips the undecided check (every rotated value, 4x as the kernel keeps it, is then a
   // multiple of 2^(e + 2 - 23), so F 2^32 has no bits below 2^10). Each block: elements 0..15 all
-  // 1.0 (outputs 16 and 0: grid exponent e = 0, the kernel's grid 2^2 for 4x the rotation), elements
+  // 2.0 but for a pair 2 p, 2 p + 1 of -2.0 (p = g mod 8; outputs 24, -+8 and 0: grid exponent e = 0, the kernel's
+  // grid 2^2 for 4x the rotation; one negative input in each bf16 half of the words as read, so
+  // that the kernel's least input magnitude must drop the signs it meets), elements
   // 16..31 all t except one t' (outputs 15 t + t' and +-(t' - t)). With t = m 2^-22 (m odd, 129..255:
   // exponent field 112 = e + 112, one below the skip) and t' - t = D 2^-22, an output k of the
   // second half has F 2^22 = D / 2 on the grid's spacing 2: D = 2 n + 1 with
@@ -849,7 +851,7 @@ void quantize_fused(bool small) {
           construction_error.clear();
           for (std::int64_t g = 0; g < input.size() / 32; ++g) {
             float* block = input.values.data() + g * 32;
-            for (int i = 0; i < 16; ++i) block[i] = 1.0f;
+            for (int i = 0; i < 16; ++i) block[i] = i / 2 == g % 8 ? -2.0f : 2.0f;
             // An output k (1..15) of the second half and an odd m whose t' has 8 significant bits.
             int found_k = -1;
             std::uint32_t found_m = 0, found_d = 0;
