@@ -1839,8 +1839,13 @@ bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantize
   const auto integer_max = [](element_kind kind) {
     return core_ns::max_normal(kind) * core_ns::pow2(-core_ns::subnormal_ulp_exponent(kind));
   };
+  // Only the exact model needs the unscaled sum as an fp64 value; fp32-block and fp32-group apply
+  // alpha to the fp32 accumulator, which the MX product computes for any K.
   const double depth = static_cast<double>(a.options.axis == 1 ? a.cols : a.rows);
-  if (depth * integer_max(a.options.format.element) * integer_max(b.options.format.element) >= 0x1p53) return false;
+  if (model.kind == accumulation_kind::exact &&
+      depth * integer_max(a.options.format.element) * integer_max(b.options.format.element) >= 0x1p53) {
+    return false;
+  }
   const auto finite = [](const quantized_tensor& q) {
     const element_kind kind = q.options.format.element;
     bool table[256] = {};

@@ -195,9 +195,10 @@ namespace detail {
 // CPU applies them: alpha = fl32(sa sb) times the fp32 accumulator (then the output rounding), or,
 // for the exact model, the exact unscaled sum times sa sb rounded once to fp32 and fp64. `multiply`
 // computes the MX product with fp32 output (the GPU backend with --device gpu; tests use the CPU).
-// Applies (per_tensor_by_unit_scales_applies) to exact, fp32-block and fp32-group:G with finite
-// elements on both sides and K * max|qa| * max|qb| below 2^53 in units of the elements' subnormal
-// spacing, so that the exact unscaled sum is an fp64 value (fp8 e4m3: any K below 2^17).
+// Applies (per_tensor_by_unit_scales_applies) to fp32-block and fp32-group:G with finite elements
+// on both sides (any K), and to exact where moreover K * max|qa| * max|qb| is below 2^53 in units of
+// the elements' subnormal spacing, so that the exact unscaled sum is an fp64 value (e4m3 x e4m3: any
+// K below 2^17; e5m2 x e4m3: K below 8).
 bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantized_tensor& b,
                                        const accumulation_model& model);
 quantized_tensor unit_scaled_mx(const quantized_tensor& q, int block);
