@@ -942,6 +942,86 @@ TEST(PerTensor, UnitScaledMxProductWithTensorScalesIsTheDirectProduct) {
 // round_scaled_exact against the long accumulator on random sums and scales, and on sums built so
 // that sum * scale rounds in fp64 to an exact fp32 midpoint with a nonzero remainder (where the
 // sign of the remainder decides the fp32 result).
+// The exact model of per-tensor operands whose unscaled sum need not be an fp64 value (an e5m2
+// operand): binade parts multiplied as MX operands (e5m2 against e4m3: three windows carried as
+// e4m3; e5m2 against e5m2: e5m2 parts), then one scaled rounding. Against the per-entry
+// definition (accumulation_path::generic) bit for bit, on data that fills many binades, for every
+// pairing with e5m2, both axes and both output roundings; and on a sum built to need the long
+// accumulator (two parts whose exact total has 64 significant bits).
+TEST(PerTensor, ExactByBinadePartsIsTheDefinition) {
+  struct pairing {
+    std::string_view a, b;
+    std::size_t parts;  // at K = 100 (per_tensor_exact_parts)
+    std::string_view carrier;  // the parts' element format
+  };
+  const mxscope::accumulation_model exact = mxscope::parse_accumulation_model("exact");
+  mxscope::gemm_options generic;
+  generic.path = mxscope::accumulation_path::generic;
+  for (const bool extreme : {false, true}) {
+    const layer_tensors layer = random_layer(100, 36, 28, extreme ? 150 : 151, extreme);
+    for (const auto& [format_a, format_b, parts, carrier] :
+         {pairing{"fp8_e5m2", "fp8_e4m3", 3, "fp8_e4m3"}, pairing{"fp8_e4m3", "fp8_e5m2", 3, "fp8_e4m3"},
+          pairing{"fp8_e5m2", "fp8_e5m2", 3, "fp8_e5m2"}}) {
+      for (const int axis : {0, 1}) {
+        mxscope::quantize_options a_options;
+        a_options.format = *mxscope::parse_format(format_a);
+        a_options.axis = axis;
+        mxscope::quantize_options b_options = a_options;
+        b_options.format = *mxscope::parse_format(format_b);
+        const quantized_tensor a = mxscope::quantize(axis == 0 ? layer.dy : mxscope::transposed(layer.dy), a_options);
+        const quantized_tensor b = mxscope::quantize(axis == 0 ? layer.x : mxscope::transposed(layer.x), b_options);
+        const auto route = mxscope::detail::per_tensor_exact_parts_route(a, b, exact);
+        ASSERT_TRUE(route.has_value()) << format_a << " x " << format_b;
+        ASSERT_EQ(route->parts.size(), parts) << format_a << " x " << format_b;
+        for (const auto& part : route->parts) {
+          EXPECT_EQ(part.kind, mxscope::parse_format(carrier)->element) << format_a << " x " << format_b;
+        }
+        EXPECT_EQ(route->split_a, format_a == "fp8_e5m2");
+        for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+          const std::string what = fmt::format("{} x {} axis {} {}{}", format_a, format_b, axis,
+                                               output == mxscope::output_rounding::bf16 ? "bf16" : "fp32",
+                                               extreme ? " extreme" : "");
+          const auto by_parts = mxscope::emulate_product(a, b, exact, output);
+          const auto definition = mxscope::emulate_product(a, b, exact, output, generic);
+          expect_same_bits(definition.out, by_parts.out, what);
+          ASSERT_EQ(definition.exact.size(), by_parts.exact.size()) << what;
+          for (std::int64_t i = 0; i < definition.exact.size(); ++i) {
+            ASSERT_TRUE(oracle::same(definition.exact.values[i], by_parts.exact.values[i])) << what << " fp64 entry " << i;
+          }
+        }
+      }
+    }
+  }
+  // A sum the parts split at an fp32 midpoint: the high part's 32768^2 + 8^2 = 2^30 + 64 lies halfway
+  // between the fp32 numbers 2^30 and 2^30 + 128, and the low part's 2^-9 2^-16 = 2^-25 decides it
+  // upwards. Their total has 56 significant bits, so it reaches the long accumulator; a rounding of
+  // the parts' fp64 sum, or one part reaching down to 2^-9 (beyond the fp64 bound at K = 5), would
+  // give 2^30. The 57344s (each paired with a zero) make both tensor scales 1.
+  matrix left(5, 1), right(5, 1);
+  const float left_values[5] = {32768.0f, 8.0f, 0x1p-9f, 57344.0f, 0.0f};
+  const float right_values[5] = {32768.0f, 8.0f, 0x1p-16f, 0.0f, 57344.0f};
+  for (std::int64_t k = 0; k < 5; ++k) {
+    left(k, 0) = left_values[k];
+    right(k, 0) = right_values[k];
+  }
+  mxscope::quantize_options options;
+  options.format = *mxscope::parse_format("fp8_e5m2");
+  options.axis = 0;
+  const quantized_tensor qa = mxscope::quantize(left, options);
+  const quantized_tensor qb = mxscope::quantize(right, options);
+  ASSERT_EQ(qa.tensor_scale, 1.0f);
+  ASSERT_EQ(qb.tensor_scale, 1.0f);
+  const auto route = mxscope::detail::per_tensor_exact_parts_route(qa, qb, exact);
+  ASSERT_TRUE(route.has_value());
+  ASSERT_EQ(route->parts.size(), 2U);
+  const auto by_parts = mxscope::emulate_product(qa, qb, exact);
+  const auto definition = mxscope::emulate_product(qa, qb, exact, mxscope::output_rounding::fp32, generic);
+  expect_same_bits(definition.out, by_parts.out, "crafted e5m2 x e5m2 midpoint");
+  EXPECT_EQ(by_parts.out.values[0], 0x1p30f + 128.0f);
+  EXPECT_EQ(by_parts.exact.values[0], 0x1p30 + 64.0);
+  EXPECT_TRUE(oracle::same(definition.exact.values[0], by_parts.exact.values[0]));
+}
+
 TEST(PerTensor, RoundScaledExactIsCorrectlyRounded) {
   std::mt19937_64 generator(144);
   std::uniform_real_distribution<double> unit(0.5, 1.0);

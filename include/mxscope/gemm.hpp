@@ -214,6 +214,43 @@ product_result per_tensor_by_unit_scales(
     const quantized_tensor& a, const quantized_tensor& b, int block, const accumulation_model& model,
     output_rounding output,
     const std::function<product_result(const quantized_tensor&, const quantized_tensor&)>& multiply);
+
+// The exact model of per-tensor operands beyond that bound (an e5m2 operand): the operand of the
+// wider range is cut by binade into parts, each multiplied as an MX operand (element format `kind`,
+// block scales 2^shift, codes value / 2^shift, the other elements +0) with the other operand
+// unit-scaled, so that each part's exact unscaled sum is an fp64 value; the parts' sums then go
+// through one scaled rounding (core::round_scaled_exact where their sum is an fp64 value, else the
+// long accumulator). The result is the exact model's, bit for bit, with any `multiply` that
+// computes the MX exact model.
+struct binade_part {
+  int low;                 // magnitudes in [2^low, 2^high)
+  int high;
+  int shift;               // the part's block scale exponent
+  core::element_kind kind;  // the part's element format
+};
+inline constexpr std::size_t max_binade_parts = 16;
+// The parts of element format `split` against `other` at reduction length `depth`, from the top
+// binade down. Where `other` holds every significand of `split` and K times the two largest
+// integers of `other` stays below 2^53, each part is a window of `other`'s normal binades carried in
+// `other`'s format (e5m2 against e4m3: three parts of e4m3, the pairing the fast paths know);
+// else each part keeps `split`'s format and is as wide as the fp64 bound allows. None where not
+// even one binade fits.
+std::optional<std::vector<binade_part>> per_tensor_exact_parts(core::element_kind split, core::element_kind other,
+                                                              std::int64_t depth);
+// Where per_tensor_exact_by_parts takes the exact model: per-tensor operands with finite elements
+// whose unscaled sum may exceed fp64 (per_tensor_by_unit_scales does not apply) and whose parts
+// exist; `split_a` says which operand is cut.
+struct per_tensor_parts_route {
+  std::vector<binade_part> parts;
+  bool split_a;
+};
+std::optional<per_tensor_parts_route> per_tensor_exact_parts_route(const quantized_tensor& a,
+                                                                   const quantized_tensor& b,
+                                                                   const accumulation_model& model);
+product_result per_tensor_exact_by_parts(
+    const quantized_tensor& a, const quantized_tensor& b, int block, const std::vector<binade_part>& parts,
+    bool split_a, output_rounding output,
+    const std::function<product_result(const quantized_tensor&, const quantized_tensor&)>& multiply);
 }  // namespace detail
 
 // Rotates and quantizes the operands of `kind` as `chosen` says, then emulates the product.
