@@ -1961,25 +1961,23 @@ std::optional<std::vector<binade_part>> per_tensor_exact_parts(element_kind spli
   const int lowest = core_ns::subnormal_ulp_exponent(split);  // the binade of the least subnormal
   const int normal = core_ns::min_normal_exponent(split);
   const int top = core_ns::emax_elem(split) + 1;              // magnitudes below 2^top
-  const auto integer_max_of = [](element_kind kind) {
-    return core_ns::max_normal(kind) * core_ns::pow2(-core_ns::subnormal_ulp_exponent(kind));
-  };
-  const double other_max = integer_max_of(other);
-  std::vector<binade_part> parts;
-  // Carried in `other`'s format: windows of its normal binades [emin, emax], shifted there. Every
-  // value of `split` in the window is a normal number of `other` after the shift (its significand
-  // fits; the top of the window holds at most (2 - 2^-m) 2^emax, `other`'s largest where both have
-  // all-ones significands at the top, checked below), the lowest window's subnormals included
-  // (they are multiples of 2^lowest, at least 2^lowest).
-  const int carrier_low = core_ns::min_normal_exponent(other);
-  const int carrier_width = core_ns::emax_elem(other) + 1 - carrier_low;
-  const bool carried = !core_ns::spec(other).is_integer && !f.is_integer &&
-                       core_ns::spec(other).mantissa_bits >= mantissa && carrier_width > 0 &&
-                       static_cast<double>(depth) * other_max * other_max < 0x1p53;
-  if (carried) {
+  const double other_max = integer_max(other);
+  // Carried in `other`'s format: windows as wide as `other`'s normal binades, each shifted onto
+  // them. Where `other` holds `split`'s significands every value of a window lands on a normal
+  // number of `other` (the lowest window's subnormals too, being multiples of 2^lowest); the loop
+  // checks each code anyway. The parts' integers are then `other`'s, so the fp64 bound is K times
+  // its largest integer squared.
+  const auto carried = [&]() -> std::optional<std::vector<binade_part>> {
+    const auto& g = core_ns::spec(other);
+    const int carrier_low = core_ns::min_normal_exponent(other);
+    const int carrier_width = core_ns::emax_elem(other) + 1 - carrier_low;
+    if (f.is_integer || g.is_integer || g.mantissa_bits < mantissa || carrier_width < 1 ||
+        !(static_cast<double>(depth) * other_max * other_max < 0x1p53)) {
+      return std::nullopt;
+    }
+    std::vector<binade_part> parts;
     for (int low = lowest; low < top; low += carrier_width) {
       const binade_part part{low, std::min(low + carrier_width, top), low - carrier_low, other};
-      // Every value of `split` in the part must have a code of `other` after the shift.
       for (std::uint32_t code = 0; code < (1U << f.bits); ++code) {
         const double value = std::fabs(core_ns::decode(split, code));
         if (!std::isfinite(value) || value < core_ns::pow2(part.low) || value >= core_ns::pow2(part.high)) continue;
@@ -1987,16 +1985,18 @@ std::optional<std::vector<binade_part>> per_tensor_exact_parts(element_kind spli
         if (core_ns::decode(other, core_ns::encode(other, shifted).code) != shifted) return std::nullopt;
       }
       parts.push_back(part);
-      if (parts.size() > max_binade_parts) return std::nullopt;
     }
+    if (parts.size() > max_binade_parts) return std::nullopt;
     return parts;
-  }
+  };
+  if (auto parts = carried()) return parts;
   // In `split`'s own format: a part [2^low, 2^high) is fp64-exact when depth * 2^high /
   // 2^(max(low, normal) - mantissa) * other_max < 2^53 (fl of the product is monotone, so a
   // rounded product at or above 2^53 never hides one below it).
   const auto exact = [&](int low, int high) {
     return static_cast<double>(depth) * other_max * core_ns::pow2(high - std::max(low, normal) + mantissa) < 0x1p53;
   };
+  std::vector<binade_part> parts;
   for (int high = top; high > lowest;) {
     int low = high - 1;
     if (!exact(low, high)) return std::nullopt;  // not even one binade fits
