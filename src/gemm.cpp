@@ -1830,11 +1830,12 @@ namespace detail {
 
 namespace {
 
-// Both operands per-tensor with finite elements only.
-bool per_tensor_finite(const quantized_tensor& a, const quantized_tensor& b) {
-  if (a.options.format.scheme != quant_scheme::per_tensor || b.options.format.scheme != quant_scheme::per_tensor) {
-    return false;
-  }
+bool both_per_tensor(const quantized_tensor& a, const quantized_tensor& b) {
+  return a.options.format.scheme == quant_scheme::per_tensor && b.options.format.scheme == quant_scheme::per_tensor;
+}
+
+// Per-tensor operands with finite elements only.
+bool finite_elements(const quantized_tensor& a, const quantized_tensor& b) {
   const auto finite = [](const quantized_tensor& q) {
     const element_kind kind = q.options.format.element;
     bool table[256] = {};
@@ -1876,29 +1877,23 @@ bool per_tensor_by_unit_scales_applies(const quantized_tensor& a, const quantize
                                        const accumulation_model& model) {
   const bool models = model.kind == accumulation_kind::exact || model.kind == accumulation_kind::fp32_block ||
                       model.kind == accumulation_kind::fp32_group;
-  if (!models) return false;
-  if (a.options.format.scheme != quant_scheme::per_tensor || b.options.format.scheme != quant_scheme::per_tensor) {
-    return false;
-  }
+  if (!models || !both_per_tensor(a, b)) return false;
   // Only the exact model needs the unscaled sum as an fp64 value; fp32-block and fp32-group apply
   // alpha to the fp32 accumulator, which the MX product computes for any K.
   if (model.kind == accumulation_kind::exact && !unscaled_sum_is_fp64(a, b)) return false;
-  return per_tensor_finite(a, b);
+  return finite_elements(a, b);
 }
 
 std::optional<per_tensor_parts_route> per_tensor_exact_parts_route(const quantized_tensor& a,
                                                                    const quantized_tensor& b,
                                                                    const accumulation_model& model) {
-  if (model.kind != accumulation_kind::exact) return std::nullopt;
-  if (a.options.format.scheme != quant_scheme::per_tensor || b.options.format.scheme != quant_scheme::per_tensor) {
-    return std::nullopt;
-  }
+  if (model.kind != accumulation_kind::exact || !both_per_tensor(a, b)) return std::nullopt;
   if (unscaled_sum_is_fp64(a, b)) return std::nullopt;  // per_tensor_by_unit_scales takes it whole
   const element_kind ka = a.options.format.element, kb = b.options.format.element;
   const bool split_a = integer_max(ka) >= integer_max(kb);  // cut the operand of the wider range
   std::optional<std::vector<binade_part>> parts =
       per_tensor_exact_parts(split_a ? ka : kb, split_a ? kb : ka, depth_of(a));
-  if (!parts || !per_tensor_finite(a, b)) return std::nullopt;
+  if (!parts || !finite_elements(a, b)) return std::nullopt;
   return per_tensor_parts_route{std::move(*parts), split_a};
 }
 

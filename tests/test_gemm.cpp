@@ -868,6 +868,19 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
   EXPECT_LT(ordinary_bf16.fallback_entries, ordinary_bf16.out.size() / 4);
 }
 
+// Per-tensor operands that share the reduction axis: dy [K, n_out] and x [K, n_in] along K (axis 0),
+// or their transposes along axis 1.
+std::pair<quantized_tensor, quantized_tensor> per_tensor_operands(const layer_tensors& layer, std::string_view format_a,
+                                                                  std::string_view format_b, int axis) {
+  mxscope::quantize_options a_options;
+  a_options.format = *mxscope::parse_format(format_a);
+  a_options.axis = axis;
+  mxscope::quantize_options b_options = a_options;
+  b_options.format = *mxscope::parse_format(format_b);
+  return {mxscope::quantize(axis == 0 ? layer.dy : mxscope::transposed(layer.dy), a_options),
+          mxscope::quantize(axis == 0 ? layer.x : mxscope::transposed(layer.x), b_options)};
+}
+
 // Per-tensor fp8 operands as the GPU multiplies them (--device gpu): MX operands with the same
 // element codes and every block scale 2^0, then the tensor scales applied on the host. Here the MX
 // product runs on the CPU, so the test checks the reduction itself: it must give the bits of the
@@ -881,15 +894,7 @@ TEST(PerTensor, UnitScaledMxProductWithTensorScalesIsTheDirectProduct) {
     for (const auto& [format_a, format_b] : {pairing{"fp8_e4m3", "fp8_e4m3"}, pairing{"fp8_e5m2", "fp8_e4m3"}}) {
       const bool e5m2 = format_a == "fp8_e5m2";
       for (const int axis : {0, 1}) {
-        mxscope::quantize_options a_options;
-        a_options.format = *mxscope::parse_format(format_a);
-        a_options.axis = axis;
-        mxscope::quantize_options b_options = a_options;
-        b_options.format = *mxscope::parse_format(format_b);
-        // Operands that share the reduction axis: dy [K, n_out] and x [K, n_in] along K (axis 0), or
-        // their transposes along axis 1.
-        const quantized_tensor a = mxscope::quantize(axis == 0 ? layer.dy : mxscope::transposed(layer.dy), a_options);
-        const quantized_tensor b = mxscope::quantize(axis == 0 ? layer.x : mxscope::transposed(layer.x), b_options);
+        const auto [a, b] = per_tensor_operands(layer, format_a, format_b, axis);
         ASSERT_NE(a.tensor_scale, 1.0f);
         for (const std::string_view name : {"fp32-block", "fp32-group:4", "exact"}) {
           const mxscope::accumulation_model model = mxscope::parse_accumulation_model(name);
@@ -963,13 +968,7 @@ TEST(PerTensor, ExactByBinadePartsIsTheDefinition) {
          {pairing{"fp8_e5m2", "fp8_e4m3", 3, "fp8_e4m3"}, pairing{"fp8_e4m3", "fp8_e5m2", 3, "fp8_e4m3"},
           pairing{"fp8_e5m2", "fp8_e5m2", 3, "fp8_e5m2"}}) {
       for (const int axis : {0, 1}) {
-        mxscope::quantize_options a_options;
-        a_options.format = *mxscope::parse_format(format_a);
-        a_options.axis = axis;
-        mxscope::quantize_options b_options = a_options;
-        b_options.format = *mxscope::parse_format(format_b);
-        const quantized_tensor a = mxscope::quantize(axis == 0 ? layer.dy : mxscope::transposed(layer.dy), a_options);
-        const quantized_tensor b = mxscope::quantize(axis == 0 ? layer.x : mxscope::transposed(layer.x), b_options);
+        const auto [a, b] = per_tensor_operands(layer, format_a, format_b, axis);
         const auto route = mxscope::detail::per_tensor_exact_parts_route(a, b, exact);
         ASSERT_TRUE(route.has_value()) << format_a << " x " << format_b;
         ASSERT_EQ(route->parts.size(), parts) << format_a << " x " << format_b;

@@ -358,10 +358,6 @@ int multiprocessor_count() {
 
 }  // namespace
 
-namespace {
-void release_scratch_pool();
-}  // namespace
-
 device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
   if (runtime::malloc(&data_, bytes) != runtime::success) {
