@@ -2155,15 +2155,24 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     on_gpu.product_on_gpu = true;
     return on_gpu;
   }
-  // Per-tensor exact beyond fp64 (an e5m2 operand): the MX exact products of the binade parts on
-  // the GPU, their scaled rounding on the host (detail::per_tensor_exact_by_parts).
+  // Per-tensor exact beyond fp64 (an e5m2 operand): detail::per_tensor_exact_by_parts on the GPU, the
+  // MX exact products of the binade parts kept there and their scaled rounding there too
+  // (gpu::combine_binade_parts). The parts' codes are mapped on the host.
   if (options.device == compute_device::gpu) {
     if (const auto route = detail::per_tensor_exact_parts_route(a, b, model)) {
-      const quantized_tensor a_host = values_only_on_device(a) ? with_host_values(a) : a;
-      const quantized_tensor b_host = values_only_on_device(b) ? with_host_values(b) : b;
-      product_result on_gpu = detail::per_tensor_exact_by_parts(
-          a_host, b_host, block, route->parts, route->split_a, output,
-          [&](const quantized_tensor& x, const quantized_tensor& y) { return gpu::emulate_product(x, y, model); });
+      const quantized_tensor& split = route->split_a ? a : b;
+      const quantized_tensor split_host = values_only_on_device(split) ? with_host_values(split) : split;
+      const quantized_tensor whole = unit_scaled_on_device(route->split_a ? b : a, block);
+      std::vector<device_matrix_ptr> sums;
+      for (const detail::binade_part& part : route->parts) {
+        const quantized_tensor piece = detail::binade_part_operand(split_host, block, part);
+        product_result partial =
+            gpu::emulate_product(route->split_a ? piece : whole, route->split_a ? whole : piece, model,
+                                 output_rounding::fp32, gpu::gemm_path::automatic, true);
+        sums.push_back(std::move(partial.device_exact));
+      }
+      product_result on_gpu =
+          gpu::combine_binade_parts(sums, a.tensor_scale, b.tensor_scale, output, options.keep_on_device);
       on_gpu.product_on_gpu = true;
       return on_gpu;
     }

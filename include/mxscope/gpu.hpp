@@ -388,7 +388,10 @@ bool same_bits(const device_matrix& x, const device_matrix& y);
 // in device memory (quantized_tensor::device_codes, device_scales) are read there, else uploaded. Models: exact,
 // fp32-block, fp32-group:G, fp32-seq (generic path only for fp32-seq). Throws input_error otherwise.
 // keep_on_device: the results stay in device memory (product_result::device_out, device_exact)
-// and the host matrices empty.
+// and the host matrices empty. With gemm_path::automatic, operands that only the generic path
+// covers and whose block scales are all 2^0 (per-tensor operands as unit-scaled MX ones: fp8
+// e5m2 x e4m3) run fp32-block and fp32-group:G on the plain-operand kernel of
+// emulate_plain_product, which computes the same definition with unit block scales.
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,
                                bool keep_on_device = false);
@@ -403,6 +406,15 @@ std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t coun
 // rounded once to fp64 (there) and to fp32 (into device_out, then the output rounding); otherwise
 // device_out times fl32(sa sb), then the output rounding.
 void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output);
+
+// The exact model of per-tensor operands from the exact unscaled sums of their binade parts' MX
+// products (fp64 matrices of one shape in device memory, at most detail::max_binade_parts of them):
+// per entry detail::per_tensor_exact_by_parts's rounding, the same bits (the parts' sums added by
+// TwoSum; where no addition rounded, that sum times sa sb rounded once by core::round_scaled_exact,
+// else every part times the scales into a long accumulator), fp32 with the output rounding and fp64.
+// keep_on_device: the results stay in device memory (product_result::device_out, device_exact).
+product_result combine_binade_parts(const std::vector<std::shared_ptr<const device_matrix>>& sums, float sa, float sb,
+                                    output_rounding output, bool keep_on_device);
 
 // The product of unscaled operands A [M, K] and B [N, K] (fp32 values; bf16 operands as their fp32
 // values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every block

@@ -5938,6 +5938,43 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   return out;
 }
 
+namespace {
+
+__global__ void nonzero_words_kernel(const std::int32_t* words, std::int64_t count, unsigned long long* found) {
+  unsigned long long local = 0;
+  MXSCOPE_GRID_LOOP(i, count) { local += words[i] != 0 ? 1U : 0U; }
+  unsigned long long reduced[1] = {local};
+  constexpr int index[1] = {0};
+  block_reduce_to<false>(reduced, found, index);
+}
+
+// Whether the first `count` int32 words of `words` (device memory) are all zero.
+bool all_zero_words(const device_buffer& words, std::int64_t count) {
+  if (count <= 0) return true;
+  device_buffer found(sizeof(unsigned long long));
+  found.fill_bytes(0);
+  runtime::launch(nonzero_words_kernel, reduction_grid(count), threads_per_block, 0, words.as<const std::int32_t>(),
+                  count, found.as<unsigned long long>());
+  unsigned long long host = 0;
+  found.download(&host, sizeof(host));
+  return host == 0;
+}
+
+// Whether emulate_product takes plain_product_on_device for two operands prepared for the generic
+// path: fp32-block or fp32-group:G, the same depth and block, and every block exponent 0 (the
+// prepared exponents: a NaN block's marker is not 0).
+bool unit_scaled_plain_product(const prepared_operand& left, const prepared_operand& right,
+                               const accumulation_model& model) {
+  const auto& l = left.data();
+  const auto& r = right.data();
+  if (l.path != gemm_path::generic || r.path != gemm_path::generic) return false;
+  if (model.kind != accumulation_kind::fp32_block && model.kind != accumulation_kind::fp32_group) return false;
+  if (l.depth != r.depth || l.block != r.block || l.rows == 0 || r.rows == 0) return false;
+  return all_zero_words(l.exponents, l.blocks * l.rows) && all_zero_words(r.exponents, r.blocks * r.rows);
+}
+
+}  // namespace
+
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output, gemm_path path, bool keep_on_device) {
   for (const quantized_tensor* q : {&a, &b}) {
@@ -5984,7 +6021,18 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
   auto out = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp32);
   auto exact = want_exact ? std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp64)
                           : nullptr;
-  multiply_prepared(left, right, model, output, out->fp32(), want_exact ? exact->fp64() : nullptr, chosen);
+  if (path == gemm_path::automatic && unit_scaled_plain_product(left, right, model)) {
+    // Every block scale 2^0 (per-tensor operands as unit-scaled MX ones) where only the per-entry
+    // kernel covers the formats (fp8 e5m2 x e4m3: block dots of up to 55 bits): the elements are
+    // plain fp32 operands and the model is the same definition with unit block scales, which the
+    // tiled plain-operand kernel computes (fp64 tensor cores on the K-blocks whose dot is exact
+    // there, the per-product kernel for the rest).
+    const auto& l = left.data();
+    plain_product_on_device(l.elements.as<const float>(), right.data().elements.as<const float>(), l.rows,
+                            right.data().rows, l.depth, l.block, model, output, out->fp32());
+  } else {
+    multiply_prepared(left, right, model, output, out->fp32(), want_exact ? exact->fp64() : nullptr, chosen);
+  }
   if (keep_on_device) {
     result.device_out = std::move(out);
     result.device_exact = std::move(exact);
@@ -6038,6 +6086,73 @@ std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t coun
   unsigned long long host = 0;
   found.download(&host, sizeof(host));
   return static_cast<std::int64_t>(host);
+}
+
+namespace {
+
+struct binade_sums_view {
+  const double* sums[mxscope::detail::max_binade_parts];
+  int count;
+};
+
+// detail::per_tensor_exact_by_parts's rounding, per entry (the same steps on the same core functions).
+__global__ void binade_parts_kernel(binade_sums_view parts, std::int64_t entries, float sa, float sb,
+                                    core_ns::tensor_scale_product scale, output_rounding output, float* out,
+                                    double* exact) {
+  MXSCOPE_GRID_LOOP(e, entries) {
+    double sum = 0.0;
+    bool single = true;
+    for (int p = 0; p < parts.count; ++p) {
+      const core_ns::sum_and_error se = core_ns::two_sum(sum, parts.sums[p][e]);
+      sum = se.sum;
+      single = single && se.error == 0.0;
+    }
+    core_ns::scaled_exact_value rounded{};
+    if (single) {
+      rounded = core_ns::round_scaled_exact(sum, sa, sb);
+    } else {
+      core_ns::long_accumulator total;
+      for (int p = 0; p < parts.count; ++p) core_ns::add_scaled_exactly(total, parts.sums[p][e], scale);
+      rounded = {round_total_to_float(total), round_total_to_double(total)};
+    }
+    out[e] = round_output(rounded.fp32, output);
+    exact[e] = rounded.fp64;
+  }
+}
+
+}  // namespace
+
+product_result combine_binade_parts(const std::vector<std::shared_ptr<const device_matrix>>& sums, float sa, float sb,
+                                    output_rounding output, bool keep_on_device) {
+  if (sums.empty() || sums.size() > mxscope::detail::max_binade_parts) {
+    throw std::logic_error("combine_binade_parts: between 1 and max_binade_parts parts");
+  }
+  binade_sums_view view{};
+  view.count = static_cast<int>(sums.size());
+  for (std::size_t p = 0; p < sums.size(); ++p) {
+    const device_matrix& part = *sums[p];
+    if (part.kind() != device_matrix::element::fp64 || part.rows() != sums[0]->rows() ||
+        part.cols() != sums[0]->cols()) {
+      throw std::logic_error("combine_binade_parts: the parts' sums differ in shape or are not fp64");
+    }
+    view.sums[p] = part.fp64();
+  }
+  const std::int64_t rows = sums[0]->rows(), cols = sums[0]->cols();
+  auto out = std::make_shared<device_matrix>(rows, cols, device_matrix::element::fp32);
+  auto exact = std::make_shared<device_matrix>(rows, cols, device_matrix::element::fp64);
+  if (rows * cols > 0) {
+    runtime::launch(binade_parts_kernel, grid_for(rows * cols), threads_per_block, 0, view, rows * cols, sa, sb,
+                    core_ns::make_scale_product(sa, sb), output, out->fp32(), exact->fp64());
+  }
+  product_result result;
+  if (keep_on_device) {
+    result.device_out = std::move(out);
+    result.device_exact = std::move(exact);
+  } else {
+    result.out = out->download32();
+    result.exact = exact->download64();
+  }
+  return result;
 }
 
 void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output) {

@@ -1534,6 +1534,102 @@ void tensor_scale_checks(bool small) {
       }
     }
   }
+  // Unit-scaled e5m2 x e4m3 (the per-tensor fp8 hybrid as the GPU multiplies it) under fp32-block
+  // and fp32-group: only the generic kernel covers the pair, and gemm_path::automatic takes the
+  // plain-operand kernel for unit block scales. Against the host definition, on MX-quantized codes
+  // (wide ones: K-blocks whose dot is not exact in fp64 take the per-product fallback) and on random
+  // codes of both formats (every binade, subnormals, inf and NaN codes).
+  int hybrid = 0;
+  for (const auto& model :
+       {model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::fp32_group, 3)}) {
+    for (const gemm_layout_case& layout : gemm_layouts) {
+      for (int kind = 0; kind <= test_inputs::value_kind_count; ++kind) {
+        ++hybrid;
+        if (small && hybrid % 4 != 1) continue;
+        const std::uint64_t seed = next_seed();
+        const int block = hybrid % 5 == 0 ? 16 : 32;
+        const std::int64_t m = 41 + hybrid % 4, n = 67 + hybrid % 3, k = 64 * (1 + hybrid % 3) + 13 * (hybrid % 2);
+        auto [qa, qb] = make_operands(m, n, k, 4, 3, block, layout,
+                                      static_cast<value_kind>(kind % test_inputs::value_kind_count), seed);
+        const bool random_codes = kind == test_inputs::value_kind_count;
+        std::mt19937_64 random(seed ^ 0x9e3779b97f4a7c15ULL);
+        for (auto* q : {&qa, &qb}) {
+          std::fill(q->scales.begin(), q->scales.end(), std::uint8_t{127});  // 2^0
+          if (random_codes) {
+            for (auto& code : q->codes) code = static_cast<std::uint8_t>(random() % 1000 == 0 ? 0x7F : random() & 0xFF);
+          }
+        }
+        const auto output = hybrid % 3 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const std::string name = std::string("per-tensor e5m2 x e4m3 on the plain kernel ") + model_name(model) + " " +
+                                 layout.name + " " +
+                                 (random_codes ? std::string("random codes")
+                                               : std::string(test_inputs::value_kind_name(static_cast<value_kind>(kind)))) +
+                                 " block " + std::to_string(block);
+        run_case(name, [&]() -> std::string {
+          const mxscope::product_result got = gpu::emulate_product(qa, qb, model, output);
+          return check_product_entries(qa, qb, model, output, gemm_output{got.out, matrix64()}, {},
+                                       name + ", seed " + hex64(seed));
+        });
+      }
+    }
+  }
+  // gpu::combine_binade_parts against the core's steps composed on the host (detail::
+  // per_tensor_exact_by_parts's rounding): parts' sums whose sum is an fp64 value (including
+  // midpoints after scaling) and ones many binades apart, which take the long accumulator.
+  run_case("per-tensor binade parts: combine_binade_parts", []() -> std::string {
+    std::mt19937_64 random(0xb1ade);
+    const float sa = 0x1.34p-5f, sb = 0x1.9ap+3f;
+    const core::tensor_scale_product scale = core::make_scale_product(sa, sb);
+    for (const int count : {1, 2, 3, 16}) {
+      const std::int64_t rows = 37, cols = 53;
+      std::vector<std::shared_ptr<const gpu::device_matrix>> sums;
+      std::vector<matrix64> host;
+      for (int p = 0; p < count; ++p) {
+        matrix64 part(rows, cols);
+        for (auto& value : part.values) {
+          const int choice = static_cast<int>(random() % 6);
+          const double integer = static_cast<double>(random() >> (11 + random() % 40));
+          // Parts of the hybrid hold sums of products of one window: nearby binades (an exact total)
+          // or windows far apart (the long accumulator), zeros and negatives.
+          const int exponent = choice == 0 ? 0 : (choice <= 3 ? -20 * p : 60 * p - 300 + static_cast<int>(random() % 9));
+          value = choice == 5 ? 0.0 : std::ldexp(integer, exponent - 40);
+          if (random() & 1) value = -value;
+        }
+        sums.push_back(std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(part)));
+        host.push_back(std::move(part));
+      }
+      for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+        const mxscope::product_result got = gpu::combine_binade_parts(sums, sa, sb, output, false);
+        for (std::int64_t e = 0; e < rows * cols; ++e) {
+          const auto at = static_cast<std::size_t>(e);
+          double sum = 0.0;
+          bool single = true;
+          for (const matrix64& part : host) {
+            const core::sum_and_error se = core::two_sum(sum, part.values[at]);
+            sum = se.sum;
+            single = single && se.error == 0.0;
+          }
+          core::scaled_exact_value want{};
+          if (single) {
+            want = core::round_scaled_exact(sum, sa, sb);
+          } else {
+            core::long_accumulator total;
+            for (const matrix64& part : host) core::add_scaled_exactly(total, part.values[at], scale);
+            want = {total.round_to_float(), total.round_to_double()};
+          }
+          float want32 = want.fp32;
+          if (output == mxscope::output_rounding::bf16) {
+            want32 = core::bf16_to_float(core::float_to_bf16(want32, core::rounding_mode::rne));
+          }
+          if (!same(want32, got.out.values[at]) || !same(want.fp64, got.exact.values[at])) {
+            return std::to_string(count) + " parts, entry " + std::to_string(e) + ": expected " + show(want32) +
+                   " / " + show(want.fp64) + ", got " + show(got.out.values[at]) + " / " + show(got.exact.values[at]);
+          }
+        }
+      }
+    }
+    return "";
+  });
   // The finiteness check of per-tensor codes left in device memory.
   run_case("per-tensor codes: count_nonfinite_codes", []() -> std::string {
     std::mt19937_64 random(0xc0de5);
