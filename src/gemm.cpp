@@ -1570,7 +1570,30 @@ bool is_unquantized(const quantized_tensor& q) {
   return q.options.format.scheme == quant_scheme::none || q.options.format.scheme == quant_scheme::bf16;
 }
 
-int significand_bits(const quantized_tensor& q) { return q.options.format.scheme == quant_scheme::bf16 ? 8 : 24; }
+// The significant bits of an operand's values: bf16 8, MX float elements theirs (with unit block
+// scales the values are the elements), else fp32's 24.
+int significand_bits(const quantized_tensor& q) {
+  if (q.options.format.scheme == quant_scheme::bf16) return 8;
+  const auto& element = core_ns::spec(q.options.format.element);
+  const auto scheme = q.options.format.scheme;
+  if ((scheme == quant_scheme::mx || scheme == quant_scheme::per_tensor) && !element.is_integer) {
+    return element.mantissa_bits + 1;
+  }
+  return 24;
+}
+
+// Operands whose canonical values are their float elements with every block scale 1: per-tensor
+// operands (the tensor scale is alpha, applied to the accumulator) and MX operands whose block
+// scales are all 2^0 (per-tensor operands as detail::per_tensor_by_unit_scales multiplies them).
+// Their values are short floats, so short_float_product computes fp32-block and fp32-group:G on
+// them as on bf16 values.
+bool unit_scaled_floats(const quantized_tensor& q) {
+  if (core_ns::spec(q.options.format.element).is_integer) return false;
+  if (q.options.format.scheme == quant_scheme::per_tensor) return true;
+  if (q.options.format.scheme != quant_scheme::mx) return false;
+  return std::all_of(q.scales.begin(), q.scales.end(),
+                     [](std::uint8_t code) { return code == core_ns::scale_code(0); });
+}
 
 matrix as_matrix(const canonical_operand& operand) {
   matrix values(operand.rows, operand.depth);
@@ -2261,9 +2284,18 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
       done = true;
     }
     const int short_float_budget = 53 - bits_of(block) - significand_bits(a) - significand_bits(b);
-    if (!done && automatic && unquantized && left.finite && right.finite && short_float_budget >= 0 &&
+    // Per-tensor and unit-scaled MX operands that the integer fast path does not cover (fp8 e5m2 x
+    // e4m3: block dots of up to 55 bits) take the short-float product too: the same definition, the
+    // block dots exact in fp64 wherever the two rows' exponent spreads leave room, per entry
+    // elsewhere; then alpha, as generic_product's epilogue.
+    const bool scaled_floats = !unquantized && !plan && unit_scaled_floats(a) && unit_scaled_floats(b);
+    if (!done && automatic && (unquantized || scaled_floats) && left.finite && right.finite &&
+        short_float_budget >= 0 &&
         (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group)) {
       result.fallback_entries = short_float_product(left, right, short_float_budget, model, result.out);
+      if (scaled_floats) {
+        for (float& value : result.out.values) value = epilogue(value, alpha);
+      }
       done = true;
     }
     if (!done && plan && left.rows > 0 && right.rows > 0) {

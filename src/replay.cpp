@@ -501,7 +501,7 @@ std::uint64_t operand_weight(const quantize_options& options) {
       if (e5m2) return 400;
       return core::spec(options.format.element).bits <= 6 ? 4 : 20;
     case quant_scheme::nvfp4: return 32;
-    case quant_scheme::per_tensor: return e5m2 ? 284 : 32;  // e5m2: 71x since its exact model goes by binade parts
+    case quant_scheme::per_tensor: return e5m2 ? 76 : 32;  // e5m2: 19x (binade parts, short-float blocks)
     default: return 10;  // bf16 and fp32
   }
 }

@@ -1021,6 +1021,66 @@ TEST(PerTensor, ExactByBinadePartsIsTheDefinition) {
   EXPECT_TRUE(oracle::same(definition.exact.values[0], by_parts.exact.values[0]));
 }
 
+// fp32-block and fp32-group on per-tensor operands the integer fast path does not cover (an e5m2
+// operand): the short-float product (fp64 block dots where the rows' exponent spreads allow, the
+// per-entry definition elsewhere, then alpha) against the per-entry definition itself.
+TEST(PerTensor, ShortFloatBlocksAreTheDefinition) {
+  struct pairing {
+    std::string_view a, b;
+  };
+  mxscope::gemm_options generic;
+  generic.path = mxscope::accumulation_path::generic;
+  for (const bool extreme : {false, true}) {
+    const layer_tensors layer = random_layer(100, 36, 28, extreme ? 160 : 161, extreme);
+    for (const auto& [format_a, format_b] : {pairing{"fp8_e5m2", "fp8_e4m3"}, pairing{"fp8_e4m3", "fp8_e5m2"},
+                                             pairing{"fp8_e5m2", "fp8_e5m2"}}) {
+      for (const int axis : {0, 1}) {
+        const auto [a, b] = per_tensor_operands(layer, format_a, format_b, axis);
+        ASSERT_NE(a.tensor_scale, 1.0f);
+        for (const std::string_view name : {"fp32-block", "fp32-group:3"}) {
+          const mxscope::accumulation_model model = mxscope::parse_accumulation_model(name);
+          for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+            const std::string what = fmt::format("{} x {} axis {} {} {}{}", format_a, format_b, axis, name,
+                                                 output == mxscope::output_rounding::bf16 ? "bf16" : "fp32",
+                                                 extreme ? " extreme" : "");
+            const auto fast = mxscope::emulate_product(a, b, model, output);
+            const auto definition = mxscope::emulate_product(a, b, model, output, generic);
+            expect_same_bits(definition.out, fast.out, what);
+          }
+        }
+      }
+    }
+  }
+  // One block whose exact dot needs 55 bits: thirty products 57344 x 448, one 32 x 1 and one
+  // 2^-16 x 2^-9. The first 31 sum to 770703392, halfway between the fp32 numbers 770703360 and
+  // 770703424, and 2^-25 decides it upwards; an fp64 sum of the block would round that 2^-25 away
+  // and give 770703360 (ties to even). The rows' spreads (31 and 17 binades) exceed the budget, so
+  // the entry is redone by the definition, which the fallback count shows.
+  matrix left(32, 1), right(32, 1);
+  for (std::int64_t k = 0; k < 30; ++k) {
+    left(k, 0) = 57344.0f;
+    right(k, 0) = 448.0f;
+  }
+  left(30, 0) = 32.0f;
+  right(30, 0) = 1.0f;
+  left(31, 0) = 0x1p-16f;
+  right(31, 0) = 0x1p-9f;
+  mxscope::quantize_options options;
+  options.format = *mxscope::parse_format("fp8_e5m2");
+  options.axis = 0;
+  const quantized_tensor qa = mxscope::quantize(left, options);
+  options.format = *mxscope::parse_format("fp8_e4m3");
+  const quantized_tensor qb = mxscope::quantize(right, options);
+  ASSERT_EQ(qa.tensor_scale, 1.0f);
+  ASSERT_EQ(qb.tensor_scale, 1.0f);
+  const mxscope::accumulation_model block = mxscope::parse_accumulation_model("fp32-block");
+  const auto fast = mxscope::emulate_product(qa, qb, block);
+  const auto definition = mxscope::emulate_product(qa, qb, block, mxscope::output_rounding::fp32, generic);
+  EXPECT_EQ(definition.out.values[0], 770703424.0f);
+  EXPECT_EQ(fast.out.values[0], 770703424.0f);
+  EXPECT_EQ(fast.fallback_entries, 1);
+}
+
 TEST(PerTensor, RoundScaledExactIsCorrectlyRounded) {
   std::mt19937_64 generator(144);
   std::uniform_real_distribution<double> unit(0.5, 1.0);
