@@ -2160,6 +2160,49 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
 #endif
   }
 #ifdef MXSCOPE_HAVE_CUDA
+  // NVFP4 x NVFP4 with finite block scales: each element times its block scale is an integer of at
+  // most 8 bits times the block's power of two, so fp32-block and fp32-group:G are the integer
+  // path's products of those operands (gpu::prepare_nvfp4) times alpha = fl32(sa sb)
+  // (gpu::apply_tensor_scales, as generic_product's epilogue); and those block-scaled values are
+  // exact fp32 numbers, so `exact` is their exact reference with every exact sum times sa sb before
+  // the one rounding (gpu::scaled_reference_gemm, as add_scaled_exactly here).
+  if (options.device == compute_device::gpu && a.options.format.scheme == quant_scheme::nvfp4 &&
+      b.options.format.scheme == quant_scheme::nvfp4 &&
+      (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
+       (model.kind == accumulation_kind::exact && output == output_rounding::fp32))) {
+    bool finite_a = false, finite_b = false;
+    if (model.kind == accumulation_kind::exact) {
+      const gpu::device_matrix left = gpu::nvfp4_block_scaled_values(a, finite_a);
+      const gpu::device_matrix right = gpu::nvfp4_block_scaled_values(b, finite_b);
+      if (finite_a && finite_b) {
+        reference_result reference =
+            gpu::scaled_reference_gemm(left, right, a.tensor_scale, b.tensor_scale, options.keep_on_device);
+        product_result on_gpu;
+        on_gpu.out = std::move(reference.fp32);
+        on_gpu.exact = std::move(reference.fp64);
+        on_gpu.device_out = std::move(reference.device_fp32);
+        on_gpu.device_exact = std::move(reference.device_fp64);
+        on_gpu.product_on_gpu = true;
+        return on_gpu;
+      }
+    } else {
+      const gpu::prepared_operand left = gpu::prepare_nvfp4(a, finite_a);
+      const gpu::prepared_operand right = gpu::prepare_nvfp4(b, finite_b);
+      if (finite_a && finite_b) {
+        product_result on_gpu;
+        on_gpu.device_out = std::make_shared<gpu::device_matrix>(left.rows(), right.rows(), gpu::device_matrix::element::fp32);
+        gpu::multiply_prepared(left, right, model, output_rounding::fp32,
+                               on_gpu.device_out->fp32(), nullptr, gpu::gemm_path::integer);
+        gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, false, output);
+        if (!options.keep_on_device) {
+          on_gpu.out = on_gpu.device_out->download32();
+          on_gpu.device_out.reset();
+        }
+        on_gpu.product_on_gpu = true;
+        return on_gpu;
+      }
+    }
+  }
   // Per-tensor fp8 (finite elements): the GPU multiplies the elements as MX operands with every
   // block scale 2^0 and the host applies the tensor scales (detail::per_tensor_by_unit_scales).
   if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model) &&

@@ -407,6 +407,25 @@ std::int64_t count_nonfinite_codes(const device_buffer& codes, std::int64_t coun
 // device_out times fl32(sa sb), then the output rounding.
 void apply_tensor_scales(const product_result& result, float sa, float sb, bool exact_model, output_rounding output);
 
+// NVFP4 operand `q`'s block-scaled elements (each fp4 element times its ue4m3 block scale, exact in
+// fp32; without the tensor scale) as [rows, depth] along its quantization axis, in device memory;
+// `finite` says whether every value is finite (a NaN block scale makes its values NaN). Codes and
+// scales are read where they are (device_codes, device_scales), else uploaded.
+device_matrix nvfp4_block_scaled_values(const quantized_tensor& q, bool& finite);
+
+// NVFP4 operand `q` (block 16) prepared for gemm_path::integer: each element times its ue4m3 block
+// scale m 2^es (m odd) as the integer 2q m and the block exponent es - 1, carried as fp8 e4m3 (whose
+// integer bound, 2^18, covers |2q m| <= 180), so that multiply_prepared's integer path computes
+// fp32-block and fp32-group:G of NVFP4 x NVFP4 without the tensor scales (alpha is the caller's).
+// `finite` is false where a block scale is NaN (those blocks' integers are then 0: do not use it).
+prepared_operand prepare_nvfp4(const quantized_tensor& q, bool& finite);
+
+// The exact reference of finite A [M, K] and B [N, K] (device) with every exact sum times sa sb
+// (exactly) before its one rounding to fp64 and to fp32: the exact model of NVFP4 operands given
+// as nvfp4_block_scaled_values, whose tensor scales are sa and sb.
+reference_result scaled_reference_gemm(const device_matrix& a, const device_matrix& b, float sa, float sb,
+                                       bool keep_on_device);
+
 // The exact model of per-tensor operands from the exact unscaled sums of their binade parts' MX
 // products (fp64 matrices of one shape in device memory, at most detail::max_binade_parts of them):
 // per entry detail::per_tensor_exact_by_parts's rounding, the same bits (the parts' sums added by

@@ -2672,6 +2672,33 @@ __device__ inline float add_exact_dot(float accumulator, double dot) {
   return core_ns::add_to_float(accumulator, dot + 0.0);
 }
 
+// What the exact reference multiplies its exact sums by before the one rounding: nothing (the
+// reference of unscaled operands), or the tensor scales' exact product sa sb (core::
+// add_scaled_exactly; the exact model of NVFP4 operands given as their block-scaled values, which
+// must then be finite).
+struct reference_scaling {
+  bool scaled = false;
+  core_ns::tensor_scale_product scale{};
+};
+
+// round_units of the sum times the tensor scales' exact product (reference_scaling): the sum in
+// three pieces of 42 bits, each an exact double, times sa sb into one long accumulator, rounded once.
+__device__ __noinline__ void round_units_scaled(core_ns::int128 sum, int base, const core_ns::tensor_scale_product& scale,
+                                                double& out64, float& out32) {
+  const bool negative = sum < 0;
+  const core_ns::uint128 magnitude = negative ? -static_cast<core_ns::uint128>(sum) : static_cast<core_ns::uint128>(sum);
+  core_ns::long_accumulator total;
+  constexpr std::uint64_t piece_mask = (std::uint64_t{1} << 42) - 1U;
+  for (int t = 0; t < 3; ++t) {
+    const auto piece = static_cast<std::uint64_t>(magnitude >> (42 * t)) & piece_mask;
+    if (piece == 0) continue;
+    const double value = static_cast<double>(piece) * core_ns::pow2(base + 42 * t);
+    core_ns::add_scaled_exactly(total, negative ? -value : value, scale);
+  }
+  out64 = round_total_to_double(total);
+  out32 = round_total_to_float(total);
+}
+
 __device__ __noinline__ void round_units(core_ns::int128 sum, int base, double& out64, float& out32) {
   const bool negative = sum < 0;
   const core_ns::uint128 magnitude = negative ? -static_cast<core_ns::uint128>(sum) : static_cast<core_ns::uint128>(sum);
@@ -2784,13 +2811,13 @@ __global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int
 // memory as doubles (the next chunk's values are loaded into registers while the tensor cores
 // work on this one), tile_dots sums the 16 chunk dots, then every thread runs the model step of
 // each of its entries.
-template <plain_mode Mode>
+template <plain_mode Mode, bool Scaled = false>
 __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
                       const std::int8_t* a_super_spreads, const std::int8_t* b_super_spreads,
                       plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                       std::int64_t depth, int depth_bits, std::int64_t chunks_per_group, output_rounding output,
-                      float* out32, double* out64) {
+                      float* out32, double* out64, core_ns::tensor_scale_product scale) {
   __shared__ double a_tile[plain_tile * dot_stride];
   __shared__ double b_tile[plain_tile * dot_stride];
   __shared__ int a_spread_tile[plain_tile];
@@ -2960,7 +2987,11 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
       if constexpr (Mode == plain_mode::exact) {
         double value64 = 0.0;
         float value32 = 0.0f;
-        round_units(sums[r][c], a_low[r] + b_low[c], value64, value32);
+        if constexpr (Scaled) {
+          round_units_scaled(sums[r][c], a_low[r] + b_low[c], scale, value64, value32);
+        } else {
+          round_units(sums[r][c], a_low[r] + b_low[c], value64, value32);
+        }
         if (out64 != nullptr) out64[entry] = value64;
         if (out32 != nullptr) out32[entry] = value32;
       } else {
@@ -3115,12 +3146,14 @@ __device__ inline void rw_tile_dots(const double* a_tile, const double* b_tile, 
   }
 }
 
+template <bool Scaled>
 __global__ void __launch_bounds__(rw_threads, 2)
     reference_warp_kernel(const float* a_tiles, const float* b_tiles, const std::int8_t* a_spreads,
                           const std::int8_t* b_spreads, const std::int8_t* a_super_spreads,
                           const std::int8_t* b_super_spreads,
                           plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
-                          std::int64_t depth, int depth_bits, float* out32, double* out64) {
+                          std::int64_t depth, int depth_bits, float* out32, double* out64,
+                          core_ns::tensor_scale_product scale) {
   MXSCOPE_DYNAMIC_SHARED(double, rw_shared);
   double* const a_tile = rw_shared;
   double* const b_tile = rw_shared + plain_tile * dot_stride;
@@ -3293,7 +3326,11 @@ __global__ void __launch_bounds__(rw_threads, 2)
       const std::int64_t entry = (i0 + rw_row(r)) * n + j0 + rw_col(c);
       double value64 = 0.0;
       float value32 = 0.0f;
-      round_units(sum_at(r, c), base_of(r, c), value64, value32);
+      if constexpr (Scaled) {
+        round_units_scaled(sum_at(r, c), base_of(r, c), scale, value64, value32);
+      } else {
+        round_units(sum_at(r, c), base_of(r, c), value64, value32);
+      }
       if (out64 != nullptr) out64[entry] = value64;
       if (out32 != nullptr) out32[entry] = value32;
     }
@@ -5168,7 +5205,7 @@ constexpr int reference_chunk = 32;
 
 __global__ void reference_kernel(const float* a, const float* b, plain_rows_view a_rows, plain_rows_view b_rows,
                                  std::int64_t m, std::int64_t n, std::int64_t depth, int depth_bits, double* out64,
-                                 float* out32) {
+                                 float* out32, reference_scaling scaling) {
   __shared__ float a_tile[reference_tile][reference_chunk + 1];
   __shared__ float b_tile[reference_tile][reference_chunk + 1];
   __shared__ int tile_needed;
@@ -5204,6 +5241,8 @@ __global__ void reference_kernel(const float* a, const float* b, plain_rows_view
         const double product = static_cast<double>(a_tile[ty][kk]) * static_cast<double>(b_tile[tx][kk]);
         if (ieee) {
           sum += product;
+        } else if (scaling.scaled) {
+          core_ns::add_scaled_exactly(total, product, scaling.scale);
         } else {
           total.add(product);
         }
@@ -5250,7 +5289,8 @@ __global__ void row_summary_kernel(plain_rows_view view, std::int64_t rows, unsi
 // reference_on_device, and where nonfinite_rows is given, the number of rows of A and of B that
 // hold inf or NaN (from the row descriptions the kernels use) into nonfinite_rows[0] and [1].
 void reference_on_device_counting(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k,
-                                  double* out64, float* out32, std::int64_t* nonfinite_rows) {
+                                  double* out64, float* out32, std::int64_t* nonfinite_rows,
+                                  const reference_scaling& scaling = {}) {
   if (m == 0 || n == 0) return;
   const plain_rows_data a_rows = describe_plain_rows(a, m, k);
   const plain_rows_data b_rows = describe_plain_rows(b, n, k);
@@ -5276,7 +5316,9 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
 #if !defined(MXSCOPE_GPU_SIMULATE)
   // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute belongs
   // to the current device).
-  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(rw_shared_bytes)));
+  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(rw_shared_bytes)));
 #endif
   const std::int64_t chunks = (k + plain_chunk - 1) / plain_chunk;
@@ -5290,16 +5332,17 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   };
   const scratch_buffer a_tiles = chunk_tiles(a, m);
   const scratch_buffer b_tiles = chunk_tiles(b, n);
-  runtime::launch(reference_warp_kernel, plain_grid(m, n), rw_threads, rw_shared_bytes, a_tiles.as<const float>(),
-                  b_tiles.as<const float>(),
+  runtime::launch(scaling.scaled ? reference_warp_kernel<true> : reference_warp_kernel<false>, plain_grid(m, n),
+                  rw_threads, rw_shared_bytes, a_tiles.as<const float>(), b_tiles.as<const float>(),
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
                   a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
-                  b_rows.view(), m, n, k, depth_bits, out32, out64);
+                  b_rows.view(), m, n, k, depth_bits, out32, out64, scaling.scale);
 #else
-  runtime::launch(plain_tile_kernel<plain_mode::exact>, plain_grid(m, n), 256, 0, a, b,
+  runtime::launch(scaling.scaled ? plain_tile_kernel<plain_mode::exact, true> : plain_tile_kernel<plain_mode::exact, false>,
+                  plain_grid(m, n), 256, 0, a, b,
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
                   a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
-                  b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64);
+                  b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64, scaling.scale);
 #endif
   const std::int64_t widest = static_cast<std::int64_t>(summary[1]) + static_cast<std::int64_t>(summary[3]) -
                               2 * plain_span_offset + 2 + depth_bits;
@@ -5307,7 +5350,7 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
     const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
                     static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
     runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m,
-                    n, k, depth_bits, out64, out32);
+                    n, k, depth_bits, out64, out32, scaling);
   }
   synchronize();  // the row metadata must outlive the kernels
 }
@@ -5361,12 +5404,12 @@ void plain_product_on_device(const float* a, const float* b, std::int64_t m, std
       runtime::launch(plain_tile_kernel<plain_mode::block>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
                       no_spreads, no_spreads,
                       a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
-                      static_cast<double*>(nullptr));
+                      static_cast<double*>(nullptr), core_ns::tensor_scale_product{});
     } else {
       runtime::launch(plain_tile_kernel<plain_mode::group>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
                       no_spreads, no_spreads,
                       a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,
-                      static_cast<double*>(nullptr));
+                      static_cast<double*>(nullptr), core_ns::tensor_scale_product{});
     }
     runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, a, ax, b, bx, m, n, depth, block,
                     group, output, out, static_cast<double*>(nullptr), a_rows.view(), b_rows.view(), depth_bits);
@@ -6242,7 +6285,162 @@ reference_result reference_gemm(const matrix& a, const matrix& b, bool keep_on_d
   return reference_gemm(device_matrix::upload(a), device_matrix::upload(b), keep_on_device);
 }
 
+namespace {
+
+// NVFP4 operand codes (packed fp4) and ue4m3 block scales to their block-scaled elements along the
+// quantization axis: out [rows, depth] row-major; *nonfinite set where a value is not finite.
+__global__ void nvfp4_values_kernel(mx_operand_view codes, const std::uint8_t* scales, std::int64_t scale_cols,
+                                    core_ns::nvfp4_tile tile, std::int64_t rows, std::int64_t depth, float* out,
+                                    int* nonfinite) {
+  const std::int64_t row_bytes = (codes.cols + 1) / 2;
+  MXSCOPE_GRID_LOOP(t, rows * depth) {
+    const std::int64_t row = t / depth;
+    const std::int64_t k = t % depth;
+    const std::int64_t r = codes.axis == 1 ? row : k;
+    const std::int64_t c = codes.axis == 1 ? k : row;
+    const double element = core_ns::decode(element_kind::fp4_e2m1, load_code(codes, true, row_bytes, r, c));
+    const double scale = core_ns::decode(element_kind::ue4m3, scales[(r / tile.rows) * scale_cols + c / tile.cols]);
+    const float value = static_cast<float>(element * scale);  // exact: 2 and 4 significant bits
+    if (!is_finite(value)) *nonfinite = 1;
+    out[t] = value;
+  }
+}
+
+reference_result reference_gemm_with(const device_matrix& a, const device_matrix& b, bool keep_on_device,
+                                     const reference_scaling& scaling);
+
+}  // namespace
+
+device_matrix nvfp4_block_scaled_values(const quantized_tensor& q, bool& finite) {
+  if (q.options.format.scheme != quant_scheme::nvfp4 || q.options.format.element != element_kind::fp4_e2m1) {
+    throw input_error("gpu nvfp4_block_scaled_values: field 'format': not an NVFP4 operand");
+  }
+  if (q.options.axis != 0 && q.options.axis != 1) throw input_error("gpu nvfp4: field 'axis' must be 0 or 1");
+  const std::int64_t rows = q.options.axis == 1 ? q.rows : q.cols;
+  const std::int64_t depth = q.options.axis == 1 ? q.cols : q.rows;
+  device_matrix out(rows, depth, device_matrix::element::fp32);
+  finite = true;
+  if (rows * depth == 0) return out;
+  const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
+    return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
+  };
+  const device_buffer_ptr codes = on_device(q.device_codes, q.codes);
+  const device_buffer_ptr scales = on_device(q.device_scales, q.scales);
+  mx_operand_view view;
+  view.codes = codes->as<const std::uint8_t>();
+  view.element = element_kind::fp4_e2m1;
+  view.block = q.block;
+  view.axis = q.options.axis;
+  view.rows = q.rows;
+  view.cols = q.cols;
+  device_buffer flag(sizeof(int));
+  flag.fill_bytes(0);
+  runtime::launch(nvfp4_values_kernel, grid_for(rows * depth), threads_per_block, 0, view,
+                  scales->as<const std::uint8_t>(), q.scale_cols, core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d),
+                  rows, depth, out.fp32(), flag.as<int>());
+  int nonfinite = 0;
+  flag.download(&nonfinite, sizeof(nonfinite));  // synchronizes
+  finite = nonfinite == 0;
+  return out;
+}
+
+namespace {
+
+// NVFP4 codes and block scales as the integer path's operand: each element fp4 q times its ue4m3
+// block scale m 2^es (m odd) is (2q m) 2^(es - 1), an integer |2q m| <= 12 * 15 = 180 times a power
+// of two that is the block's, stored as integers[row, k] = 2q m and exponents[block, row] = es + 8
+// (the integer path scales by 2^(exponent - 9), e4m3's fraction bits, e4m3 being the carrier kind).
+__global__ void nvfp4_integer_kernel(mx_operand_view codes, const std::uint8_t* scales, std::int64_t scale_cols,
+                                     core_ns::nvfp4_tile tile, std::int64_t rows, std::int64_t depth, int block,
+                                     std::int32_t* integers, std::int32_t* exponents, int* nonfinite) {
+  const std::int64_t row_bytes = (codes.cols + 1) / 2;
+  MXSCOPE_GRID_LOOP(t, rows * depth) {
+    const std::int64_t row = t / depth;
+    const std::int64_t k = t % depth;
+    const std::int64_t r = codes.axis == 1 ? row : k;
+    const std::int64_t c = codes.axis == 1 ? k : row;
+    const std::uint8_t scale = scales[(r / tile.rows) * scale_cols + c / tile.cols];
+    const double doubled = 2.0 * core_ns::decode(element_kind::fp4_e2m1, load_code(codes, true, row_bytes, r, c));
+    int mantissa = 0, exponent = 0;
+    if (!is_finite(core_ns::decode(element_kind::ue4m3, scale))) {
+      *nonfinite = 1;
+    } else {
+      const int field = scale >> 3;  // ue4m3: 4 exponent bits (bias 7), 3 mantissa bits
+      mantissa = field == 0 ? (scale & 7) : 8 + (scale & 7);
+      exponent = (field == 0 ? 1 : field) - 10;
+      while (mantissa != 0 && (mantissa & 1) == 0) {
+        mantissa >>= 1;
+        ++exponent;
+      }
+    }
+    integers[t] = static_cast<std::int32_t>(doubled) * mantissa;
+    if (k % block == 0) exponents[(k / block) * rows + row] = mantissa == 0 ? 0 : exponent + 8;
+  }
+}
+
+}  // namespace
+
+prepared_operand prepare_nvfp4(const quantized_tensor& q, bool& finite) {
+  if (q.options.format.scheme != quant_scheme::nvfp4 || q.options.format.element != element_kind::fp4_e2m1) {
+    throw input_error("gpu prepare_nvfp4: field 'format': not an NVFP4 operand");
+  }
+  if (q.options.axis != 0 && q.options.axis != 1) throw input_error("gpu nvfp4: field 'axis' must be 0 or 1");
+  if (q.block != 16) throw input_error("gpu nvfp4: field 'block' must be 16");
+  prepared_operand out;
+  auto& s = out.data();
+  s.element = element_kind::fp8_e4m3;  // the carrier: |2q m| <= 180, within e4m3's integer bound
+  s.block = q.block;
+  s.path = gemm_path::integer;
+  s.rows = q.options.axis == 1 ? q.rows : q.cols;
+  s.depth = q.options.axis == 1 ? q.cols : q.rows;
+  s.blocks = (s.depth + s.block - 1) / s.block;
+  s.byte_stride = (s.depth + 31) / 32 * 32;
+  s.integers = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(s.rows * s.depth, 1)) * sizeof(std::int32_t));
+  s.exponents = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(s.blocks * s.rows, 1)) * sizeof(std::int32_t));
+  finite = true;
+  if (s.rows * s.depth > 0) {
+    const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
+      return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
+    };
+    const device_buffer_ptr codes = on_device(q.device_codes, q.codes);
+    const device_buffer_ptr scales = on_device(q.device_scales, q.scales);
+    mx_operand_view view;
+    view.codes = codes->as<const std::uint8_t>();
+    view.element = element_kind::fp4_e2m1;
+    view.block = q.block;
+    view.axis = q.options.axis;
+    view.rows = q.rows;
+    view.cols = q.cols;
+    device_buffer flag(sizeof(int));
+    flag.fill_bytes(0);
+    runtime::launch(nvfp4_integer_kernel, grid_for(s.rows * s.depth), threads_per_block, 0, view,
+                    scales->as<const std::uint8_t>(), q.scale_cols,
+                    core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d), s.rows, s.depth, s.block,
+                    s.integers.as<std::int32_t>(), s.exponents.as<std::int32_t>(), flag.as<int>());
+    int nonfinite = 0;
+    flag.download(&nonfinite, sizeof(nonfinite));  // synchronizes
+    finite = nonfinite == 0;
+  }
+  s.finite_elements = finite;
+  return out;
+}
+
+reference_result scaled_reference_gemm(const device_matrix& a, const device_matrix& b, float sa, float sb,
+                                       bool keep_on_device) {
+  reference_scaling scaling;
+  scaling.scaled = true;
+  scaling.scale = core_ns::make_scale_product(sa, sb);
+  return reference_gemm_with(a, b, keep_on_device, scaling);
+}
+
 reference_result reference_gemm(const device_matrix& a, const device_matrix& b, bool keep_on_device) {
+  return reference_gemm_with(a, b, keep_on_device, reference_scaling{});
+}
+
+namespace {
+
+reference_result reference_gemm_with(const device_matrix& a, const device_matrix& b, bool keep_on_device,
+                                     const reference_scaling& scaling) {
   if (a.cols() != b.cols()) {
     throw input_error("gpu reference_gemm: A has " + to_text(a.cols()) + " columns, B has " + to_text(b.cols()));
   }
@@ -6256,7 +6454,7 @@ reference_result reference_gemm(const device_matrix& a, const device_matrix& b, 
   // on the device from the kernels' row descriptions).
   std::int64_t bad_rows[2] = {0, 0};
   if (m > 0 && n > 0) {
-    reference_on_device_counting(a.fp32(), b.fp32(), m, n, a.cols(), out64->fp64(), out32->fp32(), bad_rows);
+    reference_on_device_counting(a.fp32(), b.fp32(), m, n, a.cols(), out64->fp64(), out32->fp32(), bad_rows, scaling);
   }
   const std::int64_t bad_a = bad_rows[0], bad_b = bad_rows[1];
   out.stats.nonfinite_entries = bad_a * n + bad_b * m - bad_a * bad_b;
@@ -6286,6 +6484,8 @@ reference_result reference_gemm(const device_matrix& a, const device_matrix& b, 
   }
   return out;
 }
+
+}  // namespace
 
 comparison compare(const matrix& estimate, const matrix64& reference, const matrix& reference_fp32) {
   for (const auto& [rows, cols, what] : {std::tuple{estimate.rows, estimate.cols, "the estimate"},

@@ -38,6 +38,7 @@
 
 #include "host_reference.hpp"
 #include "mxscope/compare.hpp"
+#include "mxscope/core/nvfp4.hpp"
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
@@ -1630,6 +1631,174 @@ void tensor_scale_checks(bool small) {
     }
     return "";
   });
+  // NVFP4 operands on the GPU (the replay's NVFP4 products): the block-scaled elements against the
+  // core's decoding, for both axes, 1-D and 2-D scale tiles, odd shapes; a NaN scale is reported.
+  run_case("nvfp4 block-scaled values", []() -> std::string {
+    std::mt19937_64 random(0x4f4f);
+    for (const int axis : {0, 1}) {
+      for (const bool two_d : {false, true}) {
+        for (const bool nan_scale : {false, true}) {
+          mxscope::quantized_tensor q;
+          q.options.format = {mxscope::quant_scheme::nvfp4, core::element_kind::fp4_e2m1, 16};
+          q.options.axis = axis;
+          q.options.nvfp4_2d = two_d;
+          q.block = 16;
+          q.rows = 37 + axis;
+          q.cols = 45 + (two_d ? 2 : 0);
+          const core::nvfp4_tile tile = core::nvfp4_tile_of(axis, two_d);
+          q.scale_rows = (q.rows + tile.rows - 1) / tile.rows;
+          q.scale_cols = (q.cols + tile.cols - 1) / tile.cols;
+          const std::int64_t row_bytes = (q.cols + 1) / 2;  // packed fp4 codes per row
+          q.codes.resize(static_cast<std::size_t>(row_bytes * q.rows));
+          for (auto& byte : q.codes) byte = static_cast<std::uint8_t>(random());
+          q.scales.resize(static_cast<std::size_t>(q.scale_rows * q.scale_cols));
+          for (auto& code : q.scales) code = static_cast<std::uint8_t>(random() % 0x7F);  // finite ue4m3
+          if (nan_scale) q.scales[q.scales.size() / 2] = 0x7F;
+          q.tensor_scale = 0x1.8p-7f;
+          bool finite = false;
+          const gpu::device_matrix values = gpu::nvfp4_block_scaled_values(q, finite);
+          const matrix got = values.download32();
+          const std::int64_t rows = axis == 1 ? q.rows : q.cols, depth = axis == 1 ? q.cols : q.rows;
+          if (got.rows != rows || got.cols != depth) return "shape";
+          bool want_finite = true;
+          for (std::int64_t row = 0; row < rows; ++row) {
+            for (std::int64_t k = 0; k < depth; ++k) {
+              const std::int64_t r = axis == 1 ? row : k, c = axis == 1 ? k : row;
+              const std::uint8_t byte = q.codes[static_cast<std::size_t>(r * row_bytes + c / 2)];
+              const auto code = static_cast<std::uint32_t>(c % 2 == 0 ? byte & 0x0F : byte >> 4);
+              const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile.rows) * q.scale_cols + c / tile.cols)];
+              const float want = static_cast<float>(core::decode(core::element_kind::fp4_e2m1, code) *
+                                                    core::decode(core::element_kind::ue4m3, scale));
+              want_finite = want_finite && std::isfinite(want);
+              if (!same(want, got(row, k))) {
+                return "axis " + std::to_string(axis) + (two_d ? " 2-D" : "") + " (" + std::to_string(row) + ", " +
+                       std::to_string(k) + "): expected " + show(want) + " got " + show(got(row, k));
+              }
+            }
+          }
+          if (finite != want_finite || finite == nan_scale) return "finite flag " + std::to_string(finite);
+        }
+      }
+    }
+    return "";
+  });
+  // NVFP4 x NVFP4 under fp32-block and fp32-group on the integer path (gpu::prepare_nvfp4), then
+  // alpha on the device, against the definition on the host: each block's products of the values q d
+  // added exactly to the accumulator (a group's blocks together) and rounded once, then times
+  // fl32(sa sb), then the output rounding. Both axes, 2-D scale tiles, K not a multiple of 16.
+  {
+    int index = 0;
+    for (const auto& model : {model_of(mxscope::accumulation_kind::fp32_block),
+                              model_of(mxscope::accumulation_kind::fp32_group, 3)}) {
+      for (const gemm_layout_case& layout : gemm_layouts) {
+        ++index;
+        run_case(std::string("nvfp4 on the integer path ") + model_name(model) + " " + layout.name,
+                 [&, index]() -> std::string {
+          std::mt19937_64 random(0x4f4f00 + index);
+          const std::int64_t m = 37, n = 45, k = 100;
+          const auto make = [&](std::int64_t rows, int axis, bool two_d) {
+            mxscope::quantized_tensor q;
+            q.options.format = {mxscope::quant_scheme::nvfp4, core::element_kind::fp4_e2m1, 16};
+            q.options.axis = axis;
+            q.options.nvfp4_2d = two_d;
+            q.block = 16;
+            q.rows = axis == 1 ? rows : k;
+            q.cols = axis == 1 ? k : rows;
+            const core::nvfp4_tile tile = core::nvfp4_tile_of(axis, two_d);
+            q.scale_rows = (q.rows + tile.rows - 1) / tile.rows;
+            q.scale_cols = (q.cols + tile.cols - 1) / tile.cols;
+            q.codes.resize(static_cast<std::size_t>((q.cols + 1) / 2 * q.rows));
+            for (auto& byte : q.codes) byte = static_cast<std::uint8_t>(random());
+            q.scales.resize(static_cast<std::size_t>(q.scale_rows * q.scale_cols));
+            // Finite ue4m3 scales, zero among them, over the whole range (wide blocks per entry).
+            for (auto& code : q.scales) code = static_cast<std::uint8_t>(random() % 9 == 0 ? 0 : random() % 0x7F);
+            q.tensor_scale = std::ldexp(static_cast<float>(1 + random() % 0xFFFFFF), -30);
+            return q;
+          };
+          const mxscope::quantized_tensor qa = make(m, layout.a_axis, false);
+          const mxscope::quantized_tensor qb = make(n, layout.b_axis, index % 2 == 0);
+          const auto value = [](const mxscope::quantized_tensor& q, std::int64_t row, std::int64_t kk) {
+            const std::int64_t r = q.options.axis == 1 ? row : kk, c = q.options.axis == 1 ? kk : row;
+            const std::uint8_t byte = q.codes[static_cast<std::size_t>(r * ((q.cols + 1) / 2) + c / 2)];
+            const core::nvfp4_tile tile = core::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d);
+            const std::uint8_t scale = q.scales[static_cast<std::size_t>((r / tile.rows) * q.scale_cols + c / tile.cols)];
+            return core::decode(core::element_kind::fp4_e2m1, static_cast<std::uint32_t>(c % 2 == 0 ? byte & 0x0F : byte >> 4)) *
+                   core::decode(core::element_kind::ue4m3, scale);
+          };
+          bool finite_a = false, finite_b = false;
+          const gpu::prepared_operand left = gpu::prepare_nvfp4(qa, finite_a);
+          const gpu::prepared_operand right = gpu::prepare_nvfp4(qb, finite_b);
+          if (!finite_a || !finite_b) return "finite scales reported non-finite";
+          for (const auto output : {mxscope::output_rounding::fp32, mxscope::output_rounding::bf16}) {
+            mxscope::product_result result;
+            auto out = std::make_shared<gpu::device_matrix>(m, n, gpu::device_matrix::element::fp32);
+            gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out->fp32(), nullptr,
+                                   gpu::gemm_path::integer);
+            result.device_out = out;
+            gpu::apply_tensor_scales(result, qa.tensor_scale, qb.tensor_scale, false, output);
+            const matrix got = result.device_out->download32();
+            const std::int64_t group = model.kind == mxscope::accumulation_kind::fp32_group ? model.blocks_per_group : 1;
+            for (std::int64_t i = 0; i < m; ++i) {
+              for (std::int64_t j = 0; j < n; ++j) {
+                float accumulator = 0.0f;
+                for (std::int64_t k0 = 0; k0 < k; k0 += 16 * group) {
+                  core::long_accumulator total;
+                  total.add(static_cast<double>(accumulator));
+                  for (std::int64_t kk = k0; kk < std::min(k, k0 + 16 * group); ++kk) total.add(value(qa, i, kk) * value(qb, j, kk));
+                  accumulator = total.round_to_float();
+                }
+                float want = accumulator * (qa.tensor_scale * qb.tensor_scale);
+                if (output == mxscope::output_rounding::bf16) {
+                  want = core::bf16_to_float(core::float_to_bf16(want, core::rounding_mode::rne));
+                }
+                if (!same(want, got(i, j))) {
+                  return "entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(want) +
+                         " got " + show(got(i, j));
+                }
+              }
+            }
+          }
+          return "";
+        });
+      }
+    }
+  }
+  // The exact reference with tensor scales (NVFP4's exact model): every exact sum times sa sb,
+  // rounded once, against the core's long accumulator on the host. Operands of a few binades (the
+  // tiled kernel's window) and of a few hundred (its per-product fallback), K not a multiple of 32.
+  for (const bool wide : {false, true}) {
+    run_case(std::string("scaled exact reference, ") + (wide ? "wide rows (per-product kernel)" : "tiled kernel"),
+             [wide]() -> std::string {
+      std::mt19937_64 random(wide ? 0x5ca1ed : 0x5ca1e);
+      const std::int64_t m = 67, n = 45, k = 301;
+      matrix a(m, k), b(n, k);
+      for (auto* x : {&a, &b}) {
+        for (auto& value : x->values) {
+          const int exponent = wide ? static_cast<int>(random() % 200) - 120 : static_cast<int>(random() % 12) - 6;
+          value = random() % 7 == 0 ? 0.0f : std::ldexp(static_cast<float>(static_cast<int>(random() % 255) - 127), exponent);
+        }
+      }
+      const float sa = 0x1.5p-9f, sb = 0x1.3f2p+4f;
+      const core::tensor_scale_product scale = core::make_scale_product(sa, sb);
+      const mxscope::reference_result got = gpu::scaled_reference_gemm(
+          gpu::device_matrix::upload(a), gpu::device_matrix::upload(b), sa, sb, false);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          core::long_accumulator total;
+          for (std::int64_t kk = 0; kk < k; ++kk) {
+            core::add_scaled_exactly(total, static_cast<double>(a(i, kk)) * static_cast<double>(b(j, kk)), scale);
+          }
+          const double want64 = total.round_to_double();
+          const float want32 = total.round_to_float();
+          if (!same(want64, got.fp64(i, j)) || !same(want32, got.fp32(i, j))) {
+            return "entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(want32) + " / " +
+                   show(want64) + ", got " + show(got.fp32(i, j)) + " / " + show(got.fp64(i, j));
+          }
+        }
+      }
+      return "";
+    });
+  }
   // The finiteness check of per-tensor codes left in device memory.
   run_case("per-tensor codes: count_nonfinite_codes", []() -> std::string {
     std::mt19937_64 random(0xc0de5);
