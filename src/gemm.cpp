@@ -2169,7 +2169,7 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
   if (options.device == compute_device::gpu && a.options.format.scheme == quant_scheme::nvfp4 &&
       b.options.format.scheme == quant_scheme::nvfp4 &&
       (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
-       (model.kind == accumulation_kind::exact && output == output_rounding::fp32))) {
+       model.kind == accumulation_kind::exact)) {
     bool finite_a = false, finite_b = false;
     if (model.kind == accumulation_kind::exact) {
       const gpu::device_matrix left = gpu::nvfp4_block_scaled_values(a, finite_a);
@@ -2182,6 +2182,15 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
         on_gpu.exact = std::move(reference.fp64);
         on_gpu.device_out = std::move(reference.device_fp32);
         on_gpu.device_exact = std::move(reference.device_fp64);
+        // bf16 output: the fp32 result rounded once more, as below for the CPU's products (on the
+        // device, times alpha = 1: finite operands give no NaN, and x 1 is exact).
+        if (output == output_rounding::bf16) {
+          if (on_gpu.device_out) {
+            gpu::apply_tensor_scales(on_gpu, 1.0f, 1.0f, false, output);
+          } else {
+            for (float& value : on_gpu.out.values) value = round_output(value, output);
+          }
+        }
         on_gpu.product_on_gpu = true;
         return on_gpu;
       }
