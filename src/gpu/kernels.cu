@@ -5792,6 +5792,11 @@ device_buffer upload_vector(const std::vector<T>& values) {
   return buffer;
 }
 
+// An operand's codes or scales: read where they are in device memory, else uploaded.
+device_buffer_ptr resident_or_uploaded(const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
+  return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
+}
+
 }  // namespace
 
 matrix rotate(const matrix& values, int axis, const rotation_options& options) {
@@ -6036,14 +6041,10 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
     view.cols = q.cols;
     return view;
   };
-  // Codes and scales already in device memory are read there; the others are uploaded.
-  const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
-    return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
-  };
-  const device_buffer_ptr a_codes_held = on_device(a.device_codes, a.codes);
-  const device_buffer_ptr a_scales_held = on_device(a.device_scales, a.scales);
-  const device_buffer_ptr b_codes_held = on_device(b.device_codes, b.codes);
-  const device_buffer_ptr b_scales_held = on_device(b.device_scales, b.scales);
+  const device_buffer_ptr a_codes_held = resident_or_uploaded(a.device_codes, a.codes);
+  const device_buffer_ptr a_scales_held = resident_or_uploaded(a.device_scales, a.scales);
+  const device_buffer_ptr b_codes_held = resident_or_uploaded(b.device_codes, b.codes);
+  const device_buffer_ptr b_scales_held = resident_or_uploaded(b.device_scales, b.scales);
   const device_buffer& a_codes = *a_codes_held;
   const device_buffer& a_scales = *a_scales_held;
   const device_buffer& b_codes = *b_codes_held;
@@ -6309,38 +6310,58 @@ __global__ void nvfp4_values_kernel(mx_operand_view codes, const std::uint8_t* s
 reference_result reference_gemm_with(const device_matrix& a, const device_matrix& b, bool keep_on_device,
                                      const reference_scaling& scaling);
 
+// An NVFP4 operand in device memory for the kernels above: its packed codes as an mx_operand_view
+// (load_code), its ue4m3 scales, their tile, and its shape along the quantization axis.
+struct nvfp4_device_operand {
+  device_buffer_ptr codes;
+  device_buffer_ptr scales;
+  mx_operand_view view;
+  core_ns::nvfp4_tile tile{};
+  std::int64_t rows = 0;   // along the other axis
+  std::int64_t depth = 0;  // along the quantization axis
+};
+
+nvfp4_device_operand nvfp4_on_device(const quantized_tensor& q, const char* what) {
+  if (q.options.format.scheme != quant_scheme::nvfp4 || q.options.format.element != element_kind::fp4_e2m1) {
+    throw input_error(std::string(what) + ": field 'format': not an NVFP4 operand");
+  }
+  if (q.options.axis != 0 && q.options.axis != 1) throw input_error(std::string(what) + ": field 'axis' must be 0 or 1");
+  nvfp4_device_operand out;
+  out.rows = q.options.axis == 1 ? q.rows : q.cols;
+  out.depth = q.options.axis == 1 ? q.cols : q.rows;
+  out.tile = core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d);
+  if (out.rows * out.depth == 0) return out;
+  out.codes = resident_or_uploaded(q.device_codes, q.codes);
+  out.scales = resident_or_uploaded(q.device_scales, q.scales);
+  out.view.codes = out.codes->as<const std::uint8_t>();
+  out.view.element = element_kind::fp4_e2m1;
+  out.view.block = q.block;
+  out.view.axis = q.options.axis;
+  out.view.rows = q.rows;
+  out.view.cols = q.cols;
+  return out;
+}
+
+// Whether a kernel that raised `flag` (one int, device memory) found a non-finite value; synchronizes.
+bool flag_raised(const device_buffer& flag) {
+  int raised = 0;
+  flag.download(&raised, sizeof(raised));
+  return raised != 0;
+}
+
 }  // namespace
 
 device_matrix nvfp4_block_scaled_values(const quantized_tensor& q, bool& finite) {
-  if (q.options.format.scheme != quant_scheme::nvfp4 || q.options.format.element != element_kind::fp4_e2m1) {
-    throw input_error("gpu nvfp4_block_scaled_values: field 'format': not an NVFP4 operand");
-  }
-  if (q.options.axis != 0 && q.options.axis != 1) throw input_error("gpu nvfp4: field 'axis' must be 0 or 1");
-  const std::int64_t rows = q.options.axis == 1 ? q.rows : q.cols;
-  const std::int64_t depth = q.options.axis == 1 ? q.cols : q.rows;
-  device_matrix out(rows, depth, device_matrix::element::fp32);
+  const nvfp4_device_operand operand = nvfp4_on_device(q, "gpu nvfp4_block_scaled_values");
+  device_matrix out(operand.rows, operand.depth, device_matrix::element::fp32);
   finite = true;
-  if (rows * depth == 0) return out;
-  const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
-    return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
-  };
-  const device_buffer_ptr codes = on_device(q.device_codes, q.codes);
-  const device_buffer_ptr scales = on_device(q.device_scales, q.scales);
-  mx_operand_view view;
-  view.codes = codes->as<const std::uint8_t>();
-  view.element = element_kind::fp4_e2m1;
-  view.block = q.block;
-  view.axis = q.options.axis;
-  view.rows = q.rows;
-  view.cols = q.cols;
+  if (operand.rows * operand.depth == 0) return out;
   device_buffer flag(sizeof(int));
   flag.fill_bytes(0);
-  runtime::launch(nvfp4_values_kernel, grid_for(rows * depth), threads_per_block, 0, view,
-                  scales->as<const std::uint8_t>(), q.scale_cols, core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d),
-                  rows, depth, out.fp32(), flag.as<int>());
-  int nonfinite = 0;
-  flag.download(&nonfinite, sizeof(nonfinite));  // synchronizes
-  finite = nonfinite == 0;
+  runtime::launch(nvfp4_values_kernel, grid_for(operand.rows * operand.depth), threads_per_block, 0, operand.view,
+                  operand.scales->as<const std::uint8_t>(), q.scale_cols, operand.tile, operand.rows, operand.depth,
+                  out.fp32(), flag.as<int>());
+  finite = !flag_raised(flag);
   return out;
 }
 
@@ -6381,45 +6402,27 @@ __global__ void nvfp4_integer_kernel(mx_operand_view codes, const std::uint8_t* 
 }  // namespace
 
 prepared_operand prepare_nvfp4(const quantized_tensor& q, bool& finite) {
-  if (q.options.format.scheme != quant_scheme::nvfp4 || q.options.format.element != element_kind::fp4_e2m1) {
-    throw input_error("gpu prepare_nvfp4: field 'format': not an NVFP4 operand");
-  }
-  if (q.options.axis != 0 && q.options.axis != 1) throw input_error("gpu nvfp4: field 'axis' must be 0 or 1");
-  if (q.block != 16) throw input_error("gpu nvfp4: field 'block' must be 16");
+  const nvfp4_device_operand operand = nvfp4_on_device(q, "gpu prepare_nvfp4");
+  if (q.block != 16) throw input_error("gpu prepare_nvfp4: field 'block' must be 16");
   prepared_operand out;
   auto& s = out.data();
   s.element = element_kind::fp8_e4m3;  // the carrier: |2q m| <= 180, within e4m3's integer bound
   s.block = q.block;
   s.path = gemm_path::integer;
-  s.rows = q.options.axis == 1 ? q.rows : q.cols;
-  s.depth = q.options.axis == 1 ? q.cols : q.rows;
+  s.rows = operand.rows;
+  s.depth = operand.depth;
   s.blocks = (s.depth + s.block - 1) / s.block;
   s.byte_stride = (s.depth + 31) / 32 * 32;
   s.integers = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(s.rows * s.depth, 1)) * sizeof(std::int32_t));
   s.exponents = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(s.blocks * s.rows, 1)) * sizeof(std::int32_t));
   finite = true;
   if (s.rows * s.depth > 0) {
-    const auto on_device = [](const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
-      return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
-    };
-    const device_buffer_ptr codes = on_device(q.device_codes, q.codes);
-    const device_buffer_ptr scales = on_device(q.device_scales, q.scales);
-    mx_operand_view view;
-    view.codes = codes->as<const std::uint8_t>();
-    view.element = element_kind::fp4_e2m1;
-    view.block = q.block;
-    view.axis = q.options.axis;
-    view.rows = q.rows;
-    view.cols = q.cols;
     device_buffer flag(sizeof(int));
     flag.fill_bytes(0);
-    runtime::launch(nvfp4_integer_kernel, grid_for(s.rows * s.depth), threads_per_block, 0, view,
-                    scales->as<const std::uint8_t>(), q.scale_cols,
-                    core_ns::nvfp4_tile_of(q.options.axis, q.options.nvfp4_2d), s.rows, s.depth, s.block,
+    runtime::launch(nvfp4_integer_kernel, grid_for(s.rows * s.depth), threads_per_block, 0, operand.view,
+                    operand.scales->as<const std::uint8_t>(), q.scale_cols, operand.tile, s.rows, s.depth, s.block,
                     s.integers.as<std::int32_t>(), s.exponents.as<std::int32_t>(), flag.as<int>());
-    int nonfinite = 0;
-    flag.download(&nonfinite, sizeof(nonfinite));  // synchronizes
-    finite = nonfinite == 0;
+    finite = !flag_raised(flag);
   }
   s.finite_elements = finite;
   return out;
