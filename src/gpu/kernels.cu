@@ -900,6 +900,54 @@ __device__ inline std::uint32_t nibble_signs(const float* v) {
   return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
 }
 
+// The signs of 8 fp32 values as nibble masks: nibble i all ones where value i is negative (its
+// pattern's top bit), else zero. On CUDA the top bytes are gathered with their sign bit replicated
+// (prmt's sign mode: byte k of `even` is 0xFF where value 2 k is negative, of `odd` where 2 k + 1
+// is) and the two merged by one three-way logic operation; masked with 0x88888888 by the caller,
+// where it also inserts the signs, this costs 7 instructions per 8 values against nibble_signs' 9
+// and the separate insertion.
+__device__ inline std::uint32_t nibble_sign_masks(const float* v) {
+  const auto b = [&](int i) { return core_ns::float_bits(v[i]); };
+#if defined(__CUDA_ARCH__) && !defined(__HIP__)
+  const auto sign_bytes = [](std::uint32_t x, std::uint32_t y) {
+    std::uint32_t out = 0;  // byte 0: x's sign replicated, byte 1: y's (selectors 8 + 3 and 8 + 7)
+    asm("prmt.b32 %0, %1, %2, 0x00FB;" : "=r"(out) : "r"(x), "r"(y));
+    return out;
+  };
+  const std::uint32_t even = __byte_perm(sign_bytes(b(0), b(2)), sign_bytes(b(4), b(6)), 0x5410U);
+  const std::uint32_t odd = __byte_perm(sign_bytes(b(1), b(3)), sign_bytes(b(5), b(7)), 0x5410U);
+#else
+  std::uint32_t even = 0, odd = 0;
+  for (int k = 0; k < 4; ++k) {
+    even |= ((b(2 * k) >> 31) * 0xFFU) << (8 * k);
+    odd |= ((b(2 * k + 1) >> 31) * 0xFFU) << (8 * k);
+  }
+#endif
+  return (even & 0x0F0F0F0FU) | (odd & 0xF0F0F0F0U);
+}
+
+// Four words of 8 codes sum >> 22 (0..8, fp4_stochastic_anchored_sum) with the 8s made 7s
+// (each minus its bit 3), the signs of v's 32 values inserted (nibble_sign_masks) and the number of
+// nonzero codes returned: a code c <= 7 is nonzero exactly when c + 7 has bit 3 set (no carry leaves
+// its nibble), and the four words' flags go to bits 3, 2, 1 and 0 of the nibbles for one
+// population count.
+__device__ inline unsigned finish_anchored_codes(std::uint32_t* words, const float* v) {
+  std::uint32_t flags = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const std::uint32_t capped = words[j] - ((words[j] >> 3) & 0x11111111U);
+    flags += ((capped + 0x77777777U) & 0x88888888U) >> j;
+    words[j] = capped | (nibble_sign_masks(v + 8 * j) & 0x88888888U);
+  }
+#if defined(__CUDA_ARCH__) || defined(__HIP__)
+  return static_cast<unsigned>(__popc(flags));
+#else
+  unsigned count = 0;
+  for (; flags != 0; flags &= flags - 1) ++count;
+  return count;
+#endif
+}
+
 // nibble_signs of the 8 bf16 elements of a piece as read (element 2 w in the low half of word w,
 // its sign at bit 15; element 2 w + 1 in the high half, sign at bit 31): byte 1 of each word in
 // place of the even elements' byte 3.
@@ -980,24 +1028,22 @@ __device__ inline unsigned nonzero_fp4_magnitudes(const std::uint32_t (&words)[8
 }
 
 // core::fwht on one segment of `Size` elements (the same additions in the same stages), which also
-// folds the magnitudes of its output into `high` and `zero` from the last stage's pairs: the outputs
-// a + c and a - c of a pair have the magnitudes s = fl(|a| + |c|) and |d| with d = fl(|a| - |c|)
-// (rounding is monotone and symmetric), so one fp32 addition per pair and per extreme replaces two
-// comparisons per element, and the comparisons go on the bit patterns, two pairs per instruction
-// (a three-way unsigned maximum or minimum on sm_90; ptxas fuses the two-way ones):
-// - high: the largest pattern of s, which orders as the value (s >= 0); a NaN s (a NaN input) is a
-//   positive NaN pattern, above infinity's, and where a + c or a - c is inf - inf (NaN), s is inf.
-//   So high is the largest output magnitude when below infinity's pattern, else the block holds a
-//   non-finite output.
-// - zero: the least pattern of d, 0 exactly when an output is zero: a + c or a - c is zero exactly
-//   when |a| = |c| (both finite; fp32 addition is exact near zero), and then d = |a| - |a| = +0,
-//   whose pattern is 0; any other d, negative, NaN (inf - inf: the outputs are inf and NaN) or
-//   positive, has a nonzero pattern.
+// folds what the block's encoder needs of its output from the last stage's pairs a, c (outputs
+// a + c and a - c):
+// - high: the largest pattern of s = fl(|a| + |c|), the larger output magnitude of the pair
+//   (rounding is monotone and symmetric), one fp32 addition per pair and the comparisons on the bit
+//   patterns, two pairs per instruction (a three-way unsigned maximum on sm_90; ptxas fuses the
+//   two-way ones). s >= 0 orders as its pattern; a NaN s (a NaN input) is a positive NaN pattern,
+//   above infinity's, and where a + c or a - c is inf - inf (NaN), s is inf. So high is the largest
+//   output magnitude when below infinity's pattern, else the block holds a non-finite output.
+// - equal: whether some pair has |a| = |c|, one compare-and-or per pair into a predicate. An output
+//   a + c or a - c is zero exactly when |a| = |c| with both finite (fp32 addition is exact near
+//   zero), so without such a pair no output is zero; with one (or with |a| = |c| = inf) an output
+//   may be zero, and the encoder counts them.
 __device__ __forceinline__ std::uint32_t max_u32(std::uint32_t a, std::uint32_t b) { return a > b ? a : b; }
-__device__ __forceinline__ std::uint32_t min_u32(std::uint32_t a, std::uint32_t b) { return a < b ? a : b; }
 
 template <int Size>
-__device__ inline void fwht_with_extremes(float* v, std::uint32_t& high, std::uint32_t& zero) {
+__device__ inline void fwht_with_extremes(float* v, std::uint32_t& high, bool& equal) {
 #pragma unroll
   for (int half = 1; half < Size / 2; half *= 2) {
 #pragma unroll
@@ -1016,7 +1062,7 @@ __device__ inline void fwht_with_extremes(float* v, std::uint32_t& high, std::ui
     const float a = v[j];
     const float c = v[j + Size / 2];
     high = max_u32(high, core_ns::float_bits(fabsf(a) + fabsf(c)));
-    zero = min_u32(zero, core_ns::float_bits(fabsf(a) - fabsf(c)));
+    equal = equal | (fabsf(a) == fabsf(c));
     v[j] = a + c;
     v[j + Size / 2] = a - c;
   }
@@ -1058,14 +1104,47 @@ __device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_pl
   }
 }
 
+// fast_encode::fp4_stochastic_anchored_sum on the 32 magnitudes |v[i]| of MX block g (element i
+// draws its word as for_each_random_word walks), the codes sum >> 22 packed into words[i / 8] at
+// nibble i % 8 and the saturation flags (fast_encode::fp4_saturated) added to `saturated`. As
+// multiply-adds by constant powers of two (multiply_add_low/high) the code and its packing go where
+// ptxas puts them: the code's shift as LEA.HI on the integer pipe, the packing on the multiply-add
+// pipe (IMAD); with ByShift the packing is written as a shift and an addition, which ptxas makes
+// the same IMAD or an LEA as it sees fit (measured with the lean path, where it was as fast or a
+// little faster). With Checked, (sum + 1) 2^10, zero exactly when the sum is undecided (low 22
+// bits all ones), goes into the least of `margin`.
+template <bool Checked, bool ByShift, int Words>
+__device__ __forceinline__ void encode_anchored_block(const float (&v)[fused_block], std::int64_t g,
+                                                      const mx_plan& plan, const core_ns::philox_keys& keys,
+                                                      float anchor, fast_encode::fp4_saturation_flag flag,
+                                                      std::uint32_t (&words)[Words], std::uint32_t& margin,
+                                                      float& saturated) {
+  for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
+    const float magnitude = fabsf(v[i]);
+    const std::uint32_t sum = fast_encode::fp4_stochastic_anchored_sum(magnitude, word, anchor);
+    if constexpr (Checked) {
+      const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
+      margin = distance < margin ? distance : margin;
+    }
+    if constexpr (ByShift) {
+      words[i / 8] += multiply_add_high(sum, 1U << 10, 0U) << (4 * (i % 8));
+    } else {
+      words[i / 8] = multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
+    }
+    saturated += fast_encode::fp4_saturated(magnitude, flag);
+  });
+}
+
 // One MX block g of the fused kernel, read from `input` and written to `output`, its counts added
 // to `counts`. With Summed (fp4 sr) the codes come from fast_encode::fp4_stochastic_anchored_sum, and
 // a block where one of its sums is undecided (about one block in 2^17 with random words), or whose
 // grid exponent is outside that encoder's or the fp32 saturation flags' range (values under 2^-102
 // or from 2^25 on), returns false with no codes or flags written and its counts taken back; the
 // kernel then encodes it again through fused_block_again (fp4_stochastic_unscaled), a call of its
-// own, so that the rare path's registers do not weigh on the hot loop's.
-template <class Input, int Rotation, fused_encoder Encoder, bool Summed>
+// own, so that the rare path's registers do not weigh on the hot loop's. With Lean (folded H16 + sr
+// under the floor rule, without rotation signs or a dequantized output) only the common blocks are
+// encoded here and every other one returns false before writing or counting anything.
+template <class Input, int Rotation, fused_encoder Encoder, bool Summed, bool Lean = false>
 __device__ __forceinline__ bool encode_fused_block(const Input* input, const uint4* loaded, std::int64_t g,
                                                    std::int64_t blocks_per_row,
                                                    const mx_plan& plan, const core_ns::philox_keys& keys,
@@ -1093,7 +1172,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   for (int j = 0; j < pieces; ++j) mine[j] = loaded != nullptr ? loaded[j] : source[g * pieces + j];
   float v[fused_block];
   unpack_pieces(mine, v);
-  std::uint32_t pair_high = 0, pair_zero = 0xFFFFFFFFU;  // folded: fwht_with_extremes
+  std::uint32_t pair_high = 0;  // folded: fwht_with_extremes
+  bool pair_equal = false;
   // Folded sr: the least bf16 magnitude pattern among the block's inputs (the undecided check's skip;
   // the unused largest costs nothing).
   std::uint32_t least_input = 0;
@@ -1108,8 +1188,9 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
       for (int j = 0; j < pieces; ++j) refill[j] = source[refill_block * pieces + j];
     }
-    // The sign multiply is core::rotate_segment's first step, done here in registers (exact).
-    if (signs != nullptr) {
+    // The sign multiply is core::rotate_segment's first step, done here in registers (exact). (The
+    // lean path runs without signs.)
+    if (!Lean && signs != nullptr) {
       const float4* block_signs = reinterpret_cast<const float4*>(signs + (g % blocks_per_row) * fused_block);
 #pragma unroll
       for (int q = 0; q < fused_block / 4; ++q) {
@@ -1123,7 +1204,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
 #pragma unroll
     for (int s = 0; s < fused_block / Rotation; ++s) {
       if constexpr (folded > 0) {
-        fwht_with_extremes<Rotation>(v + s * Rotation, pair_high, pair_zero);  // v holds 4x the rotated values
+        fwht_with_extremes<Rotation>(v + s * Rotation, pair_high, pair_equal);  // v holds 4x the rotated values
       } else {
         core_ns::rotate_segment(v + s * Rotation, Rotation, nullptr);
       }
@@ -1140,7 +1221,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     smallest = extremes.smallest << 16;
   } else if constexpr (folded > 0) {
     largest = pair_high;
-    smallest = pair_zero;  // 0 exactly where an output is zero, which is all that is asked of it here
+    smallest = pair_equal ? 0U : 0xFFFFFFFFU;  // 0 where an output may be zero: all that is asked of it
   } else {
     // As fp32 values: one instruction each per element (the absolute value is an operand
     // modifier); NaN propagates into the maximum, inf is the largest value anyway.
@@ -1154,6 +1235,49 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     smallest = core_ns::float_bits(low);
   }
   if constexpr (folded > 0) largest = core_ns::float_bits(core_ns::bits_float(largest) * 0.25f);  // exact
+  if constexpr (Lean) {
+    // The lean path of folded H16 + sr (mx_fused_kernel takes it): the floor rule, no signs, no
+    // dequantized output. Every block that needs more than the anchored sums, one with an output
+    // that may be zero (its nonzero count), outside the anchor's and the flags' exponents or with an
+    // undecided sum, goes back to the caller whole (nothing written, nothing counted) for
+    // fused_block_again.
+    static_assert(folded > 0 && Encoder == fused_encoder::fp4_stochastic && Summed);
+    const int exponent = fast_encode::floor_rule_exponent(core_ns::emax_elem(element_kind::fp4_e2m1), largest);
+    // The grid exponent exponent + folded must suit the anchor (-127..23) and the flags (-105..102):
+    // exponent in [lowest, highest], one unsigned comparison. A non-finite largest (pattern from
+    // infinity's up) gives exponent >= 255 - 129 > highest; the floor rule keeps the largest below
+    // 8 2^exponent, which the anchor also needs.
+    constexpr int lowest = -105 - folded, highest = 23 - folded;
+    static_assert(fast_encode::fp4_stochastic_anchored_covers(lowest + folded) &&
+                  fast_encode::fp4_saturation_flag_covers(lowest + folded) &&
+                  !fast_encode::fp4_saturation_flag_covers(lowest - 1 + folded) &&
+                  fast_encode::fp4_stochastic_anchored_covers(highest + folded) &&
+                  fast_encode::fp4_saturation_flag_covers(highest + folded) &&
+                  !fast_encode::fp4_stochastic_anchored_covers(highest + 1 + folded));
+    static_assert((0x7F800000U >> 23) - 127 - core_ns::emax_elem(element_kind::fp4_e2m1) > highest);
+    if ((smallest == 0) | (static_cast<unsigned>(exponent - lowest) > static_cast<unsigned>(highest - lowest))) {
+      return false;
+    }
+    const fast_encode::fp4_saturation_flag flag = fast_encode::fp4_saturation_flag_constants(exponent + folded);
+    const float anchor = fast_encode::fp4_stochastic_anchor(exponent + folded);
+    std::uint32_t words[4] = {0, 0, 0, 0};
+    std::uint32_t margin = 0xffffffffU;
+    float saturated = 0.0f;
+    if (least_input >= static_cast<std::uint32_t>(exponent + 113) << 7) {  // as in the general path below
+      encode_anchored_block<false, true>(v, g, plan, keys, anchor, flag, words, margin, saturated);
+    } else {
+      encode_anchored_block<true, true>(v, g, plan, keys, anchor, flag, words, margin, saturated);
+    }
+    if (margin == 0) return false;
+    const unsigned nonzero_codes = finish_anchored_codes(words, v);
+    counts[counter_nonzero] += fused_block;
+    counts[counter_saturated] += static_cast<unsigned>(saturated);
+    counts[counter_flushed] += fused_block - nonzero_codes;
+    output.scales[g] = core_ns::scale_code(exponent);
+    uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (fused_block / 2));
+    codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    return true;
+  }
   unsigned nonzero = fused_block;  // v != 0, NaN included
   if (smallest == 0) {
 #pragma unroll
@@ -1240,32 +1364,24 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         const float anchor = fast_encode::fp4_stochastic_anchor(exponent + folded);
         std::uint32_t margin = 0xffffffffU;
         float saturated = 0.0f;
-        const auto encode_all = [&](auto checked) {
-          for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
-            const float magnitude = fabsf(v[i]);
-            const std::uint32_t sum = fast_encode::fp4_stochastic_anchored_sum(magnitude, word, anchor);
-            if constexpr (decltype(checked)::value) {
-              const std::uint32_t distance = multiply_add_low(sum, 1U << 10, 1U << 10);
-              margin = distance < margin ? distance : margin;
-            }
-            words[i / 8] = multiply_add_low(multiply_add_high(sum, 1U << 10, 0U), 1U << (4 * (i % 8)), words[i / 8]);
-            saturated += fast_encode::fp4_saturated(magnitude, flag);
-          });
-        };
         if ((Rotation == 0 && sizeof(Input) == 2 &&
              smallest >= core_ns::float_bits(fast_encode::power_of_two(exponent - 16))) ||
             (folded > 0 && least_input >= static_cast<std::uint32_t>(exponent + 113) << 7)) {
-          encode_all(std::false_type{});
+          encode_anchored_block<false, false>(v, g, plan, keys, anchor, flag, words, margin, saturated);
         } else {
-          encode_all(std::true_type{});
+          encode_anchored_block<true, false>(v, g, plan, keys, anchor, flag, words, margin, saturated);
         }
         if (margin == 0) {  // take back what this block counted
           counts[counter_nonzero] -= nonzero;
           return false;
         }
         counts[counter_saturated] += static_cast<unsigned>(saturated);
+        if constexpr (folded > 0) {
+          (void)finish_anchored_codes(words, v);  // the 8s made 7s and the signs in (the count comes later)
+        } else {
 #pragma unroll
-        for (int j = 0; j < fused_block / 8; ++j) words[j] = fast_encode::fp4_stochastic_anchored_saturate(words[j]);
+          for (int j = 0; j < fused_block / 8; ++j) words[j] = fast_encode::fp4_stochastic_anchored_saturate(words[j]);
+        }
         word_offset = 0;
       } else if constexpr (Encoder == fused_encoder::fp4_stochastic) {
         for_each_random_word(g, plan, keys, [&](int i, std::uint32_t word) {
@@ -1285,12 +1401,15 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
       }
 #pragma unroll
       for (int j = 0; j < fused_block / 8; ++j) words[j] += word_offset;
+      // (folded sr: finish_anchored_codes put the signs in)
+      if constexpr (!(folded > 0 && Encoder == fused_encoder::fp4_stochastic && Summed)) {
 #pragma unroll
-      for (int j = 0; j < fused_block / 8; ++j) {
-        if constexpr (Rotation == 0 && sizeof(Input) == 2) {
-          words[j] |= nibble_signs_bf16(mine[j]);
-        } else {
-          words[j] |= nibble_signs(v + 8 * j);
+        for (int j = 0; j < fused_block / 8; ++j) {
+          if constexpr (Rotation == 0 && sizeof(Input) == 2) {
+            words[j] |= nibble_signs_bf16(mine[j]);
+          } else {
+            words[j] |= nibble_signs(v + 8 * j);
+          }
         }
       }
     } else if constexpr (fp4) {
@@ -1396,31 +1515,43 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
     uint4 next[pieces];
 #pragma unroll
     for (int j = 0; j < pieces; ++j) next[j] = g < blocks ? source[g * pieces + j] : uint4{};
-    for (; g < blocks; g += stride) {
-      bool encoded = false;
-      if constexpr (Rotation > 0) {
-        // Rotated blocks refill `next` inside encode_fused_block, right after reading it: no copies
-        // and no second buffer (the last block reads itself again).
-        encoded = encode_fused_block<Input, Rotation, Encoder, true>(input, next, g, blocks_per_row, plan, keys,
-                                                                     signs, output, counts, next,
-                                                                     g + stride < blocks ? g + stride : g);
-      } else {
-        uint4 mine[pieces];
-#pragma unroll
-        for (int j = 0; j < pieces; ++j) mine[j] = next[j];
-        if (g + stride < blocks) {
-#pragma unroll
-          for (int j = 0; j < pieces; ++j) next[j] = source[(g + stride) * pieces + j];
+    const auto encode_all = [&](auto lean) {
+      for (; g < blocks; g += stride) {
+        bool encoded = false;
+        if constexpr (Rotation > 0) {
+          // Rotated blocks refill `next` inside encode_fused_block, right after reading it: no copies
+          // and no second buffer (the last block reads itself again).
+          encoded = encode_fused_block<Input, Rotation, Encoder, true, decltype(lean)::value>(
+              input, next, g, blocks_per_row, plan, keys, signs, output, counts, next,
+              g + stride < blocks ? g + stride : g);
+        } else {
+          uint4 mine[pieces];
+  #pragma unroll
+          for (int j = 0; j < pieces; ++j) mine[j] = next[j];
+          if (g + stride < blocks) {
+  #pragma unroll
+            for (int j = 0; j < pieces; ++j) next[j] = source[(g + stride) * pieces + j];
+          }
+          encoded = encode_fused_block<Input, Rotation, Encoder, true>(input, mine, g, blocks_per_row, plan, keys,
+                                                                       signs, output, counts);
         }
-        encoded = encode_fused_block<Input, Rotation, Encoder, true>(input, mine, g, blocks_per_row, plan, keys,
-                                                                     signs, output, counts);
+        if (!encoded) {
+          const fused_counts again =
+              fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
+  #pragma unroll
+          for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+        }
       }
-      if (!encoded) {
-        const fused_counts again =
-            fused_block_again<Input, Rotation, Encoder>(input, g, blocks_per_row, plan, keys, signs, output);
-#pragma unroll
-        for (int k = 0; k < mx_counter_count; ++k) counts[k] += again.values[k];
+    };
+    // The lean path (folded H16 only) where the plan and the request allow it, else the general one.
+    if constexpr (Rotation == 16) {
+      if (plan.rule == core_ns::scale_rule::floor && signs == nullptr && output.dequantized == nullptr) {
+        encode_all(std::true_type{});
+      } else {
+        encode_all(std::false_type{});
       }
+    } else {
+      encode_all(std::false_type{});
     }
   } else {
     for (std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * threads_per_block + threadIdx.x; g < blocks;
