@@ -743,6 +743,23 @@ void quantize_fused(bool small) {
       }
     }
   }
+  // The lean path of folded H16 + sr (the floor rule, no rotation signs; check_quantize's run
+  // without the dequantized output takes it, the others the general loop) on every input kind,
+  // several tiles.
+  for (int kind_index = 0; kind_index < test_inputs::value_kind_count; ++kind_index) {
+    ++index;
+    const std::uint64_t seed = next_seed();
+    const value_kind kind = static_cast<value_kind>(kind_index);
+    const std::int64_t rows = 37, cols = 32 * (17 + index % 5);
+    const matrix input = test_inputs::make_matrix(rows, cols, kind, seed);
+    const auto options = mx_options(0, 32, 1, core::rounding_mode::sr, core::scale_rule::floor, 32, seed + 1);
+    mxscope::rotation_options rotation;
+    rotation.size = 16;
+    rotation.signs = mxscope::sign_policy::none;
+    const std::string name = "quantize fused mxfp4 sr lean H16 bf16 " + std::to_string(rows) + "x" +
+                             std::to_string(cols) + " " + std::string(test_inputs::value_kind_name(kind));
+    run_case(name, [&] { return check_quantize(input, true, options, rotation, gpu::quantize_path::fused); });
+  }
   // The sr encoder's undecided sums (fast_encode::fp4_stochastic_anchored_sum): fp32 blocks of exponent 0
   // (4.0 first, then 7.0, which saturates) where every element whose Philox word w has w >> 10 >= 2^22 - 2^13 (about 1 in
   // 512) is made (A 2^10 + B) 2^-33 with A = 2^22 - 1 - (w >> 10) and B in 1..1023: floor(F 2^22) =
