@@ -884,29 +884,11 @@ __device__ inline std::uint32_t low_bytes(std::uint32_t a, std::uint32_t b, std:
 #endif
 }
 
-// The sign bits of 8 fp32 values at bits 3, 7, ..., 31 (the sign bits of 8 fp4 codes): the top
-// bytes of the even and the odd values gathered into two words (byte k from value 2 k, resp.
-// 2 k + 1), then each sign moved into place with one shift and two masks (9 instructions on CUDA
-// instead of two per value).
+// The sign bits of 8 fp32 values at bits 3, 7, ..., 31 (the sign bits of 8 fp4 codes). On CUDA the
+// top bytes are gathered with their sign bit replicated (prmt's sign mode: byte k of `even` is 0xFF
+// where value 2 k is negative, of `odd` where 2 k + 1 is), then one mask each: 8 instructions per 8
+// values where gathering the plain top bytes and shifting took 9.
 __device__ inline std::uint32_t nibble_signs(const float* v) {
-  const auto b = [&](int i) { return core_ns::float_bits(v[i]); };
-#if defined(__CUDA_ARCH__) && !defined(__HIP__)
-  const std::uint32_t even = __byte_perm(__byte_perm(b(0), b(2), 0x0073U), __byte_perm(b(4), b(6), 0x0073U), 0x5410U);
-  const std::uint32_t odd = __byte_perm(__byte_perm(b(1), b(3), 0x0073U), __byte_perm(b(5), b(7), 0x0073U), 0x5410U);
-#else
-  const std::uint32_t even = (b(0) >> 24) | (b(2) >> 24) << 8 | (b(4) >> 24) << 16 | (b(6) >> 24) << 24;
-  const std::uint32_t odd = (b(1) >> 24) | (b(3) >> 24) << 8 | (b(5) >> 24) << 16 | (b(7) >> 24) << 24;
-#endif
-  return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
-}
-
-// The signs of 8 fp32 values as nibble masks: nibble i all ones where value i is negative (its
-// pattern's top bit), else zero. On CUDA the top bytes are gathered with their sign bit replicated
-// (prmt's sign mode: byte k of `even` is 0xFF where value 2 k is negative, of `odd` where 2 k + 1
-// is) and the two merged by one three-way logic operation; masked with 0x88888888 by the caller,
-// where it also inserts the signs, this costs 7 instructions per 8 values against nibble_signs' 9
-// and the separate insertion.
-__device__ inline std::uint32_t nibble_sign_masks(const float* v) {
   const auto b = [&](int i) { return core_ns::float_bits(v[i]); };
 #if defined(__CUDA_ARCH__) && !defined(__HIP__)
   const auto sign_bytes = [](std::uint32_t x, std::uint32_t y) {
@@ -916,18 +898,16 @@ __device__ inline std::uint32_t nibble_sign_masks(const float* v) {
   };
   const std::uint32_t even = __byte_perm(sign_bytes(b(0), b(2)), sign_bytes(b(4), b(6)), 0x5410U);
   const std::uint32_t odd = __byte_perm(sign_bytes(b(1), b(3)), sign_bytes(b(5), b(7)), 0x5410U);
+  return (even & 0x08080808U) | (odd & 0x80808080U);
 #else
-  std::uint32_t even = 0, odd = 0;
-  for (int k = 0; k < 4; ++k) {
-    even |= ((b(2 * k) >> 31) * 0xFFU) << (8 * k);
-    odd |= ((b(2 * k + 1) >> 31) * 0xFFU) << (8 * k);
-  }
+  const std::uint32_t even = (b(0) >> 24) | (b(2) >> 24) << 8 | (b(4) >> 24) << 16 | (b(6) >> 24) << 24;
+  const std::uint32_t odd = (b(1) >> 24) | (b(3) >> 24) << 8 | (b(5) >> 24) << 16 | (b(7) >> 24) << 24;
+  return ((even >> 4) & 0x08080808U) | (odd & 0x80808080U);
 #endif
-  return (even & 0x0F0F0F0FU) | (odd & 0xF0F0F0F0U);
 }
 
 // Four words of 8 codes sum >> 22 (0..8, fp4_stochastic_anchored_sum) with the 8s made 7s
-// (each minus its bit 3), the signs of v's 32 values inserted (nibble_sign_masks) and the number of
+// (each minus its bit 3), the signs of v's 32 values inserted (nibble_signs) and the number of
 // nonzero codes returned: a code c <= 7 is nonzero exactly when c + 7 has bit 3 set (no carry leaves
 // its nibble), and the four words' flags go to bits 3, 2, 1 and 0 of the nibbles for one
 // population count.
@@ -937,7 +917,7 @@ __device__ inline unsigned finish_anchored_codes(std::uint32_t* words, const flo
   for (int j = 0; j < 4; ++j) {
     const std::uint32_t capped = words[j] - ((words[j] >> 3) & 0x11111111U);
     flags += ((capped + 0x77777777U) & 0x88888888U) >> j;
-    words[j] = capped | (nibble_sign_masks(v + 8 * j) & 0x88888888U);
+    words[j] = capped | nibble_signs(v + 8 * j);
   }
 #if defined(__CUDA_ARCH__) || defined(__HIP__)
   return static_cast<unsigned>(__popc(flags));
