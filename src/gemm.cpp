@@ -202,6 +202,12 @@ gemm_layout layout_of(gemm_kind kind) {
   return {"dy", "x", 0, 0, core_ns::random_role::dy, core_ns::random_role::x};
 }
 
+canonical_pair canonical_operands(gemm_kind kind, const matrix& a_captured, const matrix& b_captured) {
+  const gemm_layout layout = layout_of(kind);
+  return {layout.a_axis == 1 ? a_captured : transposed(a_captured),
+          layout.b_axis == 1 ? b_captured : transposed(b_captured)};
+}
+
 namespace {
 
 // ------------------------------------------------------------------------------------------------

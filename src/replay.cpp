@@ -241,22 +241,6 @@ double growth_exponent(const std::vector<double>& norms) {
   return covariance / variance;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Operands in the canonical orientation of the reference: A [M, R], B [N, R], C = A B^T.
-
-struct canonical_operands {
-  matrix a;
-  matrix b;
-};
-
-canonical_operands orient(gemm_kind kind, const matrix& a_captured, const matrix& b_captured) {
-  const gemm_layout layout = layout_of(kind);
-  canonical_operands out;
-  out.a = layout.a_axis == 1 ? a_captured : transposed(a_captured);
-  out.b = layout.b_axis == 1 ? b_captured : transposed(b_captured);
-  return out;
-}
-
 const matrix& captured(const io::dump_entry& entry, std::string_view name) {
   if (name == "x") return entry.x;
   if (name == "dy") return entry.dy;
@@ -294,7 +278,7 @@ reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, refer
     }
   }
 #endif
-  const canonical_operands canonical = orient(kind, a, b);
+  const canonical_pair canonical = canonical_operands(kind, a, b);
   return reference_on(device, canonical.a, canonical.b, reference, &placed, compute.keep_on_device);
 }
 

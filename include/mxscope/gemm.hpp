@@ -97,6 +97,14 @@ struct gemm_layout {
 };
 gemm_layout layout_of(gemm_kind kind);
 
+// The unquantized operands in the orientation of the emulated product and of the reference:
+// A [M, R], B [N, R], C = A B^T (the captured operands transposed where their axis is 0).
+struct canonical_pair {
+  matrix a;
+  matrix b;
+};
+canonical_pair canonical_operands(gemm_kind kind, const matrix& a_captured, const matrix& b_captured);
+
 // How each operand fared in quantization (after rotation): the inputs of the per-operand metrics.
 struct operand_summary {
   std::string name;  // "x", "dy" or "w"

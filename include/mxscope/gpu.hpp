@@ -87,8 +87,11 @@ class device_buffer {
   void fill_bytes(int value);  // every byte set to `value` (e.g. 0xFF to poison an output)
 
  private:
+  void free_memory() noexcept;
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+  bool ordered_ = false;   // allocated in stream order (inside a stream_scope that asks for it)
+  void* stream_ = nullptr;  // the stream it was allocated on, where ordered_
 };
 
 // A row-major fp32 or fp64 matrix in device memory (move-only): a result that stays on the GPU
@@ -122,6 +125,23 @@ class device_matrix {
 
 // Waits for all queued device work; throws gpu_error if any of it failed.
 void synchronize();
+
+// For the scope of this object the calling thread queues its GPU work on `stream` (a cudaStream_t,
+// e.g. PyTorch's current stream; null is the default stream), and with `stream_ordered` its
+// temporary device buffers are allocated and freed in that stream's order (cudaMallocAsync), so a
+// call returns without waiting for the device except where it must read a result on the host (the
+// per-tensor amax of NVFP4 and fp8). Scopes nest; the HIP build ignores the stream.
+class stream_scope {
+ public:
+  explicit stream_scope(void* stream, bool stream_ordered = true);
+  ~stream_scope();
+  stream_scope(const stream_scope&) = delete;
+  stream_scope& operator=(const stream_scope&) = delete;
+
+ private:
+  void* previous_stream_;
+  bool previous_ordered_;
+};
 
 // Queues a device-to-device copy of `bytes` bytes on the default stream.
 void copy_on_device(void* destination, const void* source, std::size_t bytes);
@@ -346,6 +366,34 @@ struct encoder_self_test {
 };
 encoder_self_test self_test_fast_encoder(core::element_kind kind, core::rounding_mode mode, int sr_bits, int exponent,
                                          std::uint64_t first, std::uint64_t count, std::uint64_t stride);
+
+// ------------------------------------------------------------------------------------------------
+// Whole tensors in device memory under any scheme (the Python package's CUDA path, src/capi).
+
+// Device buffers in the layout of quantized_tensor. codes is required; scales where the scheme has
+// block scales (MX, NVFP4); the rest are optional.
+struct tensor_device_output {
+  std::uint8_t* codes = nullptr;
+  std::uint8_t* scales = nullptr;
+  float* dequantized = nullptr;            // [rows, cols] fp32, as quantized_tensor::dequantized
+  std::uint16_t* operand_bf16 = nullptr;   // [rows, cols] bf16: see quantize_tensor_on_device
+  unsigned long long* counters = nullptr;  // [4] in mx_counter order, added to (zero them first)
+};
+
+// Rotates (rotation.size > 0, along options.axis) and quantizes input [rows x cols] (row-major,
+// fp32 or bf16, device memory; never modified) with the bits of the host's rotate + quantize for
+// every scheme: MX, NVFP4, per-tensor fp8 and bf16. Returns the tensor scale (NVFP4: the global
+// decode scale; per-tensor fp8: its fp32 scale; otherwise 1).
+// operand_bf16 receives each element's value without the tensor scale, as bf16 (RNE): MX q 2^e,
+// NVFP4 q times its ue4m3 block scale, fp8 q, bf16 the rounded value; NaN blocks and codes give
+// 0x7FC0. So a GEMM of two such operands times the two tensor scales is the product of the
+// dequantized operands. These values have at most 8 significant bits and are exact in bf16, except
+// MX blocks of fp8 elements with a scale below 2^-117 (e5m2) or 2^-124 (e4m3), whose smallest
+// values lie under bf16's subnormal range.
+// NVFP4 and per-tensor fp8 read the tensor's amax back to the host (one wait for the stream).
+float quantize_tensor_on_device(const void* input, input_format format, std::int64_t rows, std::int64_t cols,
+                                const quantize_options& options, const rotation_options& rotation,
+                                const tensor_device_output& output);
 
 // ------------------------------------------------------------------------------------------------
 // Host convenience functions (host matrices in and out).

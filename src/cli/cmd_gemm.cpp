@@ -39,28 +39,6 @@ struct gemm_command_options {
   strategy_flags strategy;
 };
 
-// The formats a GEMM operand accepts: the quantization formats of the CLI contract plus fp32
-// (the operand as captured, no quantization).
-bool known_gemm_format(std::string_view name) {
-  return name == "fp32" || (parse_format(name).has_value());
-}
-
-// Resolves the shared strategy flags for one operand whose format is `format` (named by `flag`).
-cli::strategy resolve_operand(const strategy_flags& flags, const std::string& format, std::string_view flag) {
-  if (!known_gemm_format(format)) {
-    throw input_error(fmt::format(
-        "{}: unknown format '{}' (expected one of: mxfp4 mxfp6_e2m3 mxfp6_e3m2 mxfp8_e4m3 mxfp8_e5m2 mxint8 nvfp4 "
-        "fp8_e4m3 fp8_e5m2 bf16 fp32)",
-        flag, format));
-  }
-  strategy_flags operand_flags = flags;
-  // fp32 is no quantization: the remaining flags are checked as for bf16 (which ignores --block).
-  operand_flags.format = format == "fp32" ? "bf16" : format;
-  cli::strategy resolved = resolve_strategy(operand_flags);
-  if (format == "fp32") resolved.quantize.format = *parse_format("fp32");
-  return resolved;
-}
-
 // The quantization block of an operand (0 for formats without blocks).
 int block_of(const quantize_options& options) {
   const quant_scheme scheme = options.format.scheme;
@@ -72,18 +50,6 @@ std::vector<std::uint8_t> bytes_of(const matrix64& values) {
   std::vector<std::uint8_t> bytes(values.values.size() * sizeof(double));
   std::memcpy(bytes.data(), values.values.data(), bytes.size());
   return bytes;
-}
-
-// The unquantized operands in the orientation of the emulated product: A [M, K], B [N, K].
-struct canonical_pair {
-  matrix a;
-  matrix b;
-};
-
-canonical_pair canonical_operands(gemm_kind kind, const matrix& a_captured, const matrix& b_captured) {
-  const gemm_layout layout = layout_of(kind);
-  return {layout.a_axis == 1 ? a_captured : transposed(a_captured),
-          layout.b_axis == 1 ? b_captured : transposed(b_captured)};
 }
 
 // JSON has no inf or NaN: those become null.
@@ -136,22 +102,10 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
   if (format_a.empty() || format_b.empty()) {
     throw input_error("--format: required (or give both --format-a and --format-b)");
   }
-  const cli::strategy resolved_a =
-      resolve_operand(options.strategy, format_a, options.format_a.empty() ? "--format" : "--format-a");
-  const cli::strategy resolved_b =
-      resolve_operand(options.strategy, format_b, options.format_b.empty() ? "--format" : "--format-b");
-
-  mxscope::strategy chosen;
-  chosen.name = "cli";
-  chosen.a.quantize = resolved_a.quantize;
-  chosen.a.seeds = resolved_a.seed_policy;
-  chosen.b.quantize = resolved_b.quantize;
-  chosen.b.seeds = resolved_b.seed_policy;
-  chosen.seed = options.strategy.seed;
-  chosen.rotation_size = resolved_a.rotation.size;
-  chosen.rotation_signs = resolved_a.rotation.signs;
-  chosen.accumulation = model;
-  chosen.output = *output_rounding;
+  const std::string_view flag_a = options.format_a.empty() ? "--format" : "--format-a";
+  const std::string_view flag_b = options.format_b.empty() ? "--format" : "--format-b";
+  const mxscope::strategy chosen =
+      resolve_gemm_strategy(options.strategy, format_a, format_b, model, *output_rounding, flag_a, flag_b);
   const gemm_context context{options.strategy.layer, options.strategy.step};
 
   // Operands: only the two the GEMM needs are read.
@@ -201,7 +155,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
   writer.set_metadata("reference", std::string(reference_kind_name(*reference_kind)));
   writer.set_metadata("rounding", std::string(rounding_name(chosen.a.quantize.rounding)));
   writer.set_metadata("scale_rule", std::string(scale_rule_name(chosen.a.quantize.rule)));
-  writer.set_metadata("rotation", resolved_a.rotation_text);
+  writer.set_metadata("rotation", options.strategy.rotation);
   writer.set_metadata("signs", std::string(sign_policy_name(chosen.rotation_signs)));
   writer.set_metadata("seed", std::to_string(options.strategy.seed));
   writer.set_metadata("step", std::to_string(options.strategy.step));
@@ -232,7 +186,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
     recipe["format_b"] = format_b;
     recipe["rounding"] = rounding_name(chosen.a.quantize.rounding);
     recipe["scale_rule"] = scale_rule_name(chosen.a.quantize.rule);
-    recipe["rotation"] = resolved_a.rotation_text;
+    recipe["rotation"] = options.strategy.rotation;
     recipe["signs"] = sign_policy_name(chosen.rotation_signs);
     recipe["seed"] = options.strategy.seed;
     recipe["step"] = options.strategy.step;

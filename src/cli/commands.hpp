@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mxscope/core/philox.hpp"
+#include "mxscope/gemm.hpp"
 #include "mxscope/quantize.hpp"
 
 namespace mxscope::cli {
@@ -41,6 +42,7 @@ struct strategy_flags {
   std::string format;
   int block = 0;
   CLI::Option* block_option = nullptr;  // to tell "--block 0" from "not given"
+  bool block_given = false;             // the same for callers without CLI11 (the C API)
   std::string rounding = "rne";
   std::string scale_rule = "floor";
   std::string rotation = "none";
@@ -68,6 +70,14 @@ struct strategy {
 
 // Checks every name and range; throws input_error naming the flag and the offending value.
 strategy resolve_strategy(const strategy_flags& flags);
+
+// The strategy of one emulated GEMM: `flags` for both operands, each with its own format (fp32: the
+// operand unquantized; the other names of --format), the accumulation model and output rounding.
+// `flag_a` and `flag_b` name the format flags in errors.
+mxscope::strategy resolve_gemm_strategy(const strategy_flags& flags, const std::string& format_a,
+                                        const std::string& format_b, const accumulation_model& model,
+                                        output_rounding output, std::string_view flag_a = "--format-a",
+                                        std::string_view flag_b = "--format-b");
 
 // Checks what depends on the operand: the rotation size must divide the length of `axis`.
 void check_rotation_fits(const strategy& chosen, int axis, std::int64_t rows, std::int64_t cols,

@@ -56,7 +56,7 @@ strategy resolve_strategy(const strategy_flags& flags) {
   }
   chosen.quantize.format = *format;
 
-  const bool block_given = flags.block_option != nullptr && flags.block_option->count() > 0;
+  const bool block_given = flags.block_given || (flags.block_option != nullptr && flags.block_option->count() > 0);
   if (block_given) {
     if (flags.block < 1 || flags.block > max_block) {
       throw input_error(fmt::format("--block: must be in 1..{}, got {}", max_block, flags.block));
@@ -125,6 +125,49 @@ strategy resolve_strategy(const strategy_flags& flags) {
   chosen.layer = flags.layer;
   chosen.quantize.stream.seed = flags.seed;
   chosen.quantize.stream.step = core::policy_step(chosen.seed_policy, flags.step);
+  return chosen;
+}
+
+namespace {
+
+// The formats a GEMM operand accepts: the quantization formats of the CLI contract plus fp32
+// (the operand as captured, no quantization).
+bool known_gemm_format(std::string_view name) { return name == "fp32" || parse_format(name).has_value(); }
+
+// Resolves the shared strategy flags for one operand whose format is `format` (named by `flag`).
+strategy resolve_operand(const strategy_flags& flags, const std::string& format, std::string_view flag) {
+  if (!known_gemm_format(format)) {
+    throw input_error(fmt::format(
+        "{}: unknown format '{}' (expected one of: mxfp4 mxfp6_e2m3 mxfp6_e3m2 mxfp8_e4m3 mxfp8_e5m2 mxint8 nvfp4 "
+        "fp8_e4m3 fp8_e5m2 bf16 fp32)",
+        flag, format));
+  }
+  strategy_flags operand_flags = flags;
+  // fp32 is no quantization: the remaining flags are checked as for bf16 (which ignores --block).
+  operand_flags.format = format == "fp32" ? "bf16" : format;
+  strategy resolved = resolve_strategy(operand_flags);
+  if (format == "fp32") resolved.quantize.format = *parse_format("fp32");
+  return resolved;
+}
+
+}  // namespace
+
+mxscope::strategy resolve_gemm_strategy(const strategy_flags& flags, const std::string& format_a,
+                                        const std::string& format_b, const accumulation_model& model,
+                                        output_rounding output, std::string_view flag_a, std::string_view flag_b) {
+  const strategy resolved_a = resolve_operand(flags, format_a, flag_a);
+  const strategy resolved_b = resolve_operand(flags, format_b, flag_b);
+  mxscope::strategy chosen;
+  chosen.name = "cli";
+  chosen.a.quantize = resolved_a.quantize;
+  chosen.a.seeds = resolved_a.seed_policy;
+  chosen.b.quantize = resolved_b.quantize;
+  chosen.b.seeds = resolved_b.seed_policy;
+  chosen.seed = flags.seed;
+  chosen.rotation_size = resolved_a.rotation.size;
+  chosen.rotation_signs = resolved_a.rotation.signs;
+  chosen.accumulation = model;
+  chosen.output = output;
   return chosen;
 }
 

@@ -34,6 +34,7 @@
 #include "mxscope/core/hadamard.hpp"
 #include "mxscope/core/mx.hpp"
 #include "mxscope/core/nvfp4.hpp"
+#include "mxscope/core/operand.hpp"
 #include "mxscope/core/philox.hpp"
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/errors.hpp"
@@ -360,6 +361,12 @@ int multiprocessor_count() {
 
 device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
+  if (runtime::stream_ordered) {
+    ordered_ = true;
+    stream_ = runtime::current_stream;
+    MXSCOPE_GPU_CHECK(runtime::malloc_ordered(&data_, bytes));
+    return;
+  }
   if (runtime::malloc(&data_, bytes) != runtime::success) {
     // Out of memory, perhaps because of what the scratch pool keeps: once more without it.
     (void)runtime::last_error();
@@ -369,24 +376,42 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
   }
 }
 
-device_buffer::~device_buffer() {
-  if (data_ != nullptr) (void)runtime::free(data_);
+void device_buffer::free_memory() noexcept {
+  if (data_ == nullptr) return;
+  (void)(ordered_ ? runtime::free_ordered(data_, stream_) : runtime::free(data_));
+  data_ = nullptr;
 }
 
-device_buffer::device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
+device_buffer::~device_buffer() { free_memory(); }
+
+device_buffer::device_buffer(device_buffer&& other) noexcept
+    : data_(other.data_), bytes_(other.bytes_), ordered_(other.ordered_), stream_(other.stream_) {
   other.data_ = nullptr;
   other.bytes_ = 0;
 }
 
 device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) (void)runtime::free(data_);
+    free_memory();
     data_ = other.data_;
     bytes_ = other.bytes_;
+    ordered_ = other.ordered_;
+    stream_ = other.stream_;
     other.data_ = nullptr;
     other.bytes_ = 0;
   }
   return *this;
+}
+
+stream_scope::stream_scope(void* stream, bool stream_ordered)
+    : previous_stream_(runtime::current_stream), previous_ordered_(runtime::stream_ordered) {
+  runtime::current_stream = stream;
+  runtime::stream_ordered = stream_ordered;
+}
+
+stream_scope::~stream_scope() {
+  runtime::current_stream = previous_stream_;
+  runtime::stream_ordered = previous_ordered_;
 }
 
 void device_buffer::upload(const void* host, std::size_t bytes, std::size_t offset) {
@@ -448,6 +473,16 @@ void synchronize() {
   MXSCOPE_GPU_CHECK(runtime::synchronize());
   MXSCOPE_GPU_CHECK(runtime::last_error());
 }
+
+namespace {
+
+// Called where temporary buffers must outlive the kernels just queued: waits for the device unless
+// the buffers are freed in stream order (stream_scope), which already orders the free after them.
+void release_after_kernels() {
+  if (!(runtime::has_ordered_allocation && runtime::stream_ordered)) synchronize();
+}
+
+}  // namespace
 
 void copy_on_device(void* destination, const void* source, std::size_t bytes) {
   if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_on_device_async(destination, source, bytes));
@@ -652,7 +687,7 @@ void rotate_on_device(float* values, std::int64_t rows, std::int64_t cols, int a
   const std::int64_t length = axis == 1 ? cols : rows;
   const device_buffer signs = make_signs(rotation, length);
   launch_rotate(values, rows, cols, axis, rotation.size, signs.as<const float>());
-  if (signs.get() != nullptr) synchronize();  // `signs` must outlive the kernel
+  if (signs.get() != nullptr) release_after_kernels();  // `signs` must outlive the kernel
 }
 
 // ================================================================================================
@@ -1661,7 +1696,7 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
       launch_fused(static_cast<const std::uint16_t*>(input), rows, cols, plan, rotation.size, signs.as<const float>(),
                    output);
     }
-    if (signs.get() != nullptr) synchronize();  // `signs` must outlive the kernel
+    if (signs.get() != nullptr) release_after_kernels();  // `signs` must outlive the kernel
     return;
   }
   if (rotation.size == 0) {
@@ -1682,7 +1717,7 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
   }
   rotate_on_device(rotated.as<float>(), rows, cols, plan.axis, rotation);
   launch_generic(rotated.as<const float>(), rows, cols, plan, output);
-  synchronize();  // `rotated` must outlive the kernels
+  release_after_kernels();  // `rotated` must outlive the kernels
 }
 
 // ================================================================================================
@@ -7048,5 +7083,8 @@ void unit_cross_step::download(unit_accumulators& out) const {
     }
   }
 }
+
+// Whole tensors in device memory under every scheme, and their bf16 GEMM operands.
+#include "tensor_quantize-inl.cuh"
 
 }  // namespace mxscope::gpu

@@ -26,6 +26,12 @@
 
 namespace mxscope::gpu::runtime {
 
+// The stream the calling thread queues its work on (null: the default stream), and whether its
+// temporary device buffers are allocated and freed in that stream's order (gpu::stream_scope sets
+// both; see gpu.hpp).
+inline thread_local void* current_stream = nullptr;
+inline thread_local bool stream_ordered = false;
+
 #if defined(MXSCOPE_GPU_SIMULATE)
 using error_t = simulation::error_t;
 using event_t = simulation::event_t;
@@ -52,6 +58,9 @@ using simulation::memset;
 using simulation::properties;
 using simulation::synchronize;
 inline void* simulation_shared_memory() { return simulation::dynamic_shared_memory(); }
+inline error_t malloc_ordered(void** pointer, std::size_t bytes) { return simulation::malloc(pointer, bytes); }
+inline error_t free_ordered(void* pointer, void*) { return simulation::free(pointer); }
+inline constexpr bool has_ordered_allocation = false;
 #elif defined(__HIP__)
 using error_t = hipError_t;
 using event_t = hipEvent_t;
@@ -77,6 +86,10 @@ inline error_t copy_on_device_async(void* to, const void* from, std::size_t byte
 }
 inline error_t memset(void* pointer, int value, std::size_t bytes) { return hipMemset(pointer, value, bytes); }
 inline error_t synchronize() { return hipDeviceSynchronize(); }
+// Streams are not used by the HIP build: stream-ordered allocation is the plain one.
+inline error_t malloc_ordered(void** pointer, std::size_t bytes) { return hipMalloc(pointer, bytes); }
+inline error_t free_ordered(void* pointer, void*) { return hipFree(pointer); }
+inline constexpr bool has_ordered_allocation = false;
 inline error_t last_error() { return hipGetLastError(); }
 inline error_t device_count(int* count) { return hipGetDeviceCount(count); }
 inline error_t get_device(int* device) { return hipGetDevice(device); }
@@ -103,19 +116,34 @@ inline error_t free(void* pointer) { return cudaFree(pointer); }
 inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes);
 }
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream); }
+// A blocking copy on the current stream: ordered after the work queued there, complete on return.
+inline error_t blocking_copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
+  if (current_stream == nullptr) return cudaMemcpy(to, from, bytes, kind);
+  const error_t queued = cudaMemcpyAsync(to, from, bytes, kind, stream());
+  return queued != cudaSuccess ? queued : cudaStreamSynchronize(stream());
+}
 inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
-  return cudaMemcpy(to, from, bytes, cudaMemcpyHostToDevice);
+  return blocking_copy(to, from, bytes, cudaMemcpyHostToDevice);
 }
 inline error_t copy_to_host(void* to, const void* from, std::size_t bytes) {
-  return cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost);
+  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToHost);
 }
 inline error_t copy_on_device(void* to, const void* from, std::size_t bytes) {
-  return cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToDevice);
+  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToDevice);
 }
 inline error_t copy_on_device_async(void* to, const void* from, std::size_t bytes) {
-  return cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, nullptr);
+  return cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream());
 }
-inline error_t memset(void* pointer, int value, std::size_t bytes) { return cudaMemset(pointer, value, bytes); }
+inline error_t memset(void* pointer, int value, std::size_t bytes) {
+  return cudaMemsetAsync(pointer, value, bytes, stream());
+}
+// Stream-ordered allocation on the current stream (no implicit device synchronization).
+inline error_t malloc_ordered(void** pointer, std::size_t bytes) { return cudaMallocAsync(pointer, bytes, stream()); }
+inline error_t free_ordered(void* pointer, void* on_stream) {
+  return cudaFreeAsync(pointer, static_cast<cudaStream_t>(on_stream));
+}
+inline constexpr bool has_ordered_allocation = true;
 inline error_t synchronize() { return cudaDeviceSynchronize(); }
 inline error_t last_error() { return cudaGetLastError(); }
 inline error_t device_count(int* count) { return cudaGetDeviceCount(count); }
@@ -124,13 +152,13 @@ inline error_t set_device(int device) { return cudaSetDevice(device); }
 inline error_t properties(device_properties* out, int device) { return cudaGetDeviceProperties(out, device); }
 inline error_t event_create(event_t* event) { return cudaEventCreate(event); }
 inline error_t event_destroy(event_t event) { return cudaEventDestroy(event); }
-inline error_t event_record(event_t event) { return cudaEventRecord(event, nullptr); }
+inline error_t event_record(event_t event) { return cudaEventRecord(event, stream()); }
 inline error_t event_synchronize(event_t event) { return cudaEventSynchronize(event); }
 inline error_t event_elapsed_ms(float* milliseconds, event_t start, event_t stop) {
   return cudaEventElapsedTime(milliseconds, start, stop);
 }
 inline error_t launch_kernel(const void* kernel, dim3 grid, dim3 block, void** arguments, std::size_t shared_bytes) {
-  return cudaLaunchKernel(kernel, grid, block, arguments, shared_bytes, nullptr);
+  return cudaLaunchKernel(kernel, grid, block, arguments, shared_bytes, stream());
 }
 #endif
 
