@@ -13,18 +13,18 @@ drawn from a torch.Generator seeded with --seed, so a run is reproducible on the
 Recipes (--recipe):
   fp32   no autocast, fp32 GEMMs (TF32 off).
   bf16   autocast to bf16 (the baseline).
-  mxfp4  bf16 autocast plus MXFP4 fake quantization (tools/capture/mxfp_torch.py, bit-identical to
-         mxscope) of the GEMMs listed in --quant (fprop, dgrad, wgrad) in every transformer block
-         linear (q, k, v, o, gate, up, down; the output head stays bf16). Each GEMM's operands are
-         quantized along its reduction axis (NUMERICS.md section 6): fprop y = x w^T, x and w along
-         n_in; dgrad dx = dy w, dy along n_out (axis 1) and w along n_out (axis 0); wgrad
-         dw = dy^T x, dy and x along K (axis 0). A rotation (--fprop/--dgrad/--wgrad-rotation) is
-         applied to both operands of its GEMM along the same axis before quantization. The quantized
-         GEMMs multiply the dequantized values in fp32 (no TF32): products of MXFP4 values are exact,
-         sums are fp32 like a tensor core's accumulator; fprop and dgrad outputs are then cast to
-         bf16, the wgrad output stays fp32. The weight is quantized from its fp32 master copy.
-With a quantized Wgrad, the dump stores the wgrad operands as the recipe used them: "dy.codes" /
-"dy.scales" and "x.codes" / "x.scales" with the recipe in the entry's metadata.
+  mxfp4  bf16 autocast plus MXFP4 quantization of the GEMMs listed in --quant (fprop, dgrad, wgrad)
+         in every transformer block linear (q, k, v, o, gate, up, down; the output head stays bf16),
+         with --rounding and the --fprop/--dgrad/--wgrad-rotation of each GEMM.
+  --ladder NAME instead takes a recipe of mxscope.torch.LADDER (bf16, fp8, mxfp4-f ... nvfp4-te).
+The block linears become mxscope.torch.MXLinear (python/mxscope/torch.py): each GEMM's operands are
+quantized along its reduction axis (docs/numerics.md section 6) by the mxscope library, so they are
+bit for bit what `mxscope quantize` and the replay compute; the weight is quantized from its fp32
+master copy. --quantizer torch runs the same MXFP4 recipes through the pure-PyTorch quantizer of
+mxfp_torch.py instead (an independent implementation, kept as a test oracle and speed baseline; its
+GEMMs multiply the dequantized values in fp32 without TF32).
+With a quantized Wgrad (MX formats), the dump stores the wgrad operands as the recipe used them:
+"dy.codes" / "dy.scales" and "x.codes" / "x.scales" with the recipe in the entry's metadata.
 
 usage (CPU smoke test):  train_tiny_llama.py --tiny --steps 3 --out /tmp/dump
 usage (sample data):     see tools/capture/README.md
@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -49,9 +50,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(_HERE, "..", "..", "python"))
 import mxfp_torch  # noqa: E402
-from mxscope_capture import Capture, autocast_dtype  # noqa: E402
+import mxscope.torch as mt  # noqa: E402
+from mxscope.capture import Capture, autocast_dtype  # noqa: E402
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 ROTATIONS = {
@@ -102,7 +106,7 @@ class QuantRecipe:
 
 
 # ------------------------------------------------------------------------------------------------
-# MXFP4 fake-quantized linear layer.
+# The pure-PyTorch MXFP4 linear layer (--quantizer torch).
 
 
 def _signs_for(recipe: mxfp_torch.OperandRecipe, length: int, layer: str, step: int, device):
@@ -161,14 +165,21 @@ class MxLinearFunction(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None
 
 
-class MxLinear(nn.Linear):
-    """nn.Linear whose GEMMs follow a QuantRecipe; with no quantized GEMM it is exactly nn.Linear."""
+class TorchMxLinear(nn.Linear):
+    """nn.Linear whose GEMMs follow a QuantRecipe through mxfp_torch (--quantizer torch)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.quant = QuantRecipe()
         self.layer_name = ""
         self.step = 0
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear, quant: "QuantRecipe", name: str) -> "TorchMxLinear":
+        out = cls(linear.in_features, linear.out_features)
+        out.weight = linear.weight
+        out.quant, out.layer_name = quant, name
+        return out
 
     def forward(self, x):
         if not self.quant.gemms:
@@ -219,10 +230,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = config.heads
         self.head_dim = config.d_model // config.heads
-        self.q_proj = MxLinear(config.d_model, config.d_model)
-        self.k_proj = MxLinear(config.d_model, config.d_model)
-        self.v_proj = MxLinear(config.d_model, config.d_model)
-        self.o_proj = MxLinear(config.d_model, config.d_model)
+        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x, cos, sin, mask):
         batch, seq, _ = x.shape
@@ -243,9 +254,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = MxLinear(config.d_model, config.ffn)
-        self.up_proj = MxLinear(config.d_model, config.ffn)
-        self.down_proj = MxLinear(config.ffn, config.d_model)
+        self.gate_proj = nn.Linear(config.d_model, config.ffn, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ffn, bias=False)
+        self.down_proj = nn.Linear(config.ffn, config.d_model, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -351,10 +362,66 @@ def learning_rate(step: int, total: int, peak: float, warmup: int, floor_fractio
     return peak * (floor_fraction + (1 - floor_fraction) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+# The linears of the transformer blocks (the output head stays in the autocast dtype).
+BLOCK_LINEARS = r"layers\.\d+\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def quantization_of(args, quant_seed: int):
+    """(QuantRecipe for --quantizer torch, mxscope.torch.Recipe) of the command line."""
+    if args.ladder is not None:
+        if args.quantizer == "torch":
+            raise SystemExit("--ladder: the torch quantizer runs --recipe mxfp4 only")
+        return QuantRecipe(), mt.LADDER[args.ladder].with_seed(quant_seed)
+    if args.recipe != "mxfp4":
+        return QuantRecipe(), mt.Recipe(args.recipe)
+    gemms = tuple(g.strip() for g in args.quant.split(",") if g.strip())
+    unknown = [g for g in gemms if g not in GEMMS]
+    if unknown:
+        raise SystemExit(f"--quant: unknown GEMM(s) {unknown}; expected a subset of {GEMMS}")
+    rotations = {g: getattr(args, f"{g}_rotation") for g in GEMMS}
+    quant = QuantRecipe(gemms=gemms, rounding=args.rounding, seed=quant_seed, rotations=rotations)
+    per_gemm = {}
+    for gemm in gemms:
+        size, signs = ROTATIONS[rotations[gemm]]
+        per_gemm[gemm] = mt.GemmRecipe(format="mxfp4", rounding=args.rounding, rotation=size, signs=signs)
+    return quant, mt.Recipe("mxfp4-" + "".join(g[0] for g in gemms), seed=quant_seed, **per_gemm)
+
+
+def apply_quantization(model: nn.Module, quantizer: str, quant: QuantRecipe, recipe) -> None:
+    """Turns the block linears into MXLinear (mxscope) or TorchMxLinear (torch) modules."""
+    if quantizer == "mxscope":
+        if recipe.quantized:
+            mt.convert(model, recipe, include=BLOCK_LINEARS)
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and re.fullmatch(BLOCK_LINEARS, name):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, TorchMxLinear.replacing(module, quant, name))
+
+
+def set_step(model: nn.Module, step: int) -> None:
+    mt.set_step(model, step)
+    for module in model.modules():
+        if isinstance(module, TorchMxLinear):
+            module.step = step
+
+
+def describe_recipe(args, quant: QuantRecipe, recipe) -> str:
+    if args.ladder is not None:
+        return f"bf16 autocast + {recipe.name} (mxscope.torch.LADDER: {recipe})"
+    if args.recipe != "mxfp4":
+        return {"fp32": "fp32 (no autocast, TF32 off)", "bf16": "bf16 autocast"}[args.recipe]
+    return f"bf16 autocast + MXFP4 quantization by {args.quantizer} ({quant.describe()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="dump directory (created; must not hold a dump yet)")
     p.add_argument("--recipe", choices=("fp32", "bf16", "mxfp4"), default="bf16")
+    p.add_argument("--ladder", choices=sorted(mt.LADDER), default=None,
+                   help="a recipe of mxscope.torch.LADDER instead of --recipe/--quant/--rounding/--*-rotation")
+    p.add_argument("--quantizer", choices=("mxscope", "torch"), default="mxscope",
+                   help="mxscope: mxscope.torch.MXLinear (the library); torch: the pure-PyTorch mxfp_torch path")
     p.add_argument("--quant", default="fprop,dgrad,wgrad", help="GEMMs quantized by --recipe mxfp4")
     p.add_argument("--rounding", choices=("rne", "sr"), default="rne")
     for gemm in GEMMS:
@@ -403,22 +470,11 @@ def main(argv=None) -> int:
                                              r"layers\.1\.attn\.o_proj|layers\.2\.mlp\.down_proj")
     capture_steps = parse_steps(args.capture_steps)
 
-    quant = QuantRecipe()
-    if args.recipe == "mxfp4":
-        gemms = tuple(g.strip() for g in args.quant.split(",") if g.strip())
-        unknown = [g for g in gemms if g not in GEMMS]
-        if unknown:
-            raise SystemExit(f"--quant: unknown GEMM(s) {unknown}; expected a subset of {GEMMS}")
-        quant = QuantRecipe(gemms=gemms, rounding=args.rounding,
-                            seed=args.seed if args.quant_seed is None else args.quant_seed,
-                            rotations={g: getattr(args, f"{g}_rotation") for g in GEMMS})
-    use_autocast = args.recipe in ("bf16", "mxfp4")
-
+    quant_seed = args.seed if args.quant_seed is None else args.quant_seed
+    quant, recipe = quantization_of(args, quant_seed)
+    use_autocast = args.recipe in ("bf16", "mxfp4") or args.ladder is not None
     model = TinyLlama(config).to(device)
-    for name, module in model.named_modules():
-        if isinstance(module, MxLinear):
-            module.quant = quant
-            module.layer_name = name
+    apply_quantization(model, args.quantizer, quant, recipe)
 
     train_data, validation_data, corpus = load_corpus(max_bytes)
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
@@ -427,16 +483,16 @@ def main(argv=None) -> int:
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
-    recipe_text = {"fp32": "fp32 (no autocast, TF32 off)", "bf16": "bf16 autocast",
-                   "mxfp4": f"bf16 autocast + MXFP4 fake quantization ({quant.describe()})"}[args.recipe]
+    recipe_text = describe_recipe(args, quant, recipe)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
     provenance = {
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "device": device_name, "seed": args.seed, "quant_seed": quant.seed, "config": asdict(config),
+        "device": device_name, "seed": args.seed, "quant_seed": quant_seed, "config": asdict(config),
         "batch": batch, "grad_accum": args.grad_accum, "tokens_per_step": batch * config.seq * args.grad_accum,
         "steps": args.steps, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
         "clip": args.clip, "corpus": corpus, "capture_layers": capture_layers, "capture_steps": capture_steps,
-        "recipe": args.recipe, "quant": list(quant.gemms), "rounding": quant.rounding,
+        "recipe": args.recipe, "ladder": args.ladder, "quantizer": args.quantizer, "quant": list(quant.gemms),
+        "rounding": quant.rounding,
         "rotations": quant.rotations or {}, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
     }
     source = {
@@ -468,9 +524,7 @@ def main(argv=None) -> int:
             lr = learning_rate(step, args.steps, args.lr, args.warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            for module in model.modules():
-                if isinstance(module, MxLinear):
-                    module.step = step
+            set_step(model, step)
             capture.begin_step(step)
             train_loss = 0.0
             for _ in range(args.grad_accum):
