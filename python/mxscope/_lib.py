@@ -9,6 +9,7 @@ PREFIX/lib); the source tree's build folder (python/mxscope -> build). It is loa
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import re
 import threading
@@ -76,6 +77,7 @@ def candidates() -> list:
         found.append(named)
     found.append(os.path.join(_HERE, _LIBRARY_NAME))
     found.append(os.path.normpath(os.path.join(_HERE, "..", "..", "..", _LIBRARY_NAME)))
+    found.extend(sorted(glob.glob(os.path.join(_HERE, "..", "..", "..", "*", _LIBRARY_NAME))))  # multiarch libdir
     found.append(os.path.normpath(os.path.join(_HERE, "..", "..", "build", _LIBRARY_NAME)))
     return found
 
