@@ -80,6 +80,9 @@ class ModelConfig:
     seq: int = 128
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # "sdpa": F.scaled_dot_product_attention (PyTorch 2.0 and newer, fused kernels on the GPU);
+    # "naive": softmax(q k^T / sqrt(d)) v written out; "auto": sdpa where PyTorch has it.
+    attention: str = "auto"
 
 
 @dataclass
@@ -230,6 +233,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = config.heads
         self.head_dim = config.d_model // config.heads
+        available = hasattr(F, "scaled_dot_product_attention")
+        if config.attention == "sdpa" and not available:
+            raise SystemExit("--attention sdpa: this PyTorch has no scaled_dot_product_attention")
+        self.fused = config.attention == "sdpa" or (config.attention == "auto" and available)
         self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.v_proj = nn.Linear(config.d_model, config.d_model, bias=False)
@@ -244,6 +251,9 @@ class Attention(nn.Module):
         q = apply_rope(heads(self.q_proj(x)), cos, sin)
         k = apply_rope(heads(self.k_proj(x)), cos, sin)
         v = heads(self.v_proj(x))
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
+            return self.o_proj(out)
         scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(self.head_dim)
         scores = scores.masked_fill(mask[:seq, :seq], float("-inf"))
         attention = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -437,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--attention", choices=("auto", "sdpa", "naive"), default="auto")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -463,7 +474,8 @@ def main(argv=None) -> int:
     tiny = args.tiny
     config = ModelConfig(d_model=args.d_model or (32 if tiny else 128), layers=args.layers or (2 if tiny else 4),
                          heads=args.heads or (2 if tiny else 4), ffn=args.ffn or (96 if tiny else 352),
-                         seq=args.seq or (32 if tiny else 128), tie_embeddings=args.tie_embeddings)
+                         seq=args.seq or (32 if tiny else 128), tie_embeddings=args.tie_embeddings,
+                         attention=args.attention)
     batch = args.batch or (2 if tiny else 4)
     max_bytes = args.max_corpus_bytes or (400_000 if tiny else None)
     capture_layers = args.capture_layers or (r"layers\.0\.attn\.o_proj|layers\.1\.mlp\.down_proj" if tiny else
