@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
@@ -149,10 +150,26 @@ def _layout(options: _lib.QuantizeOptions, rows: int, cols: int) -> _lib.Quantiz
     return found
 
 
+_selected = threading.local()
+
+
+def _select(device: torch.device) -> None:
+    """Makes the library's current CUDA device the tensor's (once per change, per thread)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if getattr(_selected, "index", None) != index:
+        _lib.check(_lib.library().mxs_cuda_select(index))
+        _selected.index = index
+
+
 def quantize_matrix(t: torch.Tensor, rows: int, cols: int, options: _lib.QuantizeOptions, *,
-                    dequantized: bool = True, operand: bool = False, counts_on_device: bool = False) -> QuantizedTensor:
-    """Quantizes contiguous `t` viewed as [rows, cols] (the library call behind quantize and MXLinear)."""
-    layout = _layout(options, rows, cols)
+                    dequantized: bool = True, operand: bool = False, counts_on_device: bool = False,
+                    layout: Optional[_lib.QuantizeLayout] = None,
+                    counters: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """Quantizes contiguous `t` viewed as [rows, cols] (the library call behind quantize and
+    MXLinear). layout: the storage sizes when the caller has them; counters: an int64 [4] device
+    tensor the counts are added to (CUDA), instead of a new one."""
+    if layout is None:
+        layout = _layout(options, rows, cols)
     device = t.device
     codes = torch.empty((layout.code_rows, layout.code_cols), dtype=torch.uint8, device=device)
     blocked = layout.scale_kind == _lib.MXS_BLOCK_SCALES
@@ -165,19 +182,19 @@ def quantize_matrix(t: torch.Tensor, rows: int, cols: int, options: _lib.Quantiz
     result.scales = scales.data_ptr() if blocked and scales.numel() else None
     result.dequantized = values.data_ptr() if values is not None and values.numel() else None
     result.operand_bf16 = bf16.data_ptr() if bf16 is not None and bf16.numel() else None
-    counters = None
     stream = None
     cuda = device.type == "cuda"
     if cuda:
-        _lib.check(_lib.library().mxs_cuda_select(device.index if device.index is not None else torch.cuda.current_device()))
+        _select(device)
         stream = torch.cuda.current_stream(device).cuda_stream
-        if counts_on_device:
+        if counters is None and counts_on_device:
             counters = torch.zeros(4, dtype=torch.int64, device=device)
+        if counters is not None:
             result.device_counters = counters.data_ptr()
     _lib.check(_lib.library().mxs_quantize(t.data_ptr() if t.numel() else None, _DTYPES[t.dtype], rows, cols,
                                            _lib.MXS_CUDA if cuda else _lib.MXS_CPU, stream, ctypes.byref(options),
                                            ctypes.byref(result)))
-    if counters is None:
+    if not cuda or counters is None:
         counters = torch.tensor([result.nonzero, result.flushed, result.saturated, result.nonfinite],
                                 dtype=torch.int64)
     if not blocked:

@@ -19,7 +19,7 @@ have the input's dtype (bf16 under autocast), wgrad's is fp32 before it becomes 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch as _torch
@@ -178,13 +178,26 @@ def _quantize_operand(module: "MXLinear", t: _torch.Tensor, gemm: str, index: in
     role, axis, gradient = _OPERANDS[gemm][index]
     t = t.contiguous()
     rows, cols = t.shape
-    options = _api.make_options(recipe.operand_format(gradient), axis=axis, block=recipe.block or None,
-                                rounding=recipe.operand_rounding(gradient), scale_rule=recipe.scale_rule,
-                                rotation=recipe.rotation, signs=recipe.signs, seed=module.recipe.seed,
-                                step=module.step, sr_bits=recipe.sr_bits, layer=module.layer_name, role=role,
-                                seed_policy=recipe.seed_policy)
+    # The options and storage sizes of each operand, made once per module and shape: only the step
+    # changes from call to call.
+    key = (gemm, index, rows, cols, t.device)
+    cached = module._mxs_operands.get(key)
+    identity = (module.recipe, recipe, module.layer_name)
+    if cached is None or cached[0] != identity:
+        options = _api.make_options(recipe.operand_format(gradient), axis=axis, block=recipe.block or None,
+                                    rounding=recipe.operand_rounding(gradient), scale_rule=recipe.scale_rule,
+                                    rotation=recipe.rotation, signs=recipe.signs, seed=module.recipe.seed,
+                                    step=module.step, sr_bits=recipe.sr_bits, layer=module.layer_name, role=role,
+                                    seed_policy=recipe.seed_policy)
+        counters = _torch.zeros(4, dtype=_torch.int64, device=t.device) if t.device.type == "cuda" else None
+        cached = (identity, options, _api._layout(options, rows, cols), counters)
+        module._mxs_operands[key] = cached
+    _, options, layout, counters = cached
+    options.step = module.step
     cuda = t.device.type == "cuda"
-    return _api.quantize_matrix(t, rows, cols, options, dequantized=not cuda, operand=cuda, counts_on_device=cuda)
+    # On CUDA the counts accumulate in the module's counter tensor (nothing waits for them).
+    return _api.quantize_matrix(t, rows, cols, options, dequantized=not cuda, operand=cuda, layout=layout,
+                                counters=counters)
 
 
 def _product(a, b, transpose_a: bool, transpose_b: bool, out_dtype: _torch.dtype) -> _torch.Tensor:
@@ -281,6 +294,7 @@ class MXLinear(_nn.Linear):
         self.recipe = recipe if recipe is not None else Recipe()
         self.layer_name = layer_name
         self.step = 0
+        self._mxs_operands = {}
 
     @classmethod
     def from_linear(cls, linear: _nn.Linear, recipe: Recipe, layer_name: str = "") -> "MXLinear":
@@ -291,6 +305,7 @@ class MXLinear(_nn.Linear):
         out.weight = linear.weight
         out.bias = linear.bias
         out.recipe, out.layer_name, out.step = recipe, layer_name, 0
+        out._mxs_operands = {}
         return out
 
     def forward(self, x: _torch.Tensor) -> _torch.Tensor:
@@ -329,6 +344,7 @@ def convert(model: _nn.Module, recipe: Recipe, include: str = r".*", exclude: Op
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(module, MXLinear):
             module.recipe, module.layer_name = recipe, name
+            module._mxs_operands = {}
             continue
         setattr(parent, child, MXLinear.from_linear(module, recipe, name))
     return model

@@ -45,23 +45,45 @@ __global__ void operand_bf16_kernel(const std::uint8_t* codes, const std::uint8_
   }
 }
 
-// One thread per 16 consecutive elements of a row (cols a multiple of 16): one index division per
-// group and two 16-byte stores.
+// One thread per 16 consecutive elements of a row (cols a multiple of 16, codes and scales 16-byte
+// aligned): the row's indices computed once, the codes read as one 8- or 16-byte vector, a block's
+// scale read once where the 16 elements share it, and two 16-byte stores.
 constexpr int operand_group = 16;
 __global__ void operand_bf16_grouped_kernel(const std::uint8_t* codes, const std::uint8_t* scales,
                                             operand_layout layout, std::uint16_t* out) {
   const std::int64_t groups_per_row = layout.cols / operand_group;
+  const bool shared_scale = layout.block_cols % operand_group == 0;
   MXSCOPE_GRID_LOOP(g, layout.rows * groups_per_row) {
     const std::int64_t r = g / groups_per_row;
-    const std::int64_t c0 = (g % groups_per_row) * operand_group;
+    const std::int64_t c0 = (g - r * groups_per_row) * operand_group;
+    std::uint8_t bytes[operand_group];
+    if (layout.four_bit) {
+      const uint2 packed = *reinterpret_cast<const uint2*>(codes + r * layout.row_bytes + c0 / 2);
+      const std::uint32_t words[2] = {packed.x, packed.y};
+#pragma unroll
+      for (int k = 0; k < operand_group; ++k) bytes[k] = (words[k / 8] >> (4 * (k % 8))) & 0x0FU;
+    } else {
+      const uint4 packed = *reinterpret_cast<const uint4*>(codes + r * layout.row_bytes + c0);
+      const std::uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int k = 0; k < operand_group; ++k) bytes[k] = (words[k / 4] >> (8 * (k % 4))) & 0xFFU;
+    }
+    const std::uint8_t* scale_row =
+        layout.scaling == operand_scale::none ? nullptr : scales + (r / layout.block_rows) * layout.scale_cols;
+    const std::uint8_t first_scale = scale_row == nullptr ? 0 : scale_row[c0 / layout.block_cols];
     std::uint32_t words[operand_group / 2];
 #pragma unroll
     for (int k = 0; k < operand_group; k += 2) {
-      const std::uint16_t low = operand_value_bf16(layout, operand_code(layout, codes, r, c0 + k),
-                                                   operand_scale_code(layout, scales, r, c0 + k));
-      const std::uint16_t high = operand_value_bf16(layout, operand_code(layout, codes, r, c0 + k + 1),
-                                                    operand_scale_code(layout, scales, r, c0 + k + 1));
-      words[k / 2] = static_cast<std::uint32_t>(low) | (static_cast<std::uint32_t>(high) << 16);
+      std::uint16_t pair[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::int64_t c = c0 + k + h;
+        const std::uint8_t scale = scale_row == nullptr || shared_scale ? first_scale
+                                   : layout.block_cols == 1          ? scale_row[c]
+                                                                     : scale_row[c / layout.block_cols];
+        pair[h] = operand_value_bf16(layout, bytes[k + h], scale);
+      }
+      words[k / 2] = static_cast<std::uint32_t>(pair[0]) | (static_cast<std::uint32_t>(pair[1]) << 16);
     }
     auto* target = reinterpret_cast<uint4*>(out + r * layout.cols + c0);
     target[0] = make_uint4(words[0], words[1], words[2], words[3]);
@@ -72,7 +94,8 @@ __global__ void operand_bf16_grouped_kernel(const std::uint8_t* codes, const std
 void launch_operand_bf16(const std::uint8_t* codes, const std::uint8_t* scales, const operand_layout& layout,
                          std::uint16_t* out) {
   if (layout.rows == 0 || layout.cols == 0) return;
-  const bool grouped = layout.cols % operand_group == 0 && reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
+  const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
+  const bool grouped = layout.cols % operand_group == 0 && aligned(out) && aligned(codes);
   if (grouped) {
     runtime::launch(operand_bf16_grouped_kernel, grid_for(layout.rows * (layout.cols / operand_group)),
                     threads_per_block, 0, codes, scales, layout, out);

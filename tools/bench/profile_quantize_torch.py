@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Where the time of mxscope.torch goes on a GPU: (1) mxscope.quantize per operand shape, axis,
+input dtype and rounding, device time by CUDA events and host time per call; (2) torch.profiler
+over two training steps of the trainer's bench model under one recipe, the kernels by device time.
+
+usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+import mxscope  # noqa: E402
+from mxscope import _api  # noqa: E402
+
+
+def time_quantize(t, axis, rounding, rotation, repeats=20):
+    rows, cols, matrix_axis = _api.as_matrix_shape(t.shape, axis)
+    options = _api.make_options("mxfp4", axis=matrix_axis, block=None, rounding=rounding, scale_rule="floor",
+                                rotation=rotation, signs="none", seed=1, step=1, sr_bits=32, layer="l", role="x",
+                                seed_policy="per-step")
+    for _ in range(3):
+        _api.quantize_matrix(t, rows, cols, options, dequantized=False, operand=True, counts_on_device=True)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = time.perf_counter()
+    start.record()
+    for _ in range(repeats):
+        _api.quantize_matrix(t, rows, cols, options, dequantized=False, operand=True, counts_on_device=True)
+    stop.record()
+    host = (time.perf_counter() - host) / repeats
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / repeats, host * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="mxfp4-fdw")
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    tokens = args.batch * args.seq
+    copy_in = torch.randn(tokens, 4 * args.d_model, device="cuda", dtype=torch.bfloat16)
+    copy_out = torch.empty_like(copy_in)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        copy_out.copy_(copy_in)
+    start.record()
+    for _ in range(20):
+        copy_out.copy_(copy_in)
+    stop.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(stop) / 20
+    print(f"copy {copy_in.numel() * 2 / 1e6:.0f} MB: {ms:.3f} ms, {2 * copy_in.numel() * 2 / ms / 1e9:.0f} GB/s")
+    print(f"{'operand':<28} {'axis':>4} {'round':>5} {'rot':>4} {'device ms':>10} {'host ms':>8} {'GB/s in+out':>11}")
+    for name, shape, dtype in (("x/dy [K, d] bf16", (tokens, args.d_model), torch.bfloat16),
+                               ("h [K, ffn] bf16", (tokens, 2816), torch.bfloat16),
+                               ("w [d, d] fp32", (args.d_model, args.d_model), torch.float32)):
+        t = torch.randn(*shape, device="cuda", dtype=dtype)
+        for axis in (1, 0):
+            for rounding, rotation in (("rne", None), ("sr", None), ("sr", 16)):
+                device_ms, host_ms = time_quantize(t, axis, rounding, rotation)
+                moved = t.numel() * (t.element_size() + 2.5)  # input, bf16 operand, codes
+                print(f"{name:<28} {axis:>4} {rounding:>5} {rotation or 0:>4} {device_ms:10.3f} {host_ms:8.3f} "
+                      f"{moved / device_ms / 1e6:11.0f}")
+
+    sys.path.insert(0, os.path.join(HERE, "..", "capture"))
+    import train_tiny_llama as trainer
+    import mxscope.torch as mt
+    import torch.nn.functional as F
+    config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
+    torch.manual_seed(0)
+    model = trainer.TinyLlama(config).cuda()
+    mt.convert(model, mt.LADDER[args.recipe], include=trainer.BLOCK_LINEARS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
+
+    def step(i):
+        mt.set_step(model, i)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), inputs.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            step(10 + i)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
