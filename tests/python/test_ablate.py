@@ -1,0 +1,411 @@
+"""Tests of mxscope.ablate: tokens to target, divergence, overhead intervals, Spearman, replay
+metrics, the predictor fit/test split, the replay strategy of a recipe, and the runner on CPU.
+
+Run: PYTHONPATH=python /usr/bin/python3 -m unittest -v test_ablate   (from tests/python)
+"""
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import types
+import unittest
+from contextlib import redirect_stdout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+
+from mxscope.ablate import analysis, strategies  # noqa: E402
+
+try:
+    import torch  # noqa: F401
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
+
+
+class TokensToTarget(unittest.TestCase):
+    CURVE = [(0, 5.0), (100, 4.0), (200, 3.0), (300, 2.5)]
+
+    def test_crossing_between_evaluations_is_interpolated(self):
+        # 3.5 lies between 4.0 at 100 tokens and 3.0 at 200: 100 + (4.0 - 3.5) / (4.0 - 3.0) * 100 = 150.
+        self.assertAlmostEqual(analysis.tokens_to_target(self.CURVE, 3.5), 150.0, places=12)
+        # 2.6 between 3.0 at 200 and 2.5 at 300: 200 + 0.4 / 0.5 * 100 = 280.
+        self.assertAlmostEqual(analysis.tokens_to_target(self.CURVE, 2.6), 280.0, places=9)
+
+    def test_target_met_exactly_at_an_evaluation(self):
+        self.assertEqual(analysis.tokens_to_target(self.CURVE, 4.0), 100.0)
+        self.assertEqual(analysis.tokens_to_target(self.CURVE, 6.0), 0.0)  # the first evaluation already reaches
+
+    def test_never_reached(self):
+        self.assertIsNone(analysis.tokens_to_target(self.CURVE, 2.0))
+        self.assertIsNone(analysis.tokens_to_target([], 2.0))
+
+    def test_first_crossing_counts_on_a_non_monotone_curve(self):
+        curve = [(0, 5.0), (10, 3.0), (20, 4.0), (30, 2.0)]
+        # First crossing of 3.5: between 0 (5.0) and 10 (3.0): 0 + 1.5 / 2.0 * 10 = 7.5.
+        self.assertAlmostEqual(analysis.tokens_to_target(curve, 3.5), 7.5, places=12)
+
+    def test_non_finite_losses_never_reach(self):
+        curve = [(0, 5.0), (10, float("nan")), (20, 2.0)]
+        self.assertEqual(analysis.tokens_to_target(curve, 3.0), 20.0)  # no finite left end to interpolate from
+        self.assertIsNone(analysis.tokens_to_target([(0, 5.0), (10, float("nan")), (20, float("inf"))], 3.0))
+
+    def test_unsorted_curve_is_refused(self):
+        with self.assertRaises(ValueError):
+            analysis.tokens_to_target([(0, 5.0), (20, 4.0), (10, 3.0)], 3.5)
+
+
+class Divergence(unittest.TestCase):
+    def test_healthy_curves(self):
+        self.assertFalse(analysis.diverged([(0, 5.5), (1, 4.0), (2, 3.0), (3, 2.9)]))
+        # Noise below the absolute tolerance on a flat stretch is not a divergence.
+        self.assertFalse(analysis.diverged([(0, 5.5), (1, 3.0), (2, 3.05), (3, 2.95)]))
+
+    def test_non_finite(self):
+        self.assertIn("non-finite", analysis.divergence([(0, 5.5), (1, 4.0), (2, float("nan"))]))
+        self.assertTrue(analysis.diverged([(0, 5.5), (1, float("inf"))]))
+        self.assertTrue(analysis.diverged([(0, 5.5), (1, 4.0)], train_losses=[5.0, float("nan")]))
+
+    def test_rising_above_the_initial_loss(self):
+        self.assertTrue(analysis.diverged([(0, 5.5), (1, 5.7)]))
+
+    def test_giving_back_more_than_half_the_progress(self):
+        # Best 3.0 after starting at 5.0: progress 2.0; a rise to 4.1 gives back 1.1 > 1.0.
+        self.assertTrue(analysis.diverged([(0, 5.0), (1, 3.0), (2, 4.1)]))
+        # A rise to 3.9 gives back 0.9 < 1.0: not diverged under the default rule, diverged at 0.4.
+        self.assertFalse(analysis.diverged([(0, 5.0), (1, 3.0), (2, 3.9)]))
+        self.assertTrue(analysis.diverged([(0, 5.0), (1, 3.0), (2, 3.9)], rise_fraction=0.4))
+
+
+class Spearman(unittest.TestCase):
+    def test_ranks_with_ties_and_infinity(self):
+        self.assertEqual(analysis.rankdata([10, 30, 20, 30]), [1.0, 3.5, 2.0, 3.5])
+        self.assertEqual(analysis.rankdata([1.0, float("inf"), 2.0, float("inf")]), [1.0, 3.5, 2.0, 3.5])
+        with self.assertRaises(ValueError):
+            analysis.rankdata([1.0, float("nan")])
+
+    def test_without_ties_matches_the_d_squared_formula(self):
+        # Ranks of y: 3, 1, 4, 5, 2; d = -2, 1, -1, -1, 3; sum d^2 = 16; rho = 1 - 6*16/(5*24) = 0.2.
+        rho = analysis.spearman_rho([10, 20, 30, 40, 50], [3, 1, 4, 5, 2])
+        self.assertAlmostEqual(rho, 0.2, places=12)
+
+    def test_with_ties_matches_a_hand_computation(self):
+        # x ranks 1, 2.5, 2.5, 4, 5 (deviations -2, -.5, -.5, 1, 2); y ranks 2, 1, 4, 3, 5 (-1, -2, 1, 0, 2).
+        # sum of products 2 + 1 - 0.5 + 0 + 4 = 6.5; sums of squares 9.5 and 10: rho = 6.5 / sqrt(95).
+        rho = analysis.spearman_rho([1, 2, 2, 3, 5], [2, 1, 4, 3, 5])
+        self.assertAlmostEqual(rho, 6.5 / math.sqrt(95), places=12)
+
+    def test_degenerate(self):
+        self.assertTrue(math.isnan(analysis.spearman_rho([1, 1, 1], [1, 2, 3])))
+        self.assertTrue(math.isnan(analysis.spearman_rho([1], [2])))
+        self.assertAlmostEqual(analysis.spearman_rho([1, 2, 3], [float("inf"), 5, 1]), -1.0, places=12)
+
+    def test_bootstrap_interval_is_deterministic_and_contains_the_estimate(self):
+        rng = random.Random(3)
+        x = [rng.random() for _ in range(15)]
+        y = [v + 0.3 * rng.random() for v in x]
+        a = analysis.spearman(x, y, n_boot=500, seed=11)
+        b = analysis.spearman(x, y, n_boot=500, seed=11)
+        self.assertEqual(a, b)
+        self.assertLessEqual(a.lo, a.rho)
+        self.assertLessEqual(a.rho, a.hi)
+        self.assertLessEqual(a.hi, 1.0)
+        self.assertEqual(a.n, 15)
+
+    def test_fisher_interval_is_symmetric_in_z(self):
+        c = analysis.spearman([1, 2, 3, 4, 5, 6, 7, 8], [2, 1, 4, 3, 6, 5, 8, 7], interval="fisher")
+        self.assertAlmostEqual(math.atanh(c.lo) + math.atanh(c.hi), 2 * math.atanh(c.rho), places=9)
+        self.assertLess(c.lo, c.rho)
+        self.assertLess(c.rho, c.hi)
+
+
+class Overhead(unittest.TestCase):
+    # bf16 finals 3.0, 3.1, 3.2: target (mean) 3.1; the bf16 mean curve (0, 6), (1000, 4), (2000, 3.1)
+    # reaches it at 2000 tokens. The recipe's mean curve (1000, 4.3), (2000, 3.4), (3000, 3.0) crosses
+    # 3.1 at 2000 + 0.3/0.4 * 1000 = 2750 tokens: overhead 2750/2000 - 1 = 0.375.
+    BF16 = {s: [(0, 6.0), (1000, 4.0), (2000, 3.0 + 0.1 * s)] for s in range(3)}
+    RECIPE = {s: [(0, 6.0), (1000, 4.2 + 0.1 * s), (2000, 3.3 + 0.1 * s), (3000, 2.9 + 0.1 * s)] for s in range(3)}
+
+    def test_point_estimate_and_per_seed_values(self):
+        summary = analysis.overhead_summary(self.RECIPE, self.BF16, n_boot=200, seed=5)
+        self.assertAlmostEqual(summary.target, 3.1, places=12)
+        self.assertAlmostEqual(summary.baseline_tokens, 2000.0, places=6)
+        self.assertAlmostEqual(summary.tokens, 2750.0, places=6)
+        self.assertAlmostEqual(summary.overhead, 0.375, places=9)
+        self.assertTrue(summary.reached)
+        # Seed 0: the recipe crosses 3.1 between (2000, 3.3) and (3000, 2.9) at 2500 tokens; bf16 seed 0
+        # crosses it between (1000, 4.0) and (2000, 3.0) at 1900.
+        seed0 = summary.per_seed[0]
+        self.assertAlmostEqual(seed0["tokens"], 2500.0, places=6)
+        self.assertAlmostEqual(seed0["overhead_vs_baseline"], 0.25, places=9)
+        self.assertAlmostEqual(seed0["paired_overhead"], 2500.0 / 1900.0 - 1, places=9)
+        # bf16 seed 2 ends at 3.2, above the mean target: its pairing is undefined (nan), not dropped.
+        self.assertTrue(math.isnan(summary.per_seed[2]["paired_overhead"]))
+
+    def test_bootstrap_is_deterministic_and_contains_the_estimate(self):
+        a = analysis.overhead_summary(self.RECIPE, self.BF16, n_boot=300, seed=9)
+        b = analysis.overhead_summary(self.RECIPE, self.BF16, n_boot=300, seed=9)
+        self.assertEqual((a.overhead, a.lo, a.hi), (b.overhead, b.lo, b.hi))
+        self.assertLessEqual(a.lo, a.overhead)
+        self.assertLessEqual(a.overhead, a.hi)
+        self.assertLess(a.lo, a.hi)  # the seeds differ, so the resamples do
+
+    def test_a_recipe_that_never_reaches(self):
+        slow = {s: [(0, 6.0), (1000, 5.0), (2000, 4.0)] for s in range(3)}
+        summary = analysis.overhead_summary(slow, self.BF16, n_boot=100)
+        self.assertEqual(summary.overhead, math.inf)
+        self.assertFalse(summary.reached)
+        self.assertEqual(summary.hi, math.inf)
+        self.assertIsNone(summary.per_seed[1]["tokens"])
+        self.assertEqual(summary.per_seed[1]["overhead_vs_baseline"], math.inf)
+
+    def test_diverged_bf16_seeds_leave_the_baseline(self):
+        bf16 = dict(self.BF16)
+        bf16[3] = [(0, 6.0), (1000, float("nan"))]
+        summary = analysis.overhead_summary(self.RECIPE, bf16, n_boot=50)
+        self.assertEqual(summary.excluded_baseline_seeds, [3])
+        self.assertAlmostEqual(summary.overhead, 0.375, places=9)
+
+    def test_bf16_against_itself_is_zero(self):
+        summary = analysis.overhead_summary(self.BF16, self.BF16, n_boot=100)
+        self.assertEqual(summary.overhead, 0.0)
+        self.assertEqual((summary.lo, summary.hi), (0.0, 0.0))
+
+    def test_percentile(self):
+        self.assertEqual(analysis.percentile([4, 1, 3, 2], 0.5), 2.5)
+        self.assertEqual(analysis.percentile([1, 2, 3, 4], 0.25), 1.75)
+        self.assertEqual(analysis.percentile([1, 2, math.inf, math.inf], 0.5), math.inf)
+        self.assertEqual(analysis.percentile([1, 2, 3, math.inf], 0.0), 1)
+
+
+class Predictors(unittest.TestCase):
+    def synthetic(self):
+        """Two sizes x 12 recipes. The overhead is a monotone function of a hidden quality q plus
+        small noise; 'planted' = q + tiny noise, 'planted_neg' = -q, 'flipped' = q at size A and -q at
+        size B (a metric whose direction does not transfer), 'noise' independent of everything."""
+        rng = random.Random(2024)
+        overheads, metrics = {}, {}
+        for size in ("A", "B"):
+            overheads[size], metrics[size] = {}, {}
+            for i in range(12):
+                q = i / 11 + rng.gauss(0, 0.02)
+                recipe = f"r{i}"
+                overheads[size][recipe] = math.inf if i >= 10 else 0.5 * q * q + rng.gauss(0, 0.005)
+                metrics[size][recipe] = {
+                    "planted": q + rng.gauss(0, 0.01),
+                    "planted_neg": -q + rng.gauss(0, 0.01),
+                    "flipped": q if size == "A" else -q,
+                    "noise": rng.random(),
+                }
+        return overheads, metrics
+
+    def test_planted_predictor_is_found_and_noise_is_not(self):
+        overheads, metrics = self.synthetic()
+        rows = analysis.predictor_table(overheads, metrics, n_boot=400)
+        by = {(r["metric"], r["fit_size"], r["test_size"]): r for r in rows}
+        self.assertEqual(len(rows), 4 * 2)
+        for fit, test in (("A", "B"), ("B", "A")):
+            planted = by[("planted", fit, test)]
+            self.assertEqual(planted["direction"], 1)
+            self.assertGreater(planted["spearman"], 0.9)
+            self.assertTrue(planted["predicts"])
+            self.assertLessEqual(planted["interval_lo"], planted["spearman"])
+            negative = by[("planted_neg", fit, test)]
+            self.assertEqual(negative["direction"], -1)
+            self.assertGreater(negative["spearman"], 0.9)
+            self.assertTrue(negative["predicts"])
+            # Fitted on one size, the flipped metric's direction is wrong on the other.
+            flipped = by[("flipped", fit, test)]
+            self.assertLess(flipped["spearman"], -0.9)
+            self.assertFalse(flipped["predicts"])
+            noise = by[("noise", fit, test)]
+            self.assertFalse(noise["predicts"])
+            self.assertLessEqual(noise["interval_lo"], 0.0)
+        # Best first: the planted metrics lead the table.
+        self.assertIn(rows[0]["metric"], ("planted", "planted_neg"))
+
+    def test_too_few_recipes_give_nan(self):
+        overheads = {"A": {"r0": 0.0, "r1": 0.1}, "B": {"r0": 0.0, "r1": 0.2}}
+        metrics = {s: {"r0": {"m": 1.0}, "r1": {"m": 2.0}} for s in "AB"}
+        rows = analysis.predictor_table(overheads, metrics, n_boot=10)
+        self.assertTrue(all(math.isnan(r["spearman"]) and not r["predicts"] for r in rows))
+
+
+def _write(path, header, rows):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle, quoting=csv.QUOTE_NONNUMERIC)  # quoted strings: RFC 4180 quoting
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+class ReplayMetrics(unittest.TestCase):
+    def test_metrics_from_a_hand_made_run_directory(self):
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, tmp)
+        header = ["layer", "gemm", "strategy", "step", "t", "rel_err", "bias", "orth_err", "quant_err", "accum_err",
+                  "a_underflow_frac", "b_underflow_frac", "a_saturate_frac", "b_saturate_frac",
+                  "attr_a_flush", "attr_a_clip", "attr_a_round", "attr_b_flush", "attr_b_clip", "attr_b_round"]
+        rows = [
+            ["L0", "wgrad", "s", 10, 1, 0.1, -0.06, 0.08, 0.1, 0.0, 0.2, 0.0, 0.0, 0.0, 0.01, 0.0, 0.03, 0.0, 0.0, 0.04],
+            ["L0", "wgrad", "s", 11, 2, 0.3, -0.02, 0.2, 0.3, 0.0, 0.0, 0.0, 0.1, 0.1, 0.0, 0.0, 0.1, 0.0, 0.1, 0.0],
+            ["L1", "wgrad", "s", 10, 1, 0.2, 0.04, 0.1, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, "nan", "nan", "nan", "nan",
+             "nan", "nan"],
+        ]
+        _write(os.path.join(tmp, "steps.csv"), header, rows)
+        acc_header = ["layer", "gemm", "strategy", "T", "step", "acc_err", "coherence", "alpha", "lag1_corr",
+                      "structural_share", "sgd_upd_err", "sgd_disp_err", "adamw_upd_err", "adamw_disp_err"]
+        _write(os.path.join(tmp, "accumulation.csv"), acc_header, [
+            ["L0", "wgrad", "s", 1, 10, 0.1, 1.0, "nan", "nan", 1.0, 0.1, 0.1, 0.2, 0.2],
+            ["L0", "wgrad", "s", 2, 11, 0.15, 1.2, 0.7, 0.5, 0.72, 0.1, 0.12, 0.2, 0.25],
+            ["L1", "wgrad", "s", 1, 10, 0.2, 1.0, "nan", "nan", 1.0, 0.2, 0.2, 0.3, 0.3],
+        ])
+        with open(os.path.join(tmp, "summary.json"), "w") as handle:
+            json.dump({"units": [{"layer": "L0", "gemm": "wgrad", "strategy": "s", "consecutive": False},
+                                 {"layer": "L1", "gemm": "wgrad", "strategy": "s", "consecutive": True}]}, handle)
+        m = analysis.replay_metrics(tmp)["s"]
+        # L0: rel_err mean 0.2, |bias| mean 0.04; L1: 0.2 and 0.04. Averages over the two layers:
+        self.assertAlmostEqual(m["wgrad.rel_err"], 0.2, places=12)
+        self.assertAlmostEqual(m["wgrad.abs_bias"], 0.04, places=12)
+        # Signed bias: L0 mean -0.04, L1 0.04 -> 0.
+        self.assertAlmostEqual(m["wgrad.bias"], 0.0, places=12)
+        # bias_coherence: L0 |−0.04| / sqrt((0.01+0.09)/2) = 0.04/sqrt(0.05); L1 0.04/0.2 = 0.2.
+        self.assertAlmostEqual(m["wgrad.bias_coherence"], (0.04 / math.sqrt(0.05) + 0.2) / 2, places=12)
+        # bias_share: L0 mean of 0.0036/0.01 and 0.0004/0.09; L1 0.0016/0.04.
+        self.assertAlmostEqual(m["wgrad.bias_share"], ((0.36 + 0.0004 / 0.09) / 2 + 0.04) / 2, places=12)
+        # Last accumulation rows: L0 T=2, L1 T=1.
+        self.assertAlmostEqual(m["wgrad.acc_err"], (0.15 + 0.2) / 2, places=12)
+        # alpha: L0's window is not consecutive (left out), L1's is nan (T = 1): nan.
+        self.assertTrue(math.isnan(m["wgrad.alpha"]))
+        self.assertAlmostEqual(m["wgrad.lag1_corr"], 0.5, places=12)  # only L0 defines it
+        # norm_acc_err: L0 sqrt(0.72) * sqrt(0.05); L1 sqrt(1.0) * 0.2.
+        self.assertAlmostEqual(m["wgrad.norm_acc_err"], (math.sqrt(0.72 * 0.05) + 0.2) / 2, places=12)
+        # Attribution shares (L0 only; L1 has none): step 1 flush (0.01 + 0) / 0.08, step 2 flush 0.
+        self.assertAlmostEqual(m["wgrad.flush_share"], (0.01 / 0.08 + 0.0) / 2, places=12)
+        self.assertAlmostEqual(m["wgrad.clip_share"], (0.0 + 0.1 / 0.2) / 2, places=12)
+        self.assertAlmostEqual(m["all.rel_err"], m["wgrad.rel_err"], places=12)
+        self.assertNotIn("fprop.rel_err", m)
+
+
+class Strategies(unittest.TestCase):
+    def test_keys_of_recipe_gemms(self):
+        g = lambda **kw: types.SimpleNamespace(**{**dict(format="mxfp4", grad_format=None, rounding="rne",  # noqa
+                                                        scale_rule="floor", rotation=0, signs="none",
+                                                        seed_policy="per-step", block=0), **kw})
+        self.assertEqual(strategies.gemm_keys("wgrad", None), {"format": "bf16"})
+        self.assertEqual(strategies.gemm_keys("fprop", g()), {"format": "mxfp4"})
+        self.assertEqual(strategies.gemm_keys("wgrad", g(rotation=16, signs="per-step")),
+                         {"format": "mxfp4", "rotation": "hadamard:16", "signs": "per-step"})
+        self.assertEqual(strategies.gemm_keys("wgrad", g(rotation=16)), {"format": "mxfp4", "rotation": "hadamard:16"})
+        self.assertEqual(strategies.gemm_keys("dgrad", g(rounding="sr", seed_policy="fixed")),
+                         {"format": "mxfp4", "rounding": "sr", "seed_policy": "fixed"})
+        fp8 = g(format="fp8_e4m3", grad_format="fp8_e5m2")
+        self.assertEqual(strategies.gemm_keys("fprop", fp8), {"format": "fp8_e4m3"})
+        self.assertEqual(strategies.gemm_keys("wgrad", fp8), {"format": "fp8_e4m3", "a": {"format": "fp8_e5m2"}})
+        self.assertEqual(strategies.gemm_keys("wgrad", g(format="nvfp4", block=16)), {"format": "nvfp4", "block": 16})
+        recipe = types.SimpleNamespace(fprop=g(), dgrad=g(), wgrad=fp8)
+        text = strategies.analysis_toml([("r", recipe, 7, "bf16"), ("bf16", None, 7, "bf16"), ("r", recipe, 7, "bf16")],
+                                        "t")
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("tomllib needs Python 3.11")
+        parsed = tomllib.loads(text)
+        self.assertEqual([s["name"] for s in parsed["strategy"]], ["r", "bf16"])  # duplicates dropped
+        self.assertEqual(parsed["strategy"][0]["wgrad"], {"format": "fp8_e4m3", "a": {"format": "fp8_e5m2"}})
+        self.assertEqual(parsed["strategy"][0]["seed"], 7)
+        self.assertEqual(parsed["strategy"][1]["dgrad"], {"format": "bf16"})
+        self.assertEqual(parsed["gemms"], ["fprop", "dgrad", "wgrad"])
+
+    def test_neighbours(self):
+        ladder = ["a", "b", "c", "d"]
+        self.assertEqual(strategies.neighbours(ladder, "b"), ["b", "a", "c"])
+        self.assertEqual(strategies.neighbours(ladder, "a"), ["a", "b"])
+        self.assertEqual(strategies.neighbours(ladder, "d", 2), ["d", "c", "b"])
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class RunnerOnCpu(unittest.TestCase):
+    ARGS = ["--sizes", "tiny", "--recipes", "bf16,fp32", "--steps", "4", "--eval-every", "2", "--eval-batches", "1",
+            "--max-corpus-bytes", "100000", "--threads", "1", "--device", "cpu", "--no-plot", "--bootstrap", "50"]
+
+    def run_main(self, out, *extra):
+        from mxscope.ablate import runner
+        buffer = io.StringIO()
+        with redirect_stdout(buffer):
+            self.assertEqual(runner.main(["--out", out] + self.ARGS + list(extra)), 0)
+        return buffer.getvalue()
+
+    def test_runs_resume_and_tables(self):
+        from mxscope.ablate import runner
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out)
+        self.run_main(out, "--seeds", "0,1")
+        evals_path = os.path.join(out, "evals.csv")
+        with open(evals_path, newline="") as handle:
+            first_text = handle.read()
+        evals = list(csv.DictReader(io.StringIO(first_text)))
+        self.assertEqual(tuple(evals[0].keys()), runner.EVAL_COLUMNS)
+        keys = sorted((r["recipe"], int(r["seed"]), int(r["step"])) for r in evals)
+        self.assertEqual(keys, sorted((r, s, t) for r in ("bf16", "fp32") for s in (0, 1) for t in (0, 2, 4)))
+        tokens_per_step = runner.SIZES["tiny"]["batch"] * runner.SIZES["tiny"]["seq"]
+        for row in evals:
+            self.assertEqual(int(row["tokens"]), int(row["step"]) * tokens_per_step)
+            self.assertTrue(math.isfinite(float(row["val_loss"])))
+            self.assertEqual(row["size"], "tiny")
+            # Step 0 is the initial evaluation: about ln 256 for a byte model at initialization.
+            if row["step"] == "0":
+                self.assertLess(abs(float(row["val_loss"]) - math.log(256)), 0.3)
+                self.assertEqual(row["train_loss"], "nan")
+
+        with open(os.path.join(out, "runs.csv"), newline="") as handle:
+            runs = list(csv.DictReader(handle))
+        self.assertEqual(tuple(runs[0].keys()), runner.RUN_COLUMNS)
+        self.assertEqual(sorted((r["recipe"], int(r["seed"])) for r in runs),
+                         [("bf16", 0), ("bf16", 1), ("fp32", 0), ("fp32", 1)])
+        finals = {(r["recipe"], int(r["seed"])): float(r["val_loss"]) for r in evals if r["step"] == "4"}
+        bf16_finals = [finals[("bf16", 0)], finals[("bf16", 1)]]
+        for run in runs:
+            self.assertEqual(float(run["final_val_loss"]), finals[(run["recipe"], int(run["seed"]))])
+            self.assertEqual(run["diverged"], "False")
+            self.assertAlmostEqual(float(run["target"]), sum(bf16_finals) / 2, places=12)
+            # A run reaches the target iff its curve goes at or below it.
+            curve = [(float(r["tokens"]), float(r["val_loss"])) for r in evals
+                     if (r["recipe"], r["seed"]) == (run["recipe"], run["seed"])]
+            reached = any(loss <= float(run["target"]) for _, loss in curve)
+            self.assertEqual(run["reached"], str(reached))
+            self.assertEqual(math.isinf(float(run["tokens_to_target"])), not reached)
+        with open(os.path.join(out, "overhead.csv"), newline="") as handle:
+            overhead = {r["recipe"]: r for r in csv.DictReader(handle)}
+        self.assertEqual(float(overhead["bf16"]["overhead"]), 0.0)
+        with open(os.path.join(out, "run.json")) as handle:
+            provenance = json.load(handle)
+        self.assertIn("torch", provenance["software"])
+        self.assertEqual(len(provenance["invocations"]), 1)
+        self.assertEqual(len(provenance["runs"]), 4)
+
+        # A rerun trains nothing and leaves evals.csv byte for byte as it was.
+        log = self.run_main(out, "--seeds", "0,1")
+        self.assertEqual(log.count("skip tiny/"), 4)
+        with open(evals_path, newline="") as handle:
+            self.assertEqual(handle.read(), first_text)
+        # Appending a run that is already there is refused.
+        self.assertFalse(runner.append_run(evals_path, [dict(evals[0])]))
+
+        # A third seed trained by two concurrent workers: only the new runs are added, once each.
+        self.run_main(out, "--seeds", "0,1,2", "--parallel", "2")
+        with open(evals_path, newline="") as handle:
+            text = handle.read()
+        self.assertTrue(text.startswith(first_text))
+        rows = list(csv.DictReader(io.StringIO(text)))
+        self.assertEqual(len(rows), 2 * 3 * 3)
+        self.assertEqual(len({(r["recipe"], r["seed"], r["step"]) for r in rows}), len(rows))
+
+
+if __name__ == "__main__":
+    unittest.main()
