@@ -707,6 +707,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.parallel))
         for size in size_names:
             config = sizes[size]
+            log(f"size {size}: {config}, {parameter_count(config):,} parameters (TinyLlama count)")
             layers = (tuple(int(v) for v in parse_list(args.capture_layers)) if args.capture_layers
                       else default_capture_layers(config["layers"]))
             windows = capture_windows(args.steps, args.capture_window, args.capture_early)
@@ -731,7 +732,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             if mxscope is None:
                 raise SystemExit("--replay: no mxscope CLI (give --mxscope PATH, put it on PATH, or build it)")
             for size in size_names:
-                present = [r for r in recipes]
                 for recipe in recipes:
                     for seed in sorted(capture_seeds):
                         run_dir = os.path.join(args.out, "runs", size, recipe, f"seed{seed}")
@@ -739,8 +739,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             continue
                         # bf16's capture is replayed under every recipe (the off-policy comparison);
                         # every other capture under its own recipe and its ladder neighbours.
-                        names = ([recipe] + [r for r in present if r != recipe]) if recipe == "bf16" else \
-                            [n for n in strategies.neighbours(present, recipe, args.neighbours)]
+                        names = ([recipe] + [r for r in recipes if r != recipe]) if recipe == "bf16" else \
+                            strategies.neighbours(recipes, recipe, args.neighbours)
                         windows = capture_windows(args.steps, args.capture_window, args.capture_early)
                         replay_run(run_dir, recipe, seed, names, windows, mxscope, args.replay_device,
                                    args.replay_threads, args.attribute, log)
