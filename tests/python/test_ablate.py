@@ -407,5 +407,126 @@ class RunnerOnCpu(unittest.TestCase):
         self.assertEqual(len({(r["recipe"], r["seed"], r["step"]) for r in rows}), len(rows))
 
 
+class Projections(unittest.TestCase):
+    def test_regex_matches_the_seven_projections_of_the_chosen_blocks(self):
+        import re
+        from mxscope.ablate import runner
+        hf = runner.projections_regex(*runner.BACKEND_NAMES["hf-llama"], layers=(1, 3))
+        names = [f"model.layers.{i}.{m}" for i in range(4) for m in
+                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "self_attn", "mlp")]
+        names += ["lm_head", "model.embed_tokens", "model.layers.13.mlp.up_proj", "model.layers.1.mlp.up_proj.x"]
+        matched = [n for n in names if re.fullmatch(hf, n)]
+        self.assertEqual(len(matched), 14)
+        self.assertEqual({n.split(".")[2] for n in matched}, {"1", "3"})
+        every = runner.projections_regex(*runner.BACKEND_NAMES["tiny-llama"])
+        self.assertTrue(re.fullmatch(every, "layers.12.attn.o_proj"))
+        self.assertFalse(re.fullmatch(every, "layers.0.mlp.o_proj"))
+        self.assertFalse(re.fullmatch(every, "lm_head"))
+
+    def test_capture_windows(self):
+        from mxscope.ablate import runner
+        self.assertEqual(runner.capture_windows(1000, 8, None), {"early": (100, 107), "late": (993, 1000)})
+        self.assertEqual(runner.capture_windows(6, 2, None), {"early": (1, 2), "late": (5, 6)})
+        self.assertEqual(runner.capture_windows(4, 4, None), {"early": (1, 4)})  # no room for a second window
+        self.assertEqual(runner.default_capture_layers(4), (1, 3))
+        self.assertEqual(runner.default_capture_layers(2), (0, 1))
+
+
+FAKE_MXSCOPE = r'''
+import json, os, sys, tomllib
+args = sys.argv[1:]
+assert args[0] == "replay", args
+dump = args[1]
+opts = dict(zip(args[2::2], args[3::2]))
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.log"), "a") as log:
+    log.write(json.dumps(args) + "\n")
+first, last = (int(v) for v in opts["--steps"].split("-"))
+with open(opts["--analysis"], "rb") as f:
+    analysis = tomllib.load(f)
+with open(os.path.join(dump, "manifest.json")) as f:
+    entries = [e for e in json.load(f)["entries"] if first <= e["step"] <= last]
+out = opts["--out"]
+os.makedirs(out)
+steps = ["layer,gemm,strategy,step,t,rel_err,bias,orth_err"]
+acc = ["layer,gemm,strategy,T,step,acc_err,coherence,alpha,structural_share"]
+units = []
+for s in analysis["strategy"]:
+    # A made-up error per strategy: larger for more quantized GEMMs (bf16 0.01, fp32 0).
+    for gemm in analysis["gemms"]:
+        err = {"bf16": 0.01, "fp32": 0.0}.get(s[gemm]["format"], 0.1)
+        for layer in sorted({e["layer"] for e in entries}):
+            mine = sorted(e["step"] for e in entries if e["layer"] == layer)
+            for t, step in enumerate(mine, 1):
+                steps.append(f"{layer},{gemm},{s['name']},{step},{t},{err},{-err / 2},{err / 2}")
+                acc.append(f"{layer},{gemm},{s['name']},{t},{step},{err},1,0.5,{err}")
+            units.append({"layer": layer, "gemm": gemm, "strategy": s["name"], "consecutive": True})
+open(os.path.join(out, "steps.csv"), "w").write("\n".join(steps) + "\n")
+open(os.path.join(out, "accumulation.csv"), "w").write("\n".join(acc) + "\n")
+json.dump({"units": units}, open(os.path.join(out, "summary.json"), "w"))
+'''
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class RunnerCaptureAndReplay(unittest.TestCase):
+    def test_divergence_is_detected_and_named(self):
+        from mxscope.ablate import runner
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out)
+        with redirect_stdout(io.StringIO()):
+            # A learning rate of 30 blows the model up within a few steps.
+            runner.main(["--out", out, "--sizes", "tiny", "--recipes", "bf16", "--seeds", "0", "--steps", "6",
+                         "--eval-every", "2", "--eval-batches", "1", "--max-corpus-bytes", "100000", "--threads", "1",
+                         "--device", "cpu", "--no-plot", "--lr", "30"])
+        with open(os.path.join(out, "runs.csv"), newline="") as handle:
+            (run,) = list(csv.DictReader(handle))
+        self.assertEqual(run["diverged"], "True")
+        self.assertTrue(run["divergence_reason"])
+
+    @unittest.skipUnless(sys.version_info >= (3, 11), "the stand-in CLI reads TOML with tomllib")
+    def test_capture_replay_and_metrics_through_a_stand_in_cli(self):
+        from mxscope.ablate import runner
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out)
+        cli = os.path.join(out, "fake-mxscope")
+        with open(cli, "w") as handle:
+            handle.write(f"#!{sys.executable}\n" + FAKE_MXSCOPE)
+        os.chmod(cli, 0o755)
+        with redirect_stdout(io.StringIO()):
+            runner.main(["--out", os.path.join(out, "a"), "--sizes", "tiny,mini", "--size", "mini=16:2:2:48:16:2",
+                         "--recipes", "bf16,fp32", "--seeds", "0,1", "--steps", "6", "--eval-every", "3",
+                         "--eval-batches", "1", "--max-corpus-bytes", "100000", "--threads", "1", "--device", "cpu",
+                         "--no-plot", "--bootstrap", "20", "--capture", "--capture-window", "2", "--replay",
+                         "--mxscope", cli])
+        root = os.path.join(out, "a")
+        # Only the first seed captures: the 7 projections of blocks 0 and 1, steps 1-2 and 5-6.
+        self.assertFalse(os.path.exists(os.path.join(root, "runs", "tiny", "bf16", "seed1", "capture")))
+        with open(os.path.join(root, "runs", "tiny", "fp32", "seed0", "capture", "manifest.json")) as handle:
+            entries = json.load(handle)["entries"]
+        self.assertEqual(sorted({e["step"] for e in entries}), [1, 2, 5, 6])
+        self.assertEqual(len({e["layer"] for e in entries}), 14)
+        self.assertEqual(len(entries), 14 * 4)
+        with open(os.path.join(out, "calls.log")) as handle:
+            calls = [json.loads(line) for line in handle]
+        self.assertEqual(len(calls), 2 * 2 * 2)  # sizes x recipes x windows
+        self.assertEqual(sorted({c[c.index("--steps") + 1] for c in calls}), ["1-2", "5-6"])
+        import tomllib
+        with open(os.path.join(root, "runs", "tiny", "fp32", "seed0", "replay", "analysis.toml"), "rb") as handle:
+            toml = tomllib.load(handle)
+        self.assertEqual([s["name"] for s in toml["strategy"]], ["fp32", "bf16"])  # own first, then neighbours
+        self.assertEqual(toml["strategy"][0]["wgrad"], {"format": "fp32"})
+        with open(os.path.join(root, "metrics.csv"), newline="") as handle:
+            metrics = {(r["size"], r["recipe"], r["metric"]): float(r["value"]) for r in csv.DictReader(handle)}
+        self.assertEqual(metrics[("tiny", "bf16", "own.early.wgrad.rel_err")], 0.01)
+        self.assertEqual(metrics[("mini", "fp32", "own.late.all.rel_err")], 0.0)
+        self.assertEqual(metrics[("tiny", "fp32", "bf16cap.late.wgrad.abs_bias")], 0.0)
+        self.assertAlmostEqual(metrics[("tiny", "bf16", "bf16cap.early.all.abs_bias")], 0.005, places=15)
+        with open(os.path.join(root, "predictors.csv"), newline="") as handle:
+            predictors = list(csv.DictReader(handle))
+        self.assertEqual(tuple(predictors[0].keys()), analysis.PREDICTOR_COLUMNS)
+        self.assertEqual({(r["fit_size"], r["test_size"]) for r in predictors}, {("mini", "tiny"), ("tiny", "mini")})
+        # Two recipes are too few for a correlation: every row says so instead of inventing one.
+        self.assertTrue(all(r["spearman"] == "nan" and r["predicts"] == "False" for r in predictors))
+
 if __name__ == "__main__":
     unittest.main()

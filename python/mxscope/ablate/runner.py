@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -67,6 +68,8 @@ SIZES = {
     "d768": dict(d_model=768, layers=4, heads=12, ffn=2048, seq=256, batch=16),
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: backend -> (block list prefix, attention module, MLP module) in the model's module names.
+BACKEND_NAMES = {"tiny-llama": ("layers", "attn", "mlp"), "hf-llama": ("model.layers", "self_attn", "mlp")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,8 +161,7 @@ class Backend:
             self.model = trainer.TinyLlama(trainer.ModelConfig(
                 d_model=config["d_model"], layers=config["layers"], heads=config["heads"], ffn=config["ffn"],
                 seq=config["seq"]))
-            self.prefix = "layers"
-            self.attn, self.mlp = "attn", "mlp"
+            self.prefix, self.attn, self.mlp = BACKEND_NAMES[kind]
             self.description = "tools/capture TinyLlama (RMSNorm, RoPE, SwiGLU, no biases, untied, byte vocabulary)"
         elif kind == "hf-llama":
             import transformers  # the GPU machine has it; config built here, nothing downloaded
@@ -169,8 +171,7 @@ class Backend:
                 num_key_value_heads=config["heads"], max_position_embeddings=config["seq"], rms_norm_eps=1e-5,
                 hidden_act="silu", tie_word_embeddings=False, attention_bias=False, use_cache=False)
             self.model = transformers.LlamaForCausalLM(hf_config)
-            self.prefix = "model.layers"
-            self.attn, self.mlp = "self_attn", "mlp"
+            self.prefix, self.attn, self.mlp = BACKEND_NAMES[kind]
             self.description = f"transformers {transformers.__version__} LlamaForCausalLM (config built in code)"
         else:
             raise ValueError(f"unknown model backend {kind!r} (tiny-llama or hf-llama)")
@@ -180,10 +181,15 @@ class Backend:
         return out if self.kind == "tiny-llama" else out.logits
 
     def projections_regex(self, layers: Optional[Sequence[int]] = None) -> str:
-        """re.fullmatch pattern of the seven projections of the given blocks (all blocks if None)."""
-        index = r"\d+" if layers is None else "(?:" + "|".join(str(i) for i in layers) + ")"
-        p = self.prefix.replace(".", r"\.")
-        return (rf"{p}\.{index}\.(?:{self.attn}\.(?:q|k|v|o)_proj|{self.mlp}\.(?:gate|up|down)_proj)")
+        return projections_regex(self.prefix, self.attn, self.mlp, layers)
+
+
+def projections_regex(prefix: str, attn: str, mlp: str, layers: Optional[Sequence[int]] = None) -> str:
+    """re.fullmatch pattern of the seven projections (q, k, v, o, gate, up, down) of the given
+    blocks (every block if None): PREFIX.I.ATTN.{q,k,v,o}_proj and PREFIX.I.MLP.{gate,up,down}_proj."""
+    index = r"\d+" if layers is None else "(?:" + "|".join(str(int(i)) for i in layers) + ")"
+    p = re.escape(prefix)
+    return rf"{p}\.{index}\.(?:{re.escape(attn)}\.(?:q|k|v|o)_proj|{re.escape(mlp)}\.(?:gate|up|down)_proj)"
 
 
 def resolve_recipe(name: str, seed: int):
