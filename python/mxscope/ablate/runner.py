@@ -154,7 +154,6 @@ class Backend:
     """A model with logits(tokens) and the module names of its block projections."""
 
     def __init__(self, kind: str, config: Dict[str, int]):
-        import torch  # noqa: F401
         self.kind = kind
         if kind == "tiny-llama":
             trainer = _import_trainer()

@@ -23,7 +23,7 @@ mxscope.torch, "bf16" and "fp32").
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Sequence
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 
