@@ -57,3 +57,48 @@ def loss_curves(evals: List[Mapping[str, str]], path: str, targets: Mapping[str,
     plt.close(figure)
     log(f"wrote {path}")
     return True
+
+
+def overhead_bars(overhead_rows: List[Mapping[str, object]], path: str, log=print) -> bool:
+    """Overhead per recipe with its seed-bootstrap interval, one panel per size; a recipe that never
+    reaches the target is drawn as a hatched bar at the panel's top, labelled "not reached"."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: overhead plot skipped")
+        return False
+    sizes = sorted({str(r["size"]) for r in overhead_rows})
+    if not sizes:
+        return False
+    figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
+    for axis, size in zip(axes[0], sizes):
+        rows = [r for r in overhead_rows if str(r["size"]) == size]
+        finite = [float(v) for r in rows for v in (r["overhead"], r["interval_lo"], r["interval_hi"])
+                  if math.isfinite(float(v))]
+        top = max(finite + [0.1]) * 1.15
+        for i, row in enumerate(rows):
+            value, lo, hi = float(row["overhead"]), float(row["interval_lo"]), float(row["interval_hi"])
+            if math.isnan(value):
+                continue
+            if math.isinf(value):
+                axis.bar(i, top, color="none", edgecolor="tab:red", hatch="//")
+                axis.text(i, top * 0.5, "not reached", rotation=90, ha="center", va="center", fontsize=7)
+                continue
+            axis.bar(i, value, color="tab:blue" if value > 0 else "tab:green")
+            if math.isfinite(lo):
+                axis.errorbar(i, value, yerr=[[value - lo], [(min(hi, top) if math.isfinite(hi) else top) - value]],
+                              color="black", capsize=3, linewidth=0.8)
+        axis.axhline(0, color="black", linewidth=0.6)
+        axis.set_xticks(range(len(rows)))
+        axis.set_xticklabels([str(r["recipe"]) for r in rows], rotation=60, ha="right", fontsize=7)
+        axis.set_ylim(min([0.0] + finite) * 1.15 - 0.01, top)
+        axis.set_ylabel("tokens to target / bf16's - 1")
+        axis.set_title(f"size {size}: overhead (95% seed-bootstrap interval)")
+        axis.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    log(f"wrote {path}")
+    return True

@@ -14,7 +14,8 @@ Output directory:
                    capture/ (with --capture), replay/{early,late}/ (with --replay)
   run.json         provenance: hardware, torch and Python versions, every invocation's command
                    line and wall time, per-run wall times, the corpus
-  runs.csv, overhead.csv, predictors.csv, metrics.csv, loss_curves.png   (analyze())
+  runs.csv, overhead.csv, overhead.md, predictors.csv, metrics.csv, loss_curves.png, overhead.png
+                   (analyze())
 
 Recipes. "bf16" (bf16 autocast, no quantization) and "fp32" (no autocast, TF32 off) are defined
 here and need neither mxscope.torch nor `convert`. Every other name is looked up in
@@ -524,6 +525,30 @@ def overhead_tables(evals: List[Dict[str, str]], target_rule: str = "mean", n_bo
     return run_rows, overhead_rows, overheads
 
 
+def overhead_markdown(overhead_rows: List[Dict[str, object]], run_rows: List[Dict[str, object]]) -> str:
+    """The overhead table as Markdown, one section per size, recipes in the order of overhead.csv."""
+    lines = ["# Tokens to target relative to bf16", ""]
+    for size in sorted({r["size"] for r in overhead_rows}):
+        rows = [r for r in overhead_rows if r["size"] == size]
+        target = rows[0]["target"]
+        lines += [f"## size {size}", "", f"target (bf16 final validation loss, rule {rows[0]['target_rule']}): "
+                  f"{_format(target) if not isinstance(target, float) or not math.isfinite(target) else f'{target:.4f}'}",
+                  "", "| recipe | overhead | 95% interval | reached | seeds | diverged | final val loss (mean) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            finals = [float(x["final_val_loss"]) for x in run_rows if x["size"] == size and x["recipe"] == r["recipe"]]
+            mean_final = sum(finals) / len(finals) if finals else analysis.NAN
+            value = r["overhead"]
+            shown = "not reached" if value == analysis.INF else ("n/a" if math.isnan(value) else f"{value:+.1%}")
+            lo, hi = r["interval_lo"], r["interval_hi"]
+            interval = "n/a" if math.isnan(lo) else "[" + ", ".join(
+                "inf" if math.isinf(v) else f"{v:+.1%}" for v in (lo, hi)) + "]"
+            lines.append(f"| {r['recipe']} | {shown} | {interval} | {r['reached']} | {r['seeds']} | "
+                         f"{r['n_diverged']} | {mean_final:.4f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, Dict[str, float]]]:
     """size -> recipe -> metric -> value from the replays under runs/. Metric names:
     "own.WINDOW.GEMM.METRIC" (the recipe's strategy on its own run's capture, the run with the lowest
@@ -582,10 +607,12 @@ def analyze(out: str, target_rule: str = "mean", n_boot: int = 2000, predictor_b
         _write_csv(os.path.join(out, "predictors.csv"), analysis.PREDICTOR_COLUMNS, predictors)
     else:
         log("no replay results under runs/: predictors.csv not written (run with --capture --replay)")
+    _atomic_write(os.path.join(out, "overhead.md"), overhead_markdown(overhead_rows, run_rows))
     if plot:
         from . import plots
         plots.loss_curves(evals, os.path.join(out, "loss_curves.png"),
                           {row["size"]: row["target"] for row in overhead_rows}, log=log)
+        plots.overhead_bars(overhead_rows, os.path.join(out, "overhead.png"), log=log)
     return {"runs": run_rows, "overhead": overhead_rows, "predictors": predictors}
 
 
