@@ -421,6 +421,14 @@ class Projections(unittest.TestCase):
         self.assertFalse(re.fullmatch(every, "layers.0.mlp.o_proj"))
         self.assertFalse(re.fullmatch(every, "lm_head"))
 
+    def test_recipes_are_checked_before_training(self):
+        from mxscope.ablate import runner
+        runner.check_recipes(["bf16", "fp32"])  # built in: nothing to import
+        if importlib.util.find_spec("mxscope.torch") is None:
+            with self.assertRaises(SystemExit) as raised:
+                runner.check_recipes(["bf16", "mxfp4-fdw"])
+            self.assertIn("mxscope.torch", str(raised.exception))
+
     def test_capture_windows(self):
         from mxscope.ablate import runner
         self.assertEqual(runner.capture_windows(1000, 8, None), {"early": (100, 107), "late": (993, 1000)})

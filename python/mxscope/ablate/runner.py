@@ -207,6 +207,23 @@ def resolve_recipe(name: str, seed: int):
     return recipe, True, "bf16"
 
 
+def check_recipes(names: Sequence[str]) -> None:
+    """Refuse, before any training, recipe names that are neither built in nor in
+    mxscope.torch.LADDER (or that need mxscope.torch where it cannot be imported)."""
+    quantized = [n for n in names if n not in BUILTIN_RECIPES]
+    if not quantized:
+        return
+    try:
+        import mxscope.torch as mt
+    except ImportError as error:
+        raise SystemExit(f"recipes {quantized} need mxscope.torch (the mxscope Python package), which cannot be "
+                         f"imported: {error}; the built-in recipes are {sorted(BUILTIN_RECIPES)}")
+    unknown = [n for n in quantized if n not in mt.LADDER]
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}: not built in ({sorted(BUILTIN_RECIPES)}) and not in "
+                         f"mxscope.torch.LADDER ({sorted(mt.LADDER)})")
+
+
 def parameter_count(config: Dict[str, int], vocab: int = 256) -> int:
     """Parameters of the TinyLlama of this config (embeddings and head included)."""
     d, f, layers = config["d_model"], config["ffn"], config["layers"]
@@ -729,6 +746,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise SystemExit(f"unknown size {name!r}; presets {sorted(SIZES)} or define it with --size")
     recipes = list(LADDER) if args.recipes == "ladder" else parse_list(args.recipes)
     seeds = [int(s) for s in parse_list(args.seeds)]
+    if not args.analyze_only:
+        check_recipes(recipes)
     capture_seeds = set(int(s) for s in parse_list(args.capture_seeds)) if args.capture_seeds else {seeds[0]}
     evals_path = os.path.join(args.out, "evals.csv")
     log = lambda text: print(text, flush=True)  # noqa: E731
