@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -724,7 +725,7 @@ def _provenance(out: str, argv: List[str], started: float, jobs: List[RunOptions
         "software": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                      "platform": platform.platform()},
         "invocations": previous.get("invocations", []) + [{
-            "command": " ".join(argv), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "command": shlex.join(argv), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "wall_s": round(time.time() - started, 3), "runs_trained": ["/".join(str(k) for k in j.key) for j in jobs]}],
         "runs": runs,
     }
@@ -775,8 +776,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         log(f"skip {size}/{recipe}/seed{seed}: complete in evals.csv")
                         continue
                     jobs.append(options)
-        _train_all(jobs, args.parallel, evals_path, log)
-        _provenance(args.out, [os.path.basename(sys.argv[0] or "ablate")] + argv, started, jobs, args.device)
+        try:
+            _train_all(jobs, args.parallel, evals_path, log)
+        finally:  # a failed run still leaves the provenance of the runs that finished
+            _provenance(args.out, ["tools/ablate"] + argv, started, jobs, args.device)
 
         if args.replay:
             mxscope = find_mxscope(args.mxscope)
@@ -787,6 +790,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     for seed in sorted(capture_seeds):
                         run_dir = os.path.join(args.out, "runs", size, recipe, f"seed{seed}")
                         if not os.path.isdir(os.path.join(run_dir, "capture")):
+                            if not os.path.isdir(os.path.join(run_dir, "replay")):
+                                log(f"no capture in {run_dir}: not replayed (it was trained without --capture)")
                             continue
                         # bf16's capture is replayed under every recipe (the off-policy comparison);
                         # every other capture under its own recipe and its ladder neighbours.
