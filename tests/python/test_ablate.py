@@ -319,6 +319,14 @@ class Strategies(unittest.TestCase):
         self.assertEqual(parsed["strategy"][1]["dgrad"], {"format": "bf16"})
         self.assertEqual(parsed["gemms"], ["fprop", "dgrad", "wgrad"])
 
+    def test_fields_without_a_replay_key_are_reported(self):
+        plain = types.SimpleNamespace(format="nvfp4", rounding="rne", rotation=0, signs="none", block=0)
+        self.assertEqual(strategies.unmapped_fields(plain), {})
+        odd = types.SimpleNamespace(format="nvfp4", rotation=16, weight_scaling="2d", flag=False)
+        self.assertEqual(strategies.unmapped_fields(odd), {"weight_scaling": "2d"})
+        text = strategies.strategy_toml("x", types.SimpleNamespace(fprop=None, dgrad=None, wgrad=odd))
+        self.assertIn("# wgrad: GemmRecipe fields without a replay key, not reproduced: weight_scaling='2d'", text)
+
     def test_neighbours(self):
         ladder = ["a", "b", "c", "d"]
         self.assertEqual(strategies.neighbours(ladder, "b"), ["b", "a", "c"])

@@ -455,6 +455,11 @@ def replay_run(run_dir: str, recipe: str, seed: int, strategies_for: Sequence[st
     for name in strategies_for:
         obj, _, unquantized = resolve_recipe(name, seed)
         entries.append((name, obj, seed, unquantized))
+        for gemm in strategies.GEMMS:
+            extra = strategies.unmapped_fields(getattr(obj, gemm, None) if obj is not None else None)
+            if extra:
+                log(f"warning: {name} {gemm}: recipe fields {extra} have no replay key; the replay does not "
+                    f"reproduce them")
     replay_dir = os.path.join(run_dir, "replay")
     os.makedirs(replay_dir, exist_ok=True)
     toml_path = os.path.join(replay_dir, "analysis.toml")

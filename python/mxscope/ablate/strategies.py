@@ -16,6 +16,9 @@ replays it has the recipe's name and one per-GEMM table (analyses/README.md, "Sc
   Recipe.seed        seed (strategy level)      the Philox seed of SR and random signs, so the
                                                 replay draws the training run's own streams
 
+A GemmRecipe field outside this table with a non-trivial value is reported (unmapped_fields, a
+comment in the analysis file, a warning from the runner): the replay would not reproduce it.
+
 This module defines the mapping itself rather than calling Recipe.strategy_names(), so that it
 works from the recipe fields alone (and for the two recipes the runner defines without
 mxscope.torch, "bf16" and "fp32").
@@ -39,6 +42,28 @@ def _toml_value(value) -> str:
     if any(c in text for c in '"\\\n'):
         raise ValueError(f"unsupported character in TOML string {text!r}")
     return f'"{text}"'
+
+
+#: The GemmRecipe fields this mapping translates; any other field with a non-trivial value is
+#: reported by unmapped_fields (and written as a comment into the analysis), because the replay
+#: would then not reproduce what the training ran.
+MAPPED_FIELDS = ("format", "grad_format", "rounding", "scale_rule", "rotation", "signs", "seed_policy", "block")
+
+
+def unmapped_fields(recipe_gemm) -> Dict[str, object]:
+    """Fields of a GemmRecipe outside MAPPED_FIELDS whose value is not None, 0, False, "" or "none"."""
+    if recipe_gemm is None:
+        return {}
+    if hasattr(recipe_gemm, "__dataclass_fields__"):
+        names = list(recipe_gemm.__dataclass_fields__)
+    else:
+        names = [n for n in vars(recipe_gemm) if not n.startswith("_")]
+    out = {}
+    for name in names:
+        value = getattr(recipe_gemm, name, None)
+        if name not in MAPPED_FIELDS and value not in (None, 0, False, "", "none"):
+            out[name] = value
+    return out
 
 
 def gemm_keys(gemm: str, recipe_gemm, unquantized_format: str = "bf16") -> Dict[str, object]:
@@ -73,7 +98,12 @@ def strategy_toml(name: str, recipe, seed: int = 0, unquantized_format: str = "b
     GemmRecipe or None; None itself means every GEMM unquantized)."""
     lines = ["[[strategy]]", f"name = {_toml_value(name)}", f"seed = {int(seed)}"]
     for gemm in GEMMS:
-        keys = gemm_keys(gemm, getattr(recipe, gemm, None) if recipe is not None else None, unquantized_format)
+        recipe_gemm = getattr(recipe, gemm, None) if recipe is not None else None
+        keys = gemm_keys(gemm, recipe_gemm, unquantized_format)
+        extra = unmapped_fields(recipe_gemm)
+        if extra:
+            lines.append(f"# {gemm}: GemmRecipe fields without a replay key, not reproduced: "
+                         + ", ".join(f"{k}={v!r}" for k, v in sorted(extra.items())))
         lines.append(f"{gemm} = {_toml_value(keys)}")
     return "\n".join(lines) + "\n"
 
