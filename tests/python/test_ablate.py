@@ -213,6 +213,8 @@ class Predictors(unittest.TestCase):
             self.assertGreater(planted["spearman"], 0.9)
             self.assertTrue(planted["predicts"])
             self.assertLessEqual(planted["interval_lo"], planted["spearman"])
+            self.assertLess(planted["test_p_holm"], 0.05)
+            self.assertEqual(planted["n_metrics"], 4)
             negative = by[("planted_neg", fit, test)]
             self.assertEqual(negative["direction"], -1)
             self.assertGreater(negative["spearman"], 0.9)
@@ -226,6 +228,39 @@ class Predictors(unittest.TestCase):
             self.assertLessEqual(noise["interval_lo"], 0.0)
         # Best first: the planted metrics lead the table.
         self.assertIn(rows[0]["metric"], ("planted", "planted_neg"))
+
+    def test_baselines_are_left_out(self):
+        # Any error metric separates bf16 (no error, overhead 0) from the quantized recipes; among the
+        # quantized recipes this one is unrelated to the overhead. With the baseline in, it would look
+        # predictive; left out (the default), it must not.
+        rng = random.Random(5)
+        overheads, metrics = {}, {}
+        for size in ("A", "B"):
+            overheads[size] = {"bf16": 0.0}
+            metrics[size] = {"bf16": {"err": 0.0}}
+            for i in range(8):
+                overheads[size][f"r{i}"] = 0.05 + rng.random()
+                metrics[size][f"r{i}"] = {"err": 1.0 + rng.random()}
+        with_baseline = analysis.predictor_table(overheads, metrics, n_boot=200, exclude=())
+        self.assertTrue(all(r["n_test"] == 9 for r in with_baseline))
+        rows = analysis.predictor_table(overheads, metrics, n_boot=200)
+        self.assertTrue(all(r["n_test"] == 8 and not r["predicts"] for r in rows))
+
+    def test_permutation_p_and_holm_by_hand(self):
+        # rho = 1 on 3 points: only the identity of the 3! orderings is as large: p = 1/6.
+        self.assertAlmostEqual(analysis.permutation_p([1, 2, 3], [1, 2, 3]), 1 / 6, places=12)
+        # y = 1, 1, 2 (ranks 1.5, 1.5, 3): the orderings that keep the 3 last, 2 of 6, are as large.
+        self.assertAlmostEqual(analysis.permutation_p([1, 2, 3], [1, 1, 2]), 1 / 3, places=12)
+        # rho = -1: every ordering is at least as large.
+        self.assertEqual(analysis.permutation_p([1, 2, 3], [3, 2, 1]), 1.0)
+        # Monte Carlo (10! > n_perm): deterministic, never 0, small for a perfect correlation.
+        p = analysis.permutation_p(list(range(10)), list(range(10)), n_perm=2000, seed=1)
+        self.assertEqual(p, analysis.permutation_p(list(range(10)), list(range(10)), n_perm=2000, seed=1))
+        self.assertAlmostEqual(p, 1 / 2001, places=12)
+        # Holm: sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(2 x 0.03, 0.03), max(0.06, 1 x 0.04).
+        adjusted = analysis.holm([0.01, 0.04, 0.03, float("nan")])
+        self.assertEqual([round(v, 12) for v in adjusted[:3]], [0.03, 0.06, 0.06])
+        self.assertTrue(math.isnan(adjusted[3]))
 
     def test_too_few_recipes_give_nan(self):
         overheads = {"A": {"r0": 0.0, "r1": 0.1}, "B": {"r0": 0.0, "r1": 0.2}}

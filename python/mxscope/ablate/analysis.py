@@ -454,32 +454,92 @@ def replay_metrics(run_dir: str) -> Dict[str, Dict[str, float]]:
 # Predictor validation.
 
 
+def permutation_p(x: Sequence[float], y: Sequence[float], n_perm: int = 10000, seed: int = 0) -> float:
+    """One-sided permutation p-value of Spearman's rho being at least as large as observed:
+    exact (all n! orderings of y) when n! <= n_perm, else Monte Carlo with n_perm random
+    permutations (random.Random(seed)) and the (count + 1) / (n_perm + 1) estimate, so it is never 0.
+    Ties keep their average ranks; nan when rho is undefined."""
+    import itertools
+    n = len(x)
+    rx, ry = rankdata(x), rankdata(y)
+    mx, my = math.fsum(rx) / n, math.fsum(ry) / n
+    dx = [v - mx for v in rx]
+    dy = [v - my for v in ry]
+    sxx, syy = math.fsum(v * v for v in dx), math.fsum(v * v for v in dy)
+    if n < 2 or sxx == 0 or syy == 0:
+        return NAN
+    # Under a permutation only sum(dx * dy[perm]) changes; compare it with a relative tolerance so
+    # that orderings tying the observed value count as "at least as large".
+    observed = math.fsum(a * b for a, b in zip(dx, dy))
+    tolerance = 1e-12 * math.sqrt(sxx * syy)
+    if math.factorial(n) <= n_perm:
+        total = count = 0
+        for perm in itertools.permutations(dy):
+            total += 1
+            count += sum(a * b for a, b in zip(dx, perm)) >= observed - tolerance
+        return count / total
+    rng = random.Random(seed)
+    shuffled = list(dy)
+    count = 0
+    for _ in range(n_perm):
+        rng.shuffle(shuffled)
+        count += sum(a * b for a, b in zip(dx, shuffled)) >= observed - tolerance
+    return (count + 1) / (n_perm + 1)
+
+
+def holm(p_values: Sequence[float]) -> List[float]:
+    """Holm-Bonferroni adjusted p-values (nan entries stay nan and do not count in the family)."""
+    indexed = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    m = len(indexed)
+    adjusted = [NAN] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(indexed):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
 PREDICTOR_COLUMNS = ("metric", "fit_size", "test_size", "spearman", "interval", "interval_lo", "interval_hi",
-                     "n_test", "direction", "fit_spearman", "fit_interval_lo", "fit_interval_hi", "n_fit",
-                     "predicts")
+                     "n_test", "test_p", "test_p_holm", "n_metrics", "direction", "fit_spearman", "fit_interval_lo",
+                     "fit_interval_hi", "n_fit", "predicts")
+
+#: Recipes left out of the correlations by default: the baselines have zero (fp32: near-zero)
+#: replay error and zero overhead by construction, so with them in, any error metric would look
+#: predictive merely by telling quantized from unquantized.
+BASELINE_RECIPES = ("bf16", "fp32")
 
 
 def predictor_table(overheads: Mapping[str, Mapping[str, float]],
                     metrics: Mapping[str, Mapping[str, Mapping[str, float]]],
                     n_boot: int = 1000, level: float = 0.95, seed: int = 0,
-                    min_recipes: int = 4) -> List[Dict[str, object]]:
-    """For each candidate metric and each ordered pair (fit size, test size) of distinct sizes:
+                    min_recipes: int = 4, exclude: Sequence[str] = BASELINE_RECIPES,
+                    n_perm: int = 10000, alpha: float = 0.05) -> List[Dict[str, object]]:
+    """For each candidate metric and each ordered pair (fit size, test size) of distinct sizes,
+    across the recipes of each size other than `exclude` (the baselines):
 
-    - fit: Spearman of the metric against measured overhead across the recipes of the fit size; its
-      sign is the direction (+1: a larger metric means more overhead; 0 counts as +1);
-    - test: Spearman on the held-out size times that direction (so a positive value means the
-      direction chosen on the fit size holds), with its bootstrap interval (flipped with the sign).
+    - fit: Spearman of the metric against measured overhead on the fit size, with its bootstrap
+      interval; its sign is the direction (+1: a larger metric means more overhead; 0 counts as +1);
+    - test: Spearman on the held-out size times that direction (positive: the direction chosen on
+      the fit size holds), its bootstrap interval (flipped with the sign), and test_p, the one-sided
+      permutation p-value of that directed correlation (permutation_p); test_p_holm adjusts test_p
+      over the n_metrics candidate metrics of the same (fit, test) pair (Holm).
+
+    predicts is True when the fit interval excludes 0 (the direction is established on the fit
+    size), the test interval's lower end is above 0, and test_p_holm < alpha.
 
     overheads: size -> recipe -> overhead (inf for never reached; nan rows are dropped).
     metrics: size -> recipe -> metric name -> value (nan dropped).
-    A pair with fewer than `min_recipes` recipes on either side gives nan. `predicts` is True when
-    the test interval's lower end is above 0. Rows are sorted by test spearman, best first (nan last)."""
+    A pair with fewer than `min_recipes` recipes on either side gives nan. Rows are sorted by test
+    spearman, best first (nan last)."""
     names = sorted({name for per_size in metrics.values() for per_recipe in per_size.values() for name in per_recipe})
     sizes = sorted(set(overheads) & set(metrics))
+    excluded = set(exclude)
 
     def pairs(size, name):
         xs, ys = [], []
         for recipe in sorted(overheads[size]):
+            if recipe in excluded:
+                continue
             y = overheads[size][recipe]
             x = metrics[size].get(recipe, {}).get(name, NAN)
             if y is None or x is None or math.isnan(y) or math.isnan(x):
@@ -489,11 +549,12 @@ def predictor_table(overheads: Mapping[str, Mapping[str, float]],
         return xs, ys
 
     rows = []
-    for name in names:
-        for fit in sizes:
-            for test in sizes:
-                if fit == test:
-                    continue
+    for fit in sizes:
+        for test in sizes:
+            if fit == test:
+                continue
+            block = []
+            for name in names:
                 fx, fy = pairs(fit, name)
                 tx, ty = pairs(test, name)
                 if len(fx) < min_recipes or len(tx) < min_recipes:
@@ -504,17 +565,34 @@ def predictor_table(overheads: Mapping[str, Mapping[str, float]],
                     test_c = spearman(tx, ty, n_boot=n_boot, level=level, seed=seed)
                 direction = NAN if math.isnan(fit_c.rho) else (1 if fit_c.rho >= 0 else -1)
                 if math.isnan(direction):
-                    rho, lo, hi = NAN, NAN, NAN
+                    rho, lo, hi, p = NAN, NAN, NAN, NAN
                 else:
                     rho = direction * test_c.rho
                     lo, hi = sorted((direction * test_c.lo, direction * test_c.hi))
-                rows.append({
+                    # Only a correlation in the fitted direction can be evidence; others get p = 1
+                    # without the cost of the permutations.
+                    if math.isnan(rho):
+                        p = NAN
+                    elif rho > 0:  # negating y reverses its ranks (inf becomes -inf, still the extreme)
+                        p = permutation_p(tx, [direction * v for v in ty], n_perm=n_perm, seed=seed)
+                    else:
+                        p = 1.0
+                established = (not math.isnan(fit_c.lo)) and (fit_c.lo > 0 or fit_c.hi < 0)
+                block.append({
                     "metric": name, "fit_size": fit, "test_size": test, "spearman": rho,
                     "interval": f"[{lo:.3f}, {hi:.3f}]", "interval_lo": lo, "interval_hi": hi,
-                    "n_test": test_c.n, "direction": direction, "fit_spearman": fit_c.rho,
+                    "n_test": test_c.n, "test_p": p, "direction": direction, "fit_spearman": fit_c.rho,
                     "fit_interval_lo": fit_c.lo, "fit_interval_hi": fit_c.hi, "n_fit": fit_c.n,
-                    "predicts": bool(not math.isnan(lo) and lo > 0),
+                    "_established": established,
                 })
+            adjusted = holm([r["test_p"] for r in block])
+            family = sum(1 for r in block if not math.isnan(r["test_p"]))
+            for r, q in zip(block, adjusted):
+                r["test_p_holm"] = q
+                r["n_metrics"] = family
+                r["predicts"] = bool(r.pop("_established") and not math.isnan(r["interval_lo"])
+                                     and r["interval_lo"] > 0 and not math.isnan(q) and q < alpha)
+            rows.extend(block)
     rows.sort(key=lambda r: (math.isnan(r["spearman"]), -(r["spearman"] if not math.isnan(r["spearman"]) else 0),
                              r["metric"], r["fit_size"]))
     return rows
