@@ -145,6 +145,21 @@ class Overhead(unittest.TestCase):
         # bf16 seed 2 ends at 3.2, above the mean target: its pairing is undefined (nan), not dropped.
         self.assertTrue(math.isnan(summary.per_seed[2]["paired_overhead"]))
 
+    def test_target_at_the_end_of_the_schedule_with_an_overrun(self):
+        # bf16 runs on past its schedule (ending at 2000 tokens) to 3000: the target stays the mean of
+        # the losses at 2000 (3.1), not at 3000 (2.9), and the recipe reaches it in the overrun.
+        bf16 = {s: c + [(3000, 2.8 + 0.1 * s)] for s, c in self.BF16.items()}
+        summary = analysis.overhead_summary(self.RECIPE, bf16, n_boot=100, schedule_tokens=2000)
+        self.assertAlmostEqual(summary.target, 3.1, places=12)
+        self.assertAlmostEqual(summary.baseline_tokens, 2000.0, places=6)
+        self.assertAlmostEqual(summary.overhead, 0.375, places=9)
+        self.assertLessEqual(summary.lo, summary.overhead)
+        self.assertLessEqual(summary.overhead, summary.hi)
+        # Without the schedule's end, the last evaluation would define the target: (2.8+2.9+3.0)/3.
+        self.assertAlmostEqual(analysis.overhead_summary(self.RECIPE, bf16, n_boot=10).target, 2.9, places=12)
+        self.assertEqual(analysis.loss_at(bf16[0], 2500), 3.0)
+        self.assertTrue(math.isnan(analysis.loss_at(bf16[0], -1)))
+
     def test_bootstrap_is_deterministic_and_contains_the_estimate(self):
         a = analysis.overhead_summary(self.RECIPE, self.BF16, n_boot=300, seed=9)
         b = analysis.overhead_summary(self.RECIPE, self.BF16, n_boot=300, seed=9)
@@ -371,7 +386,8 @@ class Strategies(unittest.TestCase):
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class RunnerOnCpu(unittest.TestCase):
-    ARGS = ["--sizes", "tiny", "--recipes", "bf16,fp32", "--steps", "4", "--eval-every", "2", "--eval-batches", "1",
+    ARGS = ["--sizes", "tiny", "--recipes", "bf16,fp32", "--steps", "4", "--overrun", "1.5", "--eval-every", "2",
+            "--eval-batches", "1",
             "--max-corpus-bytes", "100000", "--threads", "1", "--device", "cpu", "--no-plot", "--bootstrap", "50"]
 
     def run_main(self, out, *extra):
@@ -392,7 +408,9 @@ class RunnerOnCpu(unittest.TestCase):
         evals = list(csv.DictReader(io.StringIO(first_text)))
         self.assertEqual(tuple(evals[0].keys()), runner.EVAL_COLUMNS)
         keys = sorted((r["recipe"], int(r["seed"]), int(r["step"])) for r in evals)
-        self.assertEqual(keys, sorted((r, s, t) for r in ("bf16", "fp32") for s in (0, 1) for t in (0, 2, 4)))
+        # The schedule ends at step 4; the overrun (1.5 x 4 steps) adds the evaluation at step 6.
+        self.assertEqual(keys, sorted((r, s, t) for r in ("bf16", "fp32") for s in (0, 1) for t in (0, 2, 4, 6)))
+        self.assertEqual({r["schedule_steps"] for r in evals}, {"4"})
         tokens_per_step = runner.SIZES["tiny"]["batch"] * runner.SIZES["tiny"]["seq"]
         for row in evals:
             self.assertEqual(int(row["tokens"]), int(row["step"]) * tokens_per_step)
@@ -409,9 +427,11 @@ class RunnerOnCpu(unittest.TestCase):
         self.assertEqual(sorted((r["recipe"], int(r["seed"])) for r in runs),
                          [("bf16", 0), ("bf16", 1), ("fp32", 0), ("fp32", 1)])
         finals = {(r["recipe"], int(r["seed"])): float(r["val_loss"]) for r in evals if r["step"] == "4"}
+        lasts = {(r["recipe"], int(r["seed"])): float(r["val_loss"]) for r in evals if r["step"] == "6"}
         bf16_finals = [finals[("bf16", 0)], finals[("bf16", 1)]]
         for run in runs:
             self.assertEqual(float(run["final_val_loss"]), finals[(run["recipe"], int(run["seed"]))])
+            self.assertEqual(float(run["last_val_loss"]), lasts[(run["recipe"], int(run["seed"]))])
             self.assertEqual(run["diverged"], "False")
             self.assertAlmostEqual(float(run["target"]), sum(bf16_finals) / 2, places=12)
             # A run reaches the target iff its curve goes at or below it.
@@ -443,7 +463,7 @@ class RunnerOnCpu(unittest.TestCase):
             text = handle.read()
         self.assertTrue(text.startswith(first_text))
         rows = list(csv.DictReader(io.StringIO(text)))
-        self.assertEqual(len(rows), 2 * 3 * 3)
+        self.assertEqual(len(rows), 2 * 3 * 4)
         self.assertEqual(len({(r["recipe"], r["seed"], r["step"]) for r in rows}), len(rows))
 
 

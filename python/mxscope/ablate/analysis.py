@@ -5,11 +5,14 @@ one run (tools/ablate evaluates at step 0 and every --eval-every steps, and at t
 
 Target and overhead (docs/validation.md, "Method"):
   target      the bf16 validation loss at the end of its schedule: the mean over the bf16 seeds of
-              each seed's final validation loss (target_rule="mean"; "max" takes the worst bf16
+              each seed's validation loss there (target_rule="mean"; "max" takes the worst bf16
               seed instead). bf16 seeds that diverged are left out of the target and the baseline.
+              With an overrun (curves that go on past the schedule's end at the final learning
+              rate, tools/ablate --overrun), "there" is schedule_tokens, and a recipe may reach
+              the target in the overrun.
   baseline    tokens to target of the bf16 *seed-mean curve* (the mean over seeds of val_loss at
-              each evaluation). Under "mean" its final point equals the target, so the baseline is
-              always reached, at the latest at the end of the schedule; a single bf16 seed that ends
+              each evaluation). Under "mean" its point at the end of the schedule equals the target, so
+              the baseline is always reached, at the latest at the end of the schedule; a single bf16 seed that ends
               above the mean target is not (it is reported, in runs.csv, as not reached).
   overhead    tokens_to_target(recipe seed-mean curve) / baseline - 1, over the seeds both recipes
               have (paired: the same seed means the same initialization and data order). A recipe
@@ -120,10 +123,19 @@ def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
 
-def target_loss(bf16_curves: Sequence[Curve], rule: str = "mean") -> Optional[float]:
-    """The target from the final validation loss of each bf16 curve: their mean (rule "mean") or
-    their maximum ("max"). None when there is no curve."""
-    finals = [curve[-1][1] for curve in bf16_curves if curve]
+def loss_at(curve: Curve, tokens: Optional[float]) -> float:
+    """The validation loss of the last evaluation at or before `tokens` (None: the last one); nan
+    when there is none."""
+    kept = [loss for t, loss in curve if tokens is None or t <= tokens]
+    return kept[-1] if kept else NAN
+
+
+def target_loss(bf16_curves: Sequence[Curve], rule: str = "mean",
+                schedule_tokens: Optional[float] = None) -> Optional[float]:
+    """The target from each bf16 curve's validation loss at the end of its schedule (the last
+    evaluation at or before `schedule_tokens`; None: the curve's last evaluation): their mean (rule
+    "mean") or their maximum ("max"). None when there is no curve."""
+    finals = [loss_at(curve, schedule_tokens) for curve in bf16_curves if curve]
     if not finals:
         return None
     if rule == "mean":
@@ -161,9 +173,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return a + (position - low) * (b - a)
 
 
-def _overhead(recipe_curves: Sequence[Curve], bf16_curves: Sequence[Curve], rule: str) -> Tuple[float, float, float]:
+def _overhead(recipe_curves: Sequence[Curve], bf16_curves: Sequence[Curve], rule: str,
+              schedule_tokens: Optional[float]) -> Tuple[float, float, float]:
     """(overhead, recipe tokens or inf, baseline tokens or nan) for one set of paired curves."""
-    target = target_loss(bf16_curves, rule)
+    target = target_loss(bf16_curves, rule, schedule_tokens)
     baseline = tokens_to_target(mean_curve(bf16_curves), target)
     reached = tokens_to_target(mean_curve(recipe_curves), target)
     if baseline is None or baseline <= 0:
@@ -179,10 +192,13 @@ OverheadSummary = namedtuple("OverheadSummary", "overhead lo hi reached target b
 
 def overhead_summary(recipe_curves: Mapping[int, Curve], bf16_curves: Mapping[int, Curve],
                      target_rule: str = "mean", n_boot: int = 2000, level: float = 0.95,
-                     seed: int = 0, target: Optional[float] = None) -> OverheadSummary:
+                     seed: int = 0, target: Optional[float] = None,
+                     schedule_tokens: Optional[float] = None) -> OverheadSummary:
     """Overhead of one recipe against bf16 at one size (module docstring), with its seed-bootstrap
     interval. recipe_curves / bf16_curves: seed -> curve. `target` overrides the target of the
-    point estimate (e.g. one computed from more bf16 seeds than are paired here).
+    point estimate (e.g. one computed from more bf16 seeds than are paired here). schedule_tokens:
+    where the bf16 schedule ends when the curves run on past it (tools/ablate --overrun); the
+    target is the loss there, and every curve may reach it later, in the overrun.
 
     per_seed: seed -> dict(tokens (None if not reached), overhead_vs_baseline, paired_overhead,
     diverged)."""
@@ -190,7 +206,7 @@ def overhead_summary(recipe_curves: Mapping[int, Curve], bf16_curves: Mapping[in
     excluded = sorted(set(bf16_curves) - set(usable_bf16))
     seeds = sorted(set(recipe_curves) & set(usable_bf16))
     if target is None:
-        target = target_loss([usable_bf16[s] for s in sorted(usable_bf16)], target_rule)
+        target = target_loss([usable_bf16[s] for s in sorted(usable_bf16)], target_rule, schedule_tokens)
     baseline = None
     if target is not None and usable_bf16:
         baseline = tokens_to_target(mean_curve([usable_bf16[s] for s in sorted(usable_bf16)]), target)
@@ -220,7 +236,8 @@ def overhead_summary(recipe_curves: Mapping[int, Curve], bf16_curves: Mapping[in
     samples = []
     for _ in range(n_boot):
         picks = [rng.randrange(len(seeds)) for _ in seeds]
-        value, _, _ = _overhead([recipe_list[i] for i in picks], [bf16_list[i] for i in picks], target_rule)
+        value, _, _ = _overhead([recipe_list[i] for i in picks], [bf16_list[i] for i in picks], target_rule,
+                                schedule_tokens)
         if not math.isnan(value):
             samples.append(value)
     lo = percentile(samples, (1 - level) / 2) if samples else NAN

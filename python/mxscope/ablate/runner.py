@@ -1,12 +1,13 @@
 """Train a recipe ladder x seeds x sizes, capture and replay, and write the ablation tables.
 
 The entry point of tools/ablate (`main`). One *run* is one (size, recipe, seed): a model trained
-for --steps steps on byte-level text (the corpus of tools/capture/train_tiny_llama.py: the Python
+for --steps steps (then on to --overrun x --steps at the final learning rate) on byte-level text (the corpus of tools/capture/train_tiny_llama.py: the Python
 standard library's *.py files, every 10th file validation), evaluated at step 0, every
 --eval-every steps and at the last step on the same validation batches for every run.
 
 Output directory:
-  evals.csv        one row per evaluation: size, recipe, seed, step, tokens, train_loss, val_loss, wall_s.
+  evals.csv        one row per evaluation: size, recipe, seed, step, tokens, train_loss, val_loss, wall_s,
+                   schedule_steps (rows past it: the overrun at the final learning rate, --overrun).
                    A run's rows are appended all at once when it finishes, under a file lock, by an
                    atomic rewrite (temporary file, fsync, rename): a run is either complete in
                    evals.csv or absent, so a rerun skips exactly the complete runs.
@@ -50,9 +51,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.p
 PYTHON_ROOT = os.path.join(REPO_ROOT, "python")
 CAPTURE_TOOLS = os.path.join(REPO_ROOT, "tools", "capture")
 
-EVAL_COLUMNS = ("size", "recipe", "seed", "step", "tokens", "train_loss", "val_loss", "wall_s")
+#: schedule_steps: the step where the learning-rate schedule ends; rows past it are the overrun.
+EVAL_COLUMNS = ("size", "recipe", "seed", "step", "tokens", "train_loss", "val_loss", "wall_s", "schedule_steps")
+#: final_val_loss: at the end of the schedule (the loss the target is made of); last_val_loss: at the
+#: last evaluation (the end of the overrun, if any).
 RUN_COLUMNS = ("size", "recipe", "seed", "tokens_to_target", "overhead", "final_val_loss", "diverged",
-               "reached", "paired_overhead", "target", "divergence_reason")
+               "reached", "paired_overhead", "target", "last_val_loss", "divergence_reason")
 OVERHEAD_COLUMNS = ("size", "recipe", "overhead", "interval", "interval_lo", "interval_hi", "reached", "seeds",
                     "n_diverged", "target", "target_rule", "baseline_tokens", "tokens_to_target")
 
@@ -87,6 +91,7 @@ class RunOptions:
     seed: int
     steps: int
     eval_every: int
+    overrun: float = 1.0
     eval_batches: int = 8
     lr: float = 3e-3
     warmup: int = 0
@@ -305,17 +310,21 @@ def train_one(options: RunOptions) -> List[Dict[str, object]]:
         return total / options.eval_batches
 
     rows = []
+    # After the schedule's last step the run goes on at the final learning rate (the schedule's
+    # floor) up to overrun x steps, so that a recipe slower than bf16 can still reach bf16's loss
+    # at the end of the schedule and its tokens to target are measured instead of "not reached".
+    total_steps = max(options.steps, int(round(options.steps * options.overrun)))
 
     def record(step, train_loss):
         rows.append({"size": options.size, "recipe": options.recipe, "seed": options.seed, "step": step,
                      "tokens": step * tokens_per_step, "train_loss": train_loss, "val_loss": evaluate(),
-                     "wall_s": round(time.time() - started, 3)})
+                     "wall_s": round(time.time() - started, 3), "schedule_steps": options.steps})
 
     generator = torch.Generator().manual_seed(options.seed)
     record(0, float("nan"))
     stopped = None
-    for step in range(1, options.steps + 1):
-        lr = trainer.learning_rate(step, options.steps, options.lr, warmup)
+    for step in range(1, total_steps + 1):
+        lr = trainer.learning_rate(step, options.steps, options.lr, warmup)  # the floor after the schedule
         for group in optimizer.param_groups:
             group["lr"] = lr
         if mt is not None:
@@ -337,7 +346,7 @@ def train_one(options: RunOptions) -> List[Dict[str, object]]:
             record(step, train_loss)  # nothing to learn after a non-finite loss: stop, the curve shows why
             stopped = f"non-finite training loss at step {step}"
             break
-        if step % options.eval_every == 0 or step == options.steps:
+        if step % options.eval_every == 0 or step in (options.steps, total_steps):
             record(step, train_loss)
     if capture is not None:
         capture.close()
@@ -345,7 +354,7 @@ def train_one(options: RunOptions) -> List[Dict[str, object]]:
     curve = [(r["tokens"], r["val_loss"]) for r in rows]
     info = {"key": list(options.key), "options": asdict(options), "model": backend.description,
             "parameters": sum(p.numel() for p in model.parameters()), "tokens_per_step": tokens_per_step,
-            "warmup": warmup, "device": _device_name(device), "torch": torch.__version__,
+            "warmup": warmup, "total_steps": total_steps, "device": _device_name(device), "torch": torch.__version__,
             "wall_s": round(time.time() - started, 3), "stopped": stopped,
             "divergence": analysis.divergence(curve, [r["train_loss"] for r in rows[1:]]),
             "corpus": corpus, "host": socket.gethostname()}
@@ -488,7 +497,8 @@ def replay_run(run_dir: str, recipe: str, seed: int, strategies_for: Sequence[st
 
 
 def curves_from_evals(rows: List[Dict[str, str]]):
-    """(size, recipe, seed) -> ([(tokens, val_loss)], [train_loss]) sorted by step."""
+    """(size, recipe, seed) -> ([(tokens, val_loss)], [train_loss], schedule end in tokens or None)
+    sorted by step (schedule end None: no schedule_steps column, the last evaluation ends it)."""
     grouped: Dict[Tuple[str, str, int], List[Dict[str, str]]] = {}
     for row in rows:
         grouped.setdefault((row["size"], row["recipe"], int(row["seed"])), []).append(row)
@@ -497,7 +507,11 @@ def curves_from_evals(rows: List[Dict[str, str]]):
         items.sort(key=lambda r: int(r["step"]))
         curve = [(float(r["tokens"]), analysis._number(r["val_loss"])) for r in items]
         train = [analysis._number(r["train_loss"]) for r in items if int(r["step"]) > 0]
-        out[key] = (curve, train)
+        schedule = None
+        if items[0].get("schedule_steps") not in (None, ""):
+            end = int(items[0]["schedule_steps"])
+            schedule = next((float(r["tokens"]) for r in items if int(r["step"]) == end), None)
+        out[key] = (curve, train, schedule)
     return out
 
 
@@ -519,10 +533,16 @@ def overhead_tables(evals: List[Dict[str, str]], target_rule: str = "mean", n_bo
     for size in sizes:
         recipes = sorted({k[1] for k in curves if k[0] == size}, key=lambda r: (r != "bf16", r))
         bf16 = {k[2]: curves[k][0] for k in curves if k[0] == size and k[1] == "bf16"}
+        ends = {curves[k][2] for k in curves if k[0] == size and k[1] == "bf16"}
+        if len(ends) > 1:
+            raise SystemExit(f"size {size}: bf16 runs with different schedules ({sorted(map(str, ends))}); "
+                             f"use one --steps per size")
+        schedule_tokens = ends.pop() if ends else None
         overheads[size] = {}
         for recipe in recipes:
             mine = {k[2]: curves[k][0] for k in curves if k[0] == size and k[1] == recipe}
-            summary = analysis.overhead_summary(mine, bf16, target_rule=target_rule, n_boot=n_boot, seed=seed)
+            summary = analysis.overhead_summary(mine, bf16, target_rule=target_rule, n_boot=n_boot, seed=seed,
+                                                schedule_tokens=schedule_tokens)
             overheads[size][recipe] = summary.overhead
             n_div = 0
             for s, curve in sorted(mine.items()):
@@ -532,7 +552,9 @@ def overhead_tables(evals: List[Dict[str, str]], target_rule: str = "mean", n_bo
                 run_rows.append({
                     "size": size, "recipe": recipe, "seed": s,
                     "tokens_to_target": analysis.INF if info["tokens"] is None else info["tokens"],
-                    "overhead": info["overhead_vs_baseline"], "final_val_loss": curve[-1][1],
+                    "overhead": info["overhead_vs_baseline"],
+                    "final_val_loss": analysis.loss_at(curve, curves[(size, recipe, s)][2]),
+                    "last_val_loss": curve[-1][1],
                     "diverged": reason is not None, "reached": info["tokens"] is not None,
                     "paired_overhead": info["paired_overhead"],
                     "target": summary.target if summary.target is not None else analysis.NAN,
@@ -668,6 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--overrun", type=float, default=1.5,
+                   help="train to OVERRUN x --steps, past the schedule's end at its final learning rate, so that "
+                        "recipes slower than bf16 can reach the target (1: stop at the schedule's end)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=0, help="warmup steps (default: 10%% of --steps)")
@@ -772,7 +797,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for seed in seeds:
                     options = RunOptions(
                         out=args.out, size=size, size_config=config, recipe=recipe, seed=seed, steps=args.steps,
-                        eval_every=args.eval_every, eval_batches=args.eval_batches, lr=args.lr, warmup=args.warmup,
+                        eval_every=args.eval_every, overrun=args.overrun, eval_batches=args.eval_batches, lr=args.lr, warmup=args.warmup,
                         weight_decay=args.weight_decay, model=args.model, device=args.device,
                         max_corpus_bytes=args.max_corpus_bytes, threads=threads,
                         capture=args.capture and seed in capture_seeds, capture_layers=layers,
