@@ -1,5 +1,6 @@
 """Loss-curve plots of an ablation: one panel per size, per recipe the seed-mean validation loss and
-its min-max band over seeds, the bf16 target as a dashed line. Needs matplotlib; without it the plot
+its min-max band over seeds, the bf16 target as a dashed line, the end of the schedule (where the
+overrun starts) as a dotted one. Needs matplotlib; without it the plot
 is skipped with a message."""
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def loss_curves(evals: List[Mapping[str, str]], path: str, targets: Mapping[str,
             axis.plot(tokens, mean, label=recipe, color=colour, linewidth=1.6 if recipe == "bf16" else 1.0)
             axis.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15,
                               linewidth=0)
+        ends = {float(r["tokens"]) for r in evals if r["size"] == size and r.get("schedule_steps")
+                and r["step"] == r["schedule_steps"]}
+        for end in sorted(ends):  # past this line: the overrun at the final learning rate
+            axis.axvline(end, color="grey", linestyle=":", linewidth=0.8)
         target = (targets or {}).get(size)
         if target is not None and math.isfinite(target):
             axis.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.4f}")
