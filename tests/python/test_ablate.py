@@ -229,7 +229,15 @@ class Predictors(unittest.TestCase):
             self.assertTrue(planted["predicts"])
             self.assertLessEqual(planted["interval_lo"], planted["spearman"])
             self.assertLess(planted["test_p_holm"], 0.05)
-            self.assertEqual(planted["n_metrics"], 4)
+            # The Holm family is what the fit size selected: the metrics whose fit interval excludes 0.
+            selected = [r for r in rows if (r["fit_size"], r["test_size"]) == (fit, test)
+                        and (r["fit_interval_lo"] > 0 or r["fit_interval_hi"] < 0)]
+            self.assertEqual(planted["n_metrics"], len(selected))
+            self.assertGreaterEqual(len(selected), 3)  # planted, planted_neg and flipped fit well
+            for r in rows:
+                if (r["fit_size"], r["test_size"]) == (fit, test) and r not in selected:
+                    self.assertTrue(math.isnan(r["test_p_holm"]))
+                    self.assertFalse(r["predicts"])
             negative = by[("planted_neg", fit, test)]
             self.assertEqual(negative["direction"], -1)
             self.assertGreater(negative["spearman"], 0.9)

@@ -516,6 +516,7 @@ def holm(p_values: Sequence[float]) -> List[float]:
     return adjusted
 
 
+#: n_metrics: how many metrics the fit size selected for the pair (the Holm family).
 PREDICTOR_COLUMNS = ("metric", "fit_size", "test_size", "spearman", "interval", "interval_lo", "interval_hi",
                      "n_test", "test_p", "test_p_holm", "n_metrics", "direction", "fit_spearman", "fit_interval_lo",
                      "fit_interval_hi", "n_fit", "predicts")
@@ -538,11 +539,14 @@ def predictor_table(overheads: Mapping[str, Mapping[str, float]],
       interval; its sign is the direction (+1: a larger metric means more overhead; 0 counts as +1);
     - test: Spearman on the held-out size times that direction (positive: the direction chosen on
       the fit size holds), its bootstrap interval (flipped with the sign), and test_p, the one-sided
-      permutation p-value of that directed correlation (permutation_p); test_p_holm adjusts test_p
-      over the n_metrics candidate metrics of the same (fit, test) pair (Holm).
+      permutation p-value of that directed correlation (permutation_p);
+    - selection and confirmation: a metric whose fit interval excludes 0 is *selected* on the fit
+      size; test_p_holm adjusts test_p (Holm) over the n_metrics metrics selected for the same (fit,
+      test) pair (nan for the others: only what the fit size selected is tested, which is what the
+      held-out size is for).
 
-    predicts is True when the fit interval excludes 0 (the direction is established on the fit
-    size), the test interval's lower end is above 0, and test_p_holm < alpha.
+    predicts is True when the metric is selected, the test interval's lower end is above 0, and
+    test_p_holm < alpha.
 
     overheads: size -> recipe -> overhead (inf for never reached; nan rows are dropped).
     metrics: size -> recipe -> metric name -> value (nan dropped).
@@ -602,13 +606,18 @@ def predictor_table(overheads: Mapping[str, Mapping[str, float]],
                     "fit_interval_lo": fit_c.lo, "fit_interval_hi": fit_c.hi, "n_fit": fit_c.n,
                     "_established": established,
                 })
-            adjusted = holm([r["test_p"] for r in block])
-            family = sum(1 for r in block if not math.isnan(r["test_p"]))
+            # The family: the metrics selected on the fit size (a nan p-value, e.g. a constant
+            # metric on the test size, counts as 1 so that it still takes its place in the family).
+            selected = [r["_established"] for r in block]
+            adjusted = holm([(1.0 if math.isnan(r["test_p"]) else r["test_p"]) if chosen else NAN
+                             for r, chosen in zip(block, selected)])
+            family = sum(selected)
             for r, q in zip(block, adjusted):
+                chosen = r.pop("_established")
                 r["test_p_holm"] = q
                 r["n_metrics"] = family
-                r["predicts"] = bool(r.pop("_established") and not math.isnan(r["interval_lo"])
-                                     and r["interval_lo"] > 0 and not math.isnan(q) and q < alpha)
+                r["predicts"] = bool(chosen and not math.isnan(r["interval_lo"]) and r["interval_lo"] > 0
+                                     and not math.isnan(q) and q < alpha)
             rows.extend(block)
     rows.sort(key=lambda r: (math.isnan(r["spearman"]), -(r["spearman"] if not math.isnan(r["spearman"]) else 0),
                              r["metric"], r["fit_size"]))

@@ -268,7 +268,8 @@ def train_one(options: RunOptions) -> List[Dict[str, object]]:
     mt = None
     if recipe is not None:
         import mxscope.torch as mt  # noqa: F811
-        mt.convert(model, recipe, include=backend.projections_regex())
+        model = mt.convert(model, recipe, include=backend.projections_regex())  # in place; returns the model
+        backend.model = model
 
     train_data, validation_data, corpus = trainer.load_corpus(options.max_corpus_bytes)
     decay = [p for p in model.parameters() if p.dim() == 2]
