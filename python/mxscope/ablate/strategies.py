@@ -7,6 +7,8 @@ replays it has the recipe's name and one per-GEMM table (analyses/README.md, "Sc
   format             format                     (None GEMM: the capture precision, "bf16" under
                                                  bf16 autocast, "fp32" for the fp32 recipe)
   grad_format        a = { format = ... }       for dgrad and wgrad, whose operand A is dy
+  grad_rounding      a = { rounding = ... }     likewise (with its seed_policy under sr)
+  sr_bits            sr_bits                    only when not 32
   block (0=default)  block                      only when nonzero
   rounding           rounding                   only when not "rne"
   scale_rule         scale_rule                 only when not "floor"
@@ -47,7 +49,8 @@ def _toml_value(value) -> str:
 #: The GemmRecipe fields this mapping translates; any other field with a non-trivial value is
 #: reported by unmapped_fields (and written as a comment into the analysis), because the replay
 #: would then not reproduce what the training ran.
-MAPPED_FIELDS = ("format", "grad_format", "rounding", "scale_rule", "rotation", "signs", "seed_policy", "block")
+MAPPED_FIELDS = ("format", "grad_format", "rounding", "grad_rounding", "scale_rule", "rotation", "signs",
+                 "seed_policy", "block", "sr_bits")
 
 
 def unmapped_fields(recipe_gemm) -> Dict[str, object]:
@@ -87,9 +90,17 @@ def gemm_keys(gemm: str, recipe_gemm, unquantized_format: str = "bf16") -> Dict[
         signs = get("signs", "none") or "none"
         if signs != "none":
             keys["signs"] = signs
+    if (get("sr_bits", 32) or 32) != 32:
+        keys["sr_bits"] = int(get("sr_bits"))
     grad_format = get("grad_format")
-    if grad_format and gemm in ("dgrad", "wgrad"):
-        keys["a"] = {"format": grad_format}
+    grad_rounding = get("grad_rounding")
+    if gemm in ("dgrad", "wgrad") and (grad_format or grad_rounding):
+        operand: Dict[str, object] = {"format": grad_format or get("format")}
+        if grad_rounding:
+            operand["rounding"] = grad_rounding
+            if grad_rounding == "sr" and get("seed_policy"):
+                operand["seed_policy"] = get("seed_policy")
+        keys["a"] = operand
     return keys
 
 
