@@ -214,9 +214,11 @@ struct mx_device_output {
   std::uint8_t* scales = nullptr;          // required
   float* dequantized = nullptr;            // optional [rows, cols]
   unsigned long long* counters = nullptr;  // optional [4]: added to (zero them first)
+  std::uint16_t* operand_bf16 = nullptr;   // optional [rows, cols]: the bf16 GEMM operand (core/operand.hpp)
 };
 
-// `generic`: two passes (block scales, then elements) for every option; `fused`: one pass, one
+// `generic`: two passes (block scales, then elements) for every option; along axis 0 `automatic`
+// takes one pass instead (one thread per 4 columns of a block, the same bits); `fused`: one pass, one
 // thread per block, with the rotation applied in registers (axis 1, block 32, rotation none, 16 or
 // 32, cols a multiple of 32); `native`: the fused layout with the element codes from gfx950's
 // hardware MX conversions (MI355X only: MXFP4, rne or sr with sr_bits <= 22; docs/gpu.md lists the

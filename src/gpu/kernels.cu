@@ -797,6 +797,24 @@ __global__ void mx_element_kernel(const Input* input, std::int64_t rows, std::in
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
+#include "mx_columns-inl.cuh"
+#include "operand-inl.cuh"
+
+// MX codes' bf16 operand (mx_device_output::operand_bf16), where the quantizer did not write it.
+void launch_mx_operand(const mx_plan& plan, std::int64_t rows, std::int64_t cols, const mx_device_output& output) {
+  const bool along_rows = plan.axis == 1;
+  const operand_layout layout{plan.element,
+                              operand_scale::mx,
+                              rows,
+                              cols,
+                              mx_code_row_bytes(plan, cols),
+                              mx_scale_cols(plan, rows, cols),
+                              along_rows ? 1 : plan.block,
+                              along_rows ? plan.block : 1,
+                              core_ns::spec(plan.element).bits == 4};
+  launch_operand_bf16(output.codes, output.scales, layout, output.operand_bf16);
+}
+
 // The fused path (axis 1, block 32, cols a multiple of 32). MX block g then holds the input
 // elements [32 g, 32 g + 32), its codes are the bytes [16 g, 16 g + 16) (fp4) or [32 g, 32 g + 32)
 // and its scale is byte g. One thread takes one MX block at a time (consecutive threads,
@@ -1639,15 +1657,22 @@ void launch_fused(const Input* input, std::int64_t rows, std::int64_t cols, cons
   }
 }
 
+// The two passes, or along axis 0 with `columns` the one-pass column kernel where it covers the
+// format. Returns whether it wrote output.operand_bf16 (the column kernel does).
 template <class Input>
-void launch_generic(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
-                    const mx_device_output& output) {
+bool launch_generic(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                    const mx_device_output& output, bool columns) {
+  if (columns && column_path_covers(plan)) {
+    launch_columns(input, rows, cols, plan, output, output.operand_bf16);
+    return true;
+  }
   const std::int64_t scale_count = mx_scale_rows(plan, rows, cols) * mx_scale_cols(plan, rows, cols);
   runtime::launch(mx_scale_kernel<Input>, grid_for(scale_count), threads_per_block, 0, input, rows, cols, plan,
                   output.scales);
   const std::int64_t code_bytes = mx_code_bytes(plan, rows, cols);
   runtime::launch(mx_element_kernel<Input>, reduction_grid(code_bytes), threads_per_block, 0, input, rows, cols, plan,
                   output.scales, output);
+  return false;
 }
 
 template <class Input>
@@ -1676,10 +1701,15 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
   const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
   const bool vectors_fit =
       aligned(input) && aligned(output.codes) && (output.dequantized == nullptr || aligned(output.dequantized));
+  // The bf16 operand, where the path taken did not write it.
+  const auto finish = [&](bool operand_written) {
+    if (output.operand_bf16 != nullptr && !operand_written) launch_mx_operand(plan, rows, cols, output);
+  };
   if (path == quantize_path::native ||
       (path == quantize_path::automatic && vectors_fit &&
        native_gfx950::quantize_plan_fits(plan, rotation.size, cols) && native_gfx950::present())) {
     native_gfx950::quantize(input, format, rows, cols, plan, rotation, output);  // native_gfx950_kernels.hpp
+    finish(false);
     return;
   }
   const bool fused = path != quantize_path::generic && vectors_fit && fused_path_covers(plan, rotation, rows, cols);
@@ -1696,15 +1726,16 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
       launch_fused(static_cast<const std::uint16_t*>(input), rows, cols, plan, rotation.size, signs.as<const float>(),
                    output);
     }
+    finish(false);
     if (signs.get() != nullptr) release_after_kernels();  // `signs` must outlive the kernel
     return;
   }
+  const bool columns = path == quantize_path::automatic;
   if (rotation.size == 0) {
-    if (format == input_format::fp32) {
-      launch_generic(static_cast<const float*>(input), rows, cols, plan, output);
-    } else {
-      launch_generic(static_cast<const std::uint16_t*>(input), rows, cols, plan, output);
-    }
+    const bool written = format == input_format::fp32
+                             ? launch_generic(static_cast<const float*>(input), rows, cols, plan, output, columns)
+                             : launch_generic(static_cast<const std::uint16_t*>(input), rows, cols, plan, output, columns);
+    finish(written);
     return;
   }
   // Rotation outside the fused path: rotate an fp32 copy, then quantize the copy.
@@ -1716,7 +1747,7 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
                     static_cast<const std::uint16_t*>(input), rotated.as<float>(), rows * cols);
   }
   rotate_on_device(rotated.as<float>(), rows, cols, plan.axis, rotation);
-  launch_generic(rotated.as<const float>(), rows, cols, plan, output);
+  finish(launch_generic(rotated.as<const float>(), rows, cols, plan, output, columns));
   release_after_kernels();  // `rotated` must outlive the kernels
 }
 

@@ -147,8 +147,11 @@ class Operands(unittest.TestCase):
 class CudaAgainstCpu(unittest.TestCase):
     def test_every_case_gives_the_cpu_bits(self):
         for index, case in enumerate(CASES):
+            # Both layouts and input types; along axis 0 shapes whose last block is short and whose
+            # columns do not fill the column kernel's groups of four.
             for axis, dtype, shape in ((1, torch.bfloat16, (256, 512)), (0, torch.float32, (512, 128)),
-                                       (1, torch.float32, (33, 96))):
+                                       (1, torch.float32, (33, 96)), (0, torch.bfloat16, (96, 1024)),
+                                       (0, torch.bfloat16, (70, 46)), (0, torch.float32, (45, 33))):
                 with self.subTest(case=case, axis=axis, dtype=dtype, shape=shape):
                     values = sample(*shape, seed=100 + index, dtype=dtype)
                     kwargs = api_kwargs(case, 3, 5, "model.layers.0.self_attn.o_proj")

@@ -1,0 +1,142 @@
+// MX quantization along axis 0 in one pass (blocks running down the columns: the Wgrad operands
+// and Dgrad's weight), for the float element formats of fast_encode. Included by kernels.cu after
+// the generic kernels, inside namespace mxscope::gpu's anonymous namespace.
+//
+// One thread owns four consecutive columns of one block of rows: it reads the block once for the
+// four amax values and their scales, then again (from cache) to encode, with
+// fast_encode::quantize_finite, the fused quantizer's element encoder (the core's bits, checked by
+// self_test_fast_encoder), and the Philox block of each row's four elements computed once. It
+// writes the codes, the scales, the optional dequantized values and the optional bf16 GEMM operand
+// (core::operand_bf16, here float_to_bf16 of the exact fp32 dequantized value). Consecutive threads
+// take consecutive column groups, so every load and store of a warp is contiguous. The bits are
+// those of mx_scale_kernel + mx_element_kernel.
+
+constexpr int column_group = 4;
+
+template <class Input>
+__device__ inline void load_group(const Input* input, std::int64_t index, int width, bool vector, float (&v)[column_group]) {
+  if constexpr (std::is_same_v<Input, std::uint16_t>) {
+    if (vector) {
+      const uint2 pair = *reinterpret_cast<const uint2*>(input + index);
+      v[0] = core_ns::bits_float(pair.x << 16);
+      v[1] = core_ns::bits_float(pair.x & 0xffff0000U);
+      v[2] = core_ns::bits_float(pair.y << 16);
+      v[3] = core_ns::bits_float(pair.y & 0xffff0000U);
+      return;
+    }
+  } else {
+    if (vector) {
+      const float4 four = *reinterpret_cast<const float4*>(input + index);
+      v[0] = four.x;
+      v[1] = four.y;
+      v[2] = four.z;
+      v[3] = four.w;
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < column_group; ++k) v[k] = k < width ? load_input(input, index + k) : 0.0f;
+}
+
+template <class Input>
+__global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                                 fast_encode::element_constants constants, mx_device_output output,
+                                 std::uint16_t* operand) {
+  const bool packed = core_ns::spec(plan.element).bits == 4;
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::int64_t row_bytes = packed ? (cols + 1) / 2 : cols;
+  const std::int64_t groups = (cols + column_group - 1) / column_group;
+  const std::int64_t row_blocks = (rows + plan.block - 1) / plan.block;
+  // 4-element vectors where every group starts on a 4-element boundary of an aligned input.
+  const bool aligned = cols % column_group == 0 &&
+                       reinterpret_cast<std::uintptr_t>(input) % (column_group * sizeof(Input)) == 0;
+  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
+  MXSCOPE_GRID_LOOP(t, groups * row_blocks) {
+    const std::int64_t c0 = (t % groups) * column_group;
+    const std::int64_t r0 = (t / groups) * plan.block;
+    const int width = cols - c0 < column_group ? static_cast<int>(cols - c0) : column_group;
+    const int height = rows - r0 < plan.block ? static_cast<int>(rows - r0) : plan.block;
+    const bool vector = aligned && width == column_group;
+    float amax[column_group] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool nonfinite[column_group] = {false, false, false, false};
+    for (int i = 0; i < height; ++i) {
+      float v[column_group];
+      load_group(input, (r0 + i) * cols + c0, width, vector, v);
+#pragma unroll
+      for (int k = 0; k < column_group; ++k) {
+        if (k >= width) continue;
+        counts[counter_nonzero] += v[k] != 0.0f;
+        const bool finite = is_finite(v[k]);
+        counts[counter_nonfinite] += !finite;
+        nonfinite[k] = nonfinite[k] || !finite;
+        const float magnitude = fabsf(v[k]);
+        if (finite && amax[k] < magnitude) amax[k] = magnitude;
+      }
+    }
+    int exponent[column_group];
+#pragma unroll
+    for (int k = 0; k < column_group; ++k) {
+      if (k >= width) continue;
+      const std::uint8_t scale = nonfinite[k] ? core_ns::scale_nan_code
+                                              : core_ns::scale_code(core_ns::shared_exponent(plan.element, plan.rule, amax[k]));
+      output.scales[(r0 / plan.block) * cols + c0 + k] = scale;
+      exponent[k] = core_ns::scale_exponent(scale);
+    }
+    for (int i = 0; i < height; ++i) {
+      const std::int64_t r = r0 + i;
+      const std::int64_t flat = r * cols + c0;
+      float v[column_group];
+      load_group(input, flat, width, vector, v);
+      core_ns::philox_block words{};
+      std::uint64_t words_index = ~std::uint64_t{0};
+      std::uint32_t codes[column_group] = {0, 0, 0, 0};
+#pragma unroll
+      for (int k = 0; k < column_group; ++k) {
+        if (k >= width) continue;
+        float dequantized = canonical_nan_float();
+        if (!nonfinite[k]) {
+          std::uint32_t word = 0;
+          if (stochastic) {
+            const std::uint64_t index = static_cast<std::uint64_t>(flat + k);
+            if (index / 4 != words_index) {
+              words_index = index / 4;
+              words = plan.stream.block(words_index);
+            }
+            word = words.word[index % 4];
+          }
+          const core_ns::encoded encoded =
+              fast_encode::quantize_finite(constants, v[k], exponent[k], plan.rounding, word, plan.sr_bits);
+          codes[k] = encoded.code;
+          dequantized = fast_encode::dequantize(constants, encoded.code, exponent[k]);
+          counts[counter_flushed] += encoded.flushed;
+          counts[counter_saturated] += encoded.saturated;
+        }
+        if (output.dequantized != nullptr) output.dequantized[flat + k] = dequantized;
+        if (operand != nullptr) operand[flat + k] = core_ns::float_to_bf16(dequantized, core_ns::rounding_mode::rne, 0U, 32);
+      }
+      if (packed) {  // c0 is even: columns c0, c0 + 1 share a byte, c0 + 2, c0 + 3 the next
+        output.codes[r * row_bytes + c0 / 2] = static_cast<std::uint8_t>((codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4));
+        if (width > 2) {
+          output.codes[r * row_bytes + c0 / 2 + 1] =
+              static_cast<std::uint8_t>((codes[2] & 0x0FU) | ((codes[3] & 0x0FU) << 4));
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < column_group; ++k) {
+          if (k < width) output.codes[r * row_bytes + c0 + k] = static_cast<std::uint8_t>(codes[k]);
+        }
+      }
+    }
+  }
+  if (output.counters != nullptr) add_counters(output.counters, counts);
+}
+
+bool column_path_covers(const mx_plan& plan) { return plan.axis == 0 && fast_encode::covers(plan.element); }
+
+template <class Input>
+void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                    const mx_device_output& output, std::uint16_t* operand) {
+  const std::int64_t units = ((cols + column_group - 1) / column_group) * ((rows + plan.block - 1) / plan.block);
+  runtime::launch(mx_column_kernel<Input>, grid_for(units), threads_per_block, 0, input, rows, cols, plan,
+                  fast_encode::constants_of(plan.element), output, operand);
+}
