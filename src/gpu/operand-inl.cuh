@@ -13,16 +13,24 @@ struct operand_layout {
   std::int64_t rows, cols, row_bytes, scale_cols;
   int block_rows, block_cols;
   bool four_bit;
+  bool fast = false;                        // MX float format: decode through fast_encode
+  fast_encode::element_constants constants{};  // its constants, made once on the host
 };
+
+// The layout's decoding constants (call once on the host before launching).
+operand_layout with_constants(operand_layout layout) {
+  layout.fast = layout.scaling == operand_scale::mx && fast_encode::covers(layout.kind);
+  if (layout.fast) layout.constants = fast_encode::constants_of(layout.kind);
+  return layout;
+}
 
 // core::operand_bf16; for the MX float formats through fast_encode::dequantize, which gives the
 // same exact fp32 value with fp32 arithmetic (self_test_fast_encoder checks it), then to bf16.
 __device__ inline std::uint16_t operand_value_bf16(const operand_layout& layout, std::uint32_t code,
                                                    std::uint8_t scale) {
-  if (layout.scaling == operand_scale::mx && fast_encode::covers(layout.kind)) {
+  if (layout.fast) {
     if (scale == core_ns::scale_nan_code) return core_ns::bf16_canonical_nan;
-    const float value = fast_encode::dequantize(fast_encode::constants_of(layout.kind), code,
-                                                core_ns::scale_exponent(scale));
+    const float value = fast_encode::dequantize(layout.constants, code, core_ns::scale_exponent(scale));
     return core_ns::float_to_bf16(value, core_ns::rounding_mode::rne, 0U, 32);
   }
   return core_ns::operand_bf16(layout.kind, layout.scaling, code, scale);
@@ -96,8 +104,9 @@ __global__ void operand_bf16_grouped_kernel(const std::uint8_t* codes, const std
   }
 }
 
-void launch_operand_bf16(const std::uint8_t* codes, const std::uint8_t* scales, const operand_layout& layout,
+void launch_operand_bf16(const std::uint8_t* codes, const std::uint8_t* scales, const operand_layout& described,
                          std::uint16_t* out) {
+  const operand_layout layout = with_constants(described);
   if (layout.rows == 0 || layout.cols == 0) return;
   const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
   const bool grouped = layout.cols % operand_group == 0 && aligned(out) && aligned(codes);
