@@ -59,7 +59,7 @@ def main() -> int:
     stop.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(stop) / 20
-    print(f"copy {copy_in.numel() * 2 / 1e6:.0f} MB: {ms:.3f} ms, {2 * copy_in.numel() * 2 / ms / 1e9:.0f} GB/s")
+    print(f"copy {copy_in.numel() * 2 / 1e6:.0f} MB: {ms:.3f} ms, {2 * copy_in.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"{'operand':<28} {'axis':>4} {'round':>5} {'rot':>4} {'device ms':>10} {'host ms':>8} {'GB/s in+out':>11}")
     for name, shape, dtype in (("x/dy [K, d] bf16", (tokens, args.d_model), torch.bfloat16),
                                ("h [K, ffn] bf16", (tokens, 2816), torch.bfloat16),
