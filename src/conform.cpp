@@ -14,6 +14,7 @@
 
 #include "mxscope/errors.hpp"
 #include "mxscope/io/dump.hpp"
+#include "mxscope/io/json_guard.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/quantize_fast.hpp"
 #ifdef MXSCOPE_HAVE_CUDA
@@ -271,6 +272,12 @@ json read_json_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
   text << in.rdbuf();
+  if (const auto issue = io::find_json_issue(text.str(), io::max_json_depth)) {
+    const std::string field = issue->what == io::json_issue::kind::duplicate_key ? io::printable_name(issue->key)
+                                                                                  : std::string("manifest");
+    throw input_error(fmt::format("{}: field '{}': {}", path.string(), field, (issue->what == io::json_issue::kind::syntax ? "not valid JSON: " : "") +
+                                      io::printable_name(issue->message, 300)));
+  }
   try {
     return json::parse(text.str());
   } catch (const json::exception& parse_error) {

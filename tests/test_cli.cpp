@@ -4,6 +4,7 @@
 // naming the flag or field, and no output file).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -674,6 +675,47 @@ TEST(CliQuantize, WriteFailureMidFileLeavesNoOutput) {
   EXPECT_NE(result.err.find("write failed"), std::string::npos) << result.err;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(directory.listing(), std::vector<std::string>{"in.safetensors"});
+}
+
+// An output that is the input (also through a hard link) or a special file is refused before
+// anything is written, and the input keeps its bytes.
+TEST(CliQuantize, OutputsNeverReplaceTheInputOrASpecialFile) {
+  temporary_directory directory;
+  const fs::path input = directory / "in.safetensors";
+  write_safetensors_by_hand(input, {f32_tensor("x", 8, 32, test_values(8, 32, 3)),
+                                    f32_tensor("dy", 8, 16, test_values(8, 16, 4)),
+                                    f32_tensor("w", 16, 32, test_values(16, 32, 5))});
+  fs::create_hard_link(input, directory / "link.safetensors");
+  fs::create_symlink(directory / "elsewhere", directory / "symlink.safetensors");
+  ASSERT_EQ(::mkfifo((directory / "fifo").c_str(), 0600), 0);
+  std::ifstream original_stream(input, std::ios::binary);
+  const std::string original((std::istreambuf_iterator<char>(original_stream)), std::istreambuf_iterator<char>());
+  struct output_case {
+    std::string out;
+    std::string fragment;
+  };
+  const std::vector<output_case> outputs = {{input.string(), "is the input --in"},
+                                            {(directory / "link.safetensors").string(), "is the input --in"},
+                                            {(directory / "symlink.safetensors").string(), "symbolic link"},
+                                            {(directory / "fifo").string(), "not a regular file"},
+                                            {"/dev/null", "not a regular file"}};
+  for (const auto& output : outputs) {
+    for (const std::vector<std::string>& command :
+         {std::vector<std::string>{"quantize", "--tensor", "x", "--format", "mxfp4"},
+          std::vector<std::string>{"gemm", "--gemm", "wgrad", "--format", "mxfp4", "--accum", "fp32-block"}}) {
+      std::vector<std::string> arguments = command;
+      arguments.insert(arguments.end(), {"--in", input.string(), "--out", output.out});
+      const auto result = run_cli(arguments);
+      EXPECT_EQ(result.code, 2) << joined(arguments) << "\n" << result.err;
+      EXPECT_NE(result.err.find(output.fragment), std::string::npos) << joined(arguments) << "\n" << result.err;
+    }
+  }
+  std::ifstream after_stream(input, std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(after_stream)), std::istreambuf_iterator<char>()), original);
+  EXPECT_TRUE(fs::is_symlink(directory / "symlink.safetensors"));
+  EXPECT_FALSE(fs::exists(directory / "elsewhere"));
+  EXPECT_TRUE(fs::is_fifo(directory / "fifo"));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
 }
 
 }  // namespace

@@ -839,4 +839,13 @@ TEST_F(ReportCommand, NotebookNeedsAnOutputPath) {
   EXPECT_NE(result.err.find("-o"), std::string::npos) << result.err;
 }
 
+// The notebook's output may not be one of the run's own files.
+TEST_F(ReportCommand, NotebookNeverOverwritesTheRun) {
+  const std::string steps_before = read_text(run_ / "steps.csv");
+  const cli_result result = run_cli({"notebook", run_.string(), "-o", (run_ / "steps.csv").string()});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("RUN/steps.csv"), std::string::npos) << result.err;
+  EXPECT_EQ(read_text(run_ / "steps.csv"), steps_before);
+}
+
 }  // namespace

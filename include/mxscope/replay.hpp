@@ -59,6 +59,7 @@ struct replay_outcome {
   std::int64_t units_resumed = 0;    // units found complete in RUN/.partial
   std::int64_t units_total = 0;      // units of the whole run
   bool complete = false;             // the final files were written (by this process or rank 0)
+  bool already_finished = false;     // --resume found a finished run of the same key: nothing written
 };
 
 // Parses "3,5-9,12" into a sorted list of steps; throws input_error naming `what`.

@@ -15,6 +15,7 @@
 #include "commands.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/atomic_file.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/device.hpp"
@@ -154,6 +155,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
   chosen.output = *output_rounding;
   const gemm_context context{options.strategy.layer, options.strategy.step};
 
+  io::refuse_output_over_input(options.output, options.input, "--in");
   // Operands: only the two the GEMM needs are read.
   const io::safetensors_reader reader(options.input);
   const gemm_layout layout = layout_of(*kind);

@@ -49,7 +49,7 @@ void add_replay_command(CLI::App& app, command_list& commands) {
                         chosen.processes = processes.get();
                         chosen.device_index = processes->local_rank();
                         const replay_outcome outcome = run_replay(chosen, err);
-                        if (processes->rank() != 0) return 0;
+                        if (processes->rank() != 0 || outcome.already_finished) return 0;
                         if (outcome.complete) {
                           if (processes->size() > 1) {
                             out_stream << "replay: " << outcome.units_total - outcome.units_resumed

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/io/json_guard.hpp"
 
 namespace mxscope::io {
 
@@ -48,6 +49,26 @@ std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::for
   throw input_error(fmt::format("{}: tensor '{}': field '{}': {}", file, printable_name(tensor), field, message));
 }
 
+// A layer name goes unquoted into the rows of steps.csv and accumulation.csv and is matched by
+// --layers: no comma, quote or control character, and a bounded length.
+void check_layer_name(const std::string& layer, const std::string& manifest, std::size_t index) {
+  if (layer.size() > max_layer_name_bytes) {
+    fail_entry(manifest, index, "layer",
+               fmt::format("'{}' is {} bytes long; at most {} are allowed", printable_name(layer), layer.size(),
+                           max_layer_name_bytes));
+  }
+  const auto bad = std::find_if(layer.begin(), layer.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return c == ',' || c == '"' || byte < 0x20 || byte == 0x7F;
+  });
+  if (bad != layer.end()) {
+    fail_entry(manifest, index, "layer",
+               fmt::format("'{}' holds a comma, a double quote or a control character, which the CSV files of a "
+                           "replay cannot carry",
+                           printable_name(layer)));
+  }
+}
+
 std::string read_manifest_text(const fs::path& manifest) {
   const std::string label = manifest.string();
   std::error_code error;
@@ -72,25 +93,16 @@ std::string read_manifest_text(const fs::path& manifest) {
 
 // Parses with the same guards as safetensors headers: nesting depth capped, duplicate keys rejected.
 json parse_manifest(const std::string& text, const std::string& label) {
-  std::vector<std::set<std::string>> open_objects;
-  const json::parser_callback_t guard = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    if (depth > max_json_depth) fail(label, "manifest", fmt::format("JSON nesting deeper than {} levels", max_json_depth));
-    switch (event) {
-      case json::parse_event_t::object_start: open_objects.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!open_objects.empty() && !open_objects.back().insert(parsed.get<std::string>()).second) {
-          fail(label, printable_name(parsed.get<std::string>()), "duplicate key");
-        }
-        break;
-      default: break;
+  if (const auto issue = find_json_issue(text, max_json_depth)) {
+    switch (issue->what) {
+      case json_issue::kind::depth: fail(label, "manifest", issue->message);
+      case json_issue::kind::duplicate_key: fail(label, printable_name(issue->key), "duplicate key");
+      case json_issue::kind::syntax:
+        fail(label, "manifest", fmt::format("not valid JSON: {}", printable_name(issue->message, 300)));
     }
-    return true;
-  };
+  }
   try {
-    return json::parse(text, guard);
+    return json::parse(text);
   } catch (const json::exception& error) {
     fail(label, "manifest", fmt::format("not valid JSON: {}", printable_name(error.what(), 300)));
   }
@@ -481,6 +493,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
                  fmt::format("must be a non-empty string, got {}", layer.is_string() ? "\"\"" : json_type_name(layer)));
     }
     info.layer = layer.get<std::string>();
+    check_layer_name(info.layer, manifest, index);
     const json& file = entry.at("file");
     if (!file.is_string()) fail_entry(manifest, index, "file", fmt::format("must be a string, got {}", json_type_name(file)));
     info.relative_file = file.get<std::string>();

@@ -11,6 +11,8 @@
 #include <utility>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/io/json_guard.hpp"
+#include "mxscope/io/safetensors.hpp"
 #include "mxscope/report/csv.hpp"
 #include "text.hpp"
 
@@ -195,6 +197,12 @@ nlohmann::ordered_json read_summary(const std::filesystem::path& path, const std
   if (!in) throw input_error(fmt::format("{}: cannot open the file for reading", label));
   std::ostringstream contents;
   contents << in.rdbuf();
+  if (const auto issue = io::find_json_issue(contents.str(), io::max_json_depth)) {
+    const std::string field = issue->what == io::json_issue::kind::duplicate_key ? io::printable_name(issue->key)
+                                                                                  : std::string("summary");
+    throw input_error(fmt::format("{}: field '{}': {}", label, field, (issue->what == io::json_issue::kind::syntax ? "not valid JSON: " : "") +
+                                      io::printable_name(issue->message, 300)));
+  }
   nlohmann::ordered_json summary;
   try {
     summary = nlohmann::ordered_json::parse(contents.str());
