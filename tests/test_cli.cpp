@@ -216,6 +216,15 @@ TEST(Cli, VersionAndHelp) {
   }
 }
 
+// Thread counts an OpenMP runtime cannot create (it crashed on 65535) are a usage error.
+TEST(Cli, ReplayThreadCountIsBounded) {
+  for (const char* threads : {"1025", "65535", "100000"}) {
+    const auto result = run_cli({"replay", "dump", "--analysis", "a.toml", "--out", "run", "--threads", threads});
+    EXPECT_EQ(result.code, 2) << threads << ": " << result.err;
+    EXPECT_NE(result.err.find("--threads"), std::string::npos) << result.err;
+  }
+}
+
 TEST(Cli, UsageErrorsExitTwo) {
   for (const auto& arguments : std::vector<std::vector<std::string>>{
            {}, {"frobnicate"}, {"inspect"}, {"quantize", "--in", "a"}, {"inspect", "a", "--bogus"}}) {

@@ -621,6 +621,15 @@ std::vector<bad_input_case> bad_inputs() {
   return {
       {"missing steps.csv", [](const fs::path& run) { fs::remove(run / "steps.csv"); }, {"steps.csv", "no such file"}},
       {"missing summary.json", [](const fs::path& run) { fs::remove(run / "summary.json"); }, {"summary.json"}},
+      {"summary.json nested 200,000 deep",
+       [](const fs::path& run) {
+         write_text(run / "summary.json", R"({"provenance":{"x":)" + std::string(200000, '[') +
+                                              std::string(200000, ']') + "}}");
+       },
+       {"summary.json", "nesting deeper than 64"}},
+      {"summary.json with a key twice",
+       [](const fs::path& run) { write_text(run / "summary.json", R"({"units":[],"units":[]})"); },
+       {"summary.json", "'units'", "duplicate key"}},
       {"missing column",
        [coherence_column](const fs::path& run) {
          // Drop the coherence column from every line.

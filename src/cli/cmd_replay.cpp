@@ -14,6 +14,10 @@
 
 namespace mxscope::cli {
 
+namespace {
+constexpr int max_threads = 1024;
+}  // namespace
+
 void add_replay_command(CLI::App& app, command_list& commands) {
   auto options = std::make_shared<replay_options>();
   auto dump = std::make_shared<std::string>();
@@ -29,8 +33,10 @@ void add_replay_command(CLI::App& app, command_list& commands) {
       ->required();
   command->add_option("--out", *out, "Run directory to create (or to finish, with --resume)")->required();
   command->add_option("--device", options->device, "cpu (default) or gpu")->default_val("cpu");
-  command->add_option("--threads", options->threads, "Worker threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+  // More threads than max_threads gain nothing on any machine mxscope targets, and OpenMP runtimes
+  // fail to create (or crash on) tens of thousands of them.
+  command->add_option("--threads", options->threads, "Worker threads, 1 to 1024 (default: all cores)")
+      ->check(CLI::Range(0, max_threads));
   command->add_flag("--resume", options->resume, "Finish an interrupted run in --out, keeping its finished layers");
   CLI::Option* layers_option =
       command->add_option("--layers", *layers, "Only layers whose whole name matches this regular expression");

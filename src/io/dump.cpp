@@ -467,6 +467,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
   const json& entries = required_member(root, "entries", manifest);
   if (!entries.is_array()) fail(manifest, "entries", fmt::format("must be an array, got {}", json_type_name(entries)));
   std::map<std::pair<std::string, std::int64_t>, std::size_t> seen;
+  const fs::path resolved_directory = fs::weakly_canonical(directory, error);
   for (std::size_t index = 0; index < entries.size(); ++index) {
     const json& entry = entries[index];
     if (!entry.is_object()) fail_entry(manifest, index, "entry", fmt::format("must be an object, got {}", json_type_name(entry)));
@@ -504,7 +505,6 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
                  fmt::format("'{}' does not exist or is not a regular file", printable_name(info.file.string())));
     }
     // A symbolic link may not lead out of the dump either.
-    const fs::path resolved_directory = fs::weakly_canonical(directory, error);
     const fs::path resolved_file = fs::weakly_canonical(info.file, error);
     const auto mismatch = std::mismatch(resolved_directory.begin(), resolved_directory.end(), resolved_file.begin(),
                                         resolved_file.end());
