@@ -4,6 +4,8 @@
 // naming the flag or field, and no output file).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -223,6 +225,50 @@ TEST(Cli, ReplayThreadCountIsBounded) {
     EXPECT_EQ(result.code, 2) << threads << ": " << result.err;
     EXPECT_NE(result.err.find("--threads"), std::string::npos) << result.err;
   }
+}
+
+// Negative numbers for unsigned flags are refused (they used to wrap to 2^64 - 1), and an unknown
+// command is named.
+TEST(Cli, NegativeUnsignedFlagsAndUnknownCommandsAreRefused) {
+  for (const std::vector<std::string>& arguments :
+       {std::vector<std::string>{"quantize", "--in", "f", "--tensor", "x", "--format", "mxfp4", "--out", "o", "--seed", "-1"},
+        std::vector<std::string>{"quantize", "--in", "f", "--tensor", "x", "--format", "mxfp4", "--out", "o", "--step", "-1"},
+        std::vector<std::string>{"conform", "dir", "--max-listed", "-1"}}) {
+    const auto result = run_cli(arguments);
+    EXPECT_EQ(result.code, 2) << joined(arguments);
+    EXPECT_NE(result.err.find("'-1' is not a non-negative integer"), std::string::npos) << result.err;
+  }
+  const auto unknown = run_cli({"frobnicate"});
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.err.find("unknown command 'frobnicate'"), std::string::npos) << unknown.err;
+  EXPECT_NE(unknown.err.find("replay"), std::string::npos) << unknown.err;
+}
+
+// A GEMM on operands holding NaN still runs, with a warning naming the file and tensor; a shape
+// mismatch names the file.
+TEST(CliGemm, NonFiniteOperandsWarnAndShapeErrorsNameTheFile) {
+  temporary_directory directory;
+  std::vector<float> x = test_values(8, 32, 6);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[4] = std::numeric_limits<float>::infinity();
+  write_safetensors_by_hand(directory / "in.safetensors",
+                            {f32_tensor("x", 8, 32, x), f32_tensor("dy", 8, 16, test_values(8, 16, 7))});
+  const auto result = run_cli({"gemm", "--in", (directory / "in.safetensors").string(), "--gemm", "wgrad", "--format",
+                               "mxfp4", "--accum", "fp32-block", "--out", (directory / "out.safetensors").string()});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_NE(result.err.find("warning: " + (directory / "in.safetensors").string() + ": tensor 'x' holds 1 NaN and 1 "
+                                                                                    "infinite values"),
+            std::string::npos)
+      << result.err;
+  write_safetensors_by_hand(directory / "k.safetensors", {f32_tensor("x", 8, 32, test_values(8, 32, 6)),
+                                                          f32_tensor("dy", 6, 16, test_values(6, 16, 7))});
+  const auto mismatch = run_cli({"gemm", "--in", (directory / "k.safetensors").string(), "--gemm", "wgrad", "--format",
+                                 "mxfp4", "--accum", "fp32-block", "--out", (directory / "k.out").string()});
+  EXPECT_EQ(mismatch.code, 2);
+  EXPECT_NE(mismatch.err.find((directory / "k.safetensors").string() + ": gemm wgrad: shapes disagree on K"),
+            std::string::npos)
+      << mismatch.err;
+  EXPECT_FALSE(fs::exists(directory / "k.out"));
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
