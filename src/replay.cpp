@@ -861,6 +861,25 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       // Informational only; a rank that cannot write it still takes part in the final report.
     }
   };
+  // Progress: on a terminal one line rewritten after every entry; in a log (Slurm, CI) a full line
+  // at most every progress_log_seconds, from rank 0.
+  auto last_logged = clock_type::now();
+  const auto report_progress = [&](std::int64_t done, std::int64_t total) {
+    const bool to_log = options.progress_log_seconds > 0.0 && rank == 0 &&
+                        (seconds_since(last_logged) >= options.progress_log_seconds || done == total);
+    if (!options.progress && !to_log) return;
+    const double elapsed = seconds_since(started);
+    const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
+    const double remaining = static_cast<double>(total - done) / std::max(rate, 1e-9);
+    const std::string line = fmt::format("replay: {}/{} entries, {} units done, {:.2f} entries/s, ETA {:.0f} s", done,
+                                         total, outcome.units_resumed + outcome.units_done, rate, remaining);
+    if (options.progress) {
+      log << '\r' << line << "   " << std::flush;
+    } else {
+      log << line << '\n' << std::flush;
+      last_logged = clock_type::now();
+    }
+  };
   std::string failure;           // this rank's failure, with the rank and unit named
   std::string failure_kind;      // "input" or "other"
   bool stopped_by_other = false;
@@ -1128,14 +1147,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         compute.resident_operands.clear();  // they copy this entry's operands
         ++entries_seen;
         ++outcome.entries;
-        if (options.progress) {
-          const double elapsed = seconds_since(started);
-          const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
-          const double remaining = static_cast<double>(total_entries - entries_seen) / std::max(rate, 1e-9);
-          log << fmt::format("\rreplay: {}/{} entries  {:.2f} entries/s  ETA {:.0f} s   ", entries_seen,
-                             total_entries, rate, remaining)
-              << std::flush;
-        }
+        report_progress(entries_seen, total_entries);
       }
       if (stopped_by_other) break;
 

@@ -23,6 +23,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -586,6 +587,29 @@ TEST(Replay, AFailedAssemblyLeavesAnInterruptedRunThatResumes) {
   for (const char* file : {"steps.csv", "accumulation.csv", "summary.json"}) {
     EXPECT_EQ(read_text(run / file), read_text(root / "clean" / file)) << file;
   }
+  fs::remove_all(root);
+}
+
+// In a log (stderr not a terminal) the replay prints whole progress lines: entries done, units
+// done, rate and ETA, the last one at the end of the work.
+TEST(Replay, ProgressLinesGoToALogThatIsNotATerminal) {
+  const fs::path root = fresh_directory("progress");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 2, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  mxscope::replay_options options;
+  options.dump = root / "dump";
+  options.analysis_path = root / "a.toml";
+  options.out = root / "run";
+  options.threads = 1;
+  options.progress_log_seconds = 1e-9;  // every entry
+  std::ostringstream log;
+  ASSERT_TRUE(mxscope::run_replay(options, log).complete);
+  const std::string text = log.str();
+  EXPECT_EQ(text.find('\r'), std::string::npos) << text;
+  const std::regex line(R"(replay: ([0-9]+)/4 entries, ([0-9]+) units done, [0-9.]+ entries/s, ETA [0-9]+ s\n)");
+  std::vector<int> done;
+  for (std::sregex_iterator it(text.begin(), text.end(), line), end; it != end; ++it) done.push_back(std::stoi((*it)[1]));
+  EXPECT_EQ(done, (std::vector<int>{1, 2, 3, 4})) << text;
   fs::remove_all(root);
 }
 

@@ -39,7 +39,10 @@ struct replay_options {
   std::optional<std::string> steps;   // "3,5-9,12"
   bool attribute = false;             // in addition to the analysis's own `attribute`
   std::string device = "cpu";
-  bool progress = false;              // progress line on the log stream
+  bool progress = false;              // progress line on the log stream, rewritten in place (a terminal)
+  // > 0: a progress line on the log stream at most this often, and one at the end (logs that are
+  // not a terminal); ignored when `progress` is set.
+  double progress_log_seconds = 0.0;
   // Stop after this many layers have been completed in this process (for tests of --resume);
   // 0: no limit.
   int stop_after_layers = 0;

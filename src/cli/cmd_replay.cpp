@@ -16,6 +16,8 @@ namespace mxscope::cli {
 
 namespace {
 constexpr int max_threads = 1024;
+// How often a replay whose stderr is not a terminal (a batch log) prints its progress line.
+constexpr double progress_log_seconds = 30.0;
 }  // namespace
 
 void add_replay_command(CLI::App& app, command_list& commands) {
@@ -50,7 +52,9 @@ void add_replay_command(CLI::App& app, command_list& commands) {
                         chosen.out = *out;
                         if (layers_option->count() > 0) chosen.layers = *layers;
                         if (steps_option->count() > 0) chosen.steps = *steps;
-                        chosen.progress = isatty(STDERR_FILENO) != 0 && &err == &std::cerr;
+                        const bool real_stderr = &err == &std::cerr;
+                        chosen.progress = real_stderr && isatty(STDERR_FILENO) != 0;
+                        if (real_stderr && !chosen.progress) chosen.progress_log_seconds = progress_log_seconds;
                         const std::unique_ptr<process_group> processes = join_launched_processes();
                         chosen.processes = processes.get();
                         chosen.device_index = processes->local_rank();

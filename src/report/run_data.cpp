@@ -339,6 +339,10 @@ std::vector<ranking_row> rank_strategies(const unit_data& unit) {
     if (std::isnan(right.acc_err)) return true;
     return left.acc_err < right.acc_err;
   });
+  const auto same = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    rows[i].rank = i > 0 && same(rows[i].acc_err, rows[i - 1].acc_err) ? rows[i - 1].rank : static_cast<int>(i + 1);
+  }
   return rows;
 }
 
