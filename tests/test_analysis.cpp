@@ -144,4 +144,18 @@ TEST(Analysis, FilesThatAreNotRegularOrTooLargeAreRefused) {
   }
 }
 
+TEST(Analysis, ShippedTransformerEngineLikeNvfp4Recipe) {
+  const auto parsed = mxscope::load_analysis(std::string(MXSCOPE_SOURCE_DIR) + "/analyses/nvfp4-te.toml");
+  const auto& te = find(parsed, "nvfp4-te").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(mxscope::format_name(te.a.quantize.format), "nvfp4");
+  EXPECT_EQ(mxscope::format_name(te.b.quantize.format), "nvfp4");
+  EXPECT_EQ(te.a.quantize.rounding, mxscope::core::rounding_mode::sr);   // dy, the gradient
+  EXPECT_EQ(te.b.quantize.rounding, mxscope::core::rounding_mode::rne);  // x
+  EXPECT_EQ(te.rotation_size, 16);
+  EXPECT_EQ(te.rotation_signs, mxscope::sign_policy::fixed);
+  const auto& bare = find(parsed, "nvfp4").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(bare.rotation_size, 0);
+  EXPECT_EQ(bare.a.quantize.rounding, mxscope::core::rounding_mode::rne);
+}
+
 }  // namespace

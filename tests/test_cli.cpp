@@ -271,6 +271,26 @@ TEST(CliGemm, NonFiniteOperandsWarnAndShapeErrorsNameTheFile) {
   EXPECT_FALSE(fs::exists(directory / "k.out"));
 }
 
+// -o is --out on every command that writes a file or directory.
+TEST(Cli, ShortOutputFlagOnEveryCommand) {
+  temporary_directory directory;
+  write_safetensors_by_hand(directory / "in.safetensors", {f32_tensor("x", 4, 32, test_values(4, 32, 8)),
+                                                           f32_tensor("dy", 4, 16, test_values(4, 16, 9))});
+  const auto quantized = run_cli({"quantize", "--in", (directory / "in.safetensors").string(), "--tensor", "x",
+                                  "--format", "mxfp4", "-o", (directory / "q.safetensors").string()});
+  EXPECT_EQ(quantized.code, 0) << quantized.err;
+  EXPECT_TRUE(fs::exists(directory / "q.safetensors"));
+  const auto multiplied = run_cli({"gemm", "--in", (directory / "in.safetensors").string(), "--gemm", "wgrad",
+                                   "--format", "mxfp4", "--accum", "fp32-block", "-o", (directory / "g.safetensors").string()});
+  EXPECT_EQ(multiplied.code, 0) << multiplied.err;
+  EXPECT_TRUE(fs::exists(directory / "g.safetensors"));
+  const auto replayed = run_cli({"replay", (directory / "no-dump").string(), "--analysis", "a.toml", "-o",
+                                 (directory / "run").string()});
+  EXPECT_EQ(replayed.code, 2);
+  EXPECT_EQ(replayed.err.find("--out is required"), std::string::npos) << replayed.err;
+  EXPECT_NE(replayed.err.find("a.toml"), std::string::npos) << replayed.err;
+}
+
 TEST(Cli, UsageErrorsExitTwo) {
   for (const auto& arguments : std::vector<std::vector<std::string>>{
            {}, {"frobnicate"}, {"inspect"}, {"quantize", "--in", "a"}, {"inspect", "a", "--bogus"}}) {

@@ -372,7 +372,7 @@ void add_gemm_command(CLI::App& app, command_list& commands) {
                   "Recompute N random reference entries with Boost.Multiprecision and report the largest deviation")
       ->capture_default_str();
   sub->add_option("--output", options->output_rounding, "Output rounding: fp32 or bf16")->capture_default_str();
-  sub->add_option("--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
+  sub->add_option("-o,--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
       ->required();
   sub->add_option("--device", options->device,
                   "Where to compute: cpu or gpu (MX quantize, products and the exact reference on the GPU, the rest "

@@ -237,7 +237,7 @@ void add_quantize_command(CLI::App& app, command_list& commands) {
   sub->add_option("--device", options->device, "Where to rotate and quantize: cpu or gpu (MX formats; same bits)")
       ->capture_default_str();
   add_strategy_flags(*sub, options->strategy, /*format_required=*/true);
-  sub->add_option("--out", options->output, "Output safetensors file (written atomically)")->required();
+  sub->add_option("-o,--out", options->output, "Output safetensors file (written atomically)")->required();
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_quantize(*options, out); }});
 }
 

@@ -33,7 +33,7 @@ void add_replay_command(CLI::App& app, command_list& commands) {
   command->add_option("dump", *dump, "Dump directory (holding manifest.json)")->required();
   command->add_option("--analysis", *analysis_path, "Analysis file (TOML), e.g. analyses/wgrad-ablation.toml")
       ->required();
-  command->add_option("--out", *out, "Run directory to create (or to finish, with --resume)")->required();
+  command->add_option("-o,--out", *out, "Run directory to create (or to finish, with --resume)")->required();
   command->add_option("--device", options->device, "cpu (default) or gpu")->default_val("cpu");
   // More threads than max_threads gain nothing on any machine mxscope targets, and OpenMP runtimes
   // fail to create (or crash on) tens of thousands of them.
