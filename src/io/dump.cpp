@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <ostream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "mxscope/errors.hpp"
 #include "mxscope/io/json_guard.hpp"
@@ -357,6 +359,34 @@ nonfinite_count count_nonfinite(const matrix& values) {
   return count;
 }
 
+// Every entry file's header, on a few threads (a dump of a large model lists hundreds of thousands
+// of files, and each check is an open, a read and a parse). The error reported is that of the
+// first failing entry in manifest order, as a sequential check would report.
+void validate_entry_files(std::vector<dump_entry_info>& entries) {
+  const std::size_t workers = std::min<std::size_t>(8, std::max<std::size_t>(1, std::thread::hardware_concurrency()));
+  std::vector<std::exception_ptr> failures(entries.size());
+  std::atomic<std::size_t> next{0};
+  std::atomic<std::size_t> first_failure{entries.size()};
+  const auto work = [&] {
+    for (std::size_t i = next++; i < entries.size() && i < first_failure.load(); i = next++) {
+      try {
+        validate_entry_file(entries[i]);
+      } catch (...) {
+        failures[i] = std::current_exception();
+        for (std::size_t seen = first_failure.load(); i < seen && !first_failure.compare_exchange_weak(seen, i);) {
+        }
+      }
+    }
+  };
+  std::vector<std::future<void>> running;
+  for (std::size_t w = 1; w < workers; ++w) running.push_back(std::async(std::launch::async, work));
+  work();
+  for (auto& worker : running) worker.get();
+  for (const auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -523,7 +553,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
   }
 
   // Every entry file's header, before any work starts.
-  for (auto& info : entries_) validate_entry_file(info);
+  validate_entry_files(entries_);
   std::sort(entries_.begin(), entries_.end(), [](const dump_entry_info& a, const dump_entry_info& b) {
     return a.layer != b.layer ? a.layer < b.layer : a.step < b.step;
   });
