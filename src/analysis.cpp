@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -12,6 +15,8 @@
 namespace mxscope {
 
 namespace {
+
+constexpr std::size_t max_analysis_bytes = 1 << 20;
 
 // Keys that set how one operand is quantized; at strategy or GEMM level they apply to both.
 const std::set<std::string, std::less<>> operand_keys = {"format", "block", "rounding", "scale_rule", "sr_bits",
@@ -103,13 +108,13 @@ void apply_gemm_key(std::string_view key, const toml::node& node, strategy& targ
       return;
     }
     constexpr std::string_view prefix = "hadamard:";
+    // Digits only after the prefix: no sign, no spaces (std::stoi would take "hadamard: 16").
     int size = 0;
     if (text.rfind(prefix, 0) == 0) {
-      try {
-        std::size_t used = 0;
-        size = std::stoi(text.substr(prefix.size()), &used);
-        if (used != text.size() - prefix.size()) size = 0;
-      } catch (const std::exception&) {
+      const std::string_view digits = std::string_view(text).substr(prefix.size());
+      const auto [end, status] = std::from_chars(digits.data(), digits.data() + digits.size(), size);
+      if (digits.empty() || digits.front() < '0' || digits.front() > '9' || status != std::errc() ||
+          end != digits.data() + digits.size()) {
         size = 0;
       }
     }
@@ -201,6 +206,33 @@ strategy resolve(const toml::table* defaults, const toml::table& table, gemm_kin
   return resolved;
 }
 
+// The "block" entry that decided operand `name` of `kind`: the most specific table that sets it.
+const toml::node* block_node(const toml::table* defaults, const toml::table& table, gemm_kind kind,
+                             std::string_view name) {
+  const toml::table* per_gemm = table[gemm_kind_name(kind)].as_table();
+  const toml::table* candidates[] = {per_gemm ? (*per_gemm)[name].as_table() : nullptr, per_gemm,
+                                     table[name].as_table(), &table, defaults};
+  for (const toml::table* candidate : candidates) {
+    if (candidate == nullptr) continue;
+    if (const toml::node* node = candidate->get("block")) return node;
+  }
+  return nullptr;
+}
+
+// NVFP4 has 16-element blocks by definition (its ue4m3 scale per 16 values): any other block size
+// is refused here, at the line that sets it, rather than when the replay reaches the strategy.
+void check_nvfp4_block(const strategy& resolved, const toml::table* defaults, const toml::table& table,
+                       gemm_kind kind, const toml::node& item, const located_error_factory& errors) {
+  for (const auto& [operand, name] : {std::pair{&resolved.a, "a"}, std::pair{&resolved.b, "b"}}) {
+    const int block = operand->quantize.block;
+    if (operand->quantize.format.scheme != quant_scheme::nvfp4 || block == 0 || block == 16) continue;
+    const toml::node* node = block_node(defaults, table, kind, name);
+    throw errors.at(node != nullptr ? *node : item,
+                    fmt::format("key 'block': {} with format 'nvfp4' ({} operand of {}); nvfp4 uses blocks of 16",
+                                block, name, gemm_kind_name(kind)));
+  }
+}
+
 }  // namespace
 
 analysis parse_analysis(const std::string& text, const std::string& path) {
@@ -256,7 +288,7 @@ analysis parse_analysis(const std::string& text, const std::string& path) {
           result.optimizer.adamw_beta1 = value;
         } else if (option == "adamw_beta2" && in_unit_interval) {
           result.optimizer.adamw_beta2 = value;
-        } else if (option == "adamw_eps" && value > 0.0) {
+        } else if (option == "adamw_eps" && value > 0.0 && std::isfinite(value)) {
           result.optimizer.adamw_eps = value;
         } else if (option == "sgd_momentum" || option == "adamw_beta1" || option == "adamw_beta2" ||
                    option == "adamw_eps") {
@@ -303,6 +335,7 @@ analysis parse_analysis(const std::string& text, const std::string& path) {
     for (gemm_kind kind : {gemm_kind::fprop, gemm_kind::dgrad, gemm_kind::wgrad}) {
       strategy resolved = resolve(defaults, *table, kind, errors);
       resolved.name = parsed.name;
+      check_nvfp4_block(resolved, defaults, *table, kind, item, errors);
       if (resolved.rotation_size == 0 && resolved.rotation_signs != sign_policy::none) {
         throw errors.at(item, fmt::format("strategy '{}': 'signs' is set but there is no 'rotation'", parsed.name));
       }
@@ -314,11 +347,21 @@ analysis parse_analysis(const std::string& text, const std::string& path) {
 }
 
 analysis load_analysis(const std::string& path) {
+  // A regular file of bounded size: a device such as /dev/zero would otherwise be read forever.
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (!error && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+    throw input_error(fmt::format("{}: the analysis file is not a regular file", path));
+  }
   std::ifstream file(path, std::ios::binary);
   if (!file) throw input_error(fmt::format("{}: cannot open the analysis file", path));
-  std::ostringstream text;
-  text << file.rdbuf();
-  return parse_analysis(text.str(), path);
+  std::string text(max_analysis_bytes + 1, '\0');
+  file.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<std::size_t>(file.gcount()));
+  if (text.size() > max_analysis_bytes) {
+    throw input_error(fmt::format("{}: the analysis file is larger than {} bytes", path, max_analysis_bytes));
+  }
+  return parse_analysis(text, path);
 }
 
 }  // namespace mxscope

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
+#include <optional>
 #include <cmath>
 #include <exception>
 #include <fstream>
@@ -14,6 +16,7 @@
 
 #include "mxscope/errors.hpp"
 #include "mxscope/io/dump.hpp"
+#include "mxscope/io/json_guard.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/quantize_fast.hpp"
 #ifdef MXSCOPE_HAVE_CUDA
@@ -271,6 +274,12 @@ json read_json_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
   text << in.rdbuf();
+  if (const auto issue = io::find_json_issue(text.str(), io::max_json_depth)) {
+    const std::string field = issue->what == io::json_issue::kind::duplicate_key ? io::printable_name(issue->key)
+                                                                                  : std::string("manifest");
+    throw input_error(fmt::format("{}: field '{}': {}", path.string(), field, (issue->what == io::json_issue::kind::syntax ? "not valid JSON: " : "") +
+                                      io::printable_name(issue->message, 300)));
+  }
   try {
     return json::parse(text.str());
   } catch (const json::exception& parse_error) {
@@ -278,6 +287,8 @@ json read_json_file(const fs::path& path) {
                                   io::printable_name(parse_error.what(), 300)));
   }
 }
+
+constexpr std::int64_t max_case_extent = std::int64_t{1} << 31;
 
 [[noreturn]] void fail(const std::string& where, const std::string& field, const std::string& message) {
   throw input_error(fmt::format("{}: field '{}': {}", where, field, message));
@@ -294,6 +305,28 @@ void check_relative(const std::string& file, const std::string& where) {
     if (component.empty() || component == "..") fail(where, "file", "paths stay inside the directory");
     begin = end + 1;
   }
+}
+
+// A case file, symbolic links resolved, stays inside the directory (as a dump's entries do): a link
+// to a file elsewhere is refused before any of its bytes are read.
+void check_inside(const fs::path& directory, const std::string& file, const std::string& where) {
+  std::error_code error;
+  const fs::path resolved_directory = fs::weakly_canonical(directory, error);
+  const fs::path resolved_file = fs::weakly_canonical(directory / file, error);
+  const auto mismatch = std::mismatch(resolved_directory.begin(), resolved_directory.end(), resolved_file.begin(),
+                                      resolved_file.end());
+  if (error || mismatch.first != resolved_directory.end()) {
+    fail(where, "file", fmt::format("'{}' resolves to a path outside the directory", io::printable_name(file)));
+  }
+}
+
+// A decimal integer in [low, high], all of `text` (no sign, no spaces, no suffix).
+std::optional<std::int64_t> strict_integer(const std::string& text, std::int64_t low, std::int64_t high) {
+  if (text.empty() || text.front() < '0' || text.front() > '9') return std::nullopt;
+  std::int64_t value = 0;
+  const auto [end, status] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (status != std::errc() || end != text.data() + text.size() || value < low || value > high) return std::nullopt;
+  return value;
 }
 
 std::string metadata_value(const std::map<std::string, std::string>& metadata, const std::string& key,
@@ -327,13 +360,17 @@ quantized_tensor read_operand(const io::safetensors_reader& reader, const std::s
     fail(where, "__metadata__." + name + ".format", fmt::format("'{}' is not an MX format", io::printable_name(format_text)));
   }
   const std::string block_text = metadata_value(reader.metadata(), name + ".block", where);
-  int block = 0;
-  try {
-    block = std::stoi(block_text);
-  } catch (const std::exception&) {
-    block = 0;
+  const auto parsed_block = strict_integer(block_text, 1, 1 << 20);
+  if (!parsed_block) {
+    fail(where, "__metadata__." + name + ".block",
+         fmt::format("'{}': expected an integer in 1..1048576", io::printable_name(block_text)));
   }
-  if (block < 1 || block > (1 << 20)) fail(where, "__metadata__." + name + ".block", "expected an integer in 1..1048576");
+  const int block = static_cast<int>(*parsed_block);
+  for (const std::int64_t extent : codes->shape) {
+    if (extent >= max_case_extent) {
+      fail(where, name + ".codes.shape", fmt::format("extent {} is not below 2^31", extent));
+    }
+  }
   quantized_tensor q;
   q.options.format = *format;
   q.options.axis = 1;
@@ -439,6 +476,7 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
     if (one.name.empty() || !names.insert(one.name).second) fail(where, "name", "empty or duplicate");
     const std::string file = listed.at("file").get<std::string>();
     check_relative(file, where);
+    check_inside(directory, file, where);
     const io::safetensors_reader reader(directory / file);
     const std::string& label = reader.label();
     one.metadata = reader.metadata();
@@ -469,6 +507,9 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
     }
     if (out->shape != std::vector<std::int64_t>{one.a.rows, one.b.rows}) {
       fail(label, "out.shape", fmt::format("must be [M, N] = [{}, {}]", one.a.rows, one.b.rows));
+    }
+    if (one.a.rows == 0 || one.b.rows == 0 || one.a.cols == 0) {
+      fail(label, "out.shape", "holds no outputs (M, N and K must be at least 1)");
     }
     one.out = reader.read_matrix("out");
     set.cases.push_back(std::move(one));

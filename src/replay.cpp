@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 #include <cerrno>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -40,6 +41,7 @@
 #include "mxscope/parallel.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/version.hpp"
+#include "run_directory.hpp"
 
 namespace mxscope {
 
@@ -384,8 +386,10 @@ std::array<double, 6> attribution(gemm_kind kind, const io::dump_entry& entry, c
 // ---------------------------------------------------------------------------------------------
 // Run identity: what must match for --resume to reuse fragments.
 
+// The key covers every input: the analysis text, the manifest and each selected entry file by its
+// SHA-256, so that --resume never mixes results of edited inputs with fresh ones.
 std::string run_key(const analysis& parsed, const io::dump_reader& dump, const replay_options& options,
-                    bool attribute) {
+                    bool attribute, const std::map<std::string, std::string>& input_sha256) {
   json key;
   key["analysis_sha256"] = io::sha256_hex(parsed.text);
   key["manifest_sha256"] = io::sha256_file(dump.directory() / "manifest.json");
@@ -393,6 +397,7 @@ std::string run_key(const analysis& parsed, const io::dump_reader& dump, const r
   key["steps"] = options.steps.value_or("");
   key["attribute"] = attribute;
   key["mxscope"] = version_string;
+  key["input_sha256"] = input_sha256;
   return key.dump(2) + "\n";
 }
 
@@ -414,6 +419,25 @@ struct layer_plan {
   std::string name;
   std::vector<const io::dump_entry_info*> entries;
 };
+
+// The SHA-256 of every entry file of the plan, by its path relative to the dump, hashed on
+// `threads` threads.
+std::map<std::string, std::string> hash_inputs(const std::vector<layer_plan>& plan, int threads) {
+  std::vector<const io::dump_entry_info*> entries;
+  for (const auto& layer : plan) entries.insert(entries.end(), layer.entries.begin(), layer.entries.end());
+  std::vector<std::string> hashes(entries.size());
+  std::vector<std::future<void>> workers;
+  std::atomic<std::size_t> next{0};
+  for (int w = 0; w < std::max(threads, 1); ++w) {
+    workers.push_back(std::async(std::launch::async, [&] {
+      for (std::size_t i = next++; i < entries.size(); i = next++) hashes[i] = io::sha256_file(entries[i]->file);
+    }));
+  }
+  for (auto& worker : workers) worker.get();
+  std::map<std::string, std::string> out;
+  for (std::size_t i = 0; i < entries.size(); ++i) out[entries[i]->relative_file] = hashes[i];
+  return out;
+}
 
 }  // namespace
 
@@ -678,47 +702,59 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                        parsed.strategies[unit.strategy].name);
   };
 
-  // The run directory and its identity (rank 0 alone touches it before the work starts). The key
-  // does not hold the number of processes: any number of them may resume a run.
+  // The run directory and its identity (rank 0 alone touches it before the work starts, and holds
+  // its lock until the end). The key does not hold the number of processes: any number of them
+  // may resume a run.
   const fs::path partial = options.out / ".partial";
   const fs::path stop_file = partial / "stop";
-  const std::string key = run_key(parsed, dump, options, attribute);
+  std::optional<run_directory::directory_lock> lock;
+  std::map<std::string, std::string> input_sha256;
+  double seconds_hashing = 0.0;
   const std::vector<std::string> setup = together(world, [&]() -> std::string {
     if (rank != 0) return "";
-    if (options.resume && fs::exists(options.out / "steps.csv") && !fs::exists(partial / "run-key.json")) {
-      return "finished";
-    }
-    if (fs::exists(options.out / "steps.csv") && !options.resume) {
-      throw input_error(fmt::format(
-          "{}: the run directory already holds a finished run; use --resume or another --out", options.out.string()));
-    }
-    if (fs::exists(partial / "run-key.json")) {
-      if (!options.resume) {
-        throw input_error(fmt::format("{}: an interrupted run is in this directory; finish it with --resume or use "
-                                      "another --out",
-                                      options.out.string()));
-      }
-      if (read_text(partial / "run-key.json") != key) {
-        throw input_error(
-            fmt::format("{}: --resume: the interrupted run used another analysis, dump or filter (see {})",
-                        options.out.string(), (partial / "run-key.json").string()));
-      }
+    run_directory::claim(options.out, dump.directory());
+    lock.emplace(options.out);
+    const auto hashing_started = clock_type::now();
+    input_sha256 = hash_inputs(plan, std::min(threads, 8));
+    seconds_hashing = std::chrono::duration<double>(clock_type::now() - hashing_started).count();
+    const std::string key = run_key(parsed, dump, options, attribute, input_sha256);
+    const fs::path marker = options.out / run_directory::marker_name;
+    switch (run_directory::state_of(options.out)) {
+      case run_directory::run_state::finished:
+        if (!options.resume) {
+          throw input_error(fmt::format("{}: the run directory already holds a finished run; use --resume or another "
+                                        "--out",
+                                        options.out.string()));
+        }
+        if (read_text(marker) != key) {
+          throw input_error(fmt::format("{}: --resume: the finished run used another analysis, dump, filter or "
+                                        "input files (see {}); use another --out",
+                                        options.out.string(), marker.string()));
+        }
+        return "finished";
+      case run_directory::run_state::interrupted:
+        if (!options.resume) {
+          throw input_error(fmt::format("{}: an interrupted run is in this directory; finish it with --resume or "
+                                        "use another --out",
+                                        options.out.string()));
+        }
+        if (read_text(partial / "run-key.json") != key) {
+          throw input_error(fmt::format("{}: --resume: the interrupted run used another analysis, dump, filter or "
+                                        "input files (see {})",
+                                        options.out.string(), (partial / "run-key.json").string()));
+        }
+        break;
+      case run_directory::run_state::empty: break;
     }
     std::error_code ignored;
     fs::create_directories(partial, ignored);
-    // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage, and
-    // so are the state files of the processes of an earlier launch.
-    for (const fs::path& directory : {options.out, partial}) {
-      for (const auto& item : fs::directory_iterator(directory, ignored)) {
-        const std::string name = item.path().filename().string();
-        if (name.find(".tmp.") != std::string::npos || name.starts_with("rank-") || name == "stop") {
-          fs::remove(item.path(), ignored);
-        }
-      }
-    }
     if (!fs::is_directory(partial)) {
       throw input_error(fmt::format("{}: cannot create the run directory", options.out.string()));
     }
+    // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage, and
+    // so are the state files of the processes of an earlier launch.
+    run_directory::remove_stale_files(options.out);
+    if (read_text(marker) != key) io::write_file_atomically(marker, key);
     if (!fs::exists(partial / "run-key.json")) io::write_file_atomically(partial / "run-key.json", key);
     // Which units are finished, as one '0' or '1' per unit.
     std::string done(unit_count, '0');
@@ -730,6 +766,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   if (setup[0] == "finished") {
     replay_outcome finished;
     finished.complete = true;
+    finished.already_finished = true;
     if (rank == 0) {
       log << "replay: " << options.out.string() << " already holds a finished run; nothing to resume\n";
     }
@@ -778,16 +815,6 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     }
   }
   std::int64_t entries_seen = 0;
-  // The provenance's SHA-256 of each input file this process reads, computed on one background
-  // thread while the step's work goes on (at most one file at a time: a file read while the
-  // previous one is still being hashed is hashed at the end, so reading never waits for it).
-  std::map<std::string, std::future<std::string>> input_hashes;
-  std::future<std::string>* hashing = nullptr;
-  const auto hash_in_background = [&](const fs::path& file) {
-    if (input_hashes.count(file.string()) != 0) return;
-    if (hashing != nullptr && hashing->wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
-    hashing = &(input_hashes[file.string()] = std::async(std::launch::async, [file] { return io::sha256_file(file); }));
-  };
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
   double seconds_setup = -1.0;  // from the start to the first read (parsing, planning, resuming)
   double seconds_upload = 0.0;  // operands to the GPU, including the wait for its start-up
@@ -816,6 +843,25 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       io::write_file_atomically(partial / fmt::format("rank-{:05d}.json", rank), record.dump(2) + "\n");
     } catch (const std::exception&) {
       // Informational only; a rank that cannot write it still takes part in the final report.
+    }
+  };
+  // Progress: on a terminal one line rewritten after every entry; in a log (Slurm, CI) a full line
+  // at most every progress_log_seconds, from rank 0.
+  auto last_logged = clock_type::now();
+  const auto report_progress = [&](std::int64_t done, std::int64_t total) {
+    const bool to_log = options.progress_log_seconds > 0.0 && rank == 0 &&
+                        (seconds_since(last_logged) >= options.progress_log_seconds || done == total);
+    if (!options.progress && !to_log) return;
+    const double elapsed = seconds_since(started);
+    const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
+    const double remaining = static_cast<double>(total - done) / std::max(rate, 1e-9);
+    const std::string line = fmt::format("replay: {}/{} entries, {} units done, {:.2f} entries/s, ETA {:.0f} s", done,
+                                         total, outcome.units_resumed + outcome.units_done, rate, remaining);
+    if (options.progress) {
+      log << '\r' << line << "   " << std::flush;
+    } else {
+      log << line << '\n' << std::flush;
+      last_logged = clock_type::now();
     }
   };
   std::string failure;           // this rank's failure, with the rank and unit named
@@ -944,7 +990,6 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         if (seconds_setup < 0.0) seconds_setup = seconds_since(started);
         const io::dump_entry entry = next_entry.valid() ? next_entry.get() : dump.read(*info, read_options);
         read_in_background(e + 1);
-        if (rank == 0) hash_in_background(info->file);
         if (!entry.all_finite()) {
           throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
                                         info->file.string(), entry.nonfinite_summary()));
@@ -1086,14 +1131,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         compute.resident_operands.clear();  // they copy this entry's operands
         ++entries_seen;
         ++outcome.entries;
-        if (options.progress) {
-          const double elapsed = seconds_since(started);
-          const double rate = static_cast<double>(outcome.entries) / std::max(elapsed, 1e-9);
-          const double remaining = static_cast<double>(total_entries - entries_seen) / std::max(rate, 1e-9);
-          log << fmt::format("\rreplay: {}/{} entries  {:.2f} entries/s  ETA {:.0f} s   ", entries_seen,
-                             total_entries, rate, remaining)
-              << std::flush;
-        }
+        report_progress(entries_seen, total_entries);
       }
       if (stopped_by_other) break;
 
@@ -1278,17 +1316,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   source["notes"] = dump.source().notes;
   provenance["dump_source"] = source;
   json inputs = json::object();
-  const auto hashing_started = clock_type::now();
   inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
-  for (const auto& layer : plan) {
-    for (const auto* entry : layer.entries) {
-      const auto started_hash = input_hashes.find(entry->file.string());
-      inputs[entry->relative_file] =
-          started_hash != input_hashes.end() ? started_hash->second.get() : io::sha256_file(entry->file);
-    }
-  }
+  for (const auto& [file, hash] : input_sha256) inputs[file] = hash;
   provenance["input_sha256"] = inputs;
-  const double seconds_hashing = seconds_since(hashing_started);  // waiting for (or doing) the input hashes
   provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};
   provenance["reference"] = reference_kind_name(parsed.reference);
   provenance["attribute"] = attribute;
@@ -1338,11 +1368,25 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     run["per_rank"] = ranks_json;
   }
 
-  steps_file.commit();
-  accumulation_file.commit();
-  io::write_file_atomically(options.out / "summary.json", summary.dump(2) + "\n");
-  io::write_file_atomically(options.out / "run.json", run.dump(2) + "\n");
   std::error_code ignored;
+  // All four final files or none: when one cannot be written (a full disk), those already renamed
+  // are removed again and .partial stays, so --resume assembles them once there is room.
+  std::vector<fs::path> written;
+  try {
+    steps_file.commit();
+    written.push_back(options.out / "steps.csv");
+    accumulation_file.commit();
+    written.push_back(options.out / "accumulation.csv");
+    io::write_file_atomically(options.out / "summary.json", summary.dump(2) + "\n");
+    written.push_back(options.out / "summary.json");
+    io::write_file_atomically(options.out / "run.json", run.dump(2) + "\n");
+  } catch (const std::exception& error) {
+    for (const fs::path& path : written) fs::remove(path, ignored);
+    throw std::runtime_error(fmt::format("{}\nthe final files were not written; the finished units are kept in {}; "
+                                         "finish the run with --resume",
+                                         error.what(), partial.string()));
+  }
+  fs::remove(partial / "run-key.json", ignored);  // first: without it the directory is a finished run
   fs::remove_all(partial, ignored);
   outcome.complete = true;
   return outcome;

@@ -113,4 +113,49 @@ TEST(Analysis, MissingFileIsAnInputError) {
   EXPECT_THROW(mxscope::load_analysis("/nonexistent/analysis.toml"), mxscope::input_error);
 }
 
+// Mistakes that used to pass parsing and fail (or be taken) later: each names file:line:column.
+TEST(Analysis, ValuesThatUsedToSlipThroughAreRefusedAtTheirLine) {
+  const std::string head = "[[strategy]]\nname = \"s\"\n";
+  EXPECT_NE(error_of(head + "format = \"nvfp4\"\nblock = 32\n").find("bad.toml:4:9: key 'block': 32 with format 'nvfp4'"),
+            std::string::npos)
+      << error_of(head + "format = \"nvfp4\"\nblock = 32\n");
+  EXPECT_NE(error_of("[defaults]\nblock = 64\n" + head + "format = \"nvfp4\"\n").find("bad.toml:2:9: key 'block'"),
+            std::string::npos);
+  EXPECT_EQ(error_of(head + "format = \"nvfp4\"\nblock = 16\n"), "(no error)");
+  EXPECT_EQ(error_of("[defaults]\nblock = 64\n" + head + "format = \"mxfp4\"\n"), "(no error)");
+  for (const char* rotation : {"hadamard: 16", "hadamard:+16", "hadamard:16 ", "hadamard:0x10", "hadamard:-16"}) {
+    const std::string message = error_of(head + "format = \"mxfp4\"\nrotation = \"" + rotation + "\"\n");
+    EXPECT_NE(message.find("bad.toml:4:12: key 'rotation'"), std::string::npos) << rotation << ": " << message;
+  }
+  for (const char* eps : {"inf", "nan", "-1.0", "0.0"}) {
+    const std::string message = error_of(std::string("[optimizer]\nadamw_eps = ") + eps + "\n" + head +
+                                         "format = \"mxfp4\"\n");
+    EXPECT_NE(message.find("bad.toml:2:13: key 'adamw_eps'"), std::string::npos) << eps << ": " << message;
+  }
+}
+
+TEST(Analysis, FilesThatAreNotRegularOrTooLargeAreRefused) {
+  try {
+    mxscope::load_analysis("/dev/zero");
+    ADD_FAILURE() << "read /dev/zero as an analysis";
+  } catch (const mxscope::input_error& error) {
+    EXPECT_NE(std::string(error.what()).find("/dev/zero: the analysis file is not a regular file"), std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(Analysis, ShippedTransformerEngineLikeNvfp4Recipe) {
+  const auto parsed = mxscope::load_analysis(std::string(MXSCOPE_SOURCE_DIR) + "/analyses/nvfp4-te.toml");
+  const auto& te = find(parsed, "nvfp4-te").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(mxscope::format_name(te.a.quantize.format), "nvfp4");
+  EXPECT_EQ(mxscope::format_name(te.b.quantize.format), "nvfp4");
+  EXPECT_EQ(te.a.quantize.rounding, mxscope::core::rounding_mode::sr);   // dy, the gradient
+  EXPECT_EQ(te.b.quantize.rounding, mxscope::core::rounding_mode::rne);  // x
+  EXPECT_EQ(te.rotation_size, 16);
+  EXPECT_EQ(te.rotation_signs, mxscope::sign_policy::fixed);
+  const auto& bare = find(parsed, "nvfp4").for_gemm(gemm_kind::wgrad);
+  EXPECT_EQ(bare.rotation_size, 0);
+  EXPECT_EQ(bare.a.quantize.rounding, mxscope::core::rounding_mode::rne);
+}
+
 }  // namespace

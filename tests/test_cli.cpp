@@ -4,6 +4,9 @@
 // naming the flag or field, and no output file).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <limits>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -213,6 +216,79 @@ TEST(Cli, VersionAndHelp) {
                            "--signs", "--seed", "--step", "--sr-bits", "--layer", "--seed-policy", "--out"}) {
     EXPECT_NE(quantize_help.out.find(flag), std::string::npos) << flag << " missing from\n" << quantize_help.out;
   }
+}
+
+// Thread counts an OpenMP runtime cannot create (it crashed on 65535) are a usage error.
+TEST(Cli, ReplayThreadCountIsBounded) {
+  for (const char* threads : {"1025", "65535", "100000"}) {
+    const auto result = run_cli({"replay", "dump", "--analysis", "a.toml", "--out", "run", "--threads", threads});
+    EXPECT_EQ(result.code, 2) << threads << ": " << result.err;
+    EXPECT_NE(result.err.find("--threads"), std::string::npos) << result.err;
+  }
+}
+
+// Negative numbers for unsigned flags are refused (they used to wrap to 2^64 - 1), and an unknown
+// command is named.
+TEST(Cli, NegativeUnsignedFlagsAndUnknownCommandsAreRefused) {
+  for (const std::vector<std::string>& arguments :
+       {std::vector<std::string>{"quantize", "--in", "f", "--tensor", "x", "--format", "mxfp4", "--out", "o", "--seed", "-1"},
+        std::vector<std::string>{"quantize", "--in", "f", "--tensor", "x", "--format", "mxfp4", "--out", "o", "--step", "-1"},
+        std::vector<std::string>{"conform", "dir", "--max-listed", "-1"}}) {
+    const auto result = run_cli(arguments);
+    EXPECT_EQ(result.code, 2) << joined(arguments);
+    EXPECT_NE(result.err.find("'-1' is not a non-negative integer"), std::string::npos) << result.err;
+  }
+  const auto unknown = run_cli({"frobnicate"});
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.err.find("unknown command 'frobnicate'"), std::string::npos) << unknown.err;
+  EXPECT_NE(unknown.err.find("replay"), std::string::npos) << unknown.err;
+}
+
+// A GEMM on operands holding NaN still runs, with a warning naming the file and tensor; a shape
+// mismatch names the file.
+TEST(CliGemm, NonFiniteOperandsWarnAndShapeErrorsNameTheFile) {
+  temporary_directory directory;
+  std::vector<float> x = test_values(8, 32, 6);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[4] = std::numeric_limits<float>::infinity();
+  write_safetensors_by_hand(directory / "in.safetensors",
+                            {f32_tensor("x", 8, 32, x), f32_tensor("dy", 8, 16, test_values(8, 16, 7))});
+  const auto result = run_cli({"gemm", "--in", (directory / "in.safetensors").string(), "--gemm", "wgrad", "--format",
+                               "mxfp4", "--accum", "fp32-block", "--out", (directory / "out.safetensors").string()});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_NE(result.err.find("warning: " + (directory / "in.safetensors").string() + ": tensor 'x' holds 1 NaN and 1 "
+                                                                                    "infinite values"),
+            std::string::npos)
+      << result.err;
+  write_safetensors_by_hand(directory / "k.safetensors", {f32_tensor("x", 8, 32, test_values(8, 32, 6)),
+                                                          f32_tensor("dy", 6, 16, test_values(6, 16, 7))});
+  const auto mismatch = run_cli({"gemm", "--in", (directory / "k.safetensors").string(), "--gemm", "wgrad", "--format",
+                                 "mxfp4", "--accum", "fp32-block", "--out", (directory / "k.out").string()});
+  EXPECT_EQ(mismatch.code, 2);
+  EXPECT_NE(mismatch.err.find((directory / "k.safetensors").string() + ": gemm wgrad: shapes disagree on K"),
+            std::string::npos)
+      << mismatch.err;
+  EXPECT_FALSE(fs::exists(directory / "k.out"));
+}
+
+// -o is --out on every command that writes a file or directory.
+TEST(Cli, ShortOutputFlagOnEveryCommand) {
+  temporary_directory directory;
+  write_safetensors_by_hand(directory / "in.safetensors", {f32_tensor("x", 4, 32, test_values(4, 32, 8)),
+                                                           f32_tensor("dy", 4, 16, test_values(4, 16, 9))});
+  const auto quantized = run_cli({"quantize", "--in", (directory / "in.safetensors").string(), "--tensor", "x",
+                                  "--format", "mxfp4", "-o", (directory / "q.safetensors").string()});
+  EXPECT_EQ(quantized.code, 0) << quantized.err;
+  EXPECT_TRUE(fs::exists(directory / "q.safetensors"));
+  const auto multiplied = run_cli({"gemm", "--in", (directory / "in.safetensors").string(), "--gemm", "wgrad",
+                                   "--format", "mxfp4", "--accum", "fp32-block", "-o", (directory / "g.safetensors").string()});
+  EXPECT_EQ(multiplied.code, 0) << multiplied.err;
+  EXPECT_TRUE(fs::exists(directory / "g.safetensors"));
+  const auto replayed = run_cli({"replay", (directory / "no-dump").string(), "--analysis", "a.toml", "-o",
+                                 (directory / "run").string()});
+  EXPECT_EQ(replayed.code, 2);
+  EXPECT_EQ(replayed.err.find("--out is required"), std::string::npos) << replayed.err;
+  EXPECT_NE(replayed.err.find("a.toml"), std::string::npos) << replayed.err;
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
@@ -674,6 +750,47 @@ TEST(CliQuantize, WriteFailureMidFileLeavesNoOutput) {
   EXPECT_NE(result.err.find("write failed"), std::string::npos) << result.err;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(directory.listing(), std::vector<std::string>{"in.safetensors"});
+}
+
+// An output that is the input (also through a hard link) or a special file is refused before
+// anything is written, and the input keeps its bytes.
+TEST(CliQuantize, OutputsNeverReplaceTheInputOrASpecialFile) {
+  temporary_directory directory;
+  const fs::path input = directory / "in.safetensors";
+  write_safetensors_by_hand(input, {f32_tensor("x", 8, 32, test_values(8, 32, 3)),
+                                    f32_tensor("dy", 8, 16, test_values(8, 16, 4)),
+                                    f32_tensor("w", 16, 32, test_values(16, 32, 5))});
+  fs::create_hard_link(input, directory / "link.safetensors");
+  fs::create_symlink(directory / "elsewhere", directory / "symlink.safetensors");
+  ASSERT_EQ(::mkfifo((directory / "fifo").c_str(), 0600), 0);
+  std::ifstream original_stream(input, std::ios::binary);
+  const std::string original((std::istreambuf_iterator<char>(original_stream)), std::istreambuf_iterator<char>());
+  struct output_case {
+    std::string out;
+    std::string fragment;
+  };
+  const std::vector<output_case> outputs = {{input.string(), "is the input --in"},
+                                            {(directory / "link.safetensors").string(), "is the input --in"},
+                                            {(directory / "symlink.safetensors").string(), "symbolic link"},
+                                            {(directory / "fifo").string(), "not a regular file"},
+                                            {"/dev/null", "not a regular file"}};
+  for (const auto& output : outputs) {
+    for (const std::vector<std::string>& command :
+         {std::vector<std::string>{"quantize", "--tensor", "x", "--format", "mxfp4"},
+          std::vector<std::string>{"gemm", "--gemm", "wgrad", "--format", "mxfp4", "--accum", "fp32-block"}}) {
+      std::vector<std::string> arguments = command;
+      arguments.insert(arguments.end(), {"--in", input.string(), "--out", output.out});
+      const auto result = run_cli(arguments);
+      EXPECT_EQ(result.code, 2) << joined(arguments) << "\n" << result.err;
+      EXPECT_NE(result.err.find(output.fragment), std::string::npos) << joined(arguments) << "\n" << result.err;
+    }
+  }
+  std::ifstream after_stream(input, std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(after_stream)), std::istreambuf_iterator<char>()), original);
+  EXPECT_TRUE(fs::is_symlink(directory / "symlink.safetensors"));
+  EXPECT_FALSE(fs::exists(directory / "elsewhere"));
+  EXPECT_TRUE(fs::is_fifo(directory / "fifo"));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
 }
 
 }  // namespace

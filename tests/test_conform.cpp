@@ -296,6 +296,69 @@ TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
   fs::remove_all(directory);
 }
 
+// Hostile manifests and case files are refused with exit 2 naming the file and field, without
+// a signal, without reading outside the directory, and without taking numbers that are not.
+TEST(gemm_conformance, hostile_manifests_and_cases_exit_two) {
+  const fs::path directory = scratch_directory("hostile");
+  const auto expect_refused = [&](const std::string& label, const std::vector<std::string>& fragments) {
+    const cli_result result = run_cli({"conform", directory.string()});
+    EXPECT_EQ(result.code, 2) << label << ": " << result.out << result.err;
+    for (const auto& fragment : fragments) {
+      EXPECT_NE(result.err.find(fragment), std::string::npos) << label << ": expected '" << fragment << "' in "
+                                                              << result.err;
+    }
+    return result;
+  };
+  const std::string head = R"({"format":"mxscope-conformance","version":1,)";
+  std::ofstream(directory / "manifest.json")
+      << head << R"("source":{"x":)" << std::string(100000, '[') << std::string(100000, ']') << R"(},"cases":[]})";
+  expect_refused("deep source", {"manifest.json", "nesting deeper than 64"});
+  std::ofstream(directory / "manifest.json") << head << R"("version":1,"cases":[]})";
+  expect_refused("duplicate key", {"manifest.json", "'version'", "duplicate key"});
+
+  std::ofstream(directory / "manifest.json") << head << R"("cases":[{"name":"c","file":"link.safetensors"}]})";
+  fs::create_symlink("/etc/passwd", directory / "link.safetensors");
+  const cli_result outside = expect_refused("symlink out", {"cases[0]", "field 'file'", "outside the directory"});
+  EXPECT_EQ(outside.err.find("header length"), std::string::npos) << outside.err;
+
+  // Block sizes that are not exactly a decimal integer, an empty case and an extent that would
+  // overflow the element count.
+  std::vector<conform::gemm_case> cases = {synthetic_case("fp32-block", "mxfp4", 5, 2, 2, 64)};
+  for (const char* block : {"32abc", " 32", "+32", "0x20"}) {
+    write_conformance_directory(directory, cases);
+    mxscope::io::safetensors_writer writer;
+    writer.add("a.codes", mxscope::io::dtype::u8, {cases[0].a.rows, cases[0].a.code_row_bytes()}, cases[0].a.codes);
+    writer.add("a.scales", mxscope::io::dtype::u8, {cases[0].a.scale_rows, cases[0].a.scale_cols}, cases[0].a.scales);
+    writer.set_metadata("a.format", "mxfp4");
+    writer.set_metadata("a.block", block);
+    writer.add_matrix("b", cases[0].b.dequantized);
+    writer.add_matrix("out", cases[0].out);
+    writer.set_metadata("mxscope.case", "gemm");
+    writer.set_metadata("out.kind", "product");
+    writer.write(directory / "case0.safetensors");
+    expect_refused(block, {"case0.safetensors", "field '__metadata__.a.block'"});
+  }
+  std::vector<conform::gemm_case> empty = {cases[0]};
+  empty[0].a = conform::plain_operand(matrix(0, 64));
+  empty[0].out = matrix(0, 2);
+  write_conformance_directory(directory, empty);
+  expect_refused("no outputs", {"case0.safetensors", "field 'out.shape'", "no outputs"});
+  {
+    mxscope::io::safetensors_writer writer;
+    writer.add("a.codes", mxscope::io::dtype::u8, {0, (std::int64_t{1} << 62) + 1}, {});
+    writer.add("a.scales", mxscope::io::dtype::u8, {0, 1}, {});
+    writer.set_metadata("a.format", "mxfp4");
+    writer.set_metadata("a.block", "32");
+    writer.add_matrix("b", cases[0].b.dequantized);
+    writer.add_matrix("out", matrix(0, 2));
+    writer.set_metadata("mxscope.case", "gemm");
+    writer.set_metadata("out.kind", "product");
+    writer.write(directory / "case0.safetensors");
+  }
+  expect_refused("huge extent", {"case0.safetensors", "field 'a.codes.shape'", "below 2^31"});
+  fs::remove_all(directory);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Synthetic quantizer hardware.
 

@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -506,6 +508,28 @@ TEST_F(HandBuiltDump, ManifestFieldsAreCheckedOneByOne) {
   manifest_ = original;
   manifest_["entries"][0]["checksum"] = "x";
   expect_rejected({manifest, "entries[0]", "'checksum'", "unexpected"});
+}
+
+// 400,000 objects in `source` are read in linear time (the extra keys are kept); `source` nested
+// 100,000 deep is refused naming the manifest, without a signal.
+TEST_F(HandBuiltDump, LargeAndDeepSourcesAreHandledInLinearTime) {
+  manifest_["source"]["extra"] = nlohmann::json::array();
+  for (int i = 0; i < 400000; ++i) manifest_["source"]["extra"].push_back(nlohmann::json::object());
+  write_manifest();
+  const auto started = std::chrono::steady_clock::now();
+  const dump_reader reader(directory_.path());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_LT(seconds, 5.0);
+  EXPECT_EQ(reader.entries().size(), 4U);
+  std::string text = manifest_.dump();
+  text.replace(text.find("[{}"), 3, std::string(100000, '[') + "{}" + std::string(99999, ']'));
+  python_runner::write_text(manifest_path(), text);
+  try {
+    const dump_reader deep(directory_.path());
+    ADD_FAILURE() << "accepted a manifest nested 100,000 deep";
+  } catch (const input_error& error) {
+    EXPECT_NE(std::string(error.what()).find("nesting deeper than 64"), std::string::npos) << error.what();
+  }
 }
 
 TEST_F(HandBuiltDump, ManifestThatIsNotJsonIsRejected) {

@@ -4,7 +4,9 @@
 // definitions; results do not depend on thread count or on interruption.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +23,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -427,6 +430,186 @@ TEST(Replay, NonFiniteCaptureMidRunIsRefusedNamingItsFile) {
   EXPECT_NE(err_bad.str().find("l0_s3.safetensors"), std::string::npos) << err_bad.str();
   EXPECT_NE(err_bad.str().find("non-finite"), std::string::npos) << err_bad.str();
   EXPECT_FALSE(fs::exists(root / "bad" / "steps.csv"));
+  fs::remove_all(root);
+}
+
+// The CLI on a replay, in-process: exit code and both streams.
+struct cli_outcome {
+  int code = -1;
+  std::string out, err;
+};
+cli_outcome replay_cli(const std::vector<std::string>& arguments) {
+  std::vector<const char*> argv{"mxscope", "replay"};
+  for (const auto& argument : arguments) argv.push_back(argument.c_str());
+  std::ostringstream out, err;
+  const int code = mxscope::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {code, out.str(), err.str()};
+}
+
+// A run directory is recognisably mxscope's: a non-empty directory without the marker is refused
+// whatever it holds, and in a run directory only the tool's own leftovers are removed.
+TEST(Replay, FilesThatAreNotTheToolsOwnAreNeverTouched) {
+  const fs::path root = fresh_directory("foreign");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 2, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  const fs::path foreign = root / "foreign";
+  fs::create_directories(foreign);
+  for (const char* name : {"stop", "rank-notes.txt", "thesis.tmp.docx"}) write_text(foreign / name, name);
+  const auto refused = replay_cli({(root / "dump").string(), "--analysis", (root / "a.toml").string(), "--out",
+                                   foreign.string()});
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("not a run directory of mxscope"), std::string::npos) << refused.err;
+  for (const char* name : {"stop", "rank-notes.txt", "thesis.tmp.docx"}) EXPECT_EQ(read_text(foreign / name), name);
+  EXPECT_FALSE(fs::exists(foreign / ".partial"));
+
+  // --out inside the dump is refused and writes nothing there.
+  const auto into_dump = replay_cli({(root / "dump").string(), "--analysis", (root / "a.toml").string(), "--out",
+                                     (root / "dump").string()});
+  EXPECT_EQ(into_dump.code, 2);
+  EXPECT_NE(into_dump.err.find("dump directory"), std::string::npos) << into_dump.err;
+  EXPECT_FALSE(fs::exists(root / "dump" / ".partial"));
+
+  // An interrupted run: the user's files in it survive the resume, the tool's leftovers do not.
+  const fs::path run = root / "run";
+  EXPECT_FALSE(replay(root / "dump", root / "a.toml", run, 1, false, 1).complete);
+  write_text(run / "thesis.tmp.docx", "mine");
+  write_text(run / "stop", "mine");
+  write_text(run / "steps.csv.tmp.12345", "garbage");
+  write_text(run / ".partial" / "rank-00003.json", "{}");
+  write_text(run / ".partial" / "stop", "an earlier launch failed");
+  EXPECT_TRUE(replay(root / "dump", root / "a.toml", run, 1, true).complete);
+  EXPECT_EQ(read_text(run / "thesis.tmp.docx"), "mine");
+  EXPECT_EQ(read_text(run / "stop"), "mine");
+  EXPECT_FALSE(fs::exists(run / "steps.csv.tmp.12345"));
+  EXPECT_EQ(read_csv(run / "steps.csv").size(), 4U);
+  fs::remove_all(root);
+}
+
+// The run key covers every entry file: after an edit (same shape, other values) --resume refuses
+// instead of mixing old and new results, on an interrupted and on a finished run.
+TEST(Replay, ResumeAfterAnEntryFileChangedIsRefused) {
+  const fs::path root = fresh_directory("edited");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 2, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  EXPECT_FALSE(replay(root / "dump", root / "a.toml", root / "run", 1, false, 1).complete);
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "finished", 1).complete);
+  const std::string finished_steps = read_text(root / "finished" / "steps.csv");
+  {
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("x", random_matrix(64, 32, 77));
+    writer.add_matrix("dy", random_matrix(64, 16, 78));
+    writer.add_matrix("w", random_matrix(16, 32, 79));
+    writer.write(root / "dump" / "l0_s1.safetensors");
+  }
+  const std::vector<std::string> common = {(root / "dump").string(), "--analysis", (root / "a.toml").string(),
+                                           "--resume", "--out"};
+  for (const char* run : {"run", "finished"}) {
+    SCOPED_TRACE(run);
+    std::vector<std::string> arguments = common;
+    arguments.push_back((root / run).string());
+    const auto refused = replay_cli(arguments);
+    EXPECT_EQ(refused.code, 2);
+    EXPECT_NE(refused.err.find("input files"), std::string::npos) << refused.err;
+    EXPECT_EQ(refused.out.find("wrote"), std::string::npos) << refused.out;
+  }
+  EXPECT_FALSE(fs::exists(root / "run" / "steps.csv"));
+  EXPECT_EQ(read_text(root / "finished" / "steps.csv"), finished_steps);
+
+  // The same inputs again on the finished run: nothing to do, and nothing claimed as written.
+  write_dump(root / "dump2", {"layer.a"}, 1, false);
+  ASSERT_TRUE(replay(root / "dump2", root / "a.toml", root / "again", 1).complete);
+  const auto again = replay_cli({(root / "dump2").string(), "--analysis", (root / "a.toml").string(), "--resume",
+                                 "--out", (root / "again").string()});
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(again.out.find("wrote"), std::string::npos) << again.out;
+  EXPECT_NE(again.err.find("already holds a finished run"), std::string::npos) << again.err;
+  fs::remove_all(root);
+}
+
+// Layer names go unquoted into the CSV rows: a comma, quote, CR or LF is refused up front, naming
+// the manifest, the entry and the field, before the run directory exists.
+TEST(Replay, LayerNamesThatCsvCannotCarryAreRefused) {
+  const fs::path root = fresh_directory("csvnames");
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  int index = 0;
+  for (const std::string& name : std::vector<std::string>{"l1,x", "l1\"x", "l1\rx", "l1\nx", std::string(2000, 'a')}) {
+    SCOPED_TRACE(index);
+    const fs::path dump = root / fmt::format("dump{}", index++);
+    write_dump(dump, {name}, 1, false);
+    const auto refused =
+        replay_cli({dump.string(), "--analysis", (root / "a.toml").string(), "--out", (root / "run").string()});
+    EXPECT_EQ(refused.code, 2);
+    EXPECT_NE(refused.err.find("manifest.json: entries[0]: field 'layer'"), std::string::npos) << refused.err;
+    EXPECT_FALSE(fs::exists(root / "run"));
+  }
+  fs::remove_all(root);
+}
+
+// A second replay on a directory another one holds (flock on the directory) is refused.
+TEST(Replay, ASecondReplayOnTheSameOutIsLockedOut) {
+  const fs::path root = fresh_directory("locked");
+  write_dump(root / "dump", {"layer.a"}, 1, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  fs::create_directories(root / "run");
+  const int held = ::open((root / "run").c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  const auto refused = replay_cli({(root / "dump").string(), "--analysis", (root / "a.toml").string(), "--out",
+                                   (root / "run").string()});
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("another mxscope replay"), std::string::npos) << refused.err;
+  ::close(held);
+  EXPECT_TRUE(replay(root / "dump", root / "a.toml", root / "run", 1).complete);
+  fs::remove_all(root);
+}
+
+// The final assembly fails part way (here summary.json cannot be written): no final file is left,
+// the directory stays an interrupted run (not "finished"), and --resume then completes it with the
+// bytes of a clean run.
+TEST(Replay, AFailedAssemblyLeavesAnInterruptedRunThatResumes) {
+  const fs::path root = fresh_directory("assembly");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 2, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  ASSERT_TRUE(replay(root / "dump", root / "a.toml", root / "clean", 1).complete);
+  const fs::path run = root / "run";
+  EXPECT_FALSE(replay(root / "dump", root / "a.toml", run, 1, false, 1).complete);
+  fs::create_directories(run / "summary.json" / "blocker");
+  EXPECT_THROW(replay(root / "dump", root / "a.toml", run, 1, true), std::exception);
+  EXPECT_FALSE(fs::exists(run / "steps.csv"));
+  EXPECT_FALSE(fs::exists(run / "accumulation.csv"));
+  EXPECT_TRUE(fs::exists(run / ".partial" / "run-key.json"));
+  const auto plain = replay_cli({(root / "dump").string(), "--analysis", (root / "a.toml").string(), "--out",
+                                 run.string()});
+  EXPECT_EQ(plain.code, 2);
+  EXPECT_NE(plain.err.find("interrupted run"), std::string::npos) << plain.err;
+  fs::remove_all(run / "summary.json");
+  EXPECT_TRUE(replay(root / "dump", root / "a.toml", run, 1, true).complete);
+  for (const char* file : {"steps.csv", "accumulation.csv", "summary.json"}) {
+    EXPECT_EQ(read_text(run / file), read_text(root / "clean" / file)) << file;
+  }
+  fs::remove_all(root);
+}
+
+// In a log (stderr not a terminal) the replay prints whole progress lines: entries done, units
+// done, rate and ETA, the last one at the end of the work.
+TEST(Replay, ProgressLinesGoToALogThatIsNotATerminal) {
+  const fs::path root = fresh_directory("progress");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 2, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  mxscope::replay_options options;
+  options.dump = root / "dump";
+  options.analysis_path = root / "a.toml";
+  options.out = root / "run";
+  options.threads = 1;
+  options.progress_log_seconds = 1e-9;  // every entry
+  std::ostringstream log;
+  ASSERT_TRUE(mxscope::run_replay(options, log).complete);
+  const std::string text = log.str();
+  EXPECT_EQ(text.find('\r'), std::string::npos) << text;
+  const std::regex line(R"(replay: ([0-9]+)/4 entries, ([0-9]+) units done, [0-9.]+ entries/s, ETA [0-9]+ s\n)");
+  std::vector<int> done;
+  for (std::sregex_iterator it(text.begin(), text.end(), line), end; it != end; ++it) done.push_back(std::stoi((*it)[1]));
+  EXPECT_EQ(done, (std::vector<int>{1, 2, 3, 4})) << text;
   fs::remove_all(root);
 }
 

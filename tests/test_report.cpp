@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -29,6 +30,7 @@
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/report/csv.hpp"
+#include "../src/report/plots.hpp"
 
 namespace {
 
@@ -621,6 +623,15 @@ std::vector<bad_input_case> bad_inputs() {
   return {
       {"missing steps.csv", [](const fs::path& run) { fs::remove(run / "steps.csv"); }, {"steps.csv", "no such file"}},
       {"missing summary.json", [](const fs::path& run) { fs::remove(run / "summary.json"); }, {"summary.json"}},
+      {"summary.json nested 200,000 deep",
+       [](const fs::path& run) {
+         write_text(run / "summary.json", R"({"provenance":{"x":)" + std::string(200000, '[') +
+                                              std::string(200000, ']') + "}}");
+       },
+       {"summary.json", "nesting deeper than 64"}},
+      {"summary.json with a key twice",
+       [](const fs::path& run) { write_text(run / "summary.json", R"({"units":[],"units":[]})"); },
+       {"summary.json", "'units'", "duplicate key"}},
       {"missing column",
        [coherence_column](const fs::path& run) {
          // Drop the coherence column from every line.
@@ -837,6 +848,47 @@ TEST_F(ReportCommand, NotebookNeedsAnOutputPath) {
   const cli_result result = run_cli({"notebook", run_.string()});
   EXPECT_EQ(result.code, 2);
   EXPECT_NE(result.err.find("-o"), std::string::npos) << result.err;
+}
+
+// The notebook's output may not be one of the run's own files.
+TEST_F(ReportCommand, NotebookNeverOverwritesTheRun) {
+  const std::string steps_before = read_text(run_ / "steps.csv");
+  const cli_result result = run_cli({"notebook", run_.string(), "-o", (run_ / "steps.csv").string()});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("RUN/steps.csv"), std::string::npos) << result.err;
+  EXPECT_EQ(read_text(run_ / "steps.csv"), steps_before);
+}
+
+// Identical strategies tie: equal final acc_err share a rank (1, 2, 2, 4), nan ranks last; and up
+// to 20 strategies get 20 different colours.
+TEST(ReportRanking, EqualAccErrShareARankAndColoursAreDistinct) {
+  mxscope::report::unit_data unit;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<std::pair<std::string, double>> finals = {{"c", 0.3}, {"a", 0.1}, {"b", 0.3}, {"n", nan}, {"d", 0.5}};
+  for (std::size_t i = 0; i < finals.size(); ++i) {
+    mxscope::report::strategy_series series;
+    series.strategy = finals[i].first;
+    series.strategy_index = i;
+    mxscope::report::accumulation_record record;
+    record.T = 1;
+    record.acc_err = finals[i].second;
+    series.accumulation.push_back(record);
+    series.steps.push_back({});
+    unit.strategies.push_back(series);
+  }
+  std::vector<std::string> names;
+  std::vector<int> ranks;
+  for (const auto& row : mxscope::report::rank_strategies(unit)) {
+    names.push_back(row.strategy);
+    ranks.push_back(row.rank);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"a", "c", "b", "d", "n"}));
+  EXPECT_EQ(ranks, (std::vector<int>{1, 2, 2, 4, 5}));
+  std::set<std::string> colours;
+  for (std::size_t index = 0; index < 20; ++index) {
+    colours.insert(std::string(mxscope::report::style_of_strategy(index).colour));
+  }
+  EXPECT_EQ(colours.size(), 20U);
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // so the reader is never checked against the writer alone.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <chrono>
 #include <unistd.h>
 
 #include <algorithm>
@@ -398,6 +400,18 @@ TEST(SafetensorsCorruption, HeaderIsNotAJsonObject) {
   for (int i = 0; i < 1000; ++i) deep += "]";
   deep += "}";
   expect_rejected(deep, "", {"bad.safetensors", "field 'header'", "nesting"});
+}
+
+// A 1.2 MB header of 400,000 empty objects is judged in time linear in its length (nlohmann's
+// callback parser took minutes on it: it rescans the enclosing array at every closing brace).
+TEST(SafetensorsCorruption, LongHeadersParseInLinearTime) {
+  std::string header = R"({"__metadata__":{},"a":[)";
+  for (int i = 0; i < 400000; ++i) header += i == 0 ? "{}" : ",{}";
+  header += "]}";
+  const auto started = std::chrono::steady_clock::now();
+  expect_rejected(header, "", {"bad.safetensors", "tensor 'a'"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_LT(seconds, 5.0) << "a 1.2 MB header took " << seconds << " s";
 }
 
 TEST(SafetensorsCorruption, Offsets) {

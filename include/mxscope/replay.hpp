@@ -39,7 +39,10 @@ struct replay_options {
   std::optional<std::string> steps;   // "3,5-9,12"
   bool attribute = false;             // in addition to the analysis's own `attribute`
   std::string device = "cpu";
-  bool progress = false;              // progress line on the log stream
+  bool progress = false;              // progress line on the log stream, rewritten in place (a terminal)
+  // > 0: a progress line on the log stream at most this often, and one at the end (logs that are
+  // not a terminal); ignored when `progress` is set.
+  double progress_log_seconds = 0.0;
   // Stop after this many layers have been completed in this process (for tests of --resume);
   // 0: no limit.
   int stop_after_layers = 0;
@@ -59,6 +62,7 @@ struct replay_outcome {
   std::int64_t units_resumed = 0;    // units found complete in RUN/.partial
   std::int64_t units_total = 0;      // units of the whole run
   bool complete = false;             // the final files were written (by this process or rank 0)
+  bool already_finished = false;     // --resume found a finished run of the same key: nothing written
 };
 
 // Parses "3,5-9,12" into a sorted list of steps; throws input_error naming `what`.

@@ -3,12 +3,15 @@
 #include "mxscope/cli/cli.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <new>
 #include <ostream>
 
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/safetensors.hpp"
 
 namespace mxscope::cli {
 
@@ -62,6 +65,16 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   command_list commands;
   for (const registration add : registrations) add(app, commands);
 
+  // CLI11 reports an unknown first word only as "A subcommand is required".
+  if (argc > 1 && argv[1][0] != '-') {
+    std::vector<std::string> names;
+    for (const auto& candidate : commands) names.push_back(candidate.subcommand->get_name());
+    if (std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+      err << fmt::format("mxscope: usage error: unknown command '{}' (commands: {})\n(run 'mxscope --help')\n",
+                         io::printable_name(argv[1]), fmt::join(names, " "));
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -7,6 +7,7 @@
 #include <ostream>
 
 #include "commands.hpp"
+#include "validators.hpp"
 #include "mxscope/conform.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/io/dump.hpp"
@@ -243,7 +244,8 @@ void add_conform_command(CLI::App& app, command_list& commands) {
   command->add_option("--expect", options->expect, "GEMM cases: exit 1 unless MODEL reproduces every output bit");
   command->add_flag("--self-test", options->self_test, "Compare the fast paths with the canonical paths");
   command->add_option("--device", options->device, "Self-test device: cpu or gpu");
-  command->add_option("--max-listed", options->max_listed, "Mismatches / worst entries listed (default 10)");
+  command->add_option("--max-listed", options->max_listed, "Mismatches / worst entries listed (default 10)")
+      ->check(digits_only());
   command->add_option("--cases", options->cases, "GEMM cases: check only the cases whose names start with PREFIX");
   commands.push_back({command, [options](std::ostream& out, std::ostream& err) { return run_conform(*options, out, err); }});
 }

@@ -15,6 +15,7 @@
 #include "commands.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/atomic_file.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/device.hpp"
@@ -83,7 +84,22 @@ nlohmann::ordered_json operand_json(const operand_summary& summary, const std::s
   return json;
 }
 
-int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
+// A warning on stderr for each operand holding NaN or infinity: the GEMM still runs (the user may
+// want to see what the format does with them), but its metrics will be NaN.
+void warn_nonfinite(const io::safetensors_reader& reader, std::string_view name, const matrix& values,
+                    std::ostream& err) {
+  std::int64_t nan = 0, infinite = 0;
+  for (const float v : values.values) {
+    nan += std::isnan(v);
+    infinite += std::isinf(v);
+  }
+  if (nan == 0 && infinite == 0) return;
+  err << fmt::format("mxscope gemm: warning: {}: tensor '{}' holds {} NaN and {} infinite values; the error metrics "
+                     "will be NaN\n",
+                     reader.label(), name, nan, infinite);
+}
+
+int run_gemm_command(const gemm_command_options& options, std::ostream& out, std::ostream& err) {
   // Every flag is checked before any file is touched.
   const auto kind = parse_gemm_kind(options.gemm);
   if (!kind) throw input_error(fmt::format("--gemm: unknown GEMM '{}' (expected fprop, dgrad or wgrad)", options.gemm));
@@ -108,6 +124,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
       resolve_gemm_strategy(options.strategy, format_a, format_b, model, *output_rounding, flag_a, flag_b);
   const gemm_context context{options.strategy.layer, options.strategy.step};
 
+  io::refuse_output_over_input(options.output, options.input, "--in");
   // Operands: only the two the GEMM needs are read.
   const io::safetensors_reader reader(options.input);
   const gemm_layout layout = layout_of(*kind);
@@ -118,6 +135,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
                                     name, options.gemm, layout.a_name, layout.b_name, fmt::join(reader.names(), ", ")));
     }
     matrix values = reader.read_matrix(name);
+    warn_nonfinite(reader, name, values, err);
     if (name == "x") x = std::move(values);
     if (name == "dy") dy = std::move(values);
     if (name == "w") w = std::move(values);
@@ -126,7 +144,13 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out) {
   const compute_device device = parse_compute_device(options.device);
   gemm_options compute;
   compute.device = device;
-  const gemm_result result = run_gemm(*kind, operands, chosen, context, compute);
+  const gemm_result result = [&] {
+    try {
+      return run_gemm(*kind, operands, chosen, context, compute);
+    } catch (const input_error& error) {
+      throw input_error(fmt::format("{}: {}", reader.label(), error.what()));  // name the file of the operands
+    }
+  }();
 
   const matrix& a_captured = *(layout.a_name == "x" ? operands.x : operands.dy);
   const matrix& b_captured = *(layout.b_name == "x" ? operands.x : operands.w);
@@ -302,14 +326,14 @@ void add_gemm_command(CLI::App& app, command_list& commands) {
                   "Recompute N random reference entries with Boost.Multiprecision and report the largest deviation")
       ->capture_default_str();
   sub->add_option("--output", options->output_rounding, "Output rounding: fp32 or bf16")->capture_default_str();
-  sub->add_option("--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
+  sub->add_option("-o,--out", options->output, "Output safetensors file (written atomically): out (F32), ref (F64)")
       ->required();
   sub->add_option("--device", options->device,
                   "Where to compute: cpu or gpu (MX quantize, products and the exact reference on the GPU, the rest "
                   "on the CPU; the same bits)")
       ->capture_default_str();
   sub->add_flag("--json", options->json, "Print the comparison as JSON instead of a table");
-  commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_gemm_command(*options, out); }});
+  commands.push_back({sub, [options](std::ostream& out, std::ostream& err) { return run_gemm_command(*options, out, err); }});
 }
 
 }  // namespace mxscope::cli

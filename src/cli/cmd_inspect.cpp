@@ -1,5 +1,5 @@
 // mxscope inspect PATH: what a safetensors file holds (tensors, dtypes, shapes, value ranges,
-// non-finite counts, metadata).
+// non-finite counts, metadata), or the entries of a dump directory.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -74,8 +74,8 @@ int run_inspect(const inspect_options& options, std::ostream& out) {
 
 void add_inspect_command(CLI::App& app, command_list& commands) {
   auto options = std::make_shared<inspect_options>();
-  CLI::App* sub = app.add_subcommand("inspect", "List the tensors of a safetensors file: dtype, shape, range, "
-                                                "non-finite counts, metadata");
+  CLI::App* sub = app.add_subcommand("inspect", "List the tensors of a safetensors file or the entries of a dump "
+                                                "directory: dtype, shape, range, non-finite counts, metadata");
   sub->add_option("path", options->path, "A .safetensors file or a dump directory (manifest.json)")->required();
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_inspect(*options, out); }});
 }

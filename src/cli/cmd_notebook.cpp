@@ -2,10 +2,12 @@
 // the report's ranking and plots with matplotlib (docs/report.md).
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <memory>
 #include <ostream>
 
 #include "commands.hpp"
+#include "mxscope/io/atomic_file.hpp"
 #include "mxscope/report/report.hpp"
 
 namespace mxscope::cli {
@@ -18,6 +20,10 @@ struct notebook_command_options {
 };
 
 int run_notebook(const notebook_command_options& options, std::ostream& out) {
+  for (const char* name : {"steps.csv", "accumulation.csv", "summary.json", "run.json", ".mxscope-run"}) {
+    io::refuse_output_over_input(options.output, std::filesystem::path(options.run_directory) / name,
+                                 fmt::format("RUN/{}", name));
+  }
   report::write_notebook(options.run_directory, options.output);
   out << fmt::format("wrote {}\n", options.output);
   return 0;

@@ -9,6 +9,7 @@
 
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/safetensors.hpp"
 #ifdef MXSCOPE_HAVE_CUDA
 #include "mxscope/gpu.hpp"
@@ -114,6 +115,7 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
     throw input_error(fmt::format("--axis: must be 0 or 1, got {}", options.axis));
   }
   chosen.quantize.axis = options.axis;
+  io::refuse_output_over_input(options.output, options.input, "--in");
   if (options.device != "cpu" && options.device != "gpu") {
     throw input_error(fmt::format("--device: must be cpu or gpu, got '{}'", options.device));
   }
@@ -235,7 +237,7 @@ void add_quantize_command(CLI::App& app, command_list& commands) {
   sub->add_option("--device", options->device, "Where to rotate and quantize: cpu or gpu (MX formats; same bits)")
       ->capture_default_str();
   add_strategy_flags(*sub, options->strategy, /*format_required=*/true);
-  sub->add_option("--out", options->output, "Output safetensors file (written atomically)")->required();
+  sub->add_option("-o,--out", options->output, "Output safetensors file (written atomically)")->required();
   commands.push_back({sub, [options](std::ostream& out, std::ostream&) { return run_quantize(*options, out); }});
 }
 

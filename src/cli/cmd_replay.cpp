@@ -14,6 +14,12 @@
 
 namespace mxscope::cli {
 
+namespace {
+constexpr int max_threads = 1024;
+// How often a replay whose stderr is not a terminal (a batch log) prints its progress line.
+constexpr double progress_log_seconds = 30.0;
+}  // namespace
+
 void add_replay_command(CLI::App& app, command_list& commands) {
   auto options = std::make_shared<replay_options>();
   auto dump = std::make_shared<std::string>();
@@ -27,10 +33,12 @@ void add_replay_command(CLI::App& app, command_list& commands) {
   command->add_option("dump", *dump, "Dump directory (holding manifest.json)")->required();
   command->add_option("--analysis", *analysis_path, "Analysis file (TOML), e.g. analyses/wgrad-ablation.toml")
       ->required();
-  command->add_option("--out", *out, "Run directory to create (or to finish, with --resume)")->required();
+  command->add_option("-o,--out", *out, "Run directory to create (or to finish, with --resume)")->required();
   command->add_option("--device", options->device, "cpu (default) or gpu")->default_val("cpu");
-  command->add_option("--threads", options->threads, "Worker threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+  // More threads than max_threads gain nothing on any machine mxscope targets, and OpenMP runtimes
+  // fail to create (or crash on) tens of thousands of them.
+  command->add_option("--threads", options->threads, "Worker threads, 1 to 1024 (default: all cores)")
+      ->check(CLI::Range(0, max_threads));
   command->add_flag("--resume", options->resume, "Finish an interrupted run in --out, keeping its finished layers");
   CLI::Option* layers_option =
       command->add_option("--layers", *layers, "Only layers whose whole name matches this regular expression");
@@ -44,12 +52,14 @@ void add_replay_command(CLI::App& app, command_list& commands) {
                         chosen.out = *out;
                         if (layers_option->count() > 0) chosen.layers = *layers;
                         if (steps_option->count() > 0) chosen.steps = *steps;
-                        chosen.progress = isatty(STDERR_FILENO) != 0 && &err == &std::cerr;
+                        const bool real_stderr = &err == &std::cerr;
+                        chosen.progress = real_stderr && isatty(STDERR_FILENO) != 0;
+                        if (real_stderr && !chosen.progress) chosen.progress_log_seconds = progress_log_seconds;
                         const std::unique_ptr<process_group> processes = join_launched_processes();
                         chosen.processes = processes.get();
                         chosen.device_index = processes->local_rank();
                         const replay_outcome outcome = run_replay(chosen, err);
-                        if (processes->rank() != 0) return 0;
+                        if (processes->rank() != 0 || outcome.already_finished) return 0;
                         if (outcome.complete) {
                           if (processes->size() > 1) {
                             out_stream << "replay: " << outcome.units_total - outcome.units_resumed

@@ -3,6 +3,7 @@
 #include <charconv>
 
 #include "commands.hpp"
+#include "validators.hpp"
 #include "mxscope/core/hadamard.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/version.hpp"
@@ -38,8 +39,10 @@ void add_strategy_flags(CLI::App& command, strategy_flags& flags, bool format_re
   command.add_option("--scale-rule", flags.scale_rule, "MX shared-exponent rule: floor ceil even")->capture_default_str();
   command.add_option("--rotation", flags.rotation, "none or hadamard:B (B a power of two, 2..4096)")->capture_default_str();
   command.add_option("--signs", flags.signs, "Random signs of the rotation: none fixed per-step")->capture_default_str();
-  command.add_option("--seed", flags.seed, "Philox seed (64-bit)")->capture_default_str();
-  command.add_option("--step", flags.step, "Training step (enters the random streams)")->capture_default_str();
+  command.add_option("--seed", flags.seed, "Philox seed (64-bit)")->check(digits_only())->capture_default_str();
+  command.add_option("--step", flags.step, "Training step (enters the random streams)")
+      ->check(digits_only())
+      ->capture_default_str();
   command.add_option("--sr-bits", flags.sr_bits, "Random bits of stochastic rounding, 1..32")->capture_default_str();
   command.add_option("--layer", flags.layer, "Layer name (its FNV-1a hash tags the random streams)");
   command.add_option("--seed-policy", flags.seed_policy, "Stochastic rounding stream: per-step fixed")

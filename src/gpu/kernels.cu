@@ -3199,6 +3199,9 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 // accumulator fragment of the mma of row pair r / 2 and column group c / 2. Its sum lives at
 // rw_sums[(r rw_cols + c) rw_threads + threadIdx.x] (a warp's 32 sums are 512 consecutive bytes).
 constexpr int rw_threads = 128;
+// Threads 0-63 fill the tile's shared A-row values (spreads, lows), 64-127 the B rows', at index
+// threadIdx.x % plain_tile: in bounds, and every entry written once, only for this block size.
+static_assert(rw_threads == 2 * plain_tile, "reference_warp_kernel: one thread per A row and per B row of the tile");
 constexpr int rw_rows = 4;
 constexpr int rw_cols = 8;
 constexpr std::size_t rw_tiles_bytes = 2 * plain_tile * dot_stride * sizeof(double);

@@ -31,6 +31,16 @@ void sync_directory(const std::filesystem::path& directory) {
 
 }  // namespace
 
+void refuse_output_over_input(const std::filesystem::path& output, const std::filesystem::path& input,
+                              std::string_view input_what) {
+  std::error_code error;
+  if (!std::filesystem::exists(output, error) || !std::filesystem::exists(input, error)) return;
+  if (std::filesystem::equivalent(output, input, error) && !error) {
+    throw input_error(fmt::format("{}: the output is the input {} ({}); choose another output file", output.string(),
+                                  input_what, input.string()));
+  }
+}
+
 std::filesystem::path temporary_path_for(const std::filesystem::path& path) {
   std::filesystem::path temporary = path;
   temporary += fmt::format(".tmp.{}", static_cast<long long>(::getpid()));
@@ -41,8 +51,14 @@ atomic_file::atomic_file(std::filesystem::path path)
     : path_(std::move(path)), temporary_path_(temporary_path_for(path_)) {
   if (path_.empty()) throw input_error("output path is empty");
   std::error_code status_error;
-  if (std::filesystem::is_directory(path_, status_error)) {
+  const auto status = std::filesystem::symlink_status(path_, status_error);
+  if (std::filesystem::is_directory(status)) {
     throw input_error(fmt::format("{}: cannot write the output: it is a directory", path_.string()));
+  }
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+    throw input_error(fmt::format("{}: cannot write the output: it exists and is {}; only a regular file is replaced",
+                                  path_.string(), std::filesystem::is_symlink(status) ? "a symbolic link"
+                                                                                      : "not a regular file"));
   }
   descriptor_ = ::open(temporary_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (descriptor_ < 0) {

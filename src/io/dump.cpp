@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -11,8 +12,10 @@
 #include <ostream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/io/json_guard.hpp"
 
 namespace mxscope::io {
 
@@ -48,6 +51,26 @@ std::string shape_text(const std::vector<std::int64_t>& shape) { return fmt::for
   throw input_error(fmt::format("{}: tensor '{}': field '{}': {}", file, printable_name(tensor), field, message));
 }
 
+// A layer name goes unquoted into the rows of steps.csv and accumulation.csv and is matched by
+// --layers: no comma, quote or control character, and a bounded length.
+void check_layer_name(const std::string& layer, const std::string& manifest, std::size_t index) {
+  if (layer.size() > max_layer_name_bytes) {
+    fail_entry(manifest, index, "layer",
+               fmt::format("'{}' is {} bytes long; at most {} are allowed", printable_name(layer), layer.size(),
+                           max_layer_name_bytes));
+  }
+  const auto bad = std::find_if(layer.begin(), layer.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return c == ',' || c == '"' || byte < 0x20 || byte == 0x7F;
+  });
+  if (bad != layer.end()) {
+    fail_entry(manifest, index, "layer",
+               fmt::format("'{}' holds a comma, a double quote or a control character, which the CSV files of a "
+                           "replay cannot carry",
+                           printable_name(layer)));
+  }
+}
+
 std::string read_manifest_text(const fs::path& manifest) {
   const std::string label = manifest.string();
   std::error_code error;
@@ -72,25 +95,16 @@ std::string read_manifest_text(const fs::path& manifest) {
 
 // Parses with the same guards as safetensors headers: nesting depth capped, duplicate keys rejected.
 json parse_manifest(const std::string& text, const std::string& label) {
-  std::vector<std::set<std::string>> open_objects;
-  const json::parser_callback_t guard = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    if (depth > max_json_depth) fail(label, "manifest", fmt::format("JSON nesting deeper than {} levels", max_json_depth));
-    switch (event) {
-      case json::parse_event_t::object_start: open_objects.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!open_objects.empty() && !open_objects.back().insert(parsed.get<std::string>()).second) {
-          fail(label, printable_name(parsed.get<std::string>()), "duplicate key");
-        }
-        break;
-      default: break;
+  if (const auto issue = find_json_issue(text, max_json_depth)) {
+    switch (issue->what) {
+      case json_issue::kind::depth: fail(label, "manifest", issue->message);
+      case json_issue::kind::duplicate_key: fail(label, printable_name(issue->key), "duplicate key");
+      case json_issue::kind::syntax:
+        fail(label, "manifest", fmt::format("not valid JSON: {}", printable_name(issue->message, 300)));
     }
-    return true;
-  };
+  }
   try {
-    return json::parse(text, guard);
+    return json::parse(text);
   } catch (const json::exception& error) {
     fail(label, "manifest", fmt::format("not valid JSON: {}", printable_name(error.what(), 300)));
   }
@@ -345,6 +359,34 @@ nonfinite_count count_nonfinite(const matrix& values) {
   return count;
 }
 
+// Every entry file's header, on a few threads (a dump of a large model lists hundreds of thousands
+// of files, and each check is an open, a read and a parse). The error reported is that of the
+// first failing entry in manifest order, as a sequential check would report.
+void validate_entry_files(std::vector<dump_entry_info>& entries) {
+  const std::size_t workers = std::min<std::size_t>(8, std::max<std::size_t>(1, std::thread::hardware_concurrency()));
+  std::vector<std::exception_ptr> failures(entries.size());
+  std::atomic<std::size_t> next{0};
+  std::atomic<std::size_t> first_failure{entries.size()};
+  const auto work = [&] {
+    for (std::size_t i = next++; i < entries.size() && i < first_failure.load(); i = next++) {
+      try {
+        validate_entry_file(entries[i]);
+      } catch (...) {
+        failures[i] = std::current_exception();
+        for (std::size_t seen = first_failure.load(); i < seen && !first_failure.compare_exchange_weak(seen, i);) {
+        }
+      }
+    }
+  };
+  std::vector<std::future<void>> running;
+  for (std::size_t w = 1; w < workers; ++w) running.push_back(std::async(std::launch::async, work));
+  work();
+  for (auto& worker : running) worker.get();
+  for (const auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -455,6 +497,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
   const json& entries = required_member(root, "entries", manifest);
   if (!entries.is_array()) fail(manifest, "entries", fmt::format("must be an array, got {}", json_type_name(entries)));
   std::map<std::pair<std::string, std::int64_t>, std::size_t> seen;
+  const fs::path resolved_directory = fs::weakly_canonical(directory, error);
   for (std::size_t index = 0; index < entries.size(); ++index) {
     const json& entry = entries[index];
     if (!entry.is_object()) fail_entry(manifest, index, "entry", fmt::format("must be an object, got {}", json_type_name(entry)));
@@ -481,6 +524,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
                  fmt::format("must be a non-empty string, got {}", layer.is_string() ? "\"\"" : json_type_name(layer)));
     }
     info.layer = layer.get<std::string>();
+    check_layer_name(info.layer, manifest, index);
     const json& file = entry.at("file");
     if (!file.is_string()) fail_entry(manifest, index, "file", fmt::format("must be a string, got {}", json_type_name(file)));
     info.relative_file = file.get<std::string>();
@@ -491,7 +535,6 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
                  fmt::format("'{}' does not exist or is not a regular file", printable_name(info.file.string())));
     }
     // A symbolic link may not lead out of the dump either.
-    const fs::path resolved_directory = fs::weakly_canonical(directory, error);
     const fs::path resolved_file = fs::weakly_canonical(info.file, error);
     const auto mismatch = std::mismatch(resolved_directory.begin(), resolved_directory.end(), resolved_file.begin(),
                                         resolved_file.end());
@@ -510,7 +553,7 @@ dump_reader::dump_reader(const std::filesystem::path& directory) : directory_(di
   }
 
   // Every entry file's header, before any work starts.
-  for (auto& info : entries_) validate_entry_file(info);
+  validate_entry_files(entries_);
   std::sort(entries_.begin(), entries_.end(), [](const dump_entry_info& a, const dump_entry_info& b) {
     return a.layer != b.layer ? a.layer < b.layer : a.step < b.step;
   });

@@ -17,6 +17,7 @@
 
 #include "mxscope/core/formats.hpp"
 #include "mxscope/errors.hpp"
+#include "mxscope/io/json_guard.hpp"
 #include "mxscope/io/atomic_file.hpp"
 
 namespace mxscope::io {
@@ -241,28 +242,18 @@ safetensors_reader safetensors_reader::from_bytes(std::string label, std::string
 void safetensors_reader::parse_header(const std::string& header_text) {
   // Duplicate keys are rejected (nlohmann would silently keep the last one), and nesting is capped
   // so that no hostile header can exhaust the stack of anything that walks the tree.
-  std::vector<std::set<std::string>> open_objects;
-  const json::parser_callback_t guard = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    if (depth > max_json_depth) {
-      fail_file(label_, "header", fmt::format("JSON nesting deeper than {} levels", max_json_depth));
+  if (const auto issue = find_json_issue(header_text, max_json_depth)) {
+    switch (issue->what) {
+      case json_issue::kind::depth: fail_file(label_, "header", issue->message);
+      case json_issue::kind::duplicate_key:
+        fail_file(label_, "header", fmt::format("duplicate key '{}'", printable_name(issue->key)));
+      case json_issue::kind::syntax:
+        fail_file(label_, "header", fmt::format("not valid JSON: {}", printable_name(issue->message)));
     }
-    switch (event) {
-      case json::parse_event_t::object_start: open_objects.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!open_objects.empty() && !open_objects.back().insert(parsed.get<std::string>()).second) {
-          fail_file(label_, "header", fmt::format("duplicate key '{}'", printable_name(parsed.get<std::string>())));
-        }
-        break;
-      default: break;
-    }
-    return true;
-  };
+  }
   json root;
   try {
-    root = json::parse(header_text, guard);
+    root = json::parse(header_text);
   } catch (const json::exception& error) {
     fail_file(label_, "header", fmt::format("not valid JSON: {}", printable_name(error.what())));
   }

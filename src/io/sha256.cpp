@@ -4,6 +4,7 @@
 
 #include <fstream>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -82,8 +83,16 @@ __attribute__((target("sha,sse4.1,ssse3"))) void compress_with_extensions(std::u
 
 bool processor_has_sha_extensions() {
 #if defined(MXSCOPE_SHA_EXTENSIONS)
-  static const bool has = __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") &&
-                          __builtin_cpu_supports("ssse3");
+  // CPUID directly: __builtin_cpu_supports("sha") is not known to clang before 15.
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const bool ssse3 = (c & bit_SSSE3) != 0;
+    const bool sse41 = (c & bit_SSE4_1) != 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    const bool sha = (b & (1U << 29)) != 0;  // CPUID.(EAX=7, ECX=0):EBX bit 29
+    return sha && sse41 && ssse3;
+  }();
   return has;
 #else
   return false;

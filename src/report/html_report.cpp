@@ -195,6 +195,8 @@ std::string how_to_read_html() {
       {"SGD / AdamW disp_err", "The relative error of the weights' displacement over the window when the optimizer "
                                "(SGD momentum 0.9, AdamW beta 0.9/0.95) is fed the strategy's results instead of the "
                                "reference."},
+      {"not shown: ulp_max, ulp_mean", "steps.csv has them, but for 4- and 8-bit strategies they reach 1e8-1e9 and "
+                                       "tell nothing; they mean something for bf16 and accumulation-model studies."},
   };
   for (const auto& [term, definition] : columns) {
     out += fmt::format("<dt>{}</dt><dd>{}</dd>\n", term, definition);
@@ -212,9 +214,8 @@ std::string ranking_html(const std::vector<ranking_row>& rows) {
                      short_number(std::sqrt(static_cast<double>(final_T))));
   out += "<th>alpha</th><th>verdict</th><th>lag1_corr</th><th>structural_share</th><th>SGD disp_err</th>"
          "<th>AdamW disp_err</th></tr></thead>\n<tbody>\n";
-  for (std::size_t rank = 0; rank < rows.size(); ++rank) {
-    const ranking_row& row = rows[rank];
-    out += fmt::format("<tr><td class=\"number\">{}</td><td class=\"strategy\">{}{}</td>", rank + 1,
+  for (const ranking_row& row : rows) {
+    out += fmt::format("<tr><td class=\"number\">{}</td><td class=\"strategy\">{}{}</td>", row.rank,
                        swatch(row.strategy_index), html_escape(row.strategy));
     for (const double value : {row.acc_err, row.rel_err_mean, row.coherence, row.alpha}) {
       out += fmt::format("<td class=\"number\">{}</td>", short_number(value));
@@ -266,9 +267,9 @@ std::string overview_html(const run_data& run, const std::vector<std::vector<ran
     double rank_sum = 0.0;
     int units = 0;
     for (const auto& rows : rankings) {
-      for (std::size_t rank = 0; rank < rows.size(); ++rank) {
-        if (rows[rank].strategy_index != strategy) continue;
-        rank_sum += static_cast<double>(rank + 1);
+      for (const ranking_row& row : rows) {
+        if (row.strategy_index != strategy) continue;
+        rank_sum += static_cast<double>(row.rank);
         ++units;
       }
     }
@@ -298,7 +299,7 @@ std::string overview_html(const run_data& run, const std::vector<std::vector<ran
         out += "<td></td>";
       } else {
         out += fmt::format("<td class=\"cell\"><b>{}</b> <span class=\"verdict {}\">{}</span> ({})</td>",
-                           found - rows.begin() + 1, verdict_class(found->verdict), verdict_text(found->verdict),
+                           found->rank, verdict_class(found->verdict), verdict_text(found->verdict),
                            short_number(found->alpha));
       }
     }

@@ -259,7 +259,7 @@ def verdict(alpha):
 
 def ranking(layer, gemm):
     """The final (largest T) accumulation row of each strategy, smallest acc_err first; a nan
-    acc_err ranks last and ties keep the order of first appearance."""
+    acc_err ranks last; ties keep the order of first appearance and share a rank."""
     per_step = unit_rows(steps, layer, gemm)
     summed = unit_rows(accumulation, layer, gemm)
     order = list(dict.fromkeys(per_step["strategy"]))
@@ -279,7 +279,8 @@ def ranking(layer, gemm):
         "adamw_disp_err": [final.loc[name, "adamw_disp_err"] for name in order],
     })
     table = table.sort_values("acc_err", kind="stable", na_position="last")
-    table.index = pd.RangeIndex(1, len(table) + 1, name="rank")
+    # Equal acc_err share a rank (identical strategies tie), as in the report.
+    table.index = pd.Index(table["acc_err"].rank(method="min", na_option="bottom").astype(int), name="rank")
     return table
 
 

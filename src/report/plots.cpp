@@ -71,9 +71,12 @@ constexpr std::array<plot_kind, 9> kinds = {{
      "(solid) and AdamW (dashed). This is what the gradient error costs the optimizer."},
 }};
 
-// Tableau 10: distinguishable, and readable for the common colour-vision deficiencies.
-constexpr std::array<std::string_view, 10> colours = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
-                                                       "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
+// Tableau 10 (distinguishable, and readable for the common colour-vision deficiencies), then ten
+// darker or more saturated hues unlike any of them, so that up to 20 strategies (the shipped
+// ablation has 16) each get a colour of their own before the marker shapes repeat the palette.
+constexpr std::array<std::string_view, 20> colours = {
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+    "#08306b", "#b35806", "#00441b", "#54278f", "#252525", "#17becf", "#bcbd22", "#e7298a", "#8c510a", "#01665e"};
 
 const plot_kind& kind_named(std::string_view id) {
   for (const auto& kind : kinds) {

@@ -41,7 +41,7 @@ struct strategy_style {
   std::string_view glyph;              // the same shapes as text, for the HTML tables
 };
 strategy_style style_of_strategy(std::size_t strategy_index);
-inline constexpr std::size_t strategy_colour_count = 10;
+inline constexpr std::size_t strategy_colour_count = 20;
 inline constexpr std::size_t strategy_marker_count = 4;
 
 struct plot_series {

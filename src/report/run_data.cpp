@@ -11,6 +11,8 @@
 #include <utility>
 
 #include "mxscope/errors.hpp"
+#include "mxscope/io/json_guard.hpp"
+#include "mxscope/io/safetensors.hpp"
 #include "mxscope/report/csv.hpp"
 #include "text.hpp"
 
@@ -195,6 +197,12 @@ nlohmann::ordered_json read_summary(const std::filesystem::path& path, const std
   if (!in) throw input_error(fmt::format("{}: cannot open the file for reading", label));
   std::ostringstream contents;
   contents << in.rdbuf();
+  if (const auto issue = io::find_json_issue(contents.str(), io::max_json_depth)) {
+    const std::string field = issue->what == io::json_issue::kind::duplicate_key ? io::printable_name(issue->key)
+                                                                                  : std::string("summary");
+    throw input_error(fmt::format("{}: field '{}': {}", label, field, (issue->what == io::json_issue::kind::syntax ? "not valid JSON: " : "") +
+                                      io::printable_name(issue->message, 300)));
+  }
   nlohmann::ordered_json summary;
   try {
     summary = nlohmann::ordered_json::parse(contents.str());
@@ -331,6 +339,10 @@ std::vector<ranking_row> rank_strategies(const unit_data& unit) {
     if (std::isnan(right.acc_err)) return true;
     return left.acc_err < right.acc_err;
   });
+  const auto same = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    rows[i].rank = i > 0 && same(rows[i].acc_err, rows[i - 1].acc_err) ? rows[i - 1].rank : static_cast<int>(i + 1);
+  }
   return rows;
 }
 

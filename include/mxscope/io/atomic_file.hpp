@@ -15,7 +15,8 @@ namespace mxscope::io {
 class atomic_file {
  public:
   // Creates (truncates) the temporary file. Throws input_error naming `path` when it cannot be
-  // created (missing directory, no permission).
+  // created (missing directory, no permission) or when `path` exists and is not a regular file (a
+  // directory, device, FIFO, socket or symbolic link is never replaced).
   explicit atomic_file(std::filesystem::path path);
   atomic_file(const atomic_file&) = delete;
   atomic_file& operator=(const atomic_file&) = delete;
@@ -40,6 +41,11 @@ class atomic_file {
   int descriptor_ = -1;
   bool committed_ = false;
 };
+
+// Throws input_error when `output` names the same file as `input` (also through a link): writing it
+// would destroy the input. `input_what` says what the input is ("--in", "RUN/steps.csv").
+void refuse_output_over_input(const std::filesystem::path& output, const std::filesystem::path& input,
+                              std::string_view input_what);
 
 // The temporary name used for `path`: PATH.tmp.<pid>.
 std::filesystem::path temporary_path_for(const std::filesystem::path& path);

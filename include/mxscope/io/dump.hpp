@@ -30,6 +30,8 @@ namespace mxscope::io {
 inline constexpr const char* dump_format_name = "mxscope-dump";
 inline constexpr int dump_format_version = 1;
 inline constexpr std::uint64_t max_manifest_bytes = 64ULL << 20;
+// Longest layer name a manifest may hold (names are matched by --layers and written to CSV rows).
+inline constexpr std::size_t max_layer_name_bytes = 1024;
 
 struct dump_source {
   std::string hardware;

@@ -83,6 +83,7 @@ std::string_view verdict_text(verdict value);
 
 // One line of a unit's ranking: the final (largest T) accumulation row plus the mean per-step error.
 struct ranking_row {
+  int rank = 0;  // 1 = smallest acc_err; equal acc_err share a rank (1, 2, 2, 4), nan ranks last
   std::string strategy;
   std::size_t strategy_index = 0;
   long long T = 0;
@@ -98,7 +99,7 @@ struct ranking_row {
 };
 
 // The unit's strategies ordered by final acc_err, smallest first; a nan acc_err ranks last, and
-// equal values keep the order of first appearance.
+// equal values keep the order of first appearance and share a rank (identical strategies tie).
 std::vector<ranking_row> rank_strategies(const unit_data& unit);
 
 // What the report shows as provenance: summary.json's "provenance" object when it has one,
