@@ -1,9 +1,10 @@
-// mxscope report and mxscope notebook on a synthetic run written here: 2 layers x 1 GEMM x 3
+// mxscope report and mxscope notebook on a synthetic run written here: 2 layers x 1 GEMM x 4
 // strategies x 12 steps with known properties (an error that repeats every step: coherence sqrt(T),
 // alpha 1; independent errors: coherence about 1, alpha about 0.5; one in between, named "<b>&" to
-// test escaping). The checks are independent of the code under test: file names and plot kinds
-// typed from docs/report.md, the expected ranking from this file's own acc_err values, verdicts
-// from the alpha thresholds of docs/report.md, PNG and SVG recognised by their magic bytes and root
+// test escaping; independent errors over a bias of one sign every step). The checks are
+// independent of the code under test: file names and plot kinds typed from docs/report.md, the
+// expected ranking from this file's own acc_err values, verdicts from the bias and alpha rules of
+// docs/report.md, PNG and SVG recognised by their magic bytes and root
 // element, the notebook validated by Debian's python3-nbformat and its code cells run by Debian's
 // python3 with pandas and matplotlib (Agg backend). Bad inputs: exit 2, a message naming the file,
 // line and column, and nothing written.
@@ -157,7 +158,9 @@ constexpr int window = 12;
 const std::vector<std::string> layers = {"blocks.0.mlp.fc1", "blocks.1.attn.qkv"};
 const std::string gemm = "wgrad";
 
-enum class behaviour { coherent, random_walk, in_between };
+// shrinking: errors that average out by alpha, but with a one-signed bias every step (the report's
+// "coherent (bias)").
+enum class behaviour { coherent, random_walk, in_between, shrinking };
 
 struct strategy_case {
   std::string name;
@@ -172,7 +175,19 @@ const std::vector<strategy_case> strategies = {
     {"mxfp4 rne", behaviour::coherent, 1.0, {0.04, 0.005}},
     {"mxfp4 sr per-step", behaviour::random_walk, 0.5 + 0.02 * std::cos(12.0), {0.01, 0.03}},
     {"<b>&", behaviour::in_between, 0.68, {0.02, 0.012}},
+    {"mxfp4 shrinks", behaviour::shrinking, 0.5 + 0.02 * std::cos(12.0), {0.015, 0.02}},
 };
+
+// The per-step rel_err and bias of a behaviour at step t of the window.
+std::pair<double, double> step_error(behaviour kind, int t) {
+  switch (kind) {
+    case behaviour::random_walk: return {0.08 * (1.0 + 0.1 * std::sin(t)), 0.002 * std::sin(t)};
+    case behaviour::in_between: return {0.06 * (1.0 + 0.05 * std::cos(t)), -0.004};
+    case behaviour::shrinking: return {0.08 * (1.0 + 0.1 * std::sin(t)), -0.03 + 0.002 * std::sin(t)};
+    case behaviour::coherent: break;
+  }
+  return {0.05, -0.01};
+}
 
 std::string number(double value) { return fmt::format("{:.17g}", value); }
 
@@ -183,19 +198,14 @@ std::string steps_csv() {
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
     for (const auto& strategy : strategies) {
       for (int t = 1; t <= window; ++t) {
-        double rel_err = 0.05;
+        const auto [rel_err, bias] = step_error(strategy.kind, t);
         double cosine = 1.0 - 0.00125;
-        double bias = -0.01;
         double a_saturate = 0.001;
-        if (strategy.kind == behaviour::random_walk) {
-          rel_err = 0.08 * (1.0 + 0.1 * std::sin(t));
+        if (strategy.kind == behaviour::random_walk || strategy.kind == behaviour::shrinking) {
           cosine = 1.0 - 0.0032;
-          bias = 0.002 * std::sin(t);
           a_saturate = 0.0;
         } else if (strategy.kind == behaviour::in_between) {
-          rel_err = 0.06 * (1.0 + 0.05 * std::cos(t));
           cosine = 1.0;  // 1 - cosine = 0: no point on the log axis
-          bias = -0.004;
           a_saturate = 0.0005;
         }
         text += row_text({layers[layer], gemm, strategy.name, std::to_string(100 + t), std::to_string(t),
@@ -221,7 +231,7 @@ std::string accumulation_csv() {
         double alpha = 1.0;
         double lag1 = 1.0;
         double structural = 1.0;
-        if (strategy.kind == behaviour::random_walk) {
+        if (strategy.kind == behaviour::random_walk || strategy.kind == behaviour::shrinking) {
           acc_err = final_acc_err * std::sqrt(ratio);
           coherence = T == 1 ? 1.0 : 1.0 + 0.05 * std::sin(T);
           alpha = 0.5 + 0.02 * std::cos(T);
@@ -288,12 +298,29 @@ std::vector<std::string> expected_order(std::size_t layer) {
   return names;
 }
 
-// The verdict rule of docs/report.md, typed here: coherent at alpha >= 0.75, averages out at <= 0.6.
+// The verdict rule of docs/report.md, typed here: a bias of one sign at every step with |mean bias|
+// >= 0.5 x the final acc_err is "coherent (bias)"; otherwise coherent at alpha >= 0.75, averages out
+// at <= 0.6, mixed in between.
 std::string expected_verdict(double alpha) {
   if (std::isnan(alpha)) return "n/a";
   if (alpha >= 0.75) return "coherent";
   if (alpha <= 0.6) return "averages out";
   return "mixed";
+}
+
+std::string expected_verdict(const strategy_case& strategy, std::size_t layer) {
+  double bias_sum = 0.0;
+  bool negative = true, positive = true;
+  for (int t = 1; t <= window; ++t) {
+    const double bias = step_error(strategy.kind, t).second;
+    bias_sum += bias;
+    negative = negative && bias < 0.0;
+    positive = positive && bias > 0.0;
+  }
+  if ((negative || positive) && std::fabs(bias_sum / window) >= 0.5 * strategy.final_acc_err[layer]) {
+    return "coherent (bias)";
+  }
+  return expected_verdict(strategy.final_alpha);
 }
 
 const strategy_case& strategy_named(const std::string& name) {
@@ -562,14 +589,18 @@ TEST_F(ReportOutputs, RankingFollowsFinalAccErrAndVerdictsFollowAlpha) {
     for (std::size_t rank = 0; rank < order.size(); ++rank) {
       EXPECT_EQ(rows[rank].strategy, escaped(order[rank])) << "layer " << layers[layer] << " rank " << rank + 1;
       const double alpha = strategy_named(order[rank]).final_alpha;
-      EXPECT_EQ(rows[rank].verdict, expected_verdict(alpha))
+      EXPECT_EQ(rows[rank].verdict, expected_verdict(strategy_named(order[rank]), layer))
           << "layer " << layers[layer] << " strategy " << order[rank] << " alpha " << alpha;
     }
   }
-  // The three behaviours give the three verdicts.
+  // The behaviours give the four verdicts.
   EXPECT_EQ(expected_verdict(strategies[0].final_alpha), "coherent");
   EXPECT_EQ(expected_verdict(strategies[1].final_alpha), "averages out");
   EXPECT_EQ(expected_verdict(strategies[2].final_alpha), "mixed");
+  // A one-signed bias overrides an alpha that says the errors average out.
+  EXPECT_EQ(expected_verdict(strategies[3].final_alpha), "averages out");
+  EXPECT_EQ(expected_verdict(strategies[3], 0), "coherent (bias)");
+  EXPECT_EQ(expected_verdict(strategies[0], 0), "coherent");  // its bias is a quarter of its acc_err
 }
 
 TEST_F(ReportCommand, SameInputsGiveTheSameBytes) {
@@ -819,11 +850,11 @@ TEST_F(ReportCommand, NotebookCellsRunOnTheSyntheticRun) {
     EXPECT_EQ(unit.at("layer"), layers[layer]);
     EXPECT_EQ(unit.at("gemm"), gemm);
     EXPECT_EQ(unit.at("strategies").get<std::vector<std::string>>(), expected_order(layer)) << layers[layer];
-    EXPECT_EQ(unit.at("ranks").get<std::vector<int>>(), (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(unit.at("ranks").get<std::vector<int>>(), (std::vector<int>{1, 2, 3, 4}));
     const auto verdicts = unit.at("verdicts").get<std::vector<std::string>>();
     const auto order = expected_order(layer);
     for (std::size_t rank = 0; rank < order.size(); ++rank) {
-      EXPECT_EQ(verdicts[rank], expected_verdict(strategy_named(order[rank]).final_alpha)) << order[rank];
+      EXPECT_EQ(verdicts[rank], expected_verdict(strategy_named(order[rank]), layer)) << order[rank];
     }
   }
   // One line per strategy in each panel, two per strategy in the two-operand and two-optimizer

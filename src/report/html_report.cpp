@@ -38,6 +38,7 @@ td.number { text-align: right; font-variant-numeric: tabular-nums; white-space: 
 tbody tr:nth-child(even) td { background: #fbfcfd; }
 .swatch { display: inline-block; width: 1.1em; margin-right: .25em; text-align: center; }
 td.verdict { font-weight: 600; white-space: nowrap; }
+p.notice { border-left: 4px solid #8a4600; padding-left: 0.6em; }
 td.verdict.coherent, span.verdict.coherent { color: #a40e26; }
 td.verdict.averages-out, span.verdict.averages-out { color: #116329; }
 td.verdict.mixed, span.verdict.mixed { color: #8a4600; }
@@ -59,7 +60,8 @@ footer { color: #6e7781; font-size: .85rem; margin-top: 3rem; }
 
 std::string verdict_class(verdict value) {
   switch (value) {
-    case verdict::coherent: return "coherent";
+    case verdict::coherent:
+    case verdict::coherent_bias: return "coherent";
     case verdict::averages_out: return "averages-out";
     case verdict::mixed: return "mixed";
     case verdict::undefined: break;
@@ -177,14 +179,25 @@ std::string how_to_read_html() {
       "<p>The <b>verdict</b> column reads alpha at the last T: <span class=\"verdict coherent\">coherent</span> "
       "when alpha &ge; {}, <span class=\"verdict averages-out\">averages out</span> when alpha &le; {}, "
       "<span class=\"verdict mixed\">mixed</span> in between (a coherent part under random noise, or a window too "
-      "short to tell), n/a when alpha is undefined (fewer than 2 steps, or no error at all).</p>\n",
-      coherent_alpha_threshold, averaging_alpha_threshold);
+      "short to tell), n/a when alpha is undefined (fewer than 2 steps, or no error at all). A bias that keeps its "
+      "sign at every step and is at least {} of the final acc_err overrides alpha: <span class=\"verdict "
+      "coherent\">coherent (bias)</span>, since each step then scales the gradient by a similar factor, the "
+      "summed update keeps it, and it is most of the summed error. alpha is a slope over the whole window: on a window whose steps are not consecutive "
+      "(summary.json's <span class=\"mono\">consecutive</span>) it mostly measures how the gradient's size changed "
+      "between its parts.</p>\n"
+      "<p class=\"notice\"><b>What these numbers do not say.</b> The verdicts and the acc_err ranking describe "
+      "the replayed window. Whether any of them predicts what a recipe costs in training (the tokens it needs to "
+      "reach bf16's loss) is tested in docs/validation.md on trained recipe ladders; no replay metric has been "
+      "shown to predict it yet, so the ranking is not a ranking of recipes by training cost.</p>\n",
+      coherent_alpha_threshold, averaging_alpha_threshold, coherent_bias_fraction);
   out += "<h3>Ranking table columns</h3>\n<dl class=\"terms\">\n";
   const std::pair<std::string_view, std::string_view> columns[] = {
       {"rank, acc_err", "Strategies are ranked by acc_err = ||&sum; E<sub>t</sub>|| / ||&sum; G<sub>t</sub>|| at the "
                         "last T, smallest first: the error of the summed update."},
       {"rel_err mean", "The mean over steps of ||E<sub>t</sub>|| / ||G<sub>t</sub>||: the one-step error size. A "
                        "strategy can win on rel_err and lose on acc_err when its errors are coherent."},
+      {"bias mean", "The mean over steps of &lt;E<sub>t</sub>, G<sub>t</sub>&gt; / ||G<sub>t</sub>||<sup>2</sup>: "
+                    "negative when the strategy shrinks the gradient; \"every step\" when no step has the other sign."},
       {"coherence", "At the last T; compare with 1 (independent errors) and sqrt(T) (identical errors), given in the "
                     "column header."},
       {"alpha", "The least-squares slope of log ||&sum;<sub>t&le;s</sub> E<sub>t</sub>|| against log s over s = 1..T."},
@@ -212,14 +225,16 @@ std::string ranking_html(const std::vector<ranking_row>& rows) {
   std::string out = "<table class=\"ranking\">\n<thead><tr><th>rank</th><th>strategy</th>";
   out += fmt::format("<th>acc_err (T = {})</th><th>rel_err mean</th><th>coherence (sqrt(T) = {})</th>", final_T,
                      short_number(std::sqrt(static_cast<double>(final_T))));
-  out += "<th>alpha</th><th>verdict</th><th>lag1_corr</th><th>structural_share</th><th>SGD disp_err</th>"
-         "<th>AdamW disp_err</th></tr></thead>\n<tbody>\n";
+  out += "<th>alpha</th><th>bias mean</th><th>verdict</th><th>lag1_corr</th><th>structural_share</th>"
+         "<th>SGD disp_err</th><th>AdamW disp_err</th></tr></thead>\n<tbody>\n";
   for (const ranking_row& row : rows) {
     out += fmt::format("<tr><td class=\"number\">{}</td><td class=\"strategy\">{}{}</td>", row.rank,
                        swatch(row.strategy_index), html_escape(row.strategy));
     for (const double value : {row.acc_err, row.rel_err_mean, row.coherence, row.alpha}) {
       out += fmt::format("<td class=\"number\">{}</td>", short_number(value));
     }
+    out += fmt::format("<td class=\"number\">{}{}</td>", short_number(row.bias_mean),
+                       row.bias_one_sign ? " (every step)" : "");
     out += fmt::format("<td class=\"verdict {}\">{}</td>", verdict_class(row.verdict), verdict_text(row.verdict));
     for (const double value : {row.lag1_corr, row.structural_share, row.sgd_disp_err, row.adamw_disp_err}) {
       out += fmt::format("<td class=\"number\">{}</td>", short_number(value));

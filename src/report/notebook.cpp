@@ -245,9 +245,16 @@ print(f"{len(steps)} step rows, {len(accumulation)} accumulation rows, "
 
 constexpr std::string_view ranking_code = R"python(COHERENT_ALPHA = @COHERENT@  # alpha at or above: the errors add up
 AVERAGING_ALPHA = @AVERAGING@  # alpha at or below: they average out
+COHERENT_BIAS = @BIAS@  # a one-signed bias at least this fraction of the final acc_err: coherent
 
 
-def verdict(alpha):
+def verdict(alpha, biases, acc_err):
+    """The report's verdict: a bias of one sign at every step that is most of the summed error is
+    coherent whatever alpha says (the summed update keeps the same shrinkage); else alpha."""
+    mean_bias = float(biases.mean()) if len(biases) else float("nan")
+    one_sign = len(biases) >= 2 and bool(((biases != 0) & ((biases < 0) == (mean_bias < 0))).all())
+    if one_sign and abs(mean_bias) >= COHERENT_BIAS * acc_err:
+        return "coherent (bias)"
     if math.isnan(alpha):
         return "n/a"
     if alpha >= COHERENT_ALPHA:
@@ -272,7 +279,9 @@ def ranking(layer, gemm):
         "rel_err_mean": [rel_err_mean[name] for name in order],
         "coherence": [final.loc[name, "coherence"] for name in order],
         "alpha": [final.loc[name, "alpha"] for name in order],
-        "verdict": [verdict(final.loc[name, "alpha"]) for name in order],
+        "bias_mean": [per_step[per_step["strategy"] == name]["bias"].mean() for name in order],
+        "verdict": [verdict(final.loc[name, "alpha"], per_step[per_step["strategy"] == name]["bias"].values,
+                            final.loc[name, "acc_err"]) for name in order],
         "lag1_corr": [final.loc[name, "lag1_corr"] for name in order],
         "structural_share": [final.loc[name, "structural_share"] for name in order],
         "sgd_disp_err": [final.loc[name, "sgd_disp_err"] for name in order],
@@ -448,6 +457,7 @@ void write_notebook(const std::filesystem::path& run_directory, const std::files
   load = replace_all(load, "@MARKERS@", markers_literal());
   std::string rank = replace_all(std::string(ranking_code), "@COHERENT@", fmt::format("{}", coherent_alpha_threshold));
   rank = replace_all(rank, "@AVERAGING@", fmt::format("{}", averaging_alpha_threshold));
+  rank = replace_all(rank, "@BIAS@", fmt::format("{}", coherent_bias_fraction));
   const std::string plot = replace_all(std::string(plot_code), "@KINDS@", kinds_literal());
 
   nlohmann::json notebook;

@@ -303,9 +303,17 @@ verdict verdict_for_alpha(double alpha) {
   return verdict::mixed;
 }
 
+verdict verdict_for(double alpha, double bias_mean, bool bias_one_sign, double acc_err, long long steps) {
+  if (steps >= 2 && bias_one_sign && std::fabs(bias_mean) >= coherent_bias_fraction * acc_err) {
+    return verdict::coherent_bias;
+  }
+  return verdict_for_alpha(alpha);
+}
+
 std::string_view verdict_text(verdict value) {
   switch (value) {
     case verdict::coherent: return "coherent";
+    case verdict::coherent_bias: return "coherent (bias)";
     case verdict::averages_out: return "averages out";
     case verdict::mixed: return "mixed";
     case verdict::undefined: break;
@@ -322,16 +330,26 @@ std::vector<ranking_row> rank_strategies(const unit_data& unit) {
     row.strategy_index = series.strategy_index;
     row.T = final_row.T;
     row.acc_err = final_row.acc_err;
-    double sum = 0.0;
-    for (const auto& step : series.steps) sum += step.rel_err;
-    row.rel_err_mean = series.steps.empty() ? std::nan("") : sum / static_cast<double>(series.steps.size());
+    double sum = 0.0, bias_sum = 0.0;
+    for (const auto& step : series.steps) {
+      sum += step.rel_err;
+      bias_sum += step.bias;
+    }
+    const double count = static_cast<double>(series.steps.size());
+    row.rel_err_mean = series.steps.empty() ? std::nan("") : sum / count;
+    row.bias_mean = series.steps.empty() ? std::nan("") : bias_sum / count;
+    row.bias_one_sign = !series.steps.empty();
+    for (const auto& step : series.steps) {
+      row.bias_one_sign = row.bias_one_sign && step.bias != 0.0 && (step.bias < 0.0) == (row.bias_mean < 0.0);
+    }
     row.coherence = final_row.coherence;
     row.alpha = final_row.alpha;
     row.lag1_corr = final_row.lag1_corr;
     row.structural_share = final_row.structural_share;
     row.sgd_disp_err = final_row.sgd_disp_err;
     row.adamw_disp_err = final_row.adamw_disp_err;
-    row.verdict = verdict_for_alpha(final_row.alpha);
+    row.verdict = verdict_for(final_row.alpha, row.bias_mean, row.bias_one_sign, row.acc_err,
+                              static_cast<long long>(series.steps.size()));
     rows.push_back(std::move(row));
   }
   std::stable_sort(rows.begin(), rows.end(), [](const ranking_row& left, const ranking_row& right) {

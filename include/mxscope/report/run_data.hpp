@@ -76,9 +76,16 @@ bool is_text_column(std::string_view name);
 // How the final growth exponent alpha classifies a strategy's error across steps.
 inline constexpr double coherent_alpha_threshold = 0.75;   // alpha >= this: the errors add up
 inline constexpr double averaging_alpha_threshold = 0.6;   // alpha <= this: they average out
-enum class verdict { coherent, averages_out, mixed, undefined };
+// A bias that keeps its sign at every step and is at least this fraction of the final acc_err is
+// a coherent error whatever alpha says: each step shrinks (or inflates) the gradient by a similar
+// factor, the summed update carries about that factor too, and it is most of the summed error.
+inline constexpr double coherent_bias_fraction = 0.5;
+enum class verdict { coherent, coherent_bias, averages_out, mixed, undefined };
 verdict verdict_for_alpha(double alpha);
-// "coherent", "averages out", "mixed", "n/a" (alpha is nan for T < 2).
+// coherent_bias when every step's bias has one sign and |mean bias| >= coherent_bias_fraction x
+// the final acc_err (at least 2 steps), else verdict_for_alpha(alpha).
+verdict verdict_for(double alpha, double bias_mean, bool bias_one_sign, double acc_err, long long steps);
+// "coherent", "coherent (bias)", "averages out", "mixed", "n/a" (alpha is nan for T < 2).
 std::string_view verdict_text(verdict value);
 
 // One line of a unit's ranking: the final (largest T) accumulation row plus the mean per-step error.
@@ -95,6 +102,8 @@ struct ranking_row {
   double structural_share = 0.0;
   double sgd_disp_err = 0.0;
   double adamw_disp_err = 0.0;
+  double bias_mean = 0.0;      // the mean per-step bias (negative: the strategy shrinks the gradient)
+  bool bias_one_sign = false;  // every step's bias has the sign of bias_mean (and is nonzero)
   report::verdict verdict = verdict::undefined;
 };
 
