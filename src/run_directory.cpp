@@ -95,7 +95,7 @@ bool is_stale_name(std::string_view name, bool in_partial) {
   static const std::regex run_temporary(
       R"((steps\.csv|accumulation\.csv|summary\.json|run\.json|\.mxscope-run)\.tmp\.[0-9]+)");
   static const std::regex partial_stale(
-      R"(((rank-[0-9]{5}\.json|stop)(\.tmp\.[0-9]+)?)|((run-key\.json|[0-9]{5}-[A-Za-z0-9._-]*\.unit)\.tmp\.[0-9]+))");
+      R"(((rank-[0-9]{5,}\.json|stop)(\.tmp\.[0-9]+)?)|((run-key\.json|[0-9]{5,}-[A-Za-z0-9._-]*\.unit)\.tmp\.[0-9]+))");
   if (name.size() > 200) return false;
   const std::string text(name);
   return std::regex_match(text, in_partial ? partial_stale : run_temporary);

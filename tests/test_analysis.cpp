@@ -2,6 +2,8 @@
 // mistake is reported with file:line:column and the offending key.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "mxscope/analysis.hpp"
@@ -142,6 +144,15 @@ TEST(Analysis, FilesThatAreNotRegularOrTooLargeAreRefused) {
     EXPECT_NE(std::string(error.what()).find("/dev/zero: the analysis file is not a regular file"), std::string::npos)
         << error.what();
   }
+  const std::string large = ::testing::TempDir() + "mxscope-large-analysis.toml";
+  std::ofstream(large) << std::string((1 << 20) + 1, '#');
+  try {
+    mxscope::load_analysis(large);
+    ADD_FAILURE() << "read an analysis of more than 1 MiB";
+  } catch (const mxscope::input_error& error) {
+    EXPECT_NE(std::string(error.what()).find("larger than 1048576 bytes"), std::string::npos) << error.what();
+  }
+  std::remove(large.c_str());
 }
 
 TEST(Analysis, ShippedTransformerEngineLikeNvfp4Recipe) {
