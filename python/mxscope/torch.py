@@ -27,6 +27,7 @@ import torch.nn.functional as _F
 from torch import nn as _nn
 
 from . import _api
+from .capture import autocast_dtype as _autocast_dtype
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 # Each GEMM's operands: (role, axis of its [rows, cols] view, is the gradient operand).
@@ -143,19 +144,6 @@ LADDER: Dict[str, Recipe] = _ladder()
 
 # ------------------------------------------------------------------------------------------------
 # The layer.
-
-
-def _autocast_dtype(device_type: str) -> Optional[_torch.dtype]:
-    if hasattr(_torch, "get_autocast_dtype"):
-        try:
-            return _torch.get_autocast_dtype(device_type) if _torch.is_autocast_enabled(device_type) else None
-        except TypeError:
-            pass
-    if device_type == "cuda":
-        return _torch.get_autocast_gpu_dtype() if _torch.is_autocast_enabled() else None
-    if device_type == "cpu":
-        return _torch.get_autocast_cpu_dtype() if _torch.is_autocast_cpu_enabled() else None
-    return None
 
 
 _HAS_OUT_DTYPE = None
