@@ -38,6 +38,41 @@ __device__ inline void load_group(const Input* input, std::int64_t index, int wi
   for (int k = 0; k < column_group; ++k) v[k] = k < width ? load_input(input, index + k) : 0.0f;
 }
 
+// One row of a column group into the block's scan: the counters of nonzero and non-finite
+// elements, whether a column met a non-finite value, and each column's largest finite magnitude.
+__device__ inline void scan_column_row(const float (&v)[column_group], int width, float (&amax)[column_group],
+                                       bool (&nonfinite)[column_group], unsigned long long (&counts)[mx_counter_count]) {
+#pragma unroll
+  for (int k = 0; k < column_group; ++k) {
+    if (k >= width) continue;
+    counts[counter_nonzero] += v[k] != 0.0f;
+    const bool finite = is_finite(v[k]);
+    counts[counter_nonfinite] += !finite;
+    nonfinite[k] = nonfinite[k] || !finite;
+    const float magnitude = fabsf(v[k]);
+    if (finite && amax[k] < magnitude) amax[k] = magnitude;
+  }
+}
+
+// A column's E8M0 scale code from the scan (the NaN code when it met a non-finite value).
+__device__ inline std::uint8_t column_scale(const mx_plan& plan, float amax, bool nonfinite) {
+  return nonfinite ? core_ns::scale_nan_code : core_ns::scale_code(core_ns::shared_exponent(plan.element, plan.rule, amax));
+}
+
+// One element of a column group: its code, its dequantized value (canonical NaN in a block with a
+// non-finite member) and the flushed / saturated counters.
+__device__ inline std::uint32_t encode_column_element(const fast_encode::element_constants& constants, const mx_plan& plan,
+                                                      float value, bool nonfinite, int exponent, std::uint32_t word,
+                                                      float& dequantized, unsigned long long (&counts)[mx_counter_count]) {
+  dequantized = canonical_nan_float();
+  if (nonfinite) return 0;
+  const core_ns::encoded encoded = fast_encode::quantize_finite(constants, value, exponent, plan.rounding, word, plan.sr_bits);
+  dequantized = fast_encode::dequantize(constants, encoded.code, exponent);
+  counts[counter_flushed] += encoded.flushed;
+  counts[counter_saturated] += encoded.saturated;
+  return encoded.code;
+}
+
 template <class Input>
 __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
                                  fast_encode::element_constants constants, mx_device_output output,
@@ -62,23 +97,13 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
     for (int i = 0; i < height; ++i) {
       float v[column_group];
       load_group(input, (r0 + i) * cols + c0, width, vector, v);
-#pragma unroll
-      for (int k = 0; k < column_group; ++k) {
-        if (k >= width) continue;
-        counts[counter_nonzero] += v[k] != 0.0f;
-        const bool finite = is_finite(v[k]);
-        counts[counter_nonfinite] += !finite;
-        nonfinite[k] = nonfinite[k] || !finite;
-        const float magnitude = fabsf(v[k]);
-        if (finite && amax[k] < magnitude) amax[k] = magnitude;
-      }
+      scan_column_row(v, width, amax, nonfinite, counts);
     }
     int exponent[column_group];
 #pragma unroll
     for (int k = 0; k < column_group; ++k) {
       if (k >= width) continue;
-      const std::uint8_t scale = nonfinite[k] ? core_ns::scale_nan_code
-                                              : core_ns::scale_code(core_ns::shared_exponent(plan.element, plan.rule, amax[k]));
+      const std::uint8_t scale = column_scale(plan, amax[k], nonfinite[k]);
       output.scales[(r0 / plan.block) * cols + c0 + k] = scale;
       exponent[k] = core_ns::scale_exponent(scale);
     }
@@ -93,24 +118,17 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
 #pragma unroll
       for (int k = 0; k < column_group; ++k) {
         if (k >= width) continue;
-        float dequantized = canonical_nan_float();
-        if (!nonfinite[k]) {
-          std::uint32_t word = 0;
-          if (stochastic) {
-            const std::uint64_t index = static_cast<std::uint64_t>(flat + k);
-            if (index / 4 != words_index) {
-              words_index = index / 4;
-              words = plan.stream.block(words_index);
-            }
-            word = words.word[index % 4];
+        std::uint32_t word = 0;
+        if (stochastic && !nonfinite[k]) {
+          const std::uint64_t index = static_cast<std::uint64_t>(flat + k);
+          if (index / 4 != words_index) {
+            words_index = index / 4;
+            words = plan.stream.block(words_index);
           }
-          const core_ns::encoded encoded =
-              fast_encode::quantize_finite(constants, v[k], exponent[k], plan.rounding, word, plan.sr_bits);
-          codes[k] = encoded.code;
-          dequantized = fast_encode::dequantize(constants, encoded.code, exponent[k]);
-          counts[counter_flushed] += encoded.flushed;
-          counts[counter_saturated] += encoded.saturated;
+          word = words.word[index % 4];
         }
+        float dequantized;
+        codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], word, dequantized, counts);
         if (output.dequantized != nullptr) output.dequantized[flat + k] = dequantized;
         if (operand != nullptr) operand[flat + k] = core_ns::float_to_bf16(dequantized, core_ns::rounding_mode::rne, 0U, 32);
       }
@@ -131,11 +149,105 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
+// The bf16 case without tails (blocks of 32 rows, rows a multiple of 32, cols a multiple of 4,
+// vector-aligned pointers): the thread's 32 x 4 block is held in registers, read with all 32 row
+// loads issued before the first is used, and each row's codes, dequantized values and operand are
+// written as one vector store each. Same bits as mx_column_kernel (the same element encoder and
+// Philox words; the simulated test compares both with the core).
+constexpr int cached_block = 32;
+__global__ void __launch_bounds__(threads_per_block)
+    mx_column_cached_kernel(const std::uint16_t* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                            fast_encode::element_constants constants, mx_device_output output, std::uint16_t* operand) {
+  const bool packed = core_ns::spec(plan.element).bits == 4;
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::int64_t row_bytes = packed ? cols / 2 : cols;
+  const std::int64_t groups = cols / column_group;
+  const std::int64_t row_blocks = rows / cached_block;
+  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
+  MXSCOPE_GRID_LOOP(t, groups * row_blocks) {
+    const std::int64_t c0 = (t % groups) * column_group;
+    const std::int64_t r0 = (t / groups) * cached_block;
+    uint2 raw[cached_block];
+#pragma unroll
+    for (int i = 0; i < cached_block; ++i) raw[i] = *reinterpret_cast<const uint2*>(input + (r0 + i) * cols + c0);
+    float amax[column_group] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool nonfinite[column_group] = {false, false, false, false};
+#pragma unroll
+    for (int i = 0; i < cached_block; ++i) {
+      const float v[column_group] = {core_ns::bits_float(raw[i].x << 16), core_ns::bits_float(raw[i].x & 0xffff0000U),
+                                     core_ns::bits_float(raw[i].y << 16), core_ns::bits_float(raw[i].y & 0xffff0000U)};
+      scan_column_row(v, column_group, amax, nonfinite, counts);
+    }
+    int exponent[column_group];
+#pragma unroll
+    for (int k = 0; k < column_group; ++k) {
+      const std::uint8_t scale = column_scale(plan, amax[k], nonfinite[k]);
+      output.scales[(r0 / cached_block) * cols + c0 + k] = scale;
+      exponent[k] = core_ns::scale_exponent(scale);
+    }
+#pragma unroll
+    for (int i = 0; i < cached_block; ++i) {
+      const std::int64_t r = r0 + i;
+      const std::int64_t flat = r * cols + c0;  // a multiple of 4: one Philox block covers the group
+      const float v[column_group] = {core_ns::bits_float(raw[i].x << 16), core_ns::bits_float(raw[i].x & 0xffff0000U),
+                                     core_ns::bits_float(raw[i].y << 16), core_ns::bits_float(raw[i].y & 0xffff0000U)};
+      core_ns::philox_block words{};
+      if (stochastic) words = plan.stream.block(static_cast<std::uint64_t>(flat) / 4);
+      std::uint32_t codes[column_group];
+      float dequantized[column_group];
+#pragma unroll
+      for (int k = 0; k < column_group; ++k) {
+        codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], stochastic ? words.word[k] : 0U,
+                                         dequantized[k], counts);
+      }
+      if (output.dequantized != nullptr) {
+        *reinterpret_cast<float4*>(output.dequantized + flat) =
+            make_float4(dequantized[0], dequantized[1], dequantized[2], dequantized[3]);
+      }
+      if (operand != nullptr) {
+        std::uint32_t halves[column_group];
+#pragma unroll
+        for (int k = 0; k < column_group; ++k) halves[k] = core_ns::float_to_bf16(dequantized[k], core_ns::rounding_mode::rne, 0U, 32);
+        uint2 pair;
+        pair.x = halves[0] | (halves[1] << 16);
+        pair.y = halves[2] | (halves[3] << 16);
+        *reinterpret_cast<uint2*>(operand + flat) = pair;
+      }
+      if (packed) {  // columns c0, c0 + 1 in the first byte, c0 + 2, c0 + 3 in the second
+        const std::uint32_t two = (codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4) | ((codes[2] & 0x0FU) << 8) |
+                                  ((codes[3] & 0x0FU) << 12);
+        *reinterpret_cast<std::uint16_t*>(output.codes + r * row_bytes + c0 / 2) = static_cast<std::uint16_t>(two);
+      } else {
+        *reinterpret_cast<std::uint32_t*>(output.codes + r * row_bytes + c0) =
+            (codes[0] & 0xFFU) | ((codes[1] & 0xFFU) << 8) | ((codes[2] & 0xFFU) << 16) | ((codes[3] & 0xFFU) << 24);
+      }
+    }
+  }
+  if (output.counters != nullptr) add_counters(output.counters, counts);
+}
+
 bool column_path_covers(const mx_plan& plan) { return plan.axis == 0 && fast_encode::covers(plan.element); }
+
+// Whether mx_column_cached_kernel takes this call (see its comment).
+bool column_cache_covers(const void* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                         const mx_device_output& output, const std::uint16_t* operand) {
+  const auto aligned = [](const void* pointer, std::uintptr_t bytes) {
+    return reinterpret_cast<std::uintptr_t>(pointer) % bytes == 0;
+  };
+  return plan.block == cached_block && rows % cached_block == 0 && cols % column_group == 0 && aligned(input, 8) &&
+         aligned(output.codes, 4) && aligned(output.dequantized, 16) && aligned(operand, 8);
+}
 
 template <class Input>
 void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                     const mx_device_output& output, std::uint16_t* operand) {
+  if constexpr (std::is_same_v<Input, std::uint16_t>) {
+    if (column_cache_covers(input, rows, cols, plan, output, operand)) {
+      runtime::launch(mx_column_cached_kernel, grid_for((cols / column_group) * (rows / cached_block)), threads_per_block,
+                      0, input, rows, cols, plan, fast_encode::constants_of(plan.element), output, operand);
+      return;
+    }
+  }
   const std::int64_t units = ((cols + column_group - 1) / column_group) * ((rows + plan.block - 1) / plan.block);
   runtime::launch(mx_column_kernel<Input>, grid_for(units), threads_per_block, 0, input, rows, cols, plan,
                   fast_encode::constants_of(plan.element), output, operand);
