@@ -14,6 +14,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 import types
 import unittest
 from contextlib import redirect_stdout
@@ -473,6 +474,31 @@ class RunnerOnCpu(unittest.TestCase):
         rows = list(csv.DictReader(io.StringIO(text)))
         self.assertEqual(len(rows), 2 * 3 * 4)
         self.assertEqual(len({(r["recipe"], r["seed"], r["step"]) for r in rows}), len(rows))
+
+
+class Scheduling(unittest.TestCase):
+    def jobs(self):
+        from mxscope.ablate import runner
+        return [runner.RunOptions(out="/nonexistent", size="tiny", size_config=runner.SIZES["tiny"], recipe=r, seed=s,
+                                  steps=4, eval_every=2)
+                for r in ("bf16", "mxfp4-fdw", "mxfp4-fdw-sr", "nvfp4-te") for s in (2, 0, 1)]
+
+    def test_seed_major_and_slow_recipes_first(self):
+        from mxscope.ablate import runner
+        ordered = [(j.seed, j.recipe) for j in runner.order_jobs(self.jobs())]
+        self.assertEqual([s for s, _ in ordered], [0] * 4 + [1] * 4 + [2] * 4)
+        # within a seed: the two-part costs (sr, nvfp4 + ... ) before the plain recipes, stable otherwise
+        self.assertEqual([r for s, r in ordered if s == 0], ["mxfp4-fdw-sr", "nvfp4-te", "bf16", "mxfp4-fdw"])
+
+    def test_a_passed_deadline_starts_nothing_and_returns_every_job(self):
+        from mxscope.ablate import runner
+        jobs = self.jobs()
+        for parallel in (1, 2):
+            trained = []
+            left = runner._train_all(jobs, parallel, "/nonexistent/evals.csv", lambda text: None,
+                                     deadline=time.time() - 1, on_finished=trained.append)
+            self.assertEqual(left, jobs)
+            self.assertEqual(trained, [])
 
 
 class Projections(unittest.TestCase):

@@ -458,9 +458,11 @@ def find_mxscope(explicit: Optional[str]) -> Optional[str]:
 
 def replay_run(run_dir: str, recipe: str, seed: int, strategies_for: Sequence[str],
                windows: Dict[str, Tuple[int, int]], mxscope: str, device: str = "cpu", threads: int = 0,
-               attribute: bool = False, log=print) -> Dict[str, str]:
+               attribute: bool = False, log=print, deadline: Optional[float] = None) -> Dict[str, str]:
     """Replay run_dir/capture under `strategies_for` (the run's recipe first), one replay per
-    capture window; returns window -> replay directory."""
+    capture window; returns window -> replay directory. With a deadline (time.time() value) a
+    replay still running then is killed (subprocess.TimeoutExpired propagates); its directory is
+    finished with --resume by the next call."""
     entries = []
     for name in strategies_for:
         obj, _, unquantized = resolve_recipe(name, seed)
@@ -489,7 +491,8 @@ def replay_run(run_dir: str, recipe: str, seed: int, strategies_for: Sequence[st
         if os.path.exists(target):
             command.append("--resume")
         log("replay: " + " ".join(command))
-        subprocess.run(command, check=True)
+        timeout = None if deadline is None else max(1.0, deadline - time.time())
+        subprocess.run(command, check=True, timeout=timeout)
     return out
 
 
@@ -714,7 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-threads", type=int, default=0)
     p.add_argument("--neighbours", type=int, default=1, help="ladder neighbours replayed on each side of a recipe")
     p.add_argument("--attribute", action="store_true", help="replay with --attribute (flush/clip/round shares)")
+    p.add_argument("--replay-parallel", type=int, default=2,
+                   help="replays run at once, each as soon as its capture run has finished (overlapping training)")
     p.add_argument("--delete-captures", action="store_true", help="remove a capture once its replays are done")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="seconds: start no run that would end past it (by the median wall time of the runs "
+                        "finished so far), stop what still runs at it, write the tables; rerun to go on (0: none)")
     p.add_argument("--analyze-only", action="store_true", help="skip training and replay; rewrite the tables")
     p.add_argument("--target-rule", choices=("mean", "max"), default="mean")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the overhead intervals")
@@ -807,32 +815,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                         log(f"skip {size}/{recipe}/seed{seed}: complete in evals.csv")
                         continue
                     jobs.append(options)
-        try:
-            _train_all(jobs, args.parallel, evals_path, log)
-        finally:  # a failed run still leaves the provenance of the runs that finished
-            _provenance(args.out, ["tools/ablate"] + argv, started, jobs, args.device)
-
-        if args.replay:
-            mxscope = find_mxscope(args.mxscope)
-            if mxscope is None:
-                raise SystemExit("--replay: no mxscope CLI (give --mxscope PATH, put it on PATH, or build it)")
+        jobs = order_jobs(jobs)
+        deadline = started + args.time_limit if args.time_limit > 0 else None
+        replays = ReplayQueue(args, recipes, capture_seeds, log, deadline) if args.replay else None
+        if replays is not None:  # captures of runs finished by an earlier invocation
             for size in size_names:
                 for recipe in recipes:
                     for seed in sorted(capture_seeds):
-                        run_dir = os.path.join(args.out, "runs", size, recipe, f"seed{seed}")
-                        if not os.path.isdir(os.path.join(run_dir, "capture")):
-                            if not os.path.isdir(os.path.join(run_dir, "replay")):
-                                log(f"no capture in {run_dir}: not replayed (it was trained without --capture)")
-                            continue
-                        # bf16's capture is replayed under every recipe (the off-policy comparison);
-                        # every other capture under its own recipe and its ladder neighbours.
-                        names = ([recipe] + [r for r in recipes if r != recipe]) if recipe == "bf16" else \
-                            strategies.neighbours(recipes, recipe, args.neighbours)
-                        windows = capture_windows(args.steps, args.capture_window, args.capture_early)
-                        replay_run(run_dir, recipe, seed, names, windows, mxscope, args.replay_device,
-                                   args.replay_threads, args.attribute, log)
-                        if args.delete_captures:
-                            shutil.rmtree(os.path.join(run_dir, "capture"), ignore_errors=True)
+                        if (size, recipe, seed) in done:
+                            replays.submit(size, recipe, seed)
+        try:
+            left = _train_all(jobs, args.parallel, evals_path, log, deadline=deadline,
+                              on_finished=(lambda job: replays.submit(job.size, job.recipe, job.seed))
+                              if replays is not None else None)
+        finally:  # a failed run still leaves the provenance of the runs that finished
+            _provenance(args.out, ["tools/ablate"] + argv, started, jobs, args.device)
+            if replays is not None:
+                replays.finish()
+        if left or (replays is not None and replays.unfinished):
+            log(f"time limit: {len(left)} run(s) and {len(replays.unfinished) if replays else 0} replay(s) left "
+                f"for the next invocation of the same command")
 
     analyze(args.out, target_rule=args.target_rule, n_boot=args.bootstrap, plot=not args.no_plot, log=log)
     log(f"wrote {args.out}/runs.csv, overhead.csv" + (", predictors.csv" if
@@ -840,20 +842,98 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _train_all(jobs: List[RunOptions], parallel: int, evals_path: str, log) -> None:
-    """Train the jobs, in this process (parallel 1) or as `parallel` concurrent subprocesses."""
+def order_jobs(jobs: List[RunOptions]) -> List[RunOptions]:
+    """Seed-major (every recipe's first seed before any second seed, so that a stopped invocation
+    leaves whole seeds), and within a seed the slower recipes first (stochastic rounding, random
+    signs and NVFP4 take the longest), so that the last runs to start are short ones."""
+    def cost(recipe: str) -> int:
+        return -sum(part in recipe for part in ("sr", "rht", "nvfp4", "fixed", "all"))
+    seeds = sorted({j.seed for j in jobs})
+    return sorted(jobs, key=lambda j: (seeds.index(j.seed), cost(j.recipe)))
+
+
+class ReplayQueue:
+    """Replays of finished capture runs, --replay-parallel at a time on background threads, so that
+    they overlap the training of the other runs. bf16's capture is replayed under every recipe (the
+    off-policy comparison); every other capture under its own recipe and its ladder neighbours."""
+
+    def __init__(self, args, recipes: Sequence[str], capture_seeds, log, deadline: Optional[float]):
+        import concurrent.futures
+        self.args, self.recipes, self.capture_seeds, self.log, self.deadline = args, list(recipes), capture_seeds, log, deadline
+        self.mxscope = find_mxscope(args.mxscope)
+        if self.mxscope is None:
+            raise SystemExit("--replay: no mxscope CLI (give --mxscope PATH, put it on PATH, or build it)")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.replay_parallel))
+        self.futures = {}
+        self.unfinished: List[str] = []
+
+    def submit(self, size: str, recipe: str, seed: int) -> None:
+        if seed not in self.capture_seeds:
+            return
+        run_dir = os.path.join(self.args.out, "runs", size, recipe, f"seed{seed}")
+        if not os.path.isdir(os.path.join(run_dir, "capture")):
+            if not os.path.isdir(os.path.join(run_dir, "replay")):
+                self.log(f"no capture in {run_dir}: not replayed (it was trained without --capture)")
+            return
+        self.futures[run_dir] = self.pool.submit(self._replay, run_dir, recipe, seed)
+
+    def _replay(self, run_dir: str, recipe: str, seed: int) -> None:
+        if self.deadline is not None and time.time() >= self.deadline:
+            raise subprocess.TimeoutExpired("replay", 0)
+        names = ([recipe] + [r for r in self.recipes if r != recipe]) if recipe == "bf16" else \
+            strategies.neighbours(self.recipes, recipe, self.args.neighbours)
+        windows = capture_windows(self.args.steps, self.args.capture_window, self.args.capture_early)
+        replay_run(run_dir, recipe, seed, names, windows, self.mxscope, self.args.replay_device,
+                   self.args.replay_threads, self.args.attribute, self.log, deadline=self.deadline)
+        if self.args.delete_captures:
+            shutil.rmtree(os.path.join(run_dir, "capture"), ignore_errors=True)
+
+    def finish(self) -> None:
+        """Wait for every replay; those stopped by the deadline are listed in `unfinished`."""
+        failures = []
+        for run_dir, future in self.futures.items():
+            try:
+                future.result()
+            except subprocess.TimeoutExpired:
+                self.unfinished.append(run_dir)
+            except subprocess.CalledProcessError as error:
+                failures.append(f"{run_dir}: {error}")
+        self.pool.shutdown()
+        if failures:
+            raise SystemExit("replays failed: " + "; ".join(failures))
+
+
+def _train_all(jobs: List[RunOptions], parallel: int, evals_path: str, log, deadline: Optional[float] = None,
+               on_finished=None) -> List[RunOptions]:
+    """Train the jobs, in this process (parallel 1) or as `parallel` concurrent subprocesses, calling
+    on_finished(job) after each successful run. With a deadline no run starts that would end past
+    it by the median wall time of the runs finished so far, and runs still going at it are stopped
+    (they are trained again by the next invocation). Returns the jobs not trained."""
+    def too_late(walls: List[float]) -> bool:
+        if deadline is None:
+            return False
+        typical = sorted(walls)[len(walls) // 2] if walls else 0.0
+        return time.time() + typical >= deadline
+
+    walls: List[float] = []
     if parallel <= 1:
-        for job in jobs:
+        for index, job in enumerate(jobs):
+            if too_late(walls):
+                return jobs[index:]
             log(f"train {job.size}/{job.recipe}/seed{job.seed}")
+            begun = time.time()
             append_run(evals_path, train_one(job))
-        return
+            walls.append(time.time() - begun)
+            if on_finished is not None:
+                on_finished(job)
+        return []
     env = dict(os.environ)
     env["PYTHONPATH"] = PYTHON_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     pending = list(jobs)
-    running: List[Tuple[subprocess.Popen, RunOptions, object]] = []
-    failures = []
+    running: List[Tuple[subprocess.Popen, RunOptions, object, float]] = []
+    failures, stopped = [], []
     while pending or running:
-        while pending and len(running) < parallel:
+        while pending and len(running) < parallel and not too_late(walls):
             job = pending.pop(0)
             os.makedirs(job.run_dir, exist_ok=True)
             logfile = open(os.path.join(job.run_dir, "log.txt"), "w")
@@ -861,18 +941,33 @@ def _train_all(jobs: List[RunOptions], parallel: int, evals_path: str, log) -> N
             process = subprocess.Popen([sys.executable, "-m", "mxscope.ablate.runner", "--out", job.out,
                                         "--worker", payload], env=env, stdout=logfile, stderr=subprocess.STDOUT)
             log(f"train {job.size}/{job.recipe}/seed{job.seed} (pid {process.pid})")
-            running.append((process, job, logfile))
+            running.append((process, job, logfile, time.time()))
+        if not running:
+            break  # the deadline leaves no room for the pending runs
         time.sleep(0.2)
+        late = deadline is not None and time.time() >= deadline
         for item in list(running):
-            process, job, logfile = item
+            process, job, logfile, begun = item
+            if late and process.poll() is None:
+                process.kill()
+                process.wait()
+                stopped.append(job)
+                log(f"stopped {job.size}/{job.recipe}/seed{job.seed} at the time limit")
             if process.poll() is not None:
                 logfile.close()
                 running.remove(item)
+                if job in stopped:
+                    continue
                 if process.returncode != 0:
                     failures.append(f"{job.size}/{job.recipe}/seed{job.seed} (exit {process.returncode}, "
                                     f"see {job.run_dir}/log.txt)")
+                else:
+                    walls.append(time.time() - begun)
+                    if on_finished is not None:
+                        on_finished(job)
     if failures:
         raise SystemExit("runs failed: " + "; ".join(failures))
+    return stopped + pending
 
 
 if __name__ == "__main__":
