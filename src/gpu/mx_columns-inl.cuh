@@ -149,105 +149,11 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
-// The bf16 case without tails (blocks of 32 rows, rows a multiple of 32, cols a multiple of 4,
-// vector-aligned pointers): the thread's 32 x 4 block is held in registers, read with all 32 row
-// loads issued before the first is used, and each row's codes, dequantized values and operand are
-// written as one vector store each. Same bits as mx_column_kernel (the same element encoder and
-// Philox words; the simulated test compares both with the core).
-constexpr int cached_block = 32;
-__global__ void __launch_bounds__(threads_per_block)
-    mx_column_cached_kernel(const std::uint16_t* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
-                            fast_encode::element_constants constants, mx_device_output output, std::uint16_t* operand) {
-  const bool packed = core_ns::spec(plan.element).bits == 4;
-  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
-  const std::int64_t row_bytes = packed ? cols / 2 : cols;
-  const std::int64_t groups = cols / column_group;
-  const std::int64_t row_blocks = rows / cached_block;
-  unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
-  MXSCOPE_GRID_LOOP(t, groups * row_blocks) {
-    const std::int64_t c0 = (t % groups) * column_group;
-    const std::int64_t r0 = (t / groups) * cached_block;
-    uint2 raw[cached_block];
-#pragma unroll
-    for (int i = 0; i < cached_block; ++i) raw[i] = *reinterpret_cast<const uint2*>(input + (r0 + i) * cols + c0);
-    float amax[column_group] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bool nonfinite[column_group] = {false, false, false, false};
-#pragma unroll
-    for (int i = 0; i < cached_block; ++i) {
-      const float v[column_group] = {core_ns::bits_float(raw[i].x << 16), core_ns::bits_float(raw[i].x & 0xffff0000U),
-                                     core_ns::bits_float(raw[i].y << 16), core_ns::bits_float(raw[i].y & 0xffff0000U)};
-      scan_column_row(v, column_group, amax, nonfinite, counts);
-    }
-    int exponent[column_group];
-#pragma unroll
-    for (int k = 0; k < column_group; ++k) {
-      const std::uint8_t scale = column_scale(plan, amax[k], nonfinite[k]);
-      output.scales[(r0 / cached_block) * cols + c0 + k] = scale;
-      exponent[k] = core_ns::scale_exponent(scale);
-    }
-#pragma unroll
-    for (int i = 0; i < cached_block; ++i) {
-      const std::int64_t r = r0 + i;
-      const std::int64_t flat = r * cols + c0;  // a multiple of 4: one Philox block covers the group
-      const float v[column_group] = {core_ns::bits_float(raw[i].x << 16), core_ns::bits_float(raw[i].x & 0xffff0000U),
-                                     core_ns::bits_float(raw[i].y << 16), core_ns::bits_float(raw[i].y & 0xffff0000U)};
-      core_ns::philox_block words{};
-      if (stochastic) words = plan.stream.block(static_cast<std::uint64_t>(flat) / 4);
-      std::uint32_t codes[column_group];
-      float dequantized[column_group];
-#pragma unroll
-      for (int k = 0; k < column_group; ++k) {
-        codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], stochastic ? words.word[k] : 0U,
-                                         dequantized[k], counts);
-      }
-      if (output.dequantized != nullptr) {
-        *reinterpret_cast<float4*>(output.dequantized + flat) =
-            make_float4(dequantized[0], dequantized[1], dequantized[2], dequantized[3]);
-      }
-      if (operand != nullptr) {
-        std::uint32_t halves[column_group];
-#pragma unroll
-        for (int k = 0; k < column_group; ++k) halves[k] = core_ns::float_to_bf16(dequantized[k], core_ns::rounding_mode::rne, 0U, 32);
-        uint2 pair;
-        pair.x = halves[0] | (halves[1] << 16);
-        pair.y = halves[2] | (halves[3] << 16);
-        *reinterpret_cast<uint2*>(operand + flat) = pair;
-      }
-      if (packed) {  // columns c0, c0 + 1 in the first byte, c0 + 2, c0 + 3 in the second
-        const std::uint32_t two = (codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4) | ((codes[2] & 0x0FU) << 8) |
-                                  ((codes[3] & 0x0FU) << 12);
-        *reinterpret_cast<std::uint16_t*>(output.codes + r * row_bytes + c0 / 2) = static_cast<std::uint16_t>(two);
-      } else {
-        *reinterpret_cast<std::uint32_t*>(output.codes + r * row_bytes + c0) =
-            (codes[0] & 0xFFU) | ((codes[1] & 0xFFU) << 8) | ((codes[2] & 0xFFU) << 16) | ((codes[3] & 0xFFU) << 24);
-      }
-    }
-  }
-  if (output.counters != nullptr) add_counters(output.counters, counts);
-}
-
 bool column_path_covers(const mx_plan& plan) { return plan.axis == 0 && fast_encode::covers(plan.element); }
-
-// Whether mx_column_cached_kernel takes this call (see its comment).
-bool column_cache_covers(const void* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
-                         const mx_device_output& output, const std::uint16_t* operand) {
-  const auto aligned = [](const void* pointer, std::uintptr_t bytes) {
-    return reinterpret_cast<std::uintptr_t>(pointer) % bytes == 0;
-  };
-  return plan.block == cached_block && rows % cached_block == 0 && cols % column_group == 0 && aligned(input, 8) &&
-         aligned(output.codes, 4) && aligned(output.dequantized, 16) && aligned(operand, 8);
-}
 
 template <class Input>
 void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                     const mx_device_output& output, std::uint16_t* operand) {
-  if constexpr (std::is_same_v<Input, std::uint16_t>) {
-    if (column_cache_covers(input, rows, cols, plan, output, operand)) {
-      runtime::launch(mx_column_cached_kernel, grid_for((cols / column_group) * (rows / cached_block)), threads_per_block,
-                      0, input, rows, cols, plan, fast_encode::constants_of(plan.element), output, operand);
-      return;
-    }
-  }
   const std::int64_t units = ((cols + column_group - 1) / column_group) * ((rows + plan.block - 1) / plan.block);
   runtime::launch(mx_column_kernel<Input>, grid_for(units), threads_per_block, 0, input, rows, cols, plan,
                   fast_encode::constants_of(plan.element), output, operand);

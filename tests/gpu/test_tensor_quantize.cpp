@@ -193,8 +193,7 @@ TEST(TensorQuantize, MxMatchesTheCoreOnBothAxes) {
         check({kind, axis, core::rounding_mode::sr, 32, false, shape[0], shape[1], 32});
       }
       check({kind, axis, core::rounding_mode::sr, 7, true, 64, 64, 16});
-      // bf16 with stochastic rounding and blocks of 32 on a shape without tails: along axis 0 the
-      // register-cached column kernel (mx_column_cached_kernel)
+      // bf16 with stochastic rounding and blocks of 32, on shapes without tails
       check({kind, axis, core::rounding_mode::sr, 32, true, 96, 64, 32});
       check({kind, axis, core::rounding_mode::sr, 9, true, 64, 36, 32});
       check({kind, axis, core::rounding_mode::rtz, 32, false, 40, 36, 8});

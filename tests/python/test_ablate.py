@@ -485,10 +485,16 @@ class Scheduling(unittest.TestCase):
 
     def test_seed_major_and_slow_recipes_first(self):
         from mxscope.ablate import runner
-        ordered = [(j.seed, j.recipe) for j in runner.order_jobs(self.jobs())]
+        jobs = self.jobs()
+        ordered = [(j.seed, j.recipe) for j in runner.order_jobs(jobs)]
         self.assertEqual([s for s, _ in ordered], [0] * 4 + [1] * 4 + [2] * 4)
         # within a seed: the two-part costs (sr, nvfp4 + ... ) before the plain recipes, stable otherwise
         self.assertEqual([r for s, r in ordered if s == 0], ["mxfp4-fdw-sr", "nvfp4-te", "bf16", "mxfp4-fdw"])
+        # capturing runs go first, whatever their seed
+        for job in jobs:
+            job.capture = job.seed == 2
+        ordered = [(j.seed, j.recipe) for j in runner.order_jobs(jobs)]
+        self.assertEqual([s for s, _ in ordered], [2] * 4 + [0] * 4 + [1] * 4)
 
     def test_a_passed_deadline_starts_nothing_and_returns_every_job(self):
         from mxscope.ablate import runner

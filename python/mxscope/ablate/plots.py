@@ -93,8 +93,12 @@ def overhead_bars(overhead_rows: List[Mapping[str, object]], path: str, log=prin
                 continue
             axis.bar(i, value, color="tab:blue" if value > 0 else "tab:green")
             if math.isfinite(lo):
-                axis.errorbar(i, value, yerr=[[value - lo], [(min(hi, top) if math.isfinite(hi) else top) - value]],
-                              color="black", capsize=3, linewidth=0.8)
+                # The interval as drawn from lo to hi (clipped at the plot's top); a percentile
+                # bootstrap interval need not contain the point estimate, so the bar is drawn
+                # separately rather than as error lengths around the value.
+                upper = min(hi, top) if math.isfinite(hi) else top
+                axis.vlines(i, lo, upper, color="black", linewidth=0.8)
+                axis.hlines([lo, upper], i - 0.15, i + 0.15, color="black", linewidth=0.8)
         axis.axhline(0, color="black", linewidth=0.6)
         axis.set_xticks(range(len(rows)))
         axis.set_xticklabels([str(r["recipe"]) for r in rows], rotation=60, ha="right", fontsize=7)

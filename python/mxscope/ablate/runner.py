@@ -723,6 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=0,
                    help="seconds: start no run that would end past it (by the median wall time of the runs "
                         "finished so far), stop what still runs at it, write the tables; rerun to go on (0: none)")
+    p.add_argument("--replay-grace", type=float, default=0,
+                   help="seconds past --time-limit that replays may still run (a capture does not outlive its "
+                        "invocation's output unless it is kept, so its replays should finish in it)")
     p.add_argument("--analyze-only", action="store_true", help="skip training and replay; rewrite the tables")
     p.add_argument("--target-rule", choices=("mean", "max"), default="mean")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the overhead intervals")
@@ -817,7 +820,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     jobs.append(options)
         jobs = order_jobs(jobs)
         deadline = started + args.time_limit if args.time_limit > 0 else None
-        replays = ReplayQueue(args, recipes, capture_seeds, log, deadline) if args.replay else None
+        replay_deadline = deadline + args.replay_grace if deadline is not None else None
+        replays = ReplayQueue(args, recipes, capture_seeds, log, replay_deadline) if args.replay else None
         if replays is not None:  # captures of runs finished by an earlier invocation
             for size in size_names:
                 for recipe in recipes:
@@ -843,13 +847,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def order_jobs(jobs: List[RunOptions]) -> List[RunOptions]:
-    """Seed-major (every recipe's first seed before any second seed, so that a stopped invocation
-    leaves whole seeds), and within a seed the slower recipes first (stochastic rounding, random
+    """Capturing runs first (their replays then overlap the other runs' training), then seed-major
+    (every recipe's first seed before any second seed, so that a stopped invocation leaves whole
+    seeds), and within a seed the slower recipes first (stochastic rounding, random
     signs and NVFP4 take the longest), so that the last runs to start are short ones."""
     def cost(recipe: str) -> int:
         return -sum(part in recipe for part in ("sr", "rht", "nvfp4", "fixed", "all"))
     seeds = sorted({j.seed for j in jobs})
-    return sorted(jobs, key=lambda j: (seeds.index(j.seed), cost(j.recipe)))
+    return sorted(jobs, key=lambda j: (not j.capture, seeds.index(j.seed), cost(j.recipe)))
 
 
 class ReplayQueue:
