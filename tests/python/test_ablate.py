@@ -507,6 +507,20 @@ class Scheduling(unittest.TestCase):
             self.assertEqual(trained, [])
 
 
+class ReplayedSeeds(unittest.TestCase):
+    def test_only_seeds_with_a_finished_window_count(self):
+        from mxscope.ablate import runner
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root)
+        os.makedirs(os.path.join(root, "seed0", "replay", "early"))  # stopped before its summary.json
+        os.makedirs(os.path.join(root, "seed1"))  # trained without a capture
+        for seed in (2, 3):
+            os.makedirs(os.path.join(root, f"seed{seed}", "replay", "late"))
+            open(os.path.join(root, f"seed{seed}", "replay", "late", "summary.json"), "w").close()
+        self.assertEqual(runner._replayed_seeds(root), [2, 3])
+        self.assertEqual(runner._replayed_seeds(os.path.join(root, "absent")), [])
+
+
 class Projections(unittest.TestCase):
     def test_regex_matches_the_seven_projections_of_the_chosen_blocks(self):
         import re
@@ -635,6 +649,11 @@ class RunnerCaptureAndReplay(unittest.TestCase):
         self.assertEqual({(r["fit_size"], r["test_size"]) for r in predictors}, {("mini", "tiny"), ("tiny", "mini")})
         # Two recipes are too few for a correlation: every row says so instead of inventing one.
         self.assertTrue(all(r["spearman"] == "nan" and r["predicts"] == "False" for r in predictors))
+        # The MXFP4-family table: no recipe of this run is in the family, so no row has a value.
+        with open(os.path.join(root, "predictors_mxfp4.csv"), newline="") as handle:
+            family = list(csv.DictReader(handle))
+        self.assertEqual(len(family), len(predictors))
+        self.assertTrue(all(r["spearman"] == "nan" for r in family))
 
 if __name__ == "__main__":
     unittest.main()

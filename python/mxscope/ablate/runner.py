@@ -15,8 +15,8 @@ Output directory:
                    capture/ (with --capture), replay/{early,late}/ (with --replay)
   run.json         provenance: hardware, torch and Python versions, every invocation's command
                    line and wall time, per-run wall times, the corpus
-  runs.csv, overhead.csv, overhead.md, predictors.csv, metrics.csv, loss_curves.png, overhead.png
-                   (analyze())
+  runs.csv, overhead.csv, overhead.md, predictors.csv (every quantized recipe), predictors_mxfp4.csv
+                   (the MXFP4 recipes only), metrics.csv, loss_curves.png, overhead.png (analyze())
 
 Recipes. "bf16" (bf16 autocast, no quantization) and "fp32" (no autocast, TF32 off) are defined
 here and need neither mxscope.torch nor `convert`. Every other name is looked up in
@@ -63,6 +63,8 @@ OVERHEAD_COLUMNS = ("size", "recipe", "overhead", "interval", "interval_lo", "in
 #: The ladder of issue 29, in order (neighbours in the replay are neighbours in this order).
 LADDER = ("bf16", "fp8", "mxfp4-f", "mxfp4-fd", "mxfp4-fdw", "mxfp4-fdw-sr", "mxfp4-fdw-rht", "mxfp4-fdw-h16",
           "mxfp4-fdw-h16fixed", "mxfp4-fdw-sr-rht", "nvfp4-fdw", "nvfp4-te", "mxfp4-fdw-h16all")
+#: The recipes of predictors_mxfp4.csv: the predictor test within the MXFP4 family.
+FAMILY_PREFIX = "mxfp4-"
 #: Recipes that need no quantization: name -> bf16 autocast on?
 BUILTIN_RECIPES = {"bf16": True, "fp32": False}
 
@@ -598,6 +600,20 @@ def overhead_markdown(overhead_rows: List[Dict[str, object]], run_rows: List[Dic
     return "\n".join(lines)
 
 
+def _replayed_seeds(recipe_dir: str) -> List[int]:
+    """Seeds under recipe_dir with at least one finished replay window (a summary.json): a replay
+    directory left unfinished by a stopped invocation, whose capture is gone, does not count."""
+    if not os.path.isdir(recipe_dir):
+        return []
+    out = []
+    for name in os.listdir(recipe_dir):
+        replay_dir = os.path.join(recipe_dir, name, "replay")
+        if name.startswith("seed") and os.path.isdir(replay_dir) and any(
+                os.path.exists(os.path.join(replay_dir, w, "summary.json")) for w in os.listdir(replay_dir)):
+            out.append(int(name[4:]))
+    return sorted(out)
+
+
 def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, Dict[str, float]]]:
     """size -> recipe -> metric -> value from the replays under runs/. Metric names:
     "own.WINDOW.GEMM.METRIC" (the recipe's strategy on its own run's capture, the run with the lowest
@@ -608,9 +624,7 @@ def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[st
         metrics[size] = {}
         for recipe in sorted(overheads[size]):
             recipe_dir = os.path.join(root, size, recipe)
-            seeds = sorted(int(d[4:]) for d in os.listdir(recipe_dir)
-                           if d.startswith("seed") and os.path.isdir(os.path.join(recipe_dir, d, "replay"))) \
-                if os.path.isdir(recipe_dir) else []
+            seeds = _replayed_seeds(recipe_dir)
             if seeds:
                 values = metrics[size].setdefault(recipe, {})
                 replay_dir = os.path.join(recipe_dir, f"seed{seeds[0]}", "replay")
@@ -623,8 +637,7 @@ def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[st
                         values[f"own.{window}.{name}"] = value
         bf16_dir = os.path.join(root, size, "bf16")
         if os.path.isdir(bf16_dir):
-            seeds = sorted(int(d[4:]) for d in os.listdir(bf16_dir)
-                           if d.startswith("seed") and os.path.isdir(os.path.join(bf16_dir, d, "replay")))
+            seeds = _replayed_seeds(bf16_dir)
             if seeds:
                 replay_dir = os.path.join(bf16_dir, f"seed{seeds[0]}", "replay")
                 for window in sorted(os.listdir(replay_dir)):
@@ -654,6 +667,13 @@ def analyze(out: str, target_rule: str = "mean", n_boot: int = 2000, predictor_b
         _write_csv(os.path.join(out, "metrics.csv"), ("size", "recipe", "metric", "value"), metric_rows)
         predictors = analysis.predictor_table(overheads, metrics, n_boot=predictor_boot)
         _write_csv(os.path.join(out, "predictors.csv"), analysis.PREDICTOR_COLUMNS, predictors)
+        # The same test within one format family: across all recipes a metric can pass merely by
+        # telling fp8 from NVFP4 from MXFP4 (their overheads differ by family); among the MXFP4
+        # recipes only the rounding, rotation and GEMM choices differ, which is the question a
+        # user choosing an MXFP4 recipe asks.
+        family = {size: {r: v for r, v in per.items() if r.startswith(FAMILY_PREFIX)} for size, per in overheads.items()}
+        _write_csv(os.path.join(out, "predictors_mxfp4.csv"), analysis.PREDICTOR_COLUMNS,
+                   analysis.predictor_table(family, metrics, n_boot=predictor_boot))
     else:
         log("no replay results under runs/: predictors.csv not written (run with --capture --replay)")
     _atomic_write(os.path.join(out, "overhead.md"), overhead_markdown(overhead_rows, run_rows))
