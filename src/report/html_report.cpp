@@ -187,8 +187,12 @@ std::string how_to_read_html() {
       "between its parts.</p>\n"
       "<p class=\"notice\"><b>What these numbers do not say.</b> The verdicts and the acc_err ranking describe "
       "the replayed window. Whether any of them predicts what a recipe costs in training (the tokens it needs to "
-      "reach bf16's loss) is tested in docs/validation.md on trained recipe ladders; no replay metric has been "
-      "shown to predict it yet, so the ranking is not a ranking of recipes by training cost.</p>\n",
+      "reach bf16's loss) is tested in docs/validation.md on trained recipe ladders. On the H200 ladder "
+      "(data/ablation/h200: two model sizes, 3 to 5 seeds, 12 quantized recipes, fitted on one size and tested "
+      "on the other) no metric computed on shared operands, as here (one capture replayed under every "
+      "strategy), predicted the cost, and no metric ranked the MXFP4 recipes among themselves; the one metric "
+      "that passed (Fprop bias_coherence on each recipe's own late-training capture) mostly tells fp8, NVFP4 "
+      "and MXFP4 apart. So the ranking is not a ranking of recipes by training cost.</p>\n",
       coherent_alpha_threshold, averaging_alpha_threshold, coherent_bias_fraction);
   out += "<h3>Ranking table columns</h3>\n<dl class=\"terms\">\n";
   const std::pair<std::string_view, std::string_view> columns[] = {
