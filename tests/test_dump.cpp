@@ -148,10 +148,16 @@ void check_bf16_autocast(const dump_locator& dump) {
     ASSERT_TRUE(entry.info.w_type.has_value()) << what;
     EXPECT_EQ(*entry.info.w_type, dtype::f32) << what << ": w must be the fp32 master copy";
     ASSERT_TRUE(entry.dw) << what;
-    // The bf16 GEMM rounds its fp32-accumulated result to bf16 once.
-    const double frobenius =
-        check_gradient(*entry.dw, entry.dy, entry.x, bf16_unit_roundoff + (64 + 4) * fp32_unit_roundoff, what);
-    EXPECT_LT(frobenius, 2 * bf16_unit_roundoff) << what;
+    // How PyTorch's bf16 GEMM accumulates on a CPU is not documented and differs between machines:
+    // with fp32 accumulation and one final rounding the error is about one bf16 unit roundoff, but
+    // torch 1.13 on an AVX2-only CPU gives about 5x that (relative Frobenius error 0.0098 on random
+    // 64 x 32 x 48 operands, against 0.0017 for fp32 accumulation), i.e. it rounds partial sums. The
+    // per-element bound is therefore that of summation with every partial sum in bf16 (K unit
+    // roundoffs of sum|products|), and the Frobenius check, at 8 unit roundoffs (the worst seen is
+    // 2.5), still tells the captured pairing of x and dy from a wrong one (an error of about 1).
+    const double tokens = static_cast<double>(entry.x.rows);
+    const double frobenius = check_gradient(*entry.dw, entry.dy, entry.x, tokens * bf16_unit_roundoff, what);
+    EXPECT_LT(frobenius, 8 * bf16_unit_roundoff) << what;
   });
 }
 
