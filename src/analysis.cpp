@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -233,10 +234,86 @@ void check_nvfp4_block(const strategy& resolved, const toml::table* defaults, co
   }
 }
 
+// Both operands of a GEMM are reduced block by block along the same axis, so two blocked formats
+// must use the same block size (the GEMM refuses it otherwise, after the replay has started).
+void check_common_block(const strategy& resolved, const toml::table* defaults, const toml::table& table,
+                        gemm_kind kind, const toml::node& item, const located_error_factory& errors) {
+  const auto block_of = [](const quantize_options& q) {
+    if (q.format.scheme != quant_scheme::mx && q.format.scheme != quant_scheme::nvfp4) return 0;
+    return q.block > 0 ? q.block : q.format.default_block;
+  };
+  const int a = block_of(resolved.a.quantize);
+  const int b = block_of(resolved.b.quantize);
+  if (a == 0 || b == 0 || a == b) return;
+  const toml::node* node = block_node(defaults, table, kind, "b");
+  if (node == nullptr) node = block_node(defaults, table, kind, "a");
+  throw errors.at(node != nullptr ? *node : item,
+                  fmt::format("strategy '{}' {}: operands a ({}, block {}) and b ({}, block {}) must have the same "
+                              "block size along the reduction axis",
+                              resolved.name, gemm_kind_name(kind), format_name(resolved.a.quantize.format), a,
+                              format_name(resolved.b.quantize.format), b));
+}
+
+// toml++ bounds the nesting of arrays and inline tables but not the number of parts of a dotted
+// key or table header, and a key of tens of thousands of parts exhausts the stack. No analysis key
+// has more than a few parts: refuse, at its line, any run of more than max_key_parts.
+constexpr int max_key_parts = 64;
+void check_key_parts(const std::string& text, const std::string& path) {
+  int line = 1, column = 0, parts = 1;
+  bool in_comment = false, after_part = false;
+  char quote = 0;  // the open string's quote character, 0 outside strings
+  bool multiline = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    ++column;
+    if (c == '\n') {
+      ++line;
+      column = 0;
+      in_comment = false;
+      if (!multiline) quote = 0;
+      parts = 1;
+      after_part = false;
+      continue;
+    }
+    if (in_comment) continue;
+    if (quote != 0) {
+      if (c == '\\' && quote == '"') {
+        ++i;
+        ++column;
+      } else if (c == quote && (!multiline || text.compare(i, 3, std::string(3, quote)) == 0)) {
+        if (multiline) i += 2, column += 2;
+        quote = 0;
+        multiline = false;
+        after_part = true;
+      }
+      continue;
+    }
+    if (c == '#') {
+      in_comment = true;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+      multiline = text.compare(i, 3, std::string(3, c)) == 0;
+      if (multiline) i += 2, column += 2;
+    } else if (c == '.') {
+      if (after_part && ++parts > max_key_parts) {
+        throw input_error(fmt::format("{}:{}:{}: a dotted key or table header with more than {} parts", path, line,
+                                      column, max_key_parts));
+      }
+      after_part = false;
+    } else if (std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-') {
+      after_part = true;
+    } else if (c != ' ' && c != '\t') {
+      parts = 1;
+      after_part = false;
+    }
+  }
+}
+
 }  // namespace
 
 analysis parse_analysis(const std::string& text, const std::string& path) {
   const located_error_factory errors(path);
+  check_key_parts(text, path);
   toml::table root;
   try {
     root = toml::parse(text, path);
@@ -336,6 +413,7 @@ analysis parse_analysis(const std::string& text, const std::string& path) {
       strategy resolved = resolve(defaults, *table, kind, errors);
       resolved.name = parsed.name;
       check_nvfp4_block(resolved, defaults, *table, kind, item, errors);
+      check_common_block(resolved, defaults, *table, kind, item, errors);
       if (resolved.rotation_size == 0 && resolved.rotation_signs != sign_policy::none) {
         throw errors.at(item, fmt::format("strategy '{}': 'signs' is set but there is no 'rotation'", parsed.name));
       }

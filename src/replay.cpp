@@ -499,6 +499,33 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// std::regex compiles and matches by recursion: a pattern of tens of thousands of nested groups
+// exhausts the stack. Layer filters are short; refuse long or deeply nested ones up front.
+constexpr std::size_t max_layer_pattern = 1024;
+constexpr int max_layer_pattern_depth = 32;
+void check_layer_pattern(const std::string& pattern) {
+  if (pattern.size() > max_layer_pattern) {
+    throw input_error(fmt::format("--layers: the pattern has {} characters; at most {} are accepted", pattern.size(),
+                                  max_layer_pattern));
+  }
+  int depth = 0;
+  bool in_class = false;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\') {
+      ++i;
+    } else if (in_class) {
+      in_class = c != ']';
+    } else if (c == '[') {
+      in_class = true;
+    } else if (c == '(' && ++depth > max_layer_pattern_depth) {
+      throw input_error(fmt::format("--layers: groups nested more than {} deep", max_layer_pattern_depth));
+    } else if (c == ')' && depth > 0) {
+      --depth;
+    }
+  }
+}
+
 // Relative cost of one operand's format in the CPU emulator, in quarters of an MXFP4 fp32-block
 // product (measured on the sample Wgrad ablation, one thread: docs/scaling.md). Formats with an
 // integer block kernel are cheap; e5m2 elements and per-tensor scales go through slower paths.
@@ -624,6 +651,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     // Select the entries.
     std::optional<std::regex> layer_filter;
     if (options.layers) {
+      check_layer_pattern(*options.layers);
       try {
         layer_filter.emplace(*options.layers, std::regex::ECMAScript);
       } catch (const std::regex_error& error) {

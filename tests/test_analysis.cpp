@@ -125,6 +125,34 @@ TEST(Analysis, ValuesThatUsedToSlipThroughAreRefusedAtTheirLine) {
             std::string::npos);
   EXPECT_EQ(error_of(head + "format = \"nvfp4\"\nblock = 16\n"), "(no error)");
   EXPECT_EQ(error_of("[defaults]\nblock = 64\n" + head + "format = \"mxfp4\"\n"), "(no error)");
+  // Operands of one GEMM with different blocks along the reduction axis (the GEMM refused them
+  // after the replay had started, leaving a run directory only --resume would touch).
+  EXPECT_NE(error_of(head + "format = \"mxfp4\"\nb = { block = 64 }\n")
+                .find("bad.toml:4:15: strategy 's' fprop: operands a (mxfp4, block 32) and b (mxfp4, block 64)"),
+            std::string::npos)
+      << error_of(head + "format = \"mxfp4\"\nb = { block = 64 }\n");
+  EXPECT_NE(error_of(head + "format = \"mxfp4\"\nwgrad = { a = { format = \"nvfp4\" } }\n")
+                .find("wgrad: operands a (nvfp4, block 16) and b (mxfp4, block 32)"),
+            std::string::npos);
+  EXPECT_EQ(error_of(head + "format = \"mxfp4\"\nblock = 64\n"), "(no error)");
+  // Dotted keys and table headers of more than 64 parts (40,000 overflowed the stack in the TOML
+  // parser); quoted parts count, dots inside strings and numbers do not.
+  const auto parts = [](int n, const char* separator) {
+    std::string key = "a";
+    for (int i = 1; i < n; ++i) key += std::string(separator) + "a";
+    return key;
+  };
+  for (const int n : {65, 40000}) {
+    EXPECT_NE(error_of("[" + parts(n, ".") + "]\n" + head + "format = \"mxfp4\"\n").find("bad.toml:1:"),
+              std::string::npos);
+    EXPECT_NE(error_of(head + "format = \"mxfp4\"\n" + parts(n, ". ") + " = 1\n").find("more than 64 parts"),
+              std::string::npos);
+  }
+  EXPECT_NE(error_of(head + "format = \"mxfp4\"\n" + parts(65, ".\"q\".") + " = 1\n").find("more than 64 parts"),
+            std::string::npos);
+  const std::string dots_elsewhere = error_of("# " + parts(100, ".") + "\ntitle = \"" + parts(100, ".") +
+                                              "\"\nadamw_eps = 1.5e-8\n" + head + "format = \"mxfp4\"\n");
+  EXPECT_EQ(dots_elsewhere.find("parts"), std::string::npos) << dots_elsewhere;
   for (const char* rotation : {"hadamard: 16", "hadamard:+16", "hadamard:16 ", "hadamard:0x10", "hadamard:-16"}) {
     const std::string message = error_of(head + "format = \"mxfp4\"\nrotation = \"" + rotation + "\"\n");
     EXPECT_NE(message.find("bad.toml:4:12: key 'rotation'"), std::string::npos) << rotation << ": " << message;

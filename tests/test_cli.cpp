@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <tuple>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -238,6 +239,25 @@ TEST(Cli, NegativeUnsignedFlagsAndUnknownCommandsAreRefused) {
     EXPECT_EQ(result.code, 2) << joined(arguments);
     EXPECT_NE(result.err.find("'-1' is not a non-negative integer"), std::string::npos) << result.err;
   }
+  // Text CLI11 would convert to another number than the one written: past 2^64 - 1 (it clamped),
+  // empty (it gave 0), hexadecimal or signed.
+  const std::vector<std::string> quantize = {"quantize", "--in", "f", "--tensor", "x", "--format", "mxfp4", "--out", "o"};
+  for (const auto& [flag, value, words] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--seed", "18446744073709551616", "is larger than 2^64 - 1"},
+           {"--seed", "99999999999999999999999", "is larger than 2^64 - 1"},
+           {"--axis", "", "is not a non-negative integer"},
+           {"--block", "0x20", "is not a non-negative integer"},
+           {"--block", "+32", "is not a non-negative integer"},
+           {"--sr-bits", "", "is not a non-negative integer"}}) {
+    std::vector<std::string> arguments = quantize;
+    arguments.insert(arguments.end(), {flag, value});
+    const auto result = run_cli(arguments);
+    EXPECT_EQ(result.code, 2) << joined(arguments);
+    EXPECT_NE(result.err.find(flag + ": '" + value + "' " + words), std::string::npos) << result.err;
+  }
+  std::vector<std::string> largest = quantize;
+  largest.insert(largest.end(), {"--seed", "18446744073709551615"});
+  EXPECT_EQ(run_cli(largest).err.find("--seed"), std::string::npos) << run_cli(largest).err;  // fails on the input
   const auto unknown = run_cli({"frobnicate"});
   EXPECT_EQ(unknown.code, 2);
   EXPECT_NE(unknown.err.find("unknown command 'frobnicate'"), std::string::npos) << unknown.err;

@@ -394,6 +394,26 @@ TEST(Replay, BadInputsAreRefusedBeforeAnyOutput) {
   std::ostringstream err_c;
   EXPECT_EQ(mxscope::cli::run(7, argv_c, out, err_c), 2);
   EXPECT_NE(err_c.str().find("'w' is missing"), std::string::npos) << err_c.str();
+
+  // --layers patterns that std::regex would compile by deep recursion (a stack overflow at 20,000
+  // nested groups) are refused before anything is written; a pattern at the limits is taken.
+  const auto layers_error = [&](const std::string& pattern) {
+    const std::string good = (root / "a2.toml").string();
+    write_text(root / "a2.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+    const char* argv_l[] = {"mxscope", "replay", dump.c_str(), "--analysis", good.c_str(), "--out", run.c_str(),
+                            "--layers", pattern.c_str()};
+    std::ostringstream out_l, err_l;
+    const int code = mxscope::cli::run(9, argv_l, out_l, err_l);
+    fs::remove_all(root / "run");
+    return std::pair{code, err_l.str()};
+  };
+  for (const int depth : {33, 20000}) {
+    const auto [code, message] = layers_error(std::string(depth, '(') + "layer.a" + std::string(depth, ')'));
+    EXPECT_EQ(code, 2) << depth;
+    EXPECT_NE(message.find("--layers"), std::string::npos) << message;
+  }
+  EXPECT_NE(layers_error(std::string(1025, 'a')).second.find("at most 1024"), std::string::npos);
+  EXPECT_EQ(layers_error(std::string(32, '(') + "layer[.]a" + std::string(32, ')')).first, 0);
   fs::remove_all(root);
 }
 

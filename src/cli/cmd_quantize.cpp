@@ -7,6 +7,7 @@
 #include <memory>
 #include <ostream>
 
+#include "validators.hpp"
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/io/atomic_file.hpp"
@@ -233,7 +234,9 @@ void add_quantize_command(CLI::App& app, command_list& commands) {
                                                  "codes, scales and the recipe");
   sub->add_option("--in", options->input, "Input safetensors file")->required();
   sub->add_option("--tensor", options->tensor, "Name of the tensor to quantize")->required();
-  sub->add_option("--axis", options->axis, "Quantization (block and rotation) axis: 0 or 1")->capture_default_str();
+  sub->add_option("--axis", options->axis, "Quantization (block and rotation) axis: 0 or 1")
+      ->check(digits_only())
+      ->capture_default_str();
   sub->add_option("--device", options->device, "Where to rotate and quantize: cpu or gpu (MX formats; same bits)")
       ->capture_default_str();
   add_strategy_flags(*sub, options->strategy, /*format_required=*/true);

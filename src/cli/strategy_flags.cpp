@@ -34,7 +34,8 @@ void add_strategy_flags(CLI::App& command, strategy_flags& flags, bool format_re
   auto* format = command.add_option("--format", flags.format, "Element format: " + format_list());
   if (format_required) format->required();
   flags.block_option =
-      command.add_option("--block", flags.block, "Block size along the axis (default: 32 for MX, 16 for nvfp4)");
+      command.add_option("--block", flags.block, "Block size along the axis (default: 32 for MX, 16 for nvfp4)")
+          ->check(digits_only());
   command.add_option("--rounding", flags.rounding, "Element rounding: rne rna rtz sr")->capture_default_str();
   command.add_option("--scale-rule", flags.scale_rule, "MX shared-exponent rule: floor ceil even")->capture_default_str();
   command.add_option("--rotation", flags.rotation, "none or hadamard:B (B a power of two, 2..4096)")->capture_default_str();
@@ -43,7 +44,9 @@ void add_strategy_flags(CLI::App& command, strategy_flags& flags, bool format_re
   command.add_option("--step", flags.step, "Training step (enters the random streams)")
       ->check(digits_only())
       ->capture_default_str();
-  command.add_option("--sr-bits", flags.sr_bits, "Random bits of stochastic rounding, 1..32")->capture_default_str();
+  command.add_option("--sr-bits", flags.sr_bits, "Random bits of stochastic rounding, 1..32")
+      ->check(digits_only())
+      ->capture_default_str();
   command.add_option("--layer", flags.layer, "Layer name (its FNV-1a hash tags the random streams)");
   command.add_option("--seed-policy", flags.seed_policy, "Stochastic rounding stream: per-step fixed")
       ->capture_default_str();
