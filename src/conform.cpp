@@ -488,6 +488,12 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
       fail(label, "__metadata__.out.kind", fmt::format("'{}': expected fprop, dgrad, wgrad or product",
                                                         io::printable_name(one.kind)));
     }
+    // "out.rounding" says how the hardware rounded its fp32 accumulator: absent or "fp32", or "bf16".
+    if (const auto rounding = one.metadata.find("out.rounding");
+        rounding != one.metadata.end() && rounding->second != "fp32" && rounding->second != "bf16") {
+      fail(label, "__metadata__.out.rounding",
+           fmt::format("'{}': expected fp32 or bf16", io::printable_name(rounding->second)));
+    }
     for (const auto& tensor : reader.tensors()) {
       static const std::set<std::string> allowed = {"a", "b", "out", "a.codes", "a.scales", "b.codes", "b.scales"};
       if (allowed.count(tensor.name) == 0) {

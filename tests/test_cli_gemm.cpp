@@ -252,6 +252,9 @@ TEST(CliGemm, BadInputsExitTwoAndWriteNothing) {
   const matrix w_wrong = random_matrix(16, 31, 11);
   write_operands(directory / "no_w.safetensors", {{"x", &x}, {"dy", &dy}});
   write_operands(directory / "wrong.safetensors", {{"x", &x}, {"dy", &dy}, {"w", &w_wrong}});
+  const matrix x_empty = random_matrix(0, 32, 12);
+  const matrix dy_empty = random_matrix(0, 16, 13);
+  write_operands(directory / "empty.safetensors", {{"x", &x_empty}, {"dy", &dy_empty}});
   struct bad_case {
     std::vector<std::string> arguments;
     std::string needle;
@@ -282,6 +285,9 @@ TEST(CliGemm, BadInputsExitTwoAndWriteNothing) {
        "rotation"},  // K = 8 is not a multiple of 16
       {{"gemm", "--gemm", "wgrad", "--in", directory / "missing.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
        "missing.safetensors"},
+      // zero tokens: it failed inside the quantizer with a message naming no tensor
+      {{"gemm", "--gemm", "wgrad", "--in", directory / "empty.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+       "tensor 'dy': field 'shape': [0, 16] has no elements"},
   };
   for (const auto& [arguments, needle] : cases) {
     const cli_result result = run_cli(arguments);

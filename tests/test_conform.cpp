@@ -356,6 +356,18 @@ TEST(gemm_conformance, hostile_manifests_and_cases_exit_two) {
     writer.write(directory / "case0.safetensors");
   }
   expect_refused("huge extent", {"case0.safetensors", "field 'a.codes.shape'", "below 2^31"});
+  // An output rounding other than fp32 or bf16 was read as fp32.
+  {
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("a", cases[0].a.dequantized);
+    writer.add_matrix("b", cases[0].b.dequantized);
+    writer.add_matrix("out", cases[0].out);
+    writer.set_metadata("mxscope.case", "gemm");
+    writer.set_metadata("out.kind", "product");
+    writer.set_metadata("out.rounding", "fp16");
+    writer.write(directory / "case0.safetensors");
+  }
+  expect_refused("output rounding", {"case0.safetensors", "field '__metadata__.out.rounding'", "'fp16'"});
   fs::remove_all(directory);
 }
 

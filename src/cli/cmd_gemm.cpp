@@ -135,6 +135,10 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out, std
                                     name, options.gemm, layout.a_name, layout.b_name, fmt::join(reader.names(), ", ")));
     }
     matrix values = reader.read_matrix(name);
+    if (values.rows == 0 || values.cols == 0) {  // a GEMM over no elements has nothing to measure
+      throw input_error(fmt::format("{}: tensor '{}': field 'shape': [{}, {}] has no elements", reader.label(), name,
+                                    values.rows, values.cols));
+    }
     warn_nonfinite(reader, name, values, err);
     if (name == "x") x = std::move(values);
     if (name == "dy") dy = std::move(values);
