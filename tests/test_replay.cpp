@@ -417,6 +417,60 @@ TEST(Replay, BadInputsAreRefusedBeforeAnyOutput) {
   fs::remove_all(root);
 }
 
+// `mxscope gemm` and the replay study the same GEMM: on one entry file and one strategy every
+// metric they both report is the same number. (saturate_frac was over the nonzero inputs in gemm
+// and over all inputs in the replay; docs/metrics.md says all inputs.)
+TEST(Replay, GemmAndReplayAgreeOnEverySharedColumn) {
+  const fs::path root = fresh_directory("gemm-agrees");
+  fs::create_directories(root / "dump");
+  mxscope::matrix x = random_matrix(64, 32, 41), dy = random_matrix(64, 16, 42);
+  for (std::size_t i = 0; i < x.values.size(); i += 3) x.values[i] = 0.0f;  // nonzero and all inputs differ
+  for (std::size_t i = 0; i < dy.values.size(); i += 5) dy.values[i] = 0.0f;
+  {
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("x", x);
+    writer.add_matrix("dy", dy);
+    writer.write(root / "dump" / "l0_s1.safetensors");
+  }
+  nlohmann::json manifest = {{"format", "mxscope-dump"}, {"version", 1},
+                             {"source", {{"hardware", "synthetic"}, {"framework", "test_replay"}, {"recipe", "none"},
+                                         {"model", "none"}, {"notes", "gemm against replay"}}},
+                             {"entries", {{{"step", 1}, {"layer", "layer.a"}, {"file", "l0_s1.safetensors"}}}}};
+  std::ofstream(root / "dump" / "manifest.json") << manifest.dump(2);
+  write_text(root / "a.toml", "gemms = [\"wgrad\"]\n[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n"
+                              "accumulation = \"fp32-block\"\n");
+  const std::string dump = (root / "dump").string(), analysis = (root / "a.toml").string(),
+                    run = (root / "run").string(), entry = (root / "dump" / "l0_s1.safetensors").string(),
+                    product = (root / "product.safetensors").string();
+  std::ostringstream out, err;
+  const char* replay_argv[] = {"mxscope", "replay", dump.c_str(), "--analysis", analysis.c_str(), "--out", run.c_str()};
+  ASSERT_EQ(mxscope::cli::run(7, replay_argv, out, err), 0) << err.str();
+  const auto rows = read_csv(root / "run" / "steps.csv");
+  ASSERT_EQ(rows.size(), 1U);
+  const auto& row = rows[0];
+  std::ostringstream gemm_out, gemm_err;
+  const char* gemm_argv[] = {"mxscope", "gemm", "--gemm", "wgrad", "--in", entry.c_str(), "--format", "mxfp4",
+                             "--accum", "fp32-block", "--json", "--out", product.c_str()};
+  ASSERT_EQ(mxscope::cli::run(13, gemm_argv, gemm_out, gemm_err), 0) << gemm_err.str();
+  const auto study = nlohmann::json::parse(gemm_out.str());
+  const auto same = [&](const std::string& column, const nlohmann::json& value) {
+    EXPECT_EQ(std::stod(row.at(column)), value.get<double>()) << column;
+  };
+  for (const char* metric : {"rel_err", "cosine", "bias", "orth_err", "max_abs_err"}) same(metric, study["metrics"][metric]);
+  for (const char* side : {"a", "b"}) {
+    const auto& operand = study["operands"][side];
+    for (const char* field : {"underflow_frac", "saturate_frac", "snr_db"}) {
+      same(std::string(side) + "_" + field, operand[field]);
+    }
+    EXPECT_DOUBLE_EQ(operand["saturate_frac"].get<double>(),
+                     operand["saturated"].get<double>() / operand["elements"].get<double>()) << side;
+  }
+  // The comparison means something only if the operands clip and flush.
+  EXPECT_GT(study["operands"]["a"]["saturated"].get<std::int64_t>() + study["operands"]["b"]["saturated"].get<std::int64_t>(), 0);
+  EXPECT_LT(study["operands"]["b"]["nonzero"].get<std::int64_t>(), study["operands"]["b"]["elements"].get<std::int64_t>());
+  fs::remove_all(root);
+}
+
 // A step whose capture turns out to hold NaN is refused when its turn comes, after the steps before
 // it ran (it is read on a background thread while the step before it is worked on, and its error
 // must surface then, naming the file): exit 2, no steps.csv. The same dump without the NaN

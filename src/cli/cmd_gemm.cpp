@@ -79,7 +79,7 @@ nlohmann::ordered_json operand_json(const operand_summary& summary, const std::s
   json["saturated"] = summary.saturated;
   json["nonfinite"] = summary.nonfinite_inputs;
   json["underflow_frac"] = fraction(summary.flushed, summary.nonzero_inputs);
-  json["saturate_frac"] = fraction(summary.saturated, summary.nonzero_inputs);
+  json["saturate_frac"] = fraction(summary.saturated, summary.elements);  // over all inputs (docs/metrics.md)
   json["snr_db"] = number(snr_db(summary));
   return json;
 }
@@ -285,7 +285,7 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out, std
     for (const auto& [summary, format] : {std::pair{&result.a, format_a}, std::pair{&result.b, format_b}}) {
       const std::string prefix = fmt::format("{}.", summary->name);
       row(prefix + "underflow_frac", real(fraction(summary->flushed, summary->nonzero_inputs)));
-      row(prefix + "saturate_frac", real(fraction(summary->saturated, summary->nonzero_inputs)));
+      row(prefix + "saturate_frac", real(fraction(summary->saturated, summary->elements)));
       row(prefix + "snr_db", fmt::format("{:.6f}", snr_db(*summary)));
     }
     row("reference_bound", real(reference.error_bound));
