@@ -616,8 +616,8 @@ def _replayed_seeds(recipe_dir: str) -> List[int]:
 
 def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, Dict[str, float]]]:
     """size -> recipe -> metric -> value from the replays under runs/. Metric names:
-    "own.WINDOW.GEMM.METRIC" (the recipe's strategy on its own run's capture, the run with the lowest
-    captured seed) and "bf16cap.WINDOW.GEMM.METRIC" (the recipe's strategy on the bf16 run's capture)."""
+    "own.WINDOW.GEMM.METRIC" (the recipe's strategy on its own run's capture, the lowest seed with a
+    finished replay) and "bf16cap.WINDOW.GEMM.METRIC" (the recipe's strategy on the bf16 run's capture)."""
     metrics: Dict[str, Dict[str, Dict[str, float]]] = {}
     root = os.path.join(out, "runs")
     for size in sorted(overheads):
