@@ -352,8 +352,12 @@ quantized_tensor read_operand(const io::safetensors_reader& reader, const std::s
     return plain_operand(reader.read_matrix(name));
   }
   if (codes == nullptr || scales == nullptr) fail(where, name + ".codes", "codes and scales come in pairs");
-  if (codes->type != io::dtype::u8 || scales->type != io::dtype::u8) fail(where, name + ".codes", "must be U8");
-  if (codes->shape.size() != 2 || scales->shape.size() != 2) fail(where, name + ".codes", "must be 2-D");
+  for (const io::tensor_info* part : {codes, scales}) {
+    if (part->type != io::dtype::u8) {
+      fail(where, part->name + ".dtype", fmt::format("must be U8, got {}", io::dtype_name(part->type)));
+    }
+    if (part->shape.size() != 2) fail(where, part->name + ".shape", fmt::format("must be 2-D, got {}-D", part->shape.size()));
+  }
   const std::string format_text = metadata_value(reader.metadata(), name + ".format", where);
   const auto format = parse_format(format_text);
   if (!format || format->scheme != quant_scheme::mx) {

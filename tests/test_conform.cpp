@@ -356,6 +356,29 @@ TEST(gemm_conformance, hostile_manifests_and_cases_exit_two) {
     writer.write(directory / "case0.safetensors");
   }
   expect_refused("huge extent", {"case0.safetensors", "field 'a.codes.shape'", "below 2^31"});
+  // The tensor of the wrong dtype or rank is the one named (an I8 a.scales was blamed on a.codes).
+  for (const bool wrong_rank : {false, true}) {
+    mxscope::io::safetensors_writer writer;
+    writer.add("a.codes", mxscope::io::dtype::u8, {cases[0].a.rows, cases[0].a.code_row_bytes()}, cases[0].a.codes);
+    if (wrong_rank) {
+      writer.add("a.scales", mxscope::io::dtype::u8, {static_cast<std::int64_t>(cases[0].a.scales.size())},
+                 cases[0].a.scales);
+    } else {
+      writer.add("a.scales", mxscope::io::dtype::i8, {cases[0].a.scale_rows, cases[0].a.scale_cols}, cases[0].a.scales);
+    }
+    writer.set_metadata("a.format", "mxfp4");
+    writer.set_metadata("a.block", "32");
+    writer.add_matrix("b", cases[0].b.dequantized);
+    writer.add_matrix("out", cases[0].out);
+    writer.set_metadata("mxscope.case", "gemm");
+    writer.set_metadata("out.kind", "product");
+    writer.write(directory / "case0.safetensors");
+    if (wrong_rank) {
+      expect_refused("1-D a.scales", {"case0.safetensors", "field 'a.scales.shape'", "2-D, got 1-D"});
+    } else {
+      expect_refused("I8 a.scales", {"case0.safetensors", "field 'a.scales.dtype'", "must be U8, got I8"});
+    }
+  }
   // An output rounding other than fp32 or bf16 was read as fp32.
   {
     mxscope::io::safetensors_writer writer;

@@ -663,6 +663,12 @@ std::vector<bad_input_case> bad_inputs() {
       {"summary.json with a key twice",
        [](const fs::path& run) { write_text(run / "summary.json", R"({"units":[],"units":[]})"); },
        {"summary.json", "'units'", "duplicate key"}},
+      {"accumulation.csv cut inside its last number",
+       [](const fs::path& run) {
+         const std::string text = accumulation_csv();
+         write_text(run / "accumulation.csv", text.substr(0, text.size() - 4));  // "\n" and 3 digits gone
+       },
+       {"accumulation.csv", "ends inside a line"}},
       {"missing column",
        [coherence_column](const fs::path& run) {
          // Drop the coherence column from every line.

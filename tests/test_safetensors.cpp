@@ -208,6 +208,17 @@ TEST(SafetensorsReader, DecodesEveryConvertibleDtypeFromHandBuiltFiles) {
   }
 }
 
+// A BOOL byte other than 0 or 1 is refused wherever the values are read, naming the tensor.
+TEST(SafetensorsReader, BoolBytesOtherThanZeroOrOneAreRefused) {
+  const std::string image =
+      make_file(R"({"flags":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})", std::string("\x01\x07\x00", 3));
+  const safetensors_reader reader = safetensors_reader::from_bytes("b.safetensors", image);
+  expect_input_error([&] { (void)reader.read_matrix("flags"); },
+                     {"b.safetensors", "tensor 'flags'", "field 'data'", "BOOL", "byte 7"}, "BOOL 1 7 0");
+  expect_input_error([&] { (void)mxscope::io::compute_statistics(reader, reader.at("flags")); },
+                     {"b.safetensors", "tensor 'flags'", "field 'data'", "byte 7"}, "BOOL 1 7 0 (statistics)");
+}
+
 TEST(SafetensorsReader, WideIntegersAreListedButNotConvertedToFloat) {
   for (const char* name : {"I32", "I64", "U32", "U64"}) {
     const int size = std::string(name).find("64") != std::string::npos ? 8 : 4;
@@ -389,10 +400,18 @@ TEST(SafetensorsCorruption, HeaderLength) {
 
 TEST(SafetensorsCorruption, HeaderIsNotAJsonObject) {
   expect_rejected("{not json", "", {"bad.safetensors", "field 'header'", "not valid JSON"});
-  expect_rejected("", "", {"bad.safetensors", "field 'header'", "not valid JSON"});
+  expect_rejected("", "", {"bad.safetensors", "field 'header'", "empty"});
   expect_rejected(std::string("{\"a\xff\":1}"), "", {"bad.safetensors", "field 'header'"});
-  expect_rejected("[1,2]", "", {"bad.safetensors", "field 'header'", "object"});
-  expect_rejected("17", "", {"bad.safetensors", "field 'header'", "object"});
+  expect_rejected("[1,2]", "", {"bad.safetensors", "field 'header'", "begin with '{'", "0x5b"});
+  expect_rejected("17", "", {"bad.safetensors", "field 'header'", "begin with '{'"});
+  // The format's header starts with '{' and is padded with spaces: a byte-order mark, leading
+  // whitespace and NUL padding are refused; space padding (and other JSON whitespace) is not.
+  expect_rejected("\xef\xbb\xbf{}", "", {"bad.safetensors", "field 'header'", "byte-order mark", "0xef"});
+  expect_rejected(" {}", "", {"bad.safetensors", "field 'header'", "0x20"});
+  expect_rejected(std::string("{}\0\0\0", 5), "", {"bad.safetensors", "field 'header'", "end with '}'", "0x00"});
+  expect_rejected(std::string("{}  \0", 5), "", {"bad.safetensors", "field 'header'", "end with '}'"});
+  EXPECT_NO_THROW(safetensors_reader::from_bytes("ok.safetensors", make_file("{}      ", "")));
+  EXPECT_NO_THROW(safetensors_reader::from_bytes("ok.safetensors", make_file("{}\n\t\r ", "")));
   expect_rejected(R"({"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})",
                   std::string(4, '\0'), {"bad.safetensors", "duplicate key 'a'"});
   std::string deep = R"({"__metadata__":)";

@@ -240,6 +240,16 @@ safetensors_reader safetensors_reader::from_bytes(std::string label, std::string
 }
 
 void safetensors_reader::parse_header(const std::string& header_text) {
+  // The format: the header begins with '{' and may be padded after its JSON with spaces (some
+  // writers use other JSON whitespace). A byte-order mark, leading whitespace or NUL padding is a
+  // file some other tool wrote wrongly or damaged; refused rather than guessed at.
+  if (header_text.empty() || header_text.front() != '{') {
+    fail_file(label_, "header",
+              header_text.empty() ? std::string("is empty; it must be a JSON object beginning with '{'")
+                                  : fmt::format("must begin with '{{' (no byte-order mark or leading whitespace); "
+                                                "its first byte is 0x{:02x}",
+                                                static_cast<unsigned>(static_cast<unsigned char>(header_text.front()))));
+  }
   // Duplicate keys are rejected (nlohmann would silently keep the last one), and nesting is capped
   // so that no hostile header can exhaust the stack of anything that walks the tree.
   if (const auto issue = find_json_issue(header_text, max_json_depth)) {
@@ -258,6 +268,12 @@ void safetensors_reader::parse_header(const std::string& header_text) {
     fail_file(label_, "header", fmt::format("not valid JSON: {}", printable_name(error.what())));
   }
   if (!root.is_object()) fail_file(label_, "header", fmt::format("must be a JSON object, got {}", json_type_name(root)));
+  const std::size_t end = header_text.find_last_not_of(" \t\n\r");
+  if (end == std::string::npos || header_text[end] != '}') {
+    fail_file(label_, "header",
+              fmt::format("must end with '}}' followed only by space padding; byte {} is 0x{:02x}", end,
+                          static_cast<unsigned>(static_cast<unsigned char>(header_text[end]))));
+  }
 
   for (const auto& [name, value] : root.items()) {
     if (name == "__metadata__") {
@@ -485,6 +501,17 @@ std::pair<std::int64_t, std::int64_t> matrix_shape(const tensor_info& tensor, co
   return shape;
 }
 
+// A BOOL element is one byte holding 0 or 1 (what NumPy and PyTorch write); anything else is a
+// damaged file, not a truth value to widen.
+void check_boolean_bytes(const std::uint8_t* bytes, std::uint64_t count, const std::string& what) {
+  for (std::uint64_t i = 0; i < count; ++i) {
+    if (bytes[i] > 1) {
+      throw input_error(fmt::format("{}: field 'data': a BOOL element holds byte {}; BOOL elements are 0 or 1", what,
+                                    static_cast<unsigned>(bytes[i])));
+    }
+  }
+}
+
 void convert_to_float(dtype type, const std::uint8_t* bytes, std::uint64_t element_count, float* destination,
                       const std::string& what) {
   using core::element_kind;
@@ -518,8 +545,10 @@ void convert_to_float(dtype type, const std::uint8_t* bytes, std::uint64_t eleme
         destination[i] = static_cast<float>(core::decode(element_kind::fp8_e5m2, bytes[i]));
       }
       return;
-    case dtype::u8:
     case dtype::boolean:
+      check_boolean_bytes(bytes, element_count, what);
+      [[fallthrough]];
+    case dtype::u8:
       for (std::uint64_t i = 0; i < element_count; ++i) destination[i] = static_cast<float>(bytes[i]);
       return;
     case dtype::i8:
@@ -593,6 +622,9 @@ tensor_statistics compute_statistics(const safetensors_reader& reader, const ten
   double sum_abs = 0.0;
   const int element_size = dtype_size(tensor.type);
   reader.for_each_chunk(tensor, std::uint64_t{4} << 20, [&](const std::uint8_t* bytes, std::uint64_t count) {
+    if (tensor.type == dtype::boolean) {
+      check_boolean_bytes(bytes, count, fmt::format("{}: tensor '{}'", reader.label(), printable_name(tensor.name)));
+    }
     for (std::uint64_t i = 0; i < count; ++i) {
       const double value = element_value(tensor.type, bytes + i * static_cast<std::uint64_t>(element_size));
       ++stats.elements;

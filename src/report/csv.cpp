@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -35,7 +36,16 @@ csv_table csv_table::read_file(const std::filesystem::path& path, const std::str
   std::ostringstream contents;
   contents << in.rdbuf();
   if (in.bad()) throw input_error(fmt::format("{}: read error", label));
-  return parse(contents.str(), label);
+  const std::string text = contents.str();
+  // mxscope replay ends every line, the last included: a file that stops inside a line was cut
+  // short (a full disk, a copy that did not finish), and its last row would be read as data.
+  if (!text.empty() && text.back() != '\n') {
+    const auto lines = static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')) + 1;
+    throw input_error(fmt::format("{}: line {}: the file ends inside a line (cut short?); every line mxscope "
+                                  "replay writes ends with a line break",
+                                  label, lines));
+  }
+  return parse(text, label);
 }
 
 csv_table csv_table::parse(std::string_view text, const std::string& label) {

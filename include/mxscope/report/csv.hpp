@@ -15,7 +15,8 @@ namespace mxscope::report {
 
 class csv_table {
  public:
-  // Reads and splits the whole file. `label` is how errors name it (e.g. "RUN/steps.csv").
+  // Reads and splits the whole file, which must end with a line break (mxscope replay ends every
+  // line; a file cut inside a line is refused). `label` is how errors name it (e.g. "RUN/steps.csv").
   static csv_table read_file(const std::filesystem::path& path, const std::string& label);
   // Splits `text` as if it were the contents of a file named `label`.
   static csv_table parse(std::string_view text, const std::string& label);
