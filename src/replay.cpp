@@ -288,7 +288,9 @@ reference_result reference_of(gemm_kind kind, const io::dump_entry& entry, refer
 // Attribution (--attribute): split each operand's quantization error dv = deq(q(v)) - v into flush
 // (nonzero input quantized to zero), clip (input beyond the largest value its block can hold) and
 // round (the rest), and measure ||dA_kind B^T|| and ||A dB_kind^T|| relative to ||G||, in the
-// rotated basis, with plain fp64 products (a diagnostic, not an exact quantity).
+// rotated basis (a diagnostic, not an exact quantity): on the CPU with fp64 products (Eigen), on
+// the GPU with the exact reference GEMM rounded to fp64, so the two devices agree to about 1e-15
+// relative, not bit for bit.
 
 struct error_split {
   matrix flush, clip, round;  // canonical orientation [rows, R]
@@ -337,7 +339,11 @@ error_split split_error(const matrix& rotated, const quantized_tensor& q, int ax
   return out;
 }
 
-double product_norm(const matrix& left, const matrix& right) {
+double product_norm(compute_device device, const matrix& left, const matrix& right) {
+  if (device == compute_device::gpu) {
+    const reference_result product = reference_on(device, left, right, reference_kind::exact, nullptr, false);
+    return std::sqrt(squared_norm(product.fp64));
+  }
   using dense = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const dense l = Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
                       left.data(), left.rows, left.cols)
@@ -351,8 +357,8 @@ double product_norm(const matrix& left, const matrix& right) {
   return std::sqrt(squared_norm(wrapped));
 }
 
-std::array<double, 6> attribution(gemm_kind kind, const io::dump_entry& entry, const strategy& chosen,
-                                  double reference_norm) {
+std::array<double, 6> attribution(compute_device device, gemm_kind kind, const io::dump_entry& entry,
+                                  const strategy& chosen, double reference_norm) {
   const gemm_layout layout = layout_of(kind);
   const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
   std::array<double, 6> out{};
@@ -377,8 +383,8 @@ std::array<double, 6> attribution(gemm_kind kind, const io::dump_entry& entry, c
   const matrix* parts_a[3] = {&splits[0].flush, &splits[0].clip, &splits[0].round};
   const matrix* parts_b[3] = {&splits[1].flush, &splits[1].clip, &splits[1].round};
   for (int k = 0; k < 3; ++k) {
-    out[static_cast<std::size_t>(k)] = ratio(product_norm(*parts_a[k], rotated[1]), reference_norm);
-    out[static_cast<std::size_t>(3 + k)] = ratio(product_norm(rotated[0], *parts_b[k]), reference_norm);
+    out[static_cast<std::size_t>(k)] = ratio(product_norm(device, *parts_a[k], rotated[1]), reference_norm);
+    out[static_cast<std::size_t>(3 + k)] = ratio(product_norm(device, rotated[0], *parts_b[k]), reference_norm);
   }
   return out;
 }
@@ -1083,7 +1089,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             const double accum_err = ratio(norms.accumulation, reference_norm);
             std::array<double, 6> attributed;
             attributed.fill(std::numeric_limits<double>::quiet_NaN());
-            if (attribute) attributed = attribution(state.kind, entry, chosen, reference_norm);
+            if (attribute) attributed = attribution(device, state.kind, entry, chosen, reference_norm);
 
             const auto underflow = [](const operand_summary& s) {
               return s.nonzero_inputs == 0 ? 0.0
