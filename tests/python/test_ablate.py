@@ -348,6 +348,72 @@ class ReplayMetrics(unittest.TestCase):
         self.assertNotIn("fprop.rel_err", m)
 
 
+class OverheadsFrom(unittest.TestCase):
+    """analyze(out, overheads_from=DIR): overheads from DIR's evals.csv, metrics from out's replays."""
+
+    def test_agreement_by_hand(self):
+        from mxscope.ablate import runner
+        mine = {"d": {"a": {"m": 1.0}, "b": {"m": 2.0}, "c": {"m": 3.0}, "e": {"m": float("nan")}}}
+        other = [{"size": "d", "recipe": r, "metric": "m", "value": v}
+                 for r, v in (("a", "1.0"), ("b", "1.5"), ("c", "1.2"), ("e", "7"), ("f", "9"))]
+        rows = runner.metrics_agreement(mine, other)
+        self.assertEqual(len(rows), 1)
+        row = rows[0]
+        self.assertEqual((row["size"], row["metric"], row["n_recipes"]), ("d", "m", 3))
+        # ranks (1, 2, 3) against (1, 3, 2): d = (0, -1, 1), rho = 1 - 6 * 2 / (3 * 8) = 0.5
+        self.assertAlmostEqual(row["spearman"], 0.5, places=12)
+        # relative differences 0, 0.5 / 2, 1.8 / 3
+        self.assertAlmostEqual(row["median_rel_diff"], 0.25, places=12)
+        self.assertAlmostEqual(row["max_rel_diff"], 0.6, places=12)
+        self.assertEqual(runner.metrics_agreement(mine, []), [])
+
+    def test_tables_go_to_out_and_the_other_directory_is_untouched(self):
+        from mxscope.ablate import runner
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root)
+        main, extra = os.path.join(root, "main"), os.path.join(root, "extra")
+        os.makedirs(main)
+        evals = []
+        for recipe, slope in (("bf16", 1.0), ("r1", 0.9), ("r2", 0.8)):
+            for seed in (0, 1):
+                for step in (0, 2, 4, 6):
+                    loss = 5.0 - slope * step * (1 + 0.01 * seed)
+                    evals.append({"size": "d", "recipe": recipe, "seed": seed, "step": step, "tokens": 100 * step,
+                                  "train_loss": "nan", "val_loss": loss, "wall_s": 1.0, "schedule_steps": 4})
+        runner._write_csv(os.path.join(main, "evals.csv"), runner.EVAL_COLUMNS, evals)
+        runner._write_csv(os.path.join(main, "metrics.csv"), ("size", "recipe", "metric", "value"),
+                          [{"size": "d", "recipe": "r1", "metric": "own.late.wgrad.rel_err", "value": 0.1},
+                           {"size": "d", "recipe": "r2", "metric": "own.late.wgrad.rel_err", "value": 0.3}])
+        def contents(directory):
+            out = {}
+            for name in os.listdir(directory):
+                with open(os.path.join(directory, name)) as handle:
+                    out[name] = handle.read()
+            return out
+
+        before = contents(main)
+        header = ["layer", "gemm", "strategy", "step", "t", "rel_err", "bias"]
+        for recipe, rel in (("r1", 0.2), ("r2", 0.4)):
+            window = os.path.join(extra, "runs", "d", recipe, "seed0", "replay", "late")
+            os.makedirs(window)
+            _write(os.path.join(window, "steps.csv"), header, [["L0", "wgrad", recipe, 400, 1, rel, 0.0]])
+            _write(os.path.join(window, "accumulation.csv"), ["layer", "gemm", "strategy", "T", "step"],
+                   [["L0", "wgrad", recipe, 1, 400]])
+            with open(os.path.join(window, "summary.json"), "w") as handle:
+                json.dump({"units": []}, handle)
+        runner.analyze(extra, n_boot=20, predictor_boot=20, plot=False, log=lambda text: None, overheads_from=main)
+        self.assertEqual(contents(main), before)
+        for name in ("runs.csv", "overhead.csv", "overhead.md"):
+            self.assertFalse(os.path.exists(os.path.join(extra, name)), name)
+        metrics = analysis.read_csv(os.path.join(extra, "metrics.csv"))
+        rel = {r["recipe"]: float(r["value"]) for r in metrics if r["metric"] == "own.late.wgrad.rel_err"}
+        self.assertEqual(rel, {"r1": 0.2, "r2": 0.4})
+        self.assertTrue(os.path.exists(os.path.join(extra, "predictors.csv")))
+        agreement = analysis.read_csv(os.path.join(extra, "metrics_agreement.csv"))
+        self.assertEqual([(r["metric"], r["n_recipes"]) for r in agreement], [("own.late.wgrad.rel_err", "2")])
+        self.assertAlmostEqual(float(agreement[0]["max_rel_diff"]), 0.5, places=12)  # 0.1 against 0.2
+
+
 class Strategies(unittest.TestCase):
     def test_keys_of_recipe_gemms(self):
         g = lambda **kw: types.SimpleNamespace(**{**dict(format="mxfp4", grad_format=None, rounding="rne",  # noqa

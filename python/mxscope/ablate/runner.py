@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import analysis, strategies
 
@@ -652,13 +652,48 @@ def collect_metrics(out: str, overheads: Dict[str, Dict[str, float]]) -> Dict[st
     return metrics
 
 
+AGREEMENT_COLUMNS = ("size", "metric", "n_recipes", "spearman", "median_rel_diff", "max_rel_diff")
+
+
+def metrics_agreement(metrics: Mapping[str, Mapping[str, Mapping[str, float]]],
+                      other_rows: Sequence[Mapping[str, str]]) -> List[Dict[str, object]]:
+    """For each (size, metric) present in both `metrics` and another directory's metrics.csv rows:
+    the number of recipes with a finite value in both, Spearman's rho between the two across those
+    recipes, and the median and largest relative difference |a - b| / max(|a|, |b|) (0 when both
+    are 0). It says how much a metric moves between two captures of the same recipe and seed."""
+    other: Dict[Tuple[str, str], Dict[str, float]] = {}
+    for row in other_rows:
+        other.setdefault((row["size"], row["metric"]), {})[row["recipe"]] = analysis._number(row["value"])
+    rows = []
+    for size in sorted(metrics):
+        names = sorted({m for per in metrics[size].values() for m in per})
+        for name in names:
+            theirs = other.get((size, name))
+            if not theirs:
+                continue
+            pairs = [(per[name], theirs[r]) for r, per in sorted(metrics[size].items())
+                     if name in per and r in theirs and analysis._finite(per[name]) and analysis._finite(theirs[r])]
+            if not pairs:
+                continue
+            diffs = sorted(0.0 if a == b else abs(a - b) / max(abs(a), abs(b)) for a, b in pairs)
+            rho = analysis.spearman_rho([a for a, _ in pairs], [b for _, b in pairs]) if len(pairs) >= 3 else math.nan
+            rows.append({"size": size, "metric": name, "n_recipes": len(pairs), "spearman": rho,
+                         "median_rel_diff": diffs[len(diffs) // 2], "max_rel_diff": diffs[-1]})
+    return rows
+
+
 def analyze(out: str, target_rule: str = "mean", n_boot: int = 2000, predictor_boot: int = 1000,
-            plot: bool = True, log=print) -> Dict[str, object]:
-    """Write runs.csv, overhead.csv, metrics.csv and predictors.csv (when replays exist) and the plot."""
-    evals = read_evals(os.path.join(out, "evals.csv"))
+            plot: bool = True, log=print, overheads_from: Optional[str] = None) -> Dict[str, object]:
+    """Write runs.csv, overhead.csv, metrics.csv and predictors.csv (when replays exist) and the plot.
+    overheads_from: another ablation directory whose evals.csv gives the overheads (the replays of
+    `out` then only add metrics, e.g. replays with --attribute of retrained capture runs); the run
+    tables and plots stay in that directory, and metrics_agreement.csv compares the metrics of the
+    two directories' replays."""
+    evals = read_evals(os.path.join(overheads_from or out, "evals.csv"))
     run_rows, overhead_rows, overheads = overhead_tables(evals, target_rule=target_rule, n_boot=n_boot)
-    _write_csv(os.path.join(out, "runs.csv"), RUN_COLUMNS, run_rows)
-    _write_csv(os.path.join(out, "overhead.csv"), OVERHEAD_COLUMNS, overhead_rows)
+    if overheads_from is None:
+        _write_csv(os.path.join(out, "runs.csv"), RUN_COLUMNS, run_rows)
+        _write_csv(os.path.join(out, "overhead.csv"), OVERHEAD_COLUMNS, overhead_rows)
     metrics = collect_metrics(out, overheads)
     metric_rows = [{"size": s, "recipe": r, "metric": m, "value": v}
                    for s in sorted(metrics) for r in sorted(metrics[s]) for m, v in sorted(metrics[s][r].items())]
@@ -676,6 +711,12 @@ def analyze(out: str, target_rule: str = "mean", n_boot: int = 2000, predictor_b
                    analysis.predictor_table(family, metrics, n_boot=predictor_boot))
     else:
         log("no replay results under runs/: predictors.csv not written (run with --capture --replay)")
+    if overheads_from is not None:
+        other = os.path.join(overheads_from, "metrics.csv")
+        if metric_rows and os.path.exists(other):
+            _write_csv(os.path.join(out, "metrics_agreement.csv"), AGREEMENT_COLUMNS,
+                       metrics_agreement(metrics, analysis.read_csv(other)))
+        return {"runs": run_rows, "overhead": overhead_rows, "predictors": predictors}
     _atomic_write(os.path.join(out, "overhead.md"), overhead_markdown(overhead_rows, run_rows))
     if plot:
         from . import plots
@@ -747,6 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds past --time-limit that replays may still run (a capture does not outlive its "
                         "invocation's output unless it is kept, so its replays should finish in it)")
     p.add_argument("--analyze-only", action="store_true", help="skip training and replay; rewrite the tables")
+    p.add_argument("--overheads-from", default=None, metavar="DIR",
+                   help="take the overheads from DIR/evals.csv (another ablation) and use this directory's "
+                        "replays only for metrics: metrics.csv, predictors*.csv and metrics_agreement.csv "
+                        "(against DIR/metrics.csv); for replays added later, e.g. with --attribute")
     p.add_argument("--target-rule", choices=("mean", "max"), default="mean")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the overhead intervals")
     p.add_argument("--no-plot", action="store_true")
@@ -860,9 +905,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             log(f"time limit: {len(left)} run(s) and {len(replays.unfinished) if replays else 0} replay(s) left "
                 f"for the next invocation of the same command")
 
-    analyze(args.out, target_rule=args.target_rule, n_boot=args.bootstrap, plot=not args.no_plot, log=log)
-    log(f"wrote {args.out}/runs.csv, overhead.csv" + (", predictors.csv" if
-        os.path.exists(os.path.join(args.out, "predictors.csv")) else ""))
+    analyze(args.out, target_rule=args.target_rule, n_boot=args.bootstrap, plot=not args.no_plot, log=log,
+            overheads_from=args.overheads_from)
+    written = ([] if args.overheads_from else ["runs.csv", "overhead.csv"]) + \
+        [name for name in ("metrics.csv", "predictors.csv", "metrics_agreement.csv")
+         if os.path.exists(os.path.join(args.out, name))]
+    log(f"wrote in {args.out}: {', '.join(written) if written else 'nothing'}")
     return 0
 
 
