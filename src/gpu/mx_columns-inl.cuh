@@ -2,8 +2,9 @@
 // and Dgrad's weight), for the float element formats of fast_encode. Included by kernels.cu after
 // the generic kernels, inside namespace mxscope::gpu's anonymous namespace.
 //
-// One thread owns four consecutive columns of one block of rows: it reads the block once for the
-// four amax values and their scales, then again (from cache) to encode, with
+// A thread owns four consecutive columns of a quarter of one block of rows (a slice): it reads its
+// rows once for the four amax values, the slices of the block combine them in shared memory into
+// the block's scales, and the thread reads its rows again (from cache) to encode them with
 // fast_encode::quantize_finite, the fused quantizer's element encoder (the core's bits, checked by
 // self_test_fast_encoder), and the Philox block of each row's four elements computed once. It
 // writes the codes, the scales, the optional dequantized values and the optional bf16 GEMM operand
@@ -73,41 +74,77 @@ __device__ inline std::uint32_t encode_column_element(const fast_encode::element
   return encoded.code;
 }
 
+// A column tile: column_tile_groups column groups side by side, one block of rows, split among
+// column_slices threads per group (consecutive rows each). The slices meet in shared memory for
+// the block's amax, so that a tile has four times the threads of one-thread-per-block: a weight of
+// 1024 x 1024 is otherwise only 8,192 threads, too few to hide the loads' latency on a large GPU.
+constexpr int column_slices = 4;
+constexpr int column_tile_groups = threads_per_block / column_slices;
+
+// The rows [first, last) of a column group's block that one slice owns.
+__device__ inline void slice_rows(int height, int block, int slice, int& first, int& last) {
+  const int per_slice = (block + column_slices - 1) / column_slices;
+  first = slice * per_slice < height ? slice * per_slice : height;
+  last = first + per_slice < height ? first + per_slice : height;
+}
+
 template <class Input>
 __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
                                  fast_encode::element_constants constants, mx_device_output output,
                                  std::uint16_t* operand) {
+  // A slice's amax of each column (-1: it met a non-finite value).
+  __shared__ float slice_amax[column_slices][column_tile_groups][column_group];
   const bool packed = core_ns::spec(plan.element).bits == 4;
   const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
   const std::int64_t row_bytes = packed ? (cols + 1) / 2 : cols;
   const std::int64_t groups = (cols + column_group - 1) / column_group;
+  const std::int64_t tiles_across = (groups + column_tile_groups - 1) / column_tile_groups;
   const std::int64_t row_blocks = (rows + plan.block - 1) / plan.block;
   // 4-element vectors where every group starts on a 4-element boundary of an aligned input.
   const bool aligned = cols % column_group == 0 &&
                        reinterpret_cast<std::uintptr_t>(input) % (column_group * sizeof(Input)) == 0;
+  const int lane_group = static_cast<int>(threadIdx.x) % column_tile_groups;
+  const int slice = static_cast<int>(threadIdx.x) / column_tile_groups;
   unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
-  MXSCOPE_GRID_LOOP(t, groups * row_blocks) {
-    const std::int64_t c0 = (t % groups) * column_group;
-    const std::int64_t r0 = (t / groups) * plan.block;
-    const int width = cols - c0 < column_group ? static_cast<int>(cols - c0) : column_group;
+  // Block-uniform trip count: every thread reaches each barrier.
+  for (std::int64_t tile = blockIdx.x; tile < tiles_across * row_blocks; tile += gridDim.x) {
+    const std::int64_t c0 = ((tile % tiles_across) * column_tile_groups + lane_group) * column_group;
+    const std::int64_t r0 = (tile / tiles_across) * plan.block;
+    const int width = cols - c0 <= 0 ? 0 : (cols - c0 < column_group ? static_cast<int>(cols - c0) : column_group);
     const int height = rows - r0 < plan.block ? static_cast<int>(rows - r0) : plan.block;
     const bool vector = aligned && width == column_group;
+    int first = 0, last = 0;
+    slice_rows(height, plan.block, slice, first, last);
+    if (width == 0) last = first;
     float amax[column_group] = {0.0f, 0.0f, 0.0f, 0.0f};
     bool nonfinite[column_group] = {false, false, false, false};
-    for (int i = 0; i < height; ++i) {
+#pragma unroll 4
+    for (int i = first; i < last; ++i) {
       float v[column_group];
       load_group(input, (r0 + i) * cols + c0, width, vector, v);
       scan_column_row(v, width, amax, nonfinite, counts);
     }
+#pragma unroll
+    for (int k = 0; k < column_group; ++k) slice_amax[slice][lane_group][k] = nonfinite[k] ? -1.0f : amax[k];
+    __syncthreads();
     int exponent[column_group];
 #pragma unroll
     for (int k = 0; k < column_group; ++k) {
-      if (k >= width) continue;
-      const std::uint8_t scale = column_scale(plan, amax[k], nonfinite[k]);
-      output.scales[(r0 / plan.block) * cols + c0 + k] = scale;
+      float block_amax = 0.0f;
+      bool block_nonfinite = false;
+#pragma unroll
+      for (int s = 0; s < column_slices; ++s) {
+        const float part = slice_amax[s][lane_group][k];
+        block_nonfinite = block_nonfinite || part < 0.0f;
+        block_amax = part > block_amax ? part : block_amax;
+      }
+      nonfinite[k] = block_nonfinite;
+      const std::uint8_t scale = column_scale(plan, block_amax, block_nonfinite);
+      if (k < width && slice == 0) output.scales[(r0 / plan.block) * cols + c0 + k] = scale;
       exponent[k] = core_ns::scale_exponent(scale);
     }
-    for (int i = 0; i < height; ++i) {
+    __syncthreads();  // the shared amax is read before the next tile writes it
+    for (int i = first; i < last; ++i) {
       const std::int64_t r = r0 + i;
       const std::int64_t flat = r * cols + c0;
       float v[column_group];
@@ -154,7 +191,9 @@ bool column_path_covers(const mx_plan& plan) { return plan.axis == 0 && fast_enc
 template <class Input>
 void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                     const mx_device_output& output, std::uint16_t* operand) {
-  const std::int64_t units = ((cols + column_group - 1) / column_group) * ((rows + plan.block - 1) / plan.block);
-  runtime::launch(mx_column_kernel<Input>, grid_for(units), threads_per_block, 0, input, rows, cols, plan,
+  const std::int64_t groups = (cols + column_group - 1) / column_group;
+  const std::int64_t tiles = ((groups + column_tile_groups - 1) / column_tile_groups) * ((rows + plan.block - 1) / plan.block);
+  const unsigned grid = static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, std::int64_t{1} << 20));
+  runtime::launch(mx_column_kernel<Input>, grid, threads_per_block, 0, input, rows, cols, plan,
                   fast_encode::constants_of(plan.element), output, operand);
 }
