@@ -1,6 +1,6 @@
-// MX quantization along axis 0 in one pass (blocks running down the columns: the Wgrad operands
-// and Dgrad's weight), for the float element formats of fast_encode. Included by kernels.cu after
-// the generic kernels, inside namespace mxscope::gpu's anonymous namespace.
+// MX quantization along axis 0 in one pass (blocks running down the columns: the Wgrad operands and
+// Dgrad's weight), for the float element formats of fast_encode. Included by quantize_mx-inl.cuh
+// after the generic kernels, inside namespace mxscope::gpu's anonymous namespace.
 //
 // A thread owns four consecutive columns of a quarter of one block of rows (a slice): it reads its
 // rows once for the four amax values, the slices of the block combine them in shared memory into

@@ -1,8 +1,9 @@
 // The gfx950 (MI355X) native MX path: kernels and host launchers (rules and hypotheses in
-// native_gfx950.hpp). Included once by kernels.cu, inside namespace mxscope::gpu, after its helpers (load_and_scan_block, add_counters,
-// make_signs, load_code, finish_output, prepared_operand::storage). The device code exists only in
-// the HIP device pass for gfx950 (__gfx950__); nvcc, the CPU simulation and other AMD targets see
-// host stubs, and native_gfx950::present() is false there, so nothing selects this path.
+// native_gfx950.hpp). Included once by gemm_launch-inl.cuh (part of kernels.cu), inside namespace
+// mxscope::gpu, after its helpers (load_and_scan_block, add_counters, make_signs, load_code,
+// finish_output, prepared_operand::storage). The device code exists only in the HIP device pass for
+// gfx950 (__gfx950__); nvcc, the CPU simulation and other AMD targets see host stubs, and
+// native_gfx950::present() is false there, so nothing selects this path.
 #pragma once
 
 namespace native_gfx950 {  // in mxscope::gpu

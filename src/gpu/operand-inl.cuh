@@ -1,6 +1,6 @@
 // The bf16 GEMM operand of quantized codes (core/operand.hpp), for every scheme: decoded from the
-// codes and scales a quantizer wrote. Included by kernels.cu after the quantizers' kernels, inside
-// namespace mxscope::gpu's anonymous namespace.
+// codes and scales a quantizer wrote. Included by quantize_mx-inl.cuh after the quantizers'
+// kernels, inside namespace mxscope::gpu's anonymous namespace.
 
 using operand_scale = core_ns::operand_scaling;
 

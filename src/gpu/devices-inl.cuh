@@ -1,0 +1,393 @@
+// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// devices, device memory and the quantizers' plans.
+// ================================================================================================
+// Devices and memory.
+
+int device_count() {
+  int count = 0;
+  if (runtime::device_count(&count) != runtime::success) {
+    (void)runtime::last_error();  // clear the sticky "no device" error
+    return 0;
+  }
+  return count;
+}
+
+void select_device(int index) {
+  const int count = device_count();
+  if (index < 0 || index >= count) {
+    throw gpu_error("gpu: device " + std::to_string(index) + " does not exist (this machine has " +
+                    std::to_string(count) + ")");
+  }
+  MXSCOPE_GPU_CHECK(runtime::set_device(index));
+}
+
+device_description describe_device() {
+  int device = 0;
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device));
+  runtime::device_properties properties{};
+  MXSCOPE_GPU_CHECK(runtime::properties(&properties, device));
+  device_description out;
+  out.name = properties.name;
+  out.major = properties.major;
+  out.minor = properties.minor;
+  out.multiprocessors = properties.multiProcessorCount;
+  out.global_memory_bytes = properties.totalGlobalMem;
+  return out;
+}
+
+namespace {
+
+// The current device's properties, or nothing where no device answers (the error cleared): for
+// the feature checks that report absence instead of throwing.
+[[maybe_unused]] std::optional<runtime::device_properties> current_device_properties() {
+  int device = 0;
+  runtime::device_properties properties{};
+  if (runtime::get_device(&device) != runtime::success ||
+      runtime::properties(&properties, device) != runtime::success) {
+    (void)runtime::last_error();
+    return std::nullopt;
+  }
+  return properties;
+}
+
+// Set-up buffers kept between calls. The exact reference's staging (its operands in chunk tiles,
+// 0.6 GB at the benchmark's shape, and the rows' descriptions) was allocated and freed on every
+// call: the benchmark's reference took 30.7 to 30.9 ms with this pool against 30.9 to 31.6 without
+// (H200, alternating runs). A scratch_buffer takes the smallest pooled buffer of
+// the current device that is large enough, else allocates one, and gives it back to the pool when
+// it goes out of scope; the pool keeps the last scratch_pool_entries buffers given back, and only
+// while they total at most 1/8 of the device's memory. Reuse is safe without waiting: every kernel
+// runs on the default stream, so work queued on a buffer before it went back runs before work
+// queued after it was taken again. The pool is emptied before a cross-step state measures the free
+// memory (require_cross_step_room) and when an allocation fails (device_buffer's constructor), so
+// what it holds never makes a stage run out of memory.
+constexpr std::size_t scratch_pool_entries = 8;
+
+struct scratch_pool {
+  struct entry {
+    int device;
+    device_buffer buffer;
+  };
+  std::mutex mutex;
+  std::vector<entry> entries;  // oldest first
+};
+
+scratch_pool& the_scratch_pool() {
+  static scratch_pool* pool = new scratch_pool;  // never destroyed: no cudaFree after the runtime's teardown
+  return *pool;
+}
+
+void release_scratch_pool() {
+  std::vector<scratch_pool::entry> released;
+  {
+    scratch_pool& pool = the_scratch_pool();
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    released.swap(pool.entries);
+  }
+  // freed here, outside the lock
+}
+
+class scratch_buffer {
+ public:
+  explicit scratch_buffer(std::size_t bytes) {
+    MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
+    if (bytes == 0) return;
+    {
+      scratch_pool& pool = the_scratch_pool();
+      const std::lock_guard<std::mutex> lock(pool.mutex);
+      auto best = pool.entries.end();
+      for (auto it = pool.entries.begin(); it != pool.entries.end(); ++it) {
+        if (it->device == device_ && it->buffer.bytes() >= bytes &&
+            (best == pool.entries.end() || it->buffer.bytes() < best->buffer.bytes())) {
+          best = it;
+        }
+      }
+      if (best != pool.entries.end()) {
+        buffer_ = std::move(best->buffer);
+        pool.entries.erase(best);
+        return;
+      }
+    }
+    buffer_ = device_buffer(bytes);
+  }
+  ~scratch_buffer() {
+    if (buffer_.get() == nullptr) return;
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
+      (void)runtime::last_error();
+      return;  // freed with buffer_
+    }
+    std::vector<scratch_pool::entry> dropped;
+    scratch_pool& pool = the_scratch_pool();
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    pool.entries.push_back({device_, std::move(buffer_)});
+    std::size_t kept = 0;
+    for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
+    while (!pool.entries.empty() && (pool.entries.size() > scratch_pool_entries || kept > total_bytes / 8)) {
+      kept -= pool.entries.front().buffer.bytes();
+      dropped.push_back(std::move(pool.entries.front()));
+      pool.entries.erase(pool.entries.begin());
+    }
+  }
+  scratch_buffer(scratch_buffer&&) noexcept = default;
+  scratch_buffer& operator=(scratch_buffer&&) = delete;
+  scratch_buffer(const scratch_buffer&) = delete;
+  scratch_buffer& operator=(const scratch_buffer&) = delete;
+
+  template <class T>
+  T* as() const {
+    return buffer_.as<T>();
+  }
+  void fill_bytes(int value) { buffer_.fill_bytes(value); }
+  void download(void* host, std::size_t bytes) const { buffer_.download(host, bytes); }
+
+ private:
+  int device_ = 0;
+  device_buffer buffer_;
+};
+
+// Multiprocessors of the current device, queried once per device.
+int multiprocessor_count() {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  int device = 0;
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto index = static_cast<std::size_t>(device);
+  if (counts.size() <= index) counts.resize(index + 1, 0);
+  if (counts[index] == 0) {
+    runtime::device_properties properties{};
+    MXSCOPE_GPU_CHECK(runtime::properties(&properties, device));
+    counts[index] = std::max(properties.multiProcessorCount, 1);
+  }
+  return counts[index];
+}
+
+}  // namespace
+
+device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  if (runtime::stream_ordered) {
+    ordered_ = true;
+    stream_ = runtime::current_stream;
+    MXSCOPE_GPU_CHECK(runtime::malloc_ordered(&data_, bytes));
+    return;
+  }
+  if (runtime::malloc(&data_, bytes) != runtime::success) {
+    // Out of memory, perhaps because of what the scratch pool keeps: once more without it.
+    (void)runtime::last_error();
+    data_ = nullptr;
+    release_scratch_pool();
+    MXSCOPE_GPU_CHECK(runtime::malloc(&data_, bytes));
+  }
+}
+
+void device_buffer::free_memory() noexcept {
+  if (data_ == nullptr) return;
+  (void)(ordered_ ? runtime::free_ordered(data_, stream_) : runtime::free(data_));
+  data_ = nullptr;
+}
+
+device_buffer::~device_buffer() { free_memory(); }
+
+device_buffer::device_buffer(device_buffer&& other) noexcept
+    : data_(other.data_), bytes_(other.bytes_), ordered_(other.ordered_), stream_(other.stream_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
+  if (this != &other) {
+    free_memory();
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    ordered_ = other.ordered_;
+    stream_ = other.stream_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+stream_scope::stream_scope(void* stream, bool stream_ordered)
+    : previous_stream_(runtime::current_stream), previous_ordered_(runtime::stream_ordered) {
+  runtime::current_stream = stream;
+  runtime::stream_ordered = stream_ordered;
+}
+
+stream_scope::~stream_scope() {
+  runtime::current_stream = previous_stream_;
+  runtime::stream_ordered = previous_ordered_;
+}
+
+void device_buffer::upload(const void* host, std::size_t bytes, std::size_t offset) {
+  if (offset + bytes > bytes_) throw gpu_error("device_buffer::upload: " + std::to_string(bytes) + " bytes do not fit");
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_to_device(static_cast<char*>(data_) + offset, host, bytes));
+}
+
+void device_buffer::download(void* host, std::size_t bytes, std::size_t offset) const {
+  if (offset + bytes > bytes_)
+    throw gpu_error("device_buffer::download: " + std::to_string(bytes) + " bytes do not fit");
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_to_host(host, static_cast<const char*>(data_) + offset, bytes));
+}
+
+void device_buffer::fill_bytes(int value) {
+  if (bytes_ > 0) MXSCOPE_GPU_CHECK(runtime::memset(data_, value, bytes_));
+}
+
+device_matrix::device_matrix(std::int64_t rows, std::int64_t cols, element kind)
+    : buffer_(static_cast<std::size_t>(rows * cols) * (kind == element::fp32 ? sizeof(float) : sizeof(double))),
+      rows_(rows),
+      cols_(cols),
+      kind_(kind) {}
+
+device_matrix device_matrix::upload(const matrix& values) {
+  device_matrix out(values.rows, values.cols, element::fp32);
+  out.buffer_.upload(values.data(), out.buffer_.bytes());
+  return out;
+}
+
+device_matrix device_matrix::upload(const matrix64& values) {
+  device_matrix out(values.rows, values.cols, element::fp64);
+  out.buffer_.upload(values.data(), out.buffer_.bytes());
+  return out;
+}
+
+float* device_matrix::fp32() const {
+  if (kind_ != element::fp32) throw std::logic_error("device_matrix: an fp64 matrix read as fp32");
+  return buffer_.as<float>();
+}
+
+double* device_matrix::fp64() const {
+  if (kind_ != element::fp64) throw std::logic_error("device_matrix: an fp32 matrix read as fp64");
+  return buffer_.as<double>();
+}
+
+matrix device_matrix::download32() const {
+  matrix out(rows_, cols_);
+  buffer_.download(out.data(), static_cast<std::size_t>(size()) * sizeof(float));
+  return out;
+}
+
+matrix64 device_matrix::download64() const {
+  matrix64 out(rows_, cols_);
+  buffer_.download(out.data(), static_cast<std::size_t>(size()) * sizeof(double));
+  return out;
+}
+
+void synchronize() {
+  MXSCOPE_GPU_CHECK(runtime::synchronize());
+  MXSCOPE_GPU_CHECK(runtime::last_error());
+}
+
+namespace {
+
+// Called where temporary buffers must outlive the kernels just queued: waits for the device unless
+// the buffers are freed in stream order (stream_scope), which already orders the free after them.
+void release_after_kernels() {
+  if (!(runtime::has_ordered_allocation && runtime::stream_ordered)) synchronize();
+}
+
+}  // namespace
+
+void copy_on_device(void* destination, const void* source, std::size_t bytes) {
+  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_on_device_async(destination, source, bytes));
+}
+
+device_timer::device_timer() {
+  runtime::event_t start{}, stop{};
+  MXSCOPE_GPU_CHECK(runtime::event_create(&start));
+  MXSCOPE_GPU_CHECK(runtime::event_create(&stop));
+  start_ = static_cast<void*>(start);
+  stop_ = static_cast<void*>(stop);
+}
+
+device_timer::~device_timer() {
+  (void)runtime::event_destroy(static_cast<runtime::event_t>(start_));
+  (void)runtime::event_destroy(static_cast<runtime::event_t>(stop_));
+}
+
+void device_timer::start() { MXSCOPE_GPU_CHECK(runtime::event_record(static_cast<runtime::event_t>(start_))); }
+void device_timer::stop() { MXSCOPE_GPU_CHECK(runtime::event_record(static_cast<runtime::event_t>(stop_))); }
+
+double device_timer::elapsed_ms() {
+  MXSCOPE_GPU_CHECK(runtime::event_synchronize(static_cast<runtime::event_t>(stop_)));
+  float milliseconds = 0.0f;
+  MXSCOPE_GPU_CHECK(runtime::event_elapsed_ms(&milliseconds, static_cast<runtime::event_t>(start_),
+                                              static_cast<runtime::event_t>(stop_)));
+  return milliseconds;
+}
+
+// ================================================================================================
+// Plans.
+
+rotation_plan make_rotation_plan(const rotation_options& options) {
+  rotation_plan plan;
+  plan.size = options.size;
+  plan.random_signs = options.signs != sign_policy::none;
+  plan.signs =
+      core_ns::random_stream{options.seed,
+                             core_ns::policy_step(options.signs == sign_policy::fixed ? core_ns::seed_policy::fixed
+                                                                                      : core_ns::seed_policy::per_step,
+                                                  options.step),
+                             core_ns::stream_tag(options.layer_hash, core_ns::random_role::signs)};
+  return plan;
+}
+
+void check_rotation(const rotation_plan& rotation, std::int64_t rows, std::int64_t cols, int axis,
+                    const std::string& what) {
+  if (rotation.size == 0) return;
+  if (axis != 0 && axis != 1) throw input_error(what + ": rotation axis must be 0 or 1, got " + to_text(axis));
+  if (!core_ns::is_valid_rotation_size(rotation.size)) {
+    throw input_error(what + ": field 'rotation': size " + to_text(rotation.size) + " is not a power of two in [" +
+                      to_text(core_ns::rotation_size_min) + ", " + to_text(core_ns::rotation_size_max) + "]");
+  }
+  const std::int64_t length = axis == 1 ? cols : rows;
+  if (length % rotation.size != 0) {
+    throw input_error(what + ": field 'rotation': size " + to_text(rotation.size) + " does not divide the length " +
+                      to_text(length) + " of axis " + to_text(axis));
+  }
+}
+
+mx_plan make_mx_plan(const quantize_options& options, const std::string& what) {
+  if (options.format.scheme != quant_scheme::mx) {
+    throw input_error(what + ": field 'format': the GPU backend quantizes MX formats only");
+  }
+  const element_kind kind = options.format.element;
+  if (kind == element_kind::e8m0 || kind == element_kind::ue4m3) {
+    throw input_error(what + ": field 'format': not an MX element format");
+  }
+  if (options.axis != 0 && options.axis != 1) {
+    throw input_error(what + ": field 'axis' must be 0 or 1, got " + to_text(options.axis));
+  }
+  if (options.block < 0 || options.block > (1 << 20)) {
+    throw input_error(what + ": field 'block' must be in 1.." + to_text(1 << 20) + ", got " + to_text(options.block));
+  }
+  if (options.sr_bits < 1 || options.sr_bits > 32) {
+    throw input_error(what + ": field 'sr_bits' must be in 1..32, got " + to_text(options.sr_bits));
+  }
+  mx_plan plan;
+  plan.element = kind;
+  plan.block =
+      options.block > 0 ? options.block : (options.format.default_block > 0 ? options.format.default_block : 32);
+  plan.axis = options.axis;
+  plan.rounding = options.rounding;
+  plan.rule = options.rule;
+  plan.sr_bits = options.sr_bits;
+  plan.stream = options.stream;
+  return plan;
+}
+
+std::int64_t mx_code_row_bytes(const mx_plan& plan, std::int64_t cols) {
+  return core_ns::spec(plan.element).bits == 4 ? (cols + 1) / 2 : cols;
+}
+std::int64_t mx_code_bytes(const mx_plan& plan, std::int64_t rows, std::int64_t cols) {
+  return rows * mx_code_row_bytes(plan, cols);
+}
+std::int64_t mx_scale_rows(const mx_plan& plan, std::int64_t rows, std::int64_t) {
+  return plan.axis == 1 ? rows : (rows + plan.block - 1) / plan.block;
+}
+std::int64_t mx_scale_cols(const mx_plan& plan, std::int64_t, std::int64_t cols) {
+  return plan.axis == 1 ? (cols + plan.block - 1) / plan.block : cols;
+}
+

@@ -1,0 +1,209 @@
+// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// the choice among the product kernels and their launches.
+
+namespace {
+bool wgmma_present() {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES) && !defined(MXSCOPE_GPU_SIMULATE)
+  // An sm_90 device and a build whose code for it is sm_90a (the probe kernel says which).
+  static const bool present = [] {
+    const auto properties = current_device_properties();
+    if (!properties || properties->major != 9 || properties->minor != 0) return false;
+    device_buffer flag(sizeof(int));
+    flag.fill_bytes(0);
+    runtime::launch(wgmma_probe_kernel, 1, 1, 0, flag.as<int>());
+    int value = 0;
+    flag.download(&value, sizeof(int));
+    return value == 1;
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+#include "native_gfx950_kernels.hpp"  // the gfx950 native path (kernels for __gfx950__, stubs elsewhere)
+
+namespace {
+// Whether tensor_core_scaled_kernel computes this product exactly (see there): both operands have
+// its bf16 form, no NaN block, every nonzero block's bf16 elements normal (-125 <= e <= 125), and
+// every block dot's scale 2^k with -124 <= k <= 117.
+bool scaled_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
+  if (a.scaled.bytes() == 0 || b.scaled.bytes() == 0 || a.scaled_nan || b.scaled_nan) return false;
+  const auto inside = [](const prepared_operand::storage& x) {
+    return x.scaled_lowest > x.scaled_highest || (x.scaled_lowest >= -125 && x.scaled_highest <= 125);
+  };
+  if (!inside(a) || !inside(b)) return false;
+  if (a.scaled_lowest > a.scaled_highest || b.scaled_lowest > b.scaled_highest) return true;  // a zero operand
+  return a.scaled_lowest + b.scaled_lowest >= -124 && a.scaled_highest + b.scaled_highest <= 117;
+}
+// The same for its fp8 form: also no 128-row tile of either operand spans more than fp8_window
+// exponents in a K-block (prepare_fp8_kernel).
+bool fp8_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
+  return scaled_kernel_fits(a, b) && a.fp8_fits && b.fp8_fits;
+}
+}  // namespace
+
+void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
+                       const accumulation_model& model, output_rounding output, float* out, double* exact_out,
+                       gemm_path path) {
+  const auto& a = a_operand.data();
+  const auto& b = b_operand.data();
+  if (a.depth != b.depth) {
+    throw input_error("gpu gemm: the reduction lengths differ: A has " + to_text(a.depth) + ", B has " +
+                      to_text(b.depth));
+  }
+  if (a.block != b.block) {
+    throw input_error("gpu gemm: field 'block': operands must have the same blocks along the reduction axis (" +
+                      to_text(a.block) + " and " + to_text(b.block) + ")");
+  }
+  if (path == gemm_path::automatic) throw input_error("gpu gemm: multiply_prepared needs a concrete path");
+  if (a.path != path || b.path != path) throw input_error("gpu gemm: operands were prepared for another path");
+  if (path != gemm_path::generic && (!a.finite_elements || !b.finite_elements)) {
+    // Inf or NaN element codes (possible in hardware-produced fp8 codes) need the per-product path.
+    throw input_error("gpu gemm: an operand holds NaN or infinite element codes; only the generic path covers them");
+  }
+  if (!gemm_path_covers(path, a.element, b.element, a.block, model)) {
+    throw input_error("gpu gemm: path " + std::string(gemm_path_name(path)) +
+                      " does not cover these operands and model");
+  }
+  if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
+    throw input_error("gpu gemm: field 'accum': G must be positive");
+  }
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  if (m == 0 || n == 0) return;
+  const int fraction_total = fraction_bits_of(a.element) + fraction_bits_of(b.element);
+  switch (path) {
+    case gemm_path::generic: {
+      const unsigned grid = grid_for(m * n, 128);
+      const auto* ae = a.elements.as<const float>();
+      const auto* be = b.elements.as<const float>();
+      const auto* ax = a.exponents.as<const std::int32_t>();
+      const auto* bx = b.exponents.as<const std::int32_t>();
+      switch (model.kind) {
+        case accumulation_kind::exact:
+          runtime::launch(generic_product_kernel<generic_mode::exact>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+          break;
+        case accumulation_kind::fp32_seq:
+          runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+          break;
+        case accumulation_kind::fp32_block:
+        case accumulation_kind::fp32_group:
+          runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                          a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
+                          out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+          break;
+        default:
+          // trunc-align and trunc-promote have no device kernel (gemm_path_covers refuses them first).
+          throw input_error("gpu gemm: the generic path covers exact, fp32-block, fp32-group:G and fp32-seq");
+      }
+
+      break;
+    }
+    case gemm_path::integer:
+      if (block_dot_bits(a.element, b.element, a.block) <= 31) {
+        launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
+      } else if (block_dot_bits(a.element, b.element, a.block) <= 53) {
+        launch_integer<double>(a, b, model, output, out, exact_out, fraction_total);  // exact: see the integer path
+      } else {
+        launch_integer<long long>(a, b, model, output, out, exact_out, fraction_total);
+      }
+      break;
+    case gemm_path::tensor_core: {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+      const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile),
+                      static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
+      if (model.kind == accumulation_kind::exact) {
+        device_buffer flagged(static_cast<std::size_t>(m * n));
+        flagged.fill_bytes(0);
+        const exponent_span_data a_spans = exponent_spans(a);
+        const exponent_span_data b_spans = exponent_spans(b);
+        const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
+        const int span_budget = 53 - dot_bits - bits_of(a.blocks);
+        runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
+                        out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
+                        b_spans.spans.as<const std::int32_t>(), span_budget);
+        runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
+                        a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
+                        b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
+                        a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
+        synchronize();  // the flag buffer must outlive both kernels
+      } else {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+        // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
+        // belongs to the current device).
+        MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(tcb_shared_bytes)));
+#endif
+        const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
+        const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
+        constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+        if (tiles_m * tiles_n * tcb_group > int_limit || a.padded_rows * 4 > int_limit ||
+            b.padded_rows * 4 > int_limit || a.blocks > int_limit) {
+          throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
+                            to_text(n) + " x " + to_text(a.depth) + ")");
+        }
+        tensor_core_kernel kernel = selected_tensor_core_kernel();
+        if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) {
+          kernel = tensor_core_kernel::wgmma_bf16;
+        }
+        if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) {
+          kernel = tensor_core_kernel::mma_sync;
+        }
+        last_run_tensor_core_kernel.store(kernel);
+        if (kernel == tensor_core_kernel::wgmma_fp8 || kernel == tensor_core_kernel::wgmma_bf16) {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+          const bool fp8 = kernel == tensor_core_kernel::wgmma_fp8;
+          const auto entry = fp8 ? tensor_core_scaled_kernel<true> : tensor_core_scaled_kernel<false>;
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcs_shared_bytes)));
+          // 128 x 256 tiles, as tensor_core_block_kernel's.
+          const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
+          const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
+          // Persistent: one thread block per multiprocessor (its shared memory allows no second).
+          const std::int64_t persistent = std::min<std::int64_t>(tiles_m * tiles_n, multiprocessor_count());
+          runtime::launch(entry, static_cast<unsigned>(persistent), tcs_threads, tcs_shared_bytes,
+                          a_tiles.as<const unsigned char>(), b_tiles.as<const unsigned char>(),
+                          fp8 ? a.fp8_bases.as<const std::int32_t>() : nullptr,
+                          fp8 ? b.fp8_bases.as<const std::int32_t>() : nullptr, m, n, a.blocks, tiles_m, tiles_n,
+                          output, out);
+#endif
+        } else if (kernel == tensor_core_kernel::mma_sync) {
+          runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
+                          tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                          a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
+        } else {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+          // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcw_shared_bytes)));
+          const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
+          const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
+          runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
+                          tcw_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                          a.padded_rows, b.padded_rows, a.blocks, wgmma_tiles_m, wgmma_tiles_n, output, out);
+#endif
+        }
+      }
+#else
+      throw input_error("gpu gemm: no tensor-core path in this build");
+#endif
+      break;
+    }
+    case gemm_path::native_mfma:
+      native_gfx950::multiply(a, b, output, out);
+      break;
+    case gemm_path::automatic:
+      break;
+  }
+}
+
