@@ -26,6 +26,7 @@
 #endif
 
 #include "mxscope/analysis.hpp"
+#include "mxscope/core/growth.hpp"
 #include "mxscope/core/nvfp4.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/cross_step.hpp"
@@ -80,10 +81,7 @@ json json_number(double value) {
   return json(number(value));  // JSON has no NaN or infinity: write them as strings
 }
 
-double ratio(double numerator, double denominator) {
-  if (denominator == 0.0) return numerator == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
-  return numerator / denominator;
-}
+using core::ratio;  // 0/0 = 0, x/0 = inf (core/growth.hpp)
 
 // ---------------------------------------------------------------------------------------------
 // Cross-step accumulators of one (layer, gemm, strategy) unit.
@@ -220,27 +218,6 @@ comparison compare_located(compute_device device, located<matrix>& estimate, loc
   }
 #endif
   return compare_on(device, estimate.host(), g.host(), g32.host(), &placed);
-}
-
-// Least-squares slope of log(norms[s-1]) against log(s), s = 1..T; NaN for T < 2 or a zero norm.
-double growth_exponent(const std::vector<double>& norms) {
-  const std::size_t count = norms.size();
-  if (count < 2) return std::numeric_limits<double>::quiet_NaN();
-  double mean_x = 0.0, mean_y = 0.0;
-  for (std::size_t s = 0; s < count; ++s) {
-    if (!(norms[s] > 0.0) || !std::isfinite(norms[s])) return std::numeric_limits<double>::quiet_NaN();
-    mean_x += std::log(static_cast<double>(s + 1));
-    mean_y += std::log(norms[s]);
-  }
-  mean_x /= static_cast<double>(count);
-  mean_y /= static_cast<double>(count);
-  double covariance = 0.0, variance = 0.0;
-  for (std::size_t s = 0; s < count; ++s) {
-    const double dx = std::log(static_cast<double>(s + 1)) - mean_x;
-    covariance += dx * (std::log(norms[s]) - mean_y);
-    variance += dx * dx;
-  }
-  return covariance / variance;
 }
 
 const matrix& captured(const io::dump_entry& entry, std::string_view name) {
@@ -1139,11 +1116,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             unit.error_sum_norms.push_back(error_sum_norm);
             const double nan = std::numeric_limits<double>::quiet_NaN();
             const double acc_err = ratio(error_sum_norm, reference_norms.sum);
-            const double coherence = ratio(error_sum_norm, std::sqrt(unit.error_energy_sum));
-            const double alpha = growth_exponent(unit.error_sum_norms);
+            const double coherence = core::coherence(error_sum_norm, unit.error_energy_sum);
+            const double alpha = core::growth_exponent(unit.error_sum_norms);
             const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
             const double structural =
-                ratio(error_sum_norm * error_sum_norm, static_cast<double>(t) * unit.error_energy_sum);
+                core::structural_share(error_sum_norm, static_cast<double>(t), unit.error_energy_sum);
             const double sgd_upd_err = ratio(norms.sgd_update_difference, reference_norms.sgd_update);
             const double sgd_disp_err = ratio(norms.sgd_displacement_difference, reference_norms.sgd_displacement);
             const double adamw_upd_err = ratio(norms.adamw_update_difference, reference_norms.adamw_update);
@@ -1202,11 +1179,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
           const double error_sum_norm = unit.error_sum_norms.back();
           const double reference_sum_norm = state.reference_sum_norm;
           const double total_steps = static_cast<double>(unit.step_metrics.size());
-          record["alpha"] = json_number(growth_exponent(unit.error_sum_norms));
+          record["alpha"] = json_number(core::growth_exponent(unit.error_sum_norms));
           record["acc_err"] = json_number(ratio(error_sum_norm, reference_sum_norm));
-          record["coherence"] = json_number(ratio(error_sum_norm, std::sqrt(unit.error_energy_sum)));
+          record["coherence"] = json_number(core::coherence(error_sum_norm, unit.error_energy_sum));
           record["structural_share"] =
-              json_number(ratio(error_sum_norm * error_sum_norm, total_steps * unit.error_energy_sum));
+              json_number(core::structural_share(error_sum_norm, total_steps, unit.error_energy_sum));
           // The values of the last accumulation.csv row (docs/metrics.md).
           record["sgd_disp_err"] = json_number(unit.sgd_disp_err);
           record["adamw_disp_err"] = json_number(unit.adamw_disp_err);

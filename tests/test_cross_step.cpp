@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -27,6 +28,7 @@
 
 #include "documented_order.hpp"
 #include "mxscope/core/exact_sum.hpp"
+#include "mxscope/core/growth.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
 
@@ -480,3 +482,40 @@ TEST(CrossStep, RefusesMismatchedShapesAndOutOfOrderSteps) {
 }
 
 }  // namespace
+
+// The window metrics of core/growth.hpp on errors whose growth is known in closed form.
+TEST(Growth, AlphaIsThePowerOfAPowerLawAndNanWhereUndefined) {
+  for (const double power : {0.0, 0.5, 1.0, 1.7}) {
+    std::vector<double> norms;
+    for (int t = 1; t <= 12; ++t) norms.push_back(3.0 * std::pow(static_cast<double>(t), power));
+    EXPECT_NEAR(mxscope::core::growth_exponent(norms), power, 1e-12) << power;
+  }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(mxscope::core::growth_exponent(std::vector<double>{})));
+  EXPECT_TRUE(std::isnan(mxscope::core::growth_exponent(std::vector<double>{2.0})));
+  EXPECT_TRUE(std::isnan(mxscope::core::growth_exponent(std::vector<double>{1.0, 0.0, 2.0})));
+  EXPECT_TRUE(std::isnan(mxscope::core::growth_exponent(std::vector<double>{1.0, nan})));
+  EXPECT_TRUE(std::isnan(mxscope::core::growth_exponent(std::vector<double>{1.0, std::numeric_limits<double>::infinity()})));
+  // Two points: the slope through them, log(4 / 1) / log(2) = 2.
+  EXPECT_DOUBLE_EQ(mxscope::core::growth_exponent(std::vector<double>{1.0, 4.0}), 2.0);
+}
+
+TEST(Growth, CoherenceAndStructuralShareOfIdenticalAndOrthogonalErrors) {
+  using mxscope::core::coherence;
+  using mxscope::core::structural_share;
+  const double e = 0.25;  // ||E_t|| every step
+  for (const int steps : {1, 4, 9}) {
+    const double T = static_cast<double>(steps);
+    const double energy = T * e * e;
+    // The same error every step: ||sum E|| = T e.
+    EXPECT_DOUBLE_EQ(coherence(T * e, energy), std::sqrt(T));
+    EXPECT_DOUBLE_EQ(structural_share(T * e, T, energy), 1.0);
+    // Mutually orthogonal errors: ||sum E|| = sqrt(T) e.
+    EXPECT_DOUBLE_EQ(coherence(std::sqrt(T) * e, energy), 1.0);
+    EXPECT_NEAR(structural_share(std::sqrt(T) * e, T, energy), 1.0 / T, 1e-15);
+  }
+  // No error at all: 0 (0/0 is "no error against no signal"), and an error against nothing is inf.
+  EXPECT_EQ(coherence(0.0, 0.0), 0.0);
+  EXPECT_EQ(structural_share(0.0, 3.0, 0.0), 0.0);
+  EXPECT_EQ(mxscope::core::ratio(1.0, 0.0), std::numeric_limits<double>::infinity());
+}
