@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "support/temporary_directory.hpp"
+
 namespace python_runner {
 
 inline constexpr const char* interpreter = "/usr/bin/python3";
@@ -73,25 +75,6 @@ inline std::string torch_problem(const std::filesystem::path& scratch) {
 }
 
 // A fresh directory removed at the end of the scope.
-class temporary_directory {
- public:
-  explicit temporary_directory(const std::string& label) {
-    static std::atomic<int> counter{0};
-    path_ = std::filesystem::temp_directory_path() /
-            fmt::format("mxscope-{}-{}-{}", label, static_cast<long>(::getpid()), counter.fetch_add(1));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  temporary_directory(const temporary_directory&) = delete;
-  temporary_directory& operator=(const temporary_directory&) = delete;
-  ~temporary_directory() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using temporary_directory = mxscope::testing::temporary_directory;
 
 }  // namespace python_runner

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "support/temporary_directory.hpp"
 #include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/io/safetensors.hpp"
@@ -31,6 +32,8 @@
 #include "reference_random.hpp"
 
 namespace {
+
+using mxscope::testing::temporary_directory;
 
 namespace fs = std::filesystem;
 
@@ -64,31 +67,6 @@ std::uint32_t bits_of(float value) {
 // ---------------------------------------------------------------------------------------------
 // Files and the CLI.
 
-class temporary_directory {
- public:
-  temporary_directory() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("mxscope-test-cli-{}-{}", static_cast<long>(::getpid()), counter.fetch_add(1));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~temporary_directory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-  std::vector<std::string> listing() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path_)) names.push_back(entry.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  fs::path path_;
-};
 
 using mxscope::testing::cli_result;
 using mxscope::testing::joined;
@@ -374,7 +352,7 @@ TEST(CliInspect, BadPathsExitTwoWithTheirNames) {
   EXPECT_NE(dump.err.find("dump directory"), std::string::npos) << dump.err;
 
   const fs::path corrupt = directory / "corrupt.safetensors";
-  std::ofstream(corrupt, std::ios::binary) << std::string("\x10\0\0\0\0\0\0\0{\"a\":1}        ", 24);
+  std::ofstream(corrupt, std::ios::binary) << std::string("\x10\0\0\0\0\0\0\0{\"a\":1}         ", 24);
   const auto bad = run_cli({"inspect", corrupt.string()});
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("corrupt.safetensors: tensor 'a': field 'entry'"), std::string::npos) << bad.err;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "support/temporary_directory.hpp"
 #include "exact_oracle.hpp"
 #include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
@@ -26,28 +27,12 @@
 
 namespace {
 
+using mxscope::testing::temporary_directory;
+
 namespace fs = std::filesystem;
 using mxscope::matrix;
 using oracle::cpp_int;
 
-class temporary_directory {
- public:
-  temporary_directory() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("mxscope-test-cli-gemm-{}-{}", static_cast<long>(::getpid()), counter.fetch_add(1));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~temporary_directory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 using mxscope::testing::cli_result;
 using mxscope::testing::joined;
@@ -136,14 +121,14 @@ TEST(CliGemm, WgradOfLosslessMxfp4OperandsIsTheExactProduct) {
   const matrix x = fp4_grid_by_column(k, n_in, 1);
   const matrix dy = fp4_grid_by_column(k, n_out, 2);
   const matrix w = random_matrix(n_out, n_in, 3);
-  write_operands(directory / "in.safetensors", {{"x", &x}, {"dy", &dy}, {"w", &w}});
-  const std::vector<std::string> arguments{"gemm", "--gemm", "wgrad", "--in", directory / "in.safetensors", "--format",
-                                           "mxfp4", "--accum", "exact", "--out", directory / "out.safetensors", "--json",
+  write_operands(directory.file("in.safetensors"), {{"x", &x}, {"dy", &dy}, {"w", &w}});
+  const std::vector<std::string> arguments{"gemm", "--gemm", "wgrad", "--in", directory.file("in.safetensors"), "--format",
+                                           "mxfp4", "--accum", "exact", "--out", directory.file("out.safetensors"), "--json",
                                            "--certify", "9"};
   const cli_result result = run_cli(arguments);
   ASSERT_EQ(result.code, 0) << joined(arguments) << "\n" << result.err;
   // dw[o, i] = sum_t dy[t, o] x[t, i].
-  check_exact_outputs(directory / "out.safetensors", n_out, n_in, k, [&](std::int64_t o, std::int64_t t) { return double(dy(t, o)); },
+  check_exact_outputs(directory.file("out.safetensors"), n_out, n_in, k, [&](std::int64_t o, std::int64_t t) { return double(dy(t, o)); },
                       [&](std::int64_t i, std::int64_t t) { return double(x(t, i)); }, "wgrad mxfp4 exact");
 
   const auto json = nlohmann::json::parse(result.out);
@@ -175,9 +160,9 @@ TEST(CliGemm, WgradOfLosslessMxfp4OperandsIsTheExactProduct) {
   EXPECT_EQ(json["certification"]["passed"], true);
 
   // The same data blocked along the wrong axis would not be lossless: fp32-block along K still is.
-  const std::vector<std::string> block_arguments{"gemm", "--gemm", "wgrad", "--in", directory / "in.safetensors",
+  const std::vector<std::string> block_arguments{"gemm", "--gemm", "wgrad", "--in", directory.file("in.safetensors"),
                                                  "--format", "mxfp4", "--accum", "fp32-block", "--out",
-                                                 directory / "block.safetensors", "--json"};
+                                                 directory.file("block.safetensors"), "--json"};
   const cli_result block = run_cli(block_arguments);
   ASSERT_EQ(block.code, 0) << block.err;
   EXPECT_EQ(nlohmann::json::parse(block.out)["operands"]["a"]["flushed"], 0);
@@ -189,11 +174,11 @@ TEST(CliGemm, FpropAndDgradOrientations) {
   const matrix x = random_matrix(k, n_in, 4);
   const matrix dy = random_matrix(k, n_out, 5);
   const matrix w = random_matrix(n_out, n_in, 6);
-  write_operands(directory / "in.safetensors", {{"x", &x}, {"dy", &dy}, {"w", &w}});
+  write_operands(directory.file("in.safetensors"), {{"x", &x}, {"dy", &dy}, {"w", &w}});
   // Unquantized operands (fp32) and exact accumulation: out is the correctly rounded product.
   for (const std::string gemm : {"fprop", "dgrad"}) {
     const std::string output = directory / (gemm + ".safetensors");
-    const std::vector<std::string> arguments{"gemm", "--gemm", gemm, "--in", directory / "in.safetensors", "--format",
+    const std::vector<std::string> arguments{"gemm", "--gemm", gemm, "--in", directory.file("in.safetensors"), "--format",
                                              "fp32", "--accum", "exact", "--out", output};
     const cli_result result = run_cli(arguments);
     ASSERT_EQ(result.code, 0) << joined(arguments) << "\n" << result.err;
@@ -216,14 +201,14 @@ TEST(CliGemm, PerOperandFormatsAndBf16Output) {
   const std::int64_t k = 64, n_in = 8, n_out = 6;
   const matrix x = fp4_grid_by_column(k, n_in, 7);
   const matrix dy = random_matrix(k, n_out, 8);
-  write_operands(directory / "in.safetensors", {{"x", &x}, {"dy", &dy}});
+  write_operands(directory.file("in.safetensors"), {{"x", &x}, {"dy", &dy}});
   // dy stays fp32, x is MXFP4 (lossless here): the exact model gives the exact product of the inputs.
-  const std::vector<std::string> arguments{"gemm", "--gemm", "wgrad", "--in", directory / "in.safetensors",
+  const std::vector<std::string> arguments{"gemm", "--gemm", "wgrad", "--in", directory.file("in.safetensors"),
                                            "--format-a", "fp32", "--format-b", "mxfp4", "--accum", "exact", "--out",
-                                           directory / "out.safetensors", "--json"};
+                                           directory.file("out.safetensors"), "--json"};
   const cli_result result = run_cli(arguments);
   ASSERT_EQ(result.code, 0) << joined(arguments) << "\n" << result.err;
-  check_exact_outputs(directory / "out.safetensors", n_out, n_in, k, [&](std::int64_t o, std::int64_t t) { return double(dy(t, o)); },
+  check_exact_outputs(directory.file("out.safetensors"), n_out, n_in, k, [&](std::int64_t o, std::int64_t t) { return double(dy(t, o)); },
                       [&](std::int64_t i, std::int64_t t) { return double(x(t, i)); }, "wgrad fp32 x mxfp4");
   const auto json = nlohmann::json::parse(result.out);
   EXPECT_EQ(json["strategy"]["format_a"], "fp32");
@@ -231,12 +216,12 @@ TEST(CliGemm, PerOperandFormatsAndBf16Output) {
 
   // --output bf16: every value of "out" is a bf16 number (the low 16 bits are zero), and it is the
   // fp32 result rounded to nearest-even.
-  const std::vector<std::string> bf16_arguments{"gemm", "--gemm", "wgrad", "--in", directory / "in.safetensors",
+  const std::vector<std::string> bf16_arguments{"gemm", "--gemm", "wgrad", "--in", directory.file("in.safetensors"),
                                                 "--format-a", "fp32", "--format-b", "mxfp4", "--accum", "exact",
-                                                "--output", "bf16", "--out", directory / "bf16.safetensors"};
+                                                "--output", "bf16", "--out", directory.file("bf16.safetensors")};
   ASSERT_EQ(run_cli(bf16_arguments).code, 0);
-  const matrix fp32_out = mxscope::io::safetensors_reader(directory / "out.safetensors").read_matrix("out");
-  const matrix bf16_out = mxscope::io::safetensors_reader(directory / "bf16.safetensors").read_matrix("out");
+  const matrix fp32_out = mxscope::io::safetensors_reader(directory.file("out.safetensors")).read_matrix("out");
+  const matrix bf16_out = mxscope::io::safetensors_reader(directory.file("bf16.safetensors")).read_matrix("out");
   for (std::int64_t i = 0; i < bf16_out.size(); ++i) {
     const std::uint32_t bits = oracle::bits_of(fp32_out.values[i]);
     // Round to nearest-even at bit 16 (finite values).
@@ -250,43 +235,43 @@ TEST(CliGemm, BadInputsExitTwoAndWriteNothing) {
   const matrix x = random_matrix(8, 32, 9);
   const matrix dy = random_matrix(8, 16, 10);
   const matrix w_wrong = random_matrix(16, 31, 11);
-  write_operands(directory / "no_w.safetensors", {{"x", &x}, {"dy", &dy}});
-  write_operands(directory / "wrong.safetensors", {{"x", &x}, {"dy", &dy}, {"w", &w_wrong}});
+  write_operands(directory.file("no_w.safetensors"), {{"x", &x}, {"dy", &dy}});
+  write_operands(directory.file("wrong.safetensors"), {{"x", &x}, {"dy", &dy}, {"w", &w_wrong}});
   const matrix x_empty = random_matrix(0, 32, 12);
   const matrix dy_empty = random_matrix(0, 16, 13);
-  write_operands(directory / "empty.safetensors", {{"x", &x_empty}, {"dy", &dy_empty}});
+  write_operands(directory.file("empty.safetensors"), {{"x", &x_empty}, {"dy", &dy_empty}});
   struct bad_case {
     std::vector<std::string> arguments;
     std::string needle;
   };
-  const std::string out = directory / "out.safetensors";
+  const std::string out = directory.file("out.safetensors");
   const std::vector<bad_case> cases = {
-      {{"gemm", "--gemm", "fprop", "--in", directory / "no_w.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "fprop", "--in", directory.file("no_w.safetensors"), "--format", "mxfp4", "--accum", "exact", "--out", out},
        "'w'"},
-      {{"gemm", "--gemm", "fprop", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "fprop", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "exact", "--out", out},
        "n_in"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "fp32-blok", "--out", out},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "fp32-blok", "--out", out},
        "--accum"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "trunc-align:5", "--out", out},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "trunc-align:5", "--out", out},
        "--accum"},
-      {{"gemm", "--gemm", "forward", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "forward", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "exact", "--out", out},
        "--gemm"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format", "mxfp3", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format", "mxfp3", "--accum", "exact", "--out", out},
        "--format"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format-a", "mxfp4", "--format-b", "nvfp4",
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format-a", "mxfp4", "--format-b", "nvfp4",
         "--accum", "exact", "--out", out},
        "block"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--accum", "exact", "--out", out}, "--format"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "exact",
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--accum", "exact", "--out", out}, "--format"},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "exact",
         "--reference", "fp16", "--out", out},
        "--reference"},
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "wrong.safetensors", "--format", "mxfp4", "--accum", "exact",
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("wrong.safetensors"), "--format", "mxfp4", "--accum", "exact",
         "--rotation", "hadamard:16", "--out", out},
        "rotation"},  // K = 8 is not a multiple of 16
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "missing.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("missing.safetensors"), "--format", "mxfp4", "--accum", "exact", "--out", out},
        "missing.safetensors"},
       // zero tokens: it failed inside the quantizer with a message naming no tensor
-      {{"gemm", "--gemm", "wgrad", "--in", directory / "empty.safetensors", "--format", "mxfp4", "--accum", "exact", "--out", out},
+      {{"gemm", "--gemm", "wgrad", "--in", directory.file("empty.safetensors"), "--format", "mxfp4", "--accum", "exact", "--out", out},
        "tensor 'dy': field 'shape': [0, 16] has no elements"},
   };
   for (const auto& [arguments, needle] : cases) {

@@ -15,35 +15,18 @@
 #include <omp.h>
 #endif
 
+#include "support/bits.hpp"
 #include "documented_order.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/errors.hpp"
 
 namespace {
 
+using mxscope::testing::bits_of;
+using mxscope::testing::hex;
+
 using mxscope::matrix;
 using mxscope::matrix64;
-
-std::uint64_t bits_of(double v) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-std::uint32_t bits_of(float v) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-std::string hex(double v) {
-  std::ostringstream out;
-  out << std::hexfloat << v << " (0x" << std::hex << bits_of(v) << ")";
-  return out.str();
-}
-std::string hex(float v) {
-  std::ostringstream out;
-  out << std::hexfloat << v << " (0x" << std::hex << bits_of(v) << ")";
-  return out.str();
-}
 
 matrix64 make64(std::int64_t rows, std::int64_t cols, std::vector<double> values) {
   matrix64 m(rows, cols);

@@ -26,6 +26,7 @@
 #include <omp.h>
 #endif
 
+#include "support/bits.hpp"
 #include "documented_order.hpp"
 #include "mxscope/core/exact_sum.hpp"
 #include "mxscope/core/growth.hpp"
@@ -33,6 +34,9 @@
 #include "mxscope/errors.hpp"
 
 namespace {
+
+using mxscope::testing::bits_of;
+using mxscope::testing::hex;
 
 using mxscope::matrix;
 using mxscope::matrix64;
@@ -45,17 +49,6 @@ void set_threads(int threads) {
 #endif
 }
 
-std::uint64_t bits_of(double v) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-
-std::string hex(double v) {
-  std::ostringstream out;
-  out << std::hexfloat << v << " (0x" << std::hex << bits_of(v) << ")";
-  return out.str();
-}
 
 #define EXPECT_SAME_BITS(actual, expected)                                                           \
   EXPECT_EQ(bits_of(actual), bits_of(expected)) << #actual << ": " << hex(actual) << ", expected " \

@@ -21,10 +21,14 @@
 #include <omp.h>
 #endif
 
+#include "support/bits.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/reference.hpp"
 
 namespace {
+
+using mxscope::testing::bits_of;
+using mxscope::testing::hex;
 
 using boost::multiprecision::cpp_int;
 using mxscope::matrix;
@@ -34,27 +38,6 @@ using mxscope::reference_result;
 
 constexpr int finest_scale = 1074;  // every finite double is an integer times 2^-1074
 
-std::uint64_t bits_of(double v) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-std::uint32_t bits_of(float v) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
-}
-
-std::string hex(double v) {
-  std::ostringstream out;
-  out << std::hexfloat << v << " (0x" << std::hex << bits_of(v) << ")";
-  return out.str();
-}
-std::string hex(float v) {
-  std::ostringstream out;
-  out << std::hexfloat << v << " (0x" << std::hex << bits_of(v) << ")";
-  return out.str();
-}
 
 // ------------------------------------------------------------------------------------------
 // Oracle.

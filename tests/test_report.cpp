@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "support/temporary_directory.hpp"
 #include "mxscope/cli/cli.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/report/csv.hpp"
@@ -35,29 +36,13 @@
 
 namespace {
 
+using mxscope::testing::temporary_directory;
+
 namespace fs = std::filesystem;
 
 // ---------------------------------------------------------------------------------------------
 // Files, processes and the CLI.
 
-class temporary_directory {
- public:
-  temporary_directory() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("mxscope-test-report-{}-{}", static_cast<long>(::getpid()), counter.fetch_add(1));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~temporary_directory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 std::string read_text(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

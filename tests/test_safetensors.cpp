@@ -22,11 +22,14 @@
 #include <thread>
 #include <vector>
 
+#include "support/temporary_directory.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/safetensors.hpp"
 
 namespace {
+
+using mxscope::testing::temporary_directory;
 
 namespace fs = std::filesystem;
 using mxscope::input_error;
@@ -78,24 +81,6 @@ float float_from_bits(std::uint32_t bits) {
 }
 
 // A fresh directory per test, removed afterwards.
-class temporary_directory {
- public:
-  temporary_directory() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("mxscope-test-safetensors-{}-{}", static_cast<long>(::getpid()), counter.fetch_add(1));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~temporary_directory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_raw(const fs::path& path, const std::string& bytes) {
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
