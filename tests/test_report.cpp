@@ -739,6 +739,18 @@ TEST_F(ReportCommand, MissingGnuplotIsAClearErrorAndWritesNothing) {
   EXPECT_EQ(listing(run_), before);
 }
 
+// A plots directory that cannot be made (here a file of that name; on a read-only or immutable
+// run directory the same path) is an error naming it, and the file is left as it was.
+TEST_F(ReportCommand, PlotsDirectoryThatCannotBeMadeIsAClearError) {
+  write_text(run_ / "plots", "not a directory");
+  const auto before = listing(run_);
+  const cli_result result = run_cli({"report", run_.string()});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("plots: cannot create the plots directory"), std::string::npos) << result.err;
+  EXPECT_EQ(listing(run_), before);
+  EXPECT_EQ(read_text(run_ / "plots"), "not a directory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // mxscope notebook.
 

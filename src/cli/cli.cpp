@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <new>
 #include <ostream>
+#include <system_error>
 
 #include "commands.hpp"
 #include "mxscope/errors.hpp"
@@ -45,6 +46,15 @@ int execute(const command& chosen, std::ostream& out, std::ostream& err) {
     code = 1;
   } catch (const std::bad_alloc&) {
     err << prefix << ": error: out of memory\n";
+    code = 2;
+  } catch (const std::system_error& error) {
+    // EAGAIN: a thread that could not start under a memory or process limit, whose bare text
+    // ("Resource temporarily unavailable") does not say what was refused.
+    err << prefix << ": error: ";
+    if (error.code() == std::errc::resource_unavailable_try_again) {
+      err << "could not start a thread (a memory or process limit; fewer --threads or a higher limit may help): ";
+    }
+    err << error.what() << '\n';
     code = 2;
   } catch (const std::exception& error) {
     err << prefix << ": error: " << error.what() << '\n';

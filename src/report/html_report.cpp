@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <system_error>
 
+#include "mxscope/errors.hpp"
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/report/report.hpp"
 #include "mxscope/report/run_data.hpp"
@@ -414,7 +416,12 @@ report_outputs write_report(const std::filesystem::path& run_directory, const re
   report_outputs outputs;
   outputs.png_terminal = renderer.png_terminal();
   const std::filesystem::path plot_directory = run_directory / "plots";
-  std::filesystem::create_directories(plot_directory);
+  std::error_code created;
+  std::filesystem::create_directories(plot_directory, created);
+  if (created) {
+    throw input_error(fmt::format("{}: cannot create the plots directory: {}", plot_directory.string(),
+                                  created.message()));
+  }
   for (const auto& plots : plots_by_unit) {
     for (std::size_t index = 0; index < plots.plots.size(); ++index) {
       const auto svg_path = plot_directory / (plots.plots[index].file_stem + ".svg");
