@@ -50,10 +50,9 @@ namespace {
   return properties;
 }
 
-// Set-up buffers kept between calls. The exact reference's staging (its operands in chunk tiles,
-// 0.6 GB at the benchmark's shape, and the rows' descriptions) was allocated and freed on every
-// call: the benchmark's reference took 30.7 to 30.9 ms with this pool against 30.9 to 31.6 without
-// (H200, alternating runs). A scratch_buffer takes the smallest pooled buffer of
+// Set-up buffers kept between calls, so that the exact reference's staging (its operands in chunk
+// tiles, 0.6 GB at the benchmark's shape, and the rows' descriptions) is not allocated and freed on
+// every call (BENCHMARKS.md, "Tuning notes"). A scratch_buffer takes the smallest pooled buffer of
 // the current device that is large enough, else allocates one, and gives it back to the pool when
 // it goes out of scope; the pool keeps the last scratch_pool_entries buffers given back, and only
 // while they total at most 1/8 of the device's memory. Reuse is safe without waiting: every kernel

@@ -197,9 +197,8 @@ __device__ inline void add_in_units(core_ns::int128& sum, double value, int base
 // exponents) between -298 and 254, so the scaling by 2^-base (a normal double), the high half
 // trunc(t 2^-64) and the low half t - high 2^64 (the bits of t below 2^64, at most 53 of them) are
 // exact, and so are the conversions of the two halves to 64-bit integers. No branches. The same
-// integer as add_in_units, which the other callers keep: with this form in every caller, ptxas
-// spilled more in plain_tile_kernel's group mode (408 bytes against 312), a kernel whose speed
-// with it has not been measured; in reference_warp_kernel it was (BENCHMARKS.md).
+// integer as add_in_units, which the other callers keep because this form made ptxas spill more
+// there (BENCHMARKS.md, "Tuning notes").
 __device__ inline void add_in_units_by_halves(core_ns::int128& sum, double value, int base) {
   const double scaled = fabs(value) * core_ns::bits_double(static_cast<std::uint64_t>(1023 - base) << 52);
   const double high = trunc(scaled * 0x1p-64);
@@ -446,8 +445,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   // The tensor-core dots: zero at every chunk; in exact mode zero at the start and reset by each
   // entry's step, after every chunk except for the entries in `fused`, which keep summing until
   // the end of their super-chunk. (Not by resetting all 16 at the first chunk of each super-chunk:
-  // with that form, nvcc 13.0 for sm_90a gave the first DMMA of a chunk a uniform zero-accumulator
-  // predicate, and rows 8-15 of every warp's tile came out wrong on the H200; this form passes.)
+  // nvcc 13.0 for sm_90a miscompiled that form; BENCHMARKS.md, "Tuning notes".)
   double dots[plain_side][plain_side];
 #pragma unroll
   for (int r = 0; r < plain_side; ++r) {
@@ -581,10 +579,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
 // two thread blocks fit a multiprocessor. The operands come in chunk tiles (chunk_tiles_kernel):
 // a thread stages fixed float4 slots without bounds checks, A's through cp.async into shared
 // memory. The steps convert a dot to the 128-bit sum by fp64 halves (add_in_units_by_halves).
-// Measured on the H200 (BENCHMARKS.md): 23.5 TFLOP/s with the row-major staging of
-// plain_tile_kernel and 255 registers with spills, 30.4 to 30.7 with the chunk tiles, A's cp.async
-// and the lows in shared memory (no spills); the steps by halves cut the reference stage of the
-// Llama-shaped replay, whose rows step per chunk, from 0.15 to 0.12 s.
+// (How this layout compares with plain_tile_kernel's: BENCHMARKS.md, "Tuning notes".)
 //
 // Entry (r, c) of a thread (r < 4, c < 8): row rw_row(r) = 32 (warp / 2) + 8 r + lane / 4, column
 // rw_col(c) = 32 (warp % 2) + 8 (c / 2) + 2 (lane % 4) + c % 2: element 2 (r % 2) + c % 2 of the

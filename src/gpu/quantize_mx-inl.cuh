@@ -130,8 +130,7 @@ void launch_mx_operand(const mx_plan& plan, std::int64_t rows, std::int64_t cols
 // and its scale is byte g. One thread takes one MX block at a time (consecutive threads,
 // consecutive blocks, in a grid-stride loop): it loads the block's 64 or 128 bytes in 16-byte
 // pieces straight into registers (the pieces a warp's load leaves in a sector, its next load
-// finds in L1; staging the tile through shared memory first, with two barriers per tile, was
-// 12% slower at bf16 -> MXFP4 rne), rotates them there (Rotation = 16 or 32: whole rotation
+// finds in L1, so no staging through shared memory), rotates them there (Rotation = 16 or 32: whole rotation
 // segments lie in the block) with core::rotate_segment, scans them and encodes; codes go out in
 // 16-byte stores. The element encoder is a template choice (fused_encoder); every one is the
 // core's function (fast_encode.hpp). Counters are 32-bit per thread (a thread meets 32 elements
@@ -413,11 +412,10 @@ __device__ inline void fwht_with_extremes(float* v, std::uint32_t& high, bool& e
 
 // Thread blocks per multiprocessor for the fp4 encoders on CUDA, so that enough loads are in flight
 // to cover the memory latency: 4 (64 registers) for bf16 without rotation, 3 (80 registers) for the
-// others, the most that ptxas fits without spilling (sm_90; H16 on bf16 at 4 spilled 80 bytes and
-// took 0.250 ms against 0.238). sr on bf16 reads the next block ahead (16 more registers): 3 (80)
-// without rotation, where 4 spilled 124 bytes and 3 and 4 ran alike before the read-ahead, and 2
-// (128) with H16, which took 0.431 ms against 0.449 at 3 without it. (HIP's second bound means
-// something else; it keeps the plain bound.)
+// others, the most that ptxas fits without spilling on sm_90. sr on bf16 reads the next block ahead
+// (16 more registers): 3 (80) without rotation and 2 (128) with H16 (the figures behind these
+// choices: BENCHMARKS.md, "Tuning notes"). (HIP's second bound means something else; it keeps the
+// plain bound.)
 #if defined(__CUDACC__) && !defined(__HIP__)
 #define MXSCOPE_FUSED_BOUNDS(min_blocks) __launch_bounds__(threads_per_block, min_blocks)
 #else
@@ -433,8 +431,8 @@ constexpr int fused_blocks_per_multiprocessor =
 
 // Calls f(i, word) for the elements i = 0 .. 31 of MX block g in order, where element 4 q + w draws
 // word w of Philox block 8 g + q of the plan's stream (NUMERICS.md section 4): the sr encoders' walk.
-// (The scaled encoders' loops, which draw only for some rounding modes, keep their own form: through
-// this helper ptxas scheduled them differently, and those are the measured kernels.)
+// (The scaled encoders' loops, which draw only for some rounding modes, keep their own form, under
+// which ptxas schedules them as benchmarked.)
 template <class F>
 __device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_plan& plan,
                                                      const core_ns::philox_keys& keys, F&& f) {
@@ -453,8 +451,7 @@ __device__ __forceinline__ void for_each_random_word(std::int64_t g, const mx_pl
 // multiply-adds by constant powers of two (multiply_add_low/high) the code and its packing go where
 // ptxas puts them: the code's shift as LEA.HI on the integer pipe, the packing on the multiply-add
 // pipe (IMAD); with ByShift the packing is written as a shift and an addition, which ptxas makes
-// the same IMAD or an LEA as it sees fit (measured with the lean path, where it was as fast or a
-// little faster). With Checked, (sum + 1) 2^10, zero exactly when the sum is undecided (low 22
+// the same IMAD or an LEA as it sees fit (the lean path uses it). With Checked, (sum + 1) 2^10, zero exactly when the sum is undecided (low 22
 // bits all ones), goes into the least of `margin`.
 template <bool Checked, bool ByShift, int Words>
 __device__ __forceinline__ void encode_anchored_block(const float (&v)[fused_block], std::int64_t g,
@@ -695,8 +692,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
         // magnitude is 0). Folded H16 likewise where the least input's exponent field is at least
         // e + 113: v (4x the rotation) is then a multiple of 2^(field - 134) >= 2^(e + 2 - 23).
         // ptxas turns the multiply-adds by constant powers of two into LEA / LEA.HI (integer
-        // pipe); keeping them on IMAD (constants it cannot see) was measured slower: the
-        // multiply-add pipe's IMAD.WIDE (Philox) fill it first.
+        // pipe), leaving the multiply-add pipe to Philox's IMAD.WIDE, which fill it first.
         if (!fast_encode::fp4_stochastic_anchored_covers(exponent + folded) ||
             !fast_encode::fp4_saturation_flag_covers(exponent + folded) ||
             largest >= core_ns::float_bits(fast_encode::power_of_two(exponent + 3))) {
@@ -921,9 +917,8 @@ __global__ void MXSCOPE_FUSED_BOUNDS((fused_blocks_per_multiprocessor<Input, Rot
 
 // Four waves of resident thread blocks (at most one block per threads_per_block MX blocks), each
 // looping over MX blocks: a block ends with its counters' reduction and atomics, which a grid of
-// one thread per MX block repeated tens of thousands of times on a large tensor. Four waves were
-// faster than one and than one block per 256 MX blocks (measured with the earlier shared-memory
-// staging, bf16 -> MXFP4 rne on the H200: 0.207 ms against 0.227 and 0.215 ms).
+// one thread per MX block repeated tens of thousands of times on a large tensor (why four:
+// BENCHMARKS.md, "Tuning notes").
 template <class Input, int Rotation, fused_encoder Encoder>
 void launch_fused_encoder(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                           const float* signs, const mx_device_output& output) {
