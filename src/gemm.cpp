@@ -1616,9 +1616,8 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     quantize_with.stream = core_ns::random_stream{chosen.seed, core_ns::policy_step(operand.seeds, context.step),
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
-    const bool on_gpu = options.device == compute_device::gpu && gpu_prepares(quantize_with);
 #ifdef MXSCOPE_HAVE_CUDA
-    if (on_gpu) {
+    if (options.device == compute_device::gpu && gpu_prepares(quantize_with)) {
       // The rotation, the quantizer and the operand's energies on the GPU; the dequantized values
       // stay there unless a CPU product needs them (fp32-seq's generic path reads them).
       check_rotation(tensor, axis, rotation_for(chosen, context), operand_what);
