@@ -1068,17 +1068,6 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             attributed.fill(std::numeric_limits<double>::quiet_NaN());
             if (attribute) attributed = attribution(device, state.kind, entry, chosen, reference_norm);
 
-            const auto underflow = [](const operand_summary& s) {
-              return s.nonzero_inputs == 0 ? 0.0
-                                           : static_cast<double>(s.flushed) / static_cast<double>(s.nonzero_inputs);
-            };
-            const auto saturate = [](const operand_summary& s) {
-              return s.elements == 0 ? 0.0 : static_cast<double>(s.saturated) / static_cast<double>(s.elements);
-            };
-            const auto snr = [](const operand_summary& s) {
-              if (s.error_energy == 0.0) return std::numeric_limits<double>::infinity();
-              return 10.0 * std::log10(s.signal_energy / s.error_energy);
-            };
             const double ulp_exact_fraction =
                 metrics.ulp.compared == 0 ? 0.0
                                           : static_cast<double>(metrics.ulp.histogram[0]) /
@@ -1089,9 +1078,9 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
                 metrics.max_abs_err,      static_cast<double>(metrics.ulp.max),
                 metrics.ulp.mean,         ulp_exact_fraction,
                 quant_err,                accum_err,
-                underflow(result.a),      underflow(result.b),
-                saturate(result.a),       saturate(result.b),
-                snr(result.a),            snr(result.b),
+                underflow_fraction(result.a), underflow_fraction(result.b),
+                saturate_fraction(result.a),  saturate_fraction(result.b),
+                snr_db(result.a),             snr_db(result.b),
                 attributed[0],            attributed[1],
                 attributed[2],            attributed[3],
                 attributed[4],            attributed[5]};

@@ -20,8 +20,10 @@
 // The two operands' blocks along K must coincide (the same block size), or the GEMM is refused.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -118,6 +120,20 @@ struct operand_summary {
   double error_energy = 0.0;   // sum of (v - dequantized)^2 over the same elements, fp64
   bool quantized_on_gpu = false;  // the quantizer ran on the GPU (gemm_options::device)
 };
+
+// The operand metrics of `mxscope gemm` and of the replay's steps.csv (docs/metrics.md), defined
+// once for both: the share of nonzero inputs flushed to zero, the share of all inputs clipped, and
+// the quantization signal-to-noise ratio in dB (inf without error).
+inline double underflow_fraction(const operand_summary& s) {
+  return s.nonzero_inputs > 0 ? static_cast<double>(s.flushed) / static_cast<double>(s.nonzero_inputs) : 0.0;
+}
+inline double saturate_fraction(const operand_summary& s) {
+  return s.elements > 0 ? static_cast<double>(s.saturated) / static_cast<double>(s.elements) : 0.0;
+}
+inline double snr_db(const operand_summary& s) {
+  if (s.error_energy == 0.0) return std::numeric_limits<double>::infinity();
+  return 10.0 * std::log10(s.signal_energy / s.error_energy);
+}
 
 // `generic` forces the per-element definition of every model (slow; the oracle of the fast paths).
 enum class accumulation_path : std::uint8_t { automatic, generic };

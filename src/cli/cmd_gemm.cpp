@@ -59,15 +59,6 @@ nlohmann::ordered_json number(double value) {
   return value;
 }
 
-double fraction(std::int64_t part, std::int64_t whole) {
-  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
-}
-
-double snr_db(const operand_summary& summary) {
-  if (summary.error_energy == 0.0) return std::numeric_limits<double>::infinity();
-  return 10.0 * std::log10(summary.signal_energy / summary.error_energy);
-}
-
 nlohmann::ordered_json operand_json(const operand_summary& summary, const std::string& format) {
   nlohmann::ordered_json json;
   json["tensor"] = summary.name;
@@ -78,8 +69,8 @@ nlohmann::ordered_json operand_json(const operand_summary& summary, const std::s
   json["flushed"] = summary.flushed;
   json["saturated"] = summary.saturated;
   json["nonfinite"] = summary.nonfinite_inputs;
-  json["underflow_frac"] = fraction(summary.flushed, summary.nonzero_inputs);
-  json["saturate_frac"] = fraction(summary.saturated, summary.elements);  // over all inputs (docs/metrics.md)
+  json["underflow_frac"] = underflow_fraction(summary);
+  json["saturate_frac"] = saturate_fraction(summary);  // over all inputs (docs/metrics.md)
   json["snr_db"] = number(snr_db(summary));
   return json;
 }
@@ -284,8 +275,8 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out, std
     row("nonfinite_out", std::to_string(metrics.nonfinite_estimate));
     for (const auto& [summary, format] : {std::pair{&result.a, format_a}, std::pair{&result.b, format_b}}) {
       const std::string prefix = fmt::format("{}.", summary->name);
-      row(prefix + "underflow_frac", real(fraction(summary->flushed, summary->nonzero_inputs)));
-      row(prefix + "saturate_frac", real(fraction(summary->saturated, summary->elements)));
+      row(prefix + "underflow_frac", real(underflow_fraction(*summary)));
+      row(prefix + "saturate_frac", real(saturate_fraction(*summary)));
       row(prefix + "snr_db", fmt::format("{:.6f}", snr_db(*summary)));
     }
     row("reference_bound", real(reference.error_bound));
