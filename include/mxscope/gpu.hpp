@@ -218,7 +218,9 @@ struct mx_device_output {
 };
 
 // `generic`: two passes (block scales, then elements) for every option; along axis 0 `automatic`
-// takes one pass instead (one thread per 4 columns of a block, the same bits); `fused`: one pass, one
+// takes one pass instead, the same bits: for the float formats with blocks of 32, cols a multiple
+// of 8 and 16-byte aligned buffers a staged kernel (a tile of 32 rows x 128 columns through shared
+// memory, rotation none or 16 done there), else one thread per 4 columns of a block; `fused`: one pass, one
 // thread per block, with the rotation applied in registers (axis 1, block 32, rotation none, 16 or
 // 32, cols a multiple of 32); `native`: the fused layout with the element codes from gfx950's
 // hardware MX conversions (MI355X only: MXFP4, rne or sr with sr_bits <= 22; docs/gpu.md lists the

@@ -8,8 +8,9 @@
 // fast_encode::quantize_finite, the fused quantizer's element encoder (the core's bits, checked by
 // self_test_fast_encoder), and the Philox block of each row's four elements computed once. It
 // writes the codes, the scales, the optional dequantized values and the optional bf16 GEMM operand
-// (core::operand_bf16, here float_to_bf16 of the exact fp32 dequantized value). Consecutive threads
-// take consecutive column groups, so every load and store of a warp is contiguous. The bits are
+// (core::operand_bf16, here float_to_bf16 of the exact fp32 dequantized value), a row of a group in
+// one vector store per output. Consecutive threads take consecutive column groups, so every load
+// and store of a warp is contiguous. The bits are
 // those of mx_scale_kernel + mx_element_kernel.
 
 constexpr int column_group = 4;
@@ -74,6 +75,56 @@ __device__ inline std::uint32_t encode_column_element(const fast_encode::element
   return encoded.code;
 }
 
+// One row of a column group out: its codes (at byte `code_at` of the row), dequantized values and
+// bf16 operand (at element `flat`). A full group of an aligned tensor goes out in one store per
+// output (the row's codes, values and operand then all start on their vector's boundary: cols is a
+// multiple of 4 and the buffers come from a device allocator), a partial one element by element.
+__device__ inline void store_column_row(const mx_device_output& output, std::uint16_t* operand, std::int64_t code_at,
+                                        std::int64_t flat, std::int64_t c0, int width, bool vector, bool packed,
+                                        const std::uint32_t (&codes)[column_group],
+                                        const float (&dequantized)[column_group]) {
+  std::uint16_t halves[column_group];
+#pragma unroll
+  for (int k = 0; k < column_group; ++k)
+    halves[k] = core_ns::float_to_bf16(dequantized[k], core_ns::rounding_mode::rne, 0U, 32);
+  if (vector) {
+    if (packed) {  // c0 is a multiple of 4: columns c0, c0 + 1 share a byte, c0 + 2, c0 + 3 the next
+      *reinterpret_cast<std::uint16_t*>(output.codes + code_at + c0 / 2) = static_cast<std::uint16_t>(
+          (codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4) | ((codes[2] & 0x0FU) << 8) | ((codes[3] & 0x0FU) << 12));
+    } else {
+      *reinterpret_cast<std::uint32_t*>(output.codes + code_at + c0) =
+          (codes[0] & 0xFFU) | ((codes[1] & 0xFFU) << 8) | ((codes[2] & 0xFFU) << 16) | ((codes[3] & 0xFFU) << 24);
+    }
+    if (output.dequantized != nullptr) {
+      *reinterpret_cast<float4*>(output.dequantized + flat) =
+          make_float4(dequantized[0], dequantized[1], dequantized[2], dequantized[3]);
+    }
+    if (operand != nullptr) {
+      *reinterpret_cast<uint2*>(operand + flat) =
+          make_uint2(halves[0] | (static_cast<std::uint32_t>(halves[1]) << 16),
+                     halves[2] | (static_cast<std::uint32_t>(halves[3]) << 16));
+    }
+    return;
+  }
+  if (packed) {  // c0 is even
+    output.codes[code_at + c0 / 2] = static_cast<std::uint8_t>((codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4));
+    if (width > 2) {
+      output.codes[code_at + c0 / 2 + 1] = static_cast<std::uint8_t>((codes[2] & 0x0FU) | ((codes[3] & 0x0FU) << 4));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < column_group; ++k) {
+      if (k < width) output.codes[code_at + c0 + k] = static_cast<std::uint8_t>(codes[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < column_group; ++k) {
+    if (k >= width) continue;
+    if (output.dequantized != nullptr) output.dequantized[flat + k] = dequantized[k];
+    if (operand != nullptr) operand[flat + k] = halves[k];
+  }
+}
+
 // A column tile: column_tile_groups column groups side by side, one block of rows, split among
 // column_slices threads per group (consecutive rows each). The slices meet in shared memory for
 // the block's amax, so that a tile has four times the threads of one-thread-per-block: a weight of
@@ -103,6 +154,14 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
   // 4-element vectors where every group starts on a 4-element boundary of an aligned input.
   const bool aligned = cols % column_group == 0 &&
                        reinterpret_cast<std::uintptr_t>(input) % (column_group * sizeof(Input)) == 0;
+  // One store per output of a full group where cols is a multiple of 4 and the outputs start on
+  // their vectors' boundaries.
+  const auto on = [](const void* pointer, std::uintptr_t bytes) {
+    return reinterpret_cast<std::uintptr_t>(pointer) % bytes == 0;
+  };
+  const bool outputs_aligned = cols % column_group == 0 && on(output.codes, packed ? 2 : 4) &&
+                               (output.dequantized == nullptr || on(output.dequantized, 16)) &&
+                               (operand == nullptr || on(operand, 8));
   const int lane_group = static_cast<int>(threadIdx.x) % column_tile_groups;
   const int slice = static_cast<int>(threadIdx.x) / column_tile_groups;
   unsigned long long counts[mx_counter_count] = {0, 0, 0, 0};
@@ -152,6 +211,7 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
       core_ns::philox_block words{};
       std::uint64_t words_index = ~std::uint64_t{0};
       std::uint32_t codes[column_group] = {0, 0, 0, 0};
+      float dequantized[column_group] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int k = 0; k < column_group; ++k) {
         if (k >= width) continue;
@@ -164,33 +224,233 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
           }
           word = words.word[index % 4];
         }
-        float dequantized;
-        codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], word, dequantized, counts);
-        if (output.dequantized != nullptr) output.dequantized[flat + k] = dequantized;
-        if (operand != nullptr) operand[flat + k] = core_ns::float_to_bf16(dequantized, core_ns::rounding_mode::rne, 0U, 32);
+        codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], word, dequantized[k], counts);
       }
-      if (packed) {  // c0 is even: columns c0, c0 + 1 share a byte, c0 + 2, c0 + 3 the next
-        output.codes[r * row_bytes + c0 / 2] = static_cast<std::uint8_t>((codes[0] & 0x0FU) | ((codes[1] & 0x0FU) << 4));
-        if (width > 2) {
-          output.codes[r * row_bytes + c0 / 2 + 1] =
-              static_cast<std::uint8_t>((codes[2] & 0x0FU) | ((codes[3] & 0x0FU) << 4));
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < column_group; ++k) {
-          if (k < width) output.codes[r * row_bytes + c0 + k] = static_cast<std::uint8_t>(codes[k]);
-        }
-      }
+      store_column_row(output, operand, r * row_bytes, flat, c0, width, outputs_aligned && width == column_group, packed,
+                       codes, dequantized);
     }
   }
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
+// Four fp4 elements of one row of a column group, each under its column's exponent (255: the column
+// met a non-finite value): fast_encode::fp4_encode's composition (fp4_nearest_even for rne,
+// fp4_locate and fp4_round for the other modes, on fl32(|v| 2^-e)), with the flags counted as it
+// states them, and the dequantized values as fast_encode::dequantize gives them. One multiply per
+// element where the generic encoder takes an integer decomposition.
+__device__ inline void encode_fp4_group(const fast_encode::element_constants& constants, const mx_plan& plan,
+                                        const float (&values)[column_group], const int (&exponent)[column_group],
+                                        const core_ns::philox_block& words, std::uint32_t random_mask,
+                                        std::uint32_t (&codes)[column_group], float (&dequantized)[column_group],
+                                        unsigned& flushed, unsigned& saturated) {
+#pragma unroll
+  for (int k = 0; k < column_group; ++k) {
+    if (exponent[k] == 255) {
+      codes[k] = 0;
+      dequantized[k] = canonical_nan_float();
+      continue;
+    }
+    const float magnitude = fabsf(values[k]);
+    const float scaled = magnitude * fast_encode::power_of_two(-exponent[k]);
+    std::uint32_t code = 0;
+    if (plan.rounding == core_ns::rounding_mode::rne) {
+      code = fast_encode::fp4_nearest_even(scaled);
+    } else {
+      const fast_encode::fp4_position position = fast_encode::fp4_locate(scaled);
+      code = fast_encode::fp4_round(position,
+                                    fast_encode::fp4_round_addend(plan.rounding, position.floor_code, words.word[k], random_mask));
+    }
+    saturated += scaled > 6.0f ? 1U : 0U;
+    flushed += code == 0 && magnitude != 0.0f ? 1U : 0U;
+    code |= (core_ns::float_bits(values[k]) >> 31) << 3;
+    codes[k] = code;
+    dequantized[k] = fast_encode::dequantize(constants, code, exponent[k]);
+  }
+}
+
+// The staged column kernel, for shapes whose rows are read in 16-byte vectors (cols a multiple
+// of 8, every buffer on a 16-byte boundary). A thread block takes a tile of one block of rows by
+// staged_columns columns: it reads the tile into shared memory in contiguous 16-byte loads
+// (as fp32), then two threads per column scan half the block's rows each and meet for the column's
+// scale, then each thread encodes four column groups of one row, read from shared memory and
+// written out as store_column_row writes them (a warp's quarter covers 32 contiguous columns, so
+// neither the shared-memory reads nor the stores conflict). The elements, the Philox words (block
+// flat / 4 of the plan's stream) and the counters are those of mx_column_kernel.
+constexpr int staged_columns = 128;
+constexpr int staged_rows = 32;  // the MX block along axis 0 (plan.block == 32)
+static_assert(threads_per_block == 2 * staged_columns && threads_per_block == staged_rows * 8);
+
+template <class Input, int Rotation>
+__global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
+                                        fast_encode::element_constants constants, mx_device_output output,
+                                        std::uint16_t* operand, const float* signs) {
+  static_assert(Rotation == 0 || Rotation == staged_rows / 2);
+  // Declared as 16-byte vectors for their alignment, used as scalars.
+  __shared__ float4 tile_vectors[staged_rows][staged_columns / 4];
+  __shared__ int4 exponent_vectors[staged_columns / 4];
+  __shared__ float half_amax[2][staged_columns];  // -1: that half met a non-finite value
+  float(*tile)[staged_columns] = reinterpret_cast<float(*)[staged_columns]>(tile_vectors);
+  int* column_exponent = reinterpret_cast<int*>(exponent_vectors);  // the block's, or 255 (non-finite)
+  const bool packed = core_ns::spec(plan.element).bits == 4;
+  const bool fp4 = plan.element == element_kind::fp4_e2m1;
+  const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
+  const std::uint32_t random_mask = stochastic ? fast_encode::fp4_random_mask(plan.sr_bits) : 0U;
+  const std::int64_t row_bytes = packed ? cols / 2 : cols;
+  const std::int64_t tiles_across = (cols + staged_columns - 1) / staged_columns;
+  const std::int64_t row_blocks = (rows + staged_rows - 1) / staged_rows;
+  constexpr int per_vector = 16 / static_cast<int>(sizeof(Input));
+  constexpr int vectors_per_row = staged_columns / per_vector;
+  // 32-bit per thread (a thread meets 32 elements per tile and far fewer than 2^27 tiles), widened
+  // for the block's reduction at the end.
+  unsigned counts[mx_counter_count] = {0, 0, 0, 0};
+  const int t = static_cast<int>(threadIdx.x);
+  // Block-uniform trip count: every thread reaches each barrier.
+  for (std::int64_t index = blockIdx.x; index < tiles_across * row_blocks; index += gridDim.x) {
+    const std::int64_t c_first = (index % tiles_across) * staged_columns;
+    const std::int64_t r0 = (index / tiles_across) * staged_rows;
+    const int height = rows - r0 < staged_rows ? static_cast<int>(rows - r0) : staged_rows;
+    const int width = cols - c_first < staged_columns ? static_cast<int>(cols - c_first) : staged_columns;
+    // Read: consecutive threads, consecutive vectors of a row; outside the tensor, zeros (they
+    // change no amax and count as no element).
+    for (int v = t; v < staged_rows * vectors_per_row; v += threads_per_block) {
+      const int r = v / vectors_per_row;
+      const int c = (v % vectors_per_row) * per_vector;
+      float values[per_vector];
+      if (r < height && c < width) {
+        const uint4 piece = *reinterpret_cast<const uint4*>(input + (r0 + r) * cols + c_first + c);
+        const std::uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (std::is_same_v<Input, std::uint16_t>) {
+            values[2 * k] = core_ns::bits_float(words[k] << 16);
+            values[2 * k + 1] = core_ns::bits_float(words[k] & 0xffff0000U);
+          } else {
+            values[k] = core_ns::bits_float(words[k]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < per_vector; ++k) values[k] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < per_vector; k += 4) {
+        *reinterpret_cast<float4*>(&tile[r][c + k]) = make_float4(values[k], values[k + 1], values[k + 2], values[k + 3]);
+      }
+    }
+    __syncthreads();
+    {  // the scan: column t % staged_columns, rows of half t / staged_columns
+      const int c = t % staged_columns;
+      const int half = t / staged_columns;
+      if constexpr (Rotation > 0) {
+        // The half is one rotation segment of the column: rotated in registers by
+        // core::rotate_segment (signs, the canonical stages, the scale: rotate_kernel's bits) and
+        // put back for the encoder. (rows is a multiple of Rotation: a half is whole or absent.)
+        if (half * Rotation < height) {
+          float segment[Rotation];
+#pragma unroll
+          for (int i = 0; i < Rotation; ++i) segment[i] = tile[half * Rotation + i][c];
+          core_ns::rotate_segment(segment, Rotation, signs != nullptr ? signs + r0 + half * Rotation : nullptr);
+#pragma unroll
+          for (int i = 0; i < Rotation; ++i) tile[half * Rotation + i][c] = segment[i];
+        }
+      }
+      float amax = 0.0f;
+      bool nonfinite = false;
+      for (int r = half * (staged_rows / 2); r < (half + 1) * (staged_rows / 2); ++r) {
+        const float value = tile[r][c];
+        if (r >= height || c >= width) continue;
+        counts[counter_nonzero] += value != 0.0f ? 1U : 0U;
+        const bool finite = is_finite(value);
+        counts[counter_nonfinite] += finite ? 0U : 1U;
+        nonfinite = nonfinite || !finite;
+        const float magnitude = fabsf(value);
+        if (finite && amax < magnitude) amax = magnitude;
+      }
+      half_amax[half][c] = nonfinite ? -1.0f : amax;
+    }
+    __syncthreads();
+    if (t < staged_columns) {
+      const float a = half_amax[0][t], b = half_amax[1][t];
+      const bool nonfinite = a < 0.0f || b < 0.0f;
+      const std::uint8_t scale = column_scale(plan, a > b ? a : b, nonfinite);
+      if (t < width) output.scales[(r0 / staged_rows) * cols + c_first + t] = scale;
+      column_exponent[t] = nonfinite ? 255 : core_ns::scale_exponent(scale);
+    }
+    __syncthreads();
+    {  // encode: row t / 8, column groups 4 (t % 8) + 32 m
+      const int r = t / 8;
+      if (r < height) {
+        for (int m = 0; m < staged_columns / 32; ++m) {
+          const int c = 32 * m + column_group * (t % 8);
+          if (c >= width) continue;
+          const std::int64_t flat = (r0 + r) * cols + c_first + c;
+          const core_ns::philox_block words =
+              stochastic ? plan.stream.block(static_cast<std::uint64_t>(flat) / 4) : core_ns::philox_block{};
+          const float4 four = *reinterpret_cast<const float4*>(&tile[r][c]);
+          const float values[column_group] = {four.x, four.y, four.z, four.w};
+          const int4 exponents = *reinterpret_cast<const int4*>(&column_exponent[c]);
+          const int exponent[column_group] = {exponents.x, exponents.y, exponents.z, exponents.w};
+          std::uint32_t codes[column_group];
+          float dequantized[column_group];
+          if (fp4) {
+            encode_fp4_group(constants, plan, values, exponent, words, random_mask, codes, dequantized,
+                             counts[counter_flushed], counts[counter_saturated]);
+          } else {
+            unsigned long long wide[mx_counter_count] = {0, 0, 0, 0};
+#pragma unroll
+            for (int k = 0; k < column_group; ++k) {
+              const bool nonfinite = exponent[k] == 255;
+              codes[k] = encode_column_element(constants, plan, values[k], nonfinite, nonfinite ? 0 : exponent[k],
+                                               nonfinite ? 0U : words.word[k], dequantized[k], wide);
+            }
+            counts[counter_flushed] += static_cast<unsigned>(wide[counter_flushed]);
+            counts[counter_saturated] += static_cast<unsigned>(wide[counter_saturated]);
+          }
+          store_column_row(output, operand, (r0 + r) * row_bytes, flat, c_first + c, column_group, true, packed, codes,
+                           dequantized);
+        }
+      }
+    }
+    __syncthreads();  // the tile is read before the next one is written
+  }
+  if (output.counters != nullptr) {
+    const unsigned long long wide[mx_counter_count] = {counts[0], counts[1], counts[2], counts[3]};
+    add_counters(output.counters, wide);
+  }
+}
+
 bool column_path_covers(const mx_plan& plan) { return plan.axis == 0 && fast_encode::covers(plan.element); }
+
+// Whether the staged kernel takes a tensor: blocks of 32, rows read in 16-byte vectors, no rotation
+// or one of 16 (rotation_size).
+bool staged_columns_fit(const void* input, std::int64_t cols, const mx_plan& plan, const mx_device_output& output,
+                        int rotation_size) {
+  const auto on16 = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
+  return plan.axis == 0 && fast_encode::covers(plan.element) && plan.block == staged_rows && cols % 8 == 0 &&
+         (rotation_size == 0 || rotation_size == staged_rows / 2) && on16(input) && on16(output.codes) &&
+         (output.dequantized == nullptr || on16(output.dequantized)) &&
+         (output.operand_bf16 == nullptr || on16(output.operand_bf16));
+}
+
+// The staged kernel on a tensor it fits (staged_columns_fit), rotated along axis 0 by `rotation`
+// (size 0 or 16; signs: the rotation's sign vector over the rows, or null).
+template <class Input>
+void launch_staged_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
+                           const mx_device_output& output, int rotation, const float* signs) {
+  const std::int64_t tiles = ((cols + staged_columns - 1) / staged_columns) * ((rows + staged_rows - 1) / staged_rows);
+  const unsigned grid = static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, std::int64_t{1} << 20));
+  const auto kernel = rotation == 0 ? mx_staged_column_kernel<Input, 0> : mx_staged_column_kernel<Input, staged_rows / 2>;
+  runtime::launch(kernel, grid, threads_per_block, 0, input, rows, cols, plan, fast_encode::constants_of(plan.element),
+                  output, output.operand_bf16, signs);
+}
 
 template <class Input>
 void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                     const mx_device_output& output, std::uint16_t* operand) {
+  if (operand == output.operand_bf16 && staged_columns_fit(input, cols, plan, output, 0)) {
+    launch_staged_columns(input, rows, cols, plan, output, 0, nullptr);
+    return;
+  }
   const std::int64_t groups = (cols + column_group - 1) / column_group;
   const std::int64_t tiles = ((groups + column_tile_groups - 1) / column_tile_groups) * ((rows + plan.block - 1) / plan.block);
   const unsigned grid = static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, std::int64_t{1} << 20));

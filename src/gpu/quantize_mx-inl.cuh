@@ -132,7 +132,7 @@ void launch_mx_operand(const mx_plan& plan, std::int64_t rows, std::int64_t cols
 // pieces straight into registers (the pieces a warp's load leaves in a sector, its next load
 // finds in L1, so no staging through shared memory), rotates them there (Rotation = 16 or 32: whole rotation
 // segments lie in the block) with core::rotate_segment, scans them and encodes; codes go out in
-// 16-byte stores. The element encoder is a template choice (fused_encoder); every one is the
+// 16-byte stores, and so does the bf16 GEMM operand where one is asked for. The element encoder is a template choice (fused_encoder); every one is the
 // core's function (fast_encode.hpp). Counters are 32-bit per thread (a thread meets 32 elements
 // per block and far fewer than 2^27 blocks) and are summed per thread block at the end.
 constexpr int fused_block = 32;
@@ -235,6 +235,39 @@ __device__ inline void store_dequantized(float* destination, const float (&v)[fu
   float4* vectors = reinterpret_cast<float4*>(destination);
 #pragma unroll
   for (int q = 0; q < fused_block / 4; ++q) vectors[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+}
+
+// One MX block's bf16 GEMM operand from its codes and scale (core::operand_bf16 of each code): for
+// the float formats float_to_bf16 of fast_encode's fp32 value (the core's, checked by
+// self_test_fast_encoder), for the others the core's own. Written in 16-byte vectors of eight.
+__device__ inline void store_operand(std::uint16_t* destination, element_kind kind,
+                                     const fast_encode::element_constants& constants, bool packed,
+                                     const std::uint32_t (&words)[8], std::uint8_t scale) {
+  const bool fast = fast_encode::covers(kind);
+  const int exponent = core_ns::scale_exponent(scale);
+  uint4* vectors = reinterpret_cast<uint4*>(destination);
+#pragma unroll
+  for (int q = 0; q < fused_block / 8; ++q) {
+    std::uint32_t pairs[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      std::uint32_t halves[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 8 * q + 2 * p + h;
+        const std::uint32_t code = packed ? (words[i / 8] >> (4 * (i % 8))) & 0x0FU : (words[i / 4] >> (8 * (i % 4))) & 0xFFU;
+        if (scale == core_ns::scale_nan_code) {
+          halves[h] = core_ns::bf16_canonical_nan;
+        } else if (fast) {
+          halves[h] = core_ns::float_to_bf16(fast_encode::dequantize(constants, code, exponent), core_ns::rounding_mode::rne, 0U, 32);
+        } else {
+          halves[h] = core_ns::operand_bf16(kind, core_ns::operand_scaling::mx, code, scale);
+        }
+      }
+      pairs[p] = halves[0] | (halves[1] << 16);
+    }
+    vectors[q] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+  }
 }
 
 // The low bytes of four words, as the bytes of one word (byte k from the k-th).
@@ -616,6 +649,10 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     output.scales[g] = core_ns::scale_code(exponent);
     uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (fused_block / 2));
     codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    if (output.operand_bf16 != nullptr) {
+      const std::uint32_t all[8] = {words[0], words[1], words[2], words[3], 0, 0, 0, 0};
+      store_operand(output.operand_bf16 + g * fused_block, kind, constants, true, all, core_ns::scale_code(exponent));
+    }
     return true;
   }
   unsigned nonzero = fused_block;  // v != 0, NaN included
@@ -626,6 +663,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   counts[counter_nonzero] += nonzero;
   std::uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // the block's codes, little-endian bytes
   bool unscaled = false;  // rne or sr codes from an unscaled encoder
+  std::uint8_t scale = core_ns::scale_nan_code;
   if (largest >= 0x7F800000U) {
 #pragma unroll
     for (int i = 0; i < fused_block; ++i) counts[counter_nonfinite] += !is_finite(v[i]) ? 1U : 0U;
@@ -639,7 +677,8 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
     const int exponent = plan.rule == core_ns::scale_rule::floor
                              ? fast_encode::floor_rule_exponent(core_ns::emax_elem(kind), largest)
                              : core_ns::shared_exponent(kind, plan.rule, core_ns::bits_float(largest));
-    output.scales[g] = core_ns::scale_code(exponent);
+    scale = core_ns::scale_code(exponent);
+    output.scales[g] = scale;
     bool packed_bf16 = false;  // rne codes from the halfword encoder, two elements at a time
     if constexpr (Encoder == fused_encoder::fp4_nearest_even) {
       unscaled = fast_encode::fp4_unscaled_covers(exponent + folded);
@@ -820,6 +859,7 @@ __device__ __forceinline__ bool encode_fused_block(const Input* input, const uin
   uint4* codes = reinterpret_cast<uint4*>(output.codes + g * (packed ? fused_block / 2 : fused_block));
   codes[0] = make_uint4(words[0], words[1], words[2], words[3]);
   if (!packed) codes[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  if (output.operand_bf16 != nullptr) store_operand(output.operand_bf16 + g * fused_block, kind, constants, packed, words, scale);
   return true;
 }
 
@@ -1004,8 +1044,9 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
   // The fused path moves 16-byte vectors: every buffer must start on a 16-byte boundary (cudaMalloc
   // gives 256).
   const auto aligned = [](const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; };
-  const bool vectors_fit =
-      aligned(input) && aligned(output.codes) && (output.dequantized == nullptr || aligned(output.dequantized));
+  const bool vectors_fit = aligned(input) && aligned(output.codes) &&
+                           (output.dequantized == nullptr || aligned(output.dequantized)) &&
+                           (output.operand_bf16 == nullptr || aligned(output.operand_bf16));
   // The bf16 operand, where the path taken did not write it.
   const auto finish = [&](bool operand_written) {
     if (output.operand_bf16 != nullptr && !operand_written) launch_mx_operand(plan, rows, cols, output);
@@ -1031,11 +1072,25 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
       launch_fused(static_cast<const std::uint16_t*>(input), rows, cols, plan, rotation.size, signs.as<const float>(),
                    output);
     }
-    finish(false);
+    finish(true);  // the fused kernel writes the operand
     if (signs.get() != nullptr) release_after_kernels();  // `signs` must outlive the kernel
     return;
   }
   const bool columns = path == quantize_path::automatic;
+  if (columns && rotation.size > 0 && staged_columns_fit(input, cols, plan, output, rotation.size)) {
+    // Rotated along axis 0 inside the staged column kernel (no fp32 working copy).
+    const device_buffer signs = make_signs(rotation, rows);
+    if (format == input_format::fp32) {
+      launch_staged_columns(static_cast<const float*>(input), rows, cols, plan, output, rotation.size,
+                            signs.as<const float>());
+    } else {
+      launch_staged_columns(static_cast<const std::uint16_t*>(input), rows, cols, plan, output, rotation.size,
+                            signs.as<const float>());
+    }
+    finish(true);
+    if (signs.get() != nullptr) release_after_kernels();  // `signs` must outlive the kernel
+    return;
+  }
   if (rotation.size == 0) {
     const bool written = format == input_format::fp32
                              ? launch_generic(static_cast<const float*>(input), rows, cols, plan, output, columns)

@@ -43,6 +43,9 @@ struct dim3 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
 struct alignas(8) uint2 {
   unsigned x, y;
 };
@@ -50,6 +53,7 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline thread_local dim3 threadIdx;

@@ -39,6 +39,7 @@
 #include "host_reference.hpp"
 #include "mxscope/compare.hpp"
 #include "mxscope/core/nvfp4.hpp"
+#include "mxscope/core/operand.hpp"
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/errors.hpp"
@@ -188,6 +189,12 @@ std::string check_quantize_once(const matrix& input, bool bf16_input, const mxsc
   gpu::mx_device_output output{codes.as<std::uint8_t>(), scales.as<std::uint8_t>(),
                                with_dequantized ? dequantized.as<float>() : nullptr,
                                counters.as<unsigned long long>()};
+  // The leaner request is the training layer's: codes, scales and the bf16 GEMM operand.
+  gpu::device_buffer operand(with_dequantized ? 0 : static_cast<std::size_t>(rows * cols) * 2);
+  if (!with_dequantized) {
+    operand.fill_bytes(poison);
+    output.operand_bf16 = operand.as<std::uint16_t>();
+  }
   gpu::quantize_on_device(source.get(), bf16_input ? gpu::input_format::bf16 : gpu::input_format::fp32, rows, cols,
                           plan, rotation_plan, output, path);
   gpu::synchronize();
@@ -234,6 +241,27 @@ std::string check_quantize_once(const matrix& input, bool bf16_input, const mxsc
     if (static_cast<std::int64_t>(got_counts[k]) != want_counts[k]) {
       return std::string("counter ") + counter_names[k] + ": expected " + std::to_string(want_counts[k]) + " got " +
              std::to_string(got_counts[k]) + "; " + policy;
+    }
+  }
+  if (!with_dequantized) {  // the operand: core::operand_bf16 of each expected code and its block's scale
+    std::vector<std::uint16_t> got_operand(static_cast<std::size_t>(rows * cols));
+    operand.download(got_operand.data(), operand.bytes());
+    const bool packed = core::spec(plan.element).bits == 4;
+    const std::int64_t scale_cols = gpu::mx_scale_cols(plan, rows, cols);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::uint8_t byte = expected.codes[static_cast<std::size_t>(r * row_bytes + (packed ? c / 2 : c))];
+        const std::uint32_t code = packed ? (byte >> (4 * (c & 1))) & 0x0FU : byte;
+        const std::int64_t scale_index =
+            plan.axis == 1 ? r * scale_cols + c / plan.block : (r / plan.block) * scale_cols + c;
+        const std::uint16_t want = core::operand_bf16(plan.element, core::operand_scaling::mx, code,
+                                                      expected.scales[static_cast<std::size_t>(scale_index)]);
+        const std::uint16_t got = got_operand[static_cast<std::size_t>(r * cols + c)];
+        if (got != want) {
+          return "operand " + element_text(r, c) + ": expected " + hex32(want) + " got " + hex32(got) + " poison " +
+                 hex32(static_cast<std::uint32_t>(poison)) + "; " + policy;
+        }
+      }
     }
   }
   return "";
@@ -284,6 +312,7 @@ void quantize_sweep(bool small) {
             const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
             // Shapes: short last blocks and odd fp4 rows without rotation; rotation sizes divide the axis.
             std::int64_t rows = 37 + index % 5, cols = 75 + index % 3;
+            if (axis == 0 && index % 2 == 0) cols = 136;  // the staged column kernel's shapes (cols % 8 == 0)
             if (rot.size > 0) {
               if (axis == 1)
                 cols = rot.size * (rot.size == 16 ? 5 : 2);
@@ -308,6 +337,46 @@ void quantize_sweep(bool small) {
                      [&] { return check_quantize(input, false, options, rotation, gpu::quantize_path::generic); });
             run_case(name + " automatic",
                      [&] { return check_quantize(input, false, options, rotation, gpu::quantize_path::automatic); });
+          }
+        }
+      }
+    }
+  }
+}
+
+// The staged column kernel (axis 0, block 32, cols a multiple of 8; rotation none or 16 in the
+// kernel) against the host reference, on fp32 and bf16 inputs, with full and partial column tiles
+// and a short last block of rows; the small run takes fp4 and fp8 e4m3 only.
+void staged_column_sweep(bool small) {
+  const std::int64_t shapes[][2] = {{64, 136}, {45, 64}, {96, 256}};
+  const mxscope::sign_policy policies[] = {mxscope::sign_policy::none, mxscope::sign_policy::none,
+                                           mxscope::sign_policy::per_step};
+  int index = 0;
+  for (int format = 0; format < 6; ++format) {
+    if (small && format != 0 && format != 3) continue;
+    for (const core::rounding_mode rounding : {core::rounding_mode::rne, core::rounding_mode::sr}) {
+      for (int policy = 0; policy < 3; ++policy) {
+        const int size = policy == 0 ? 0 : 16;
+        for (const auto& shape : shapes) {
+          if (size > 0 && shape[0] % size != 0) continue;
+          for (const bool bf16 : {false, true}) {
+            ++index;
+            const std::uint64_t seed = next_seed();
+            const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+            const matrix input = test_inputs::make_matrix(shape[0], shape[1], kind, seed);
+            const auto options = mx_options(format, 32, 0, rounding, static_cast<core::scale_rule>(index % 3),
+                                             index % 4 == 0 ? 9 : 32, seed + 1);
+            mxscope::rotation_options rotation;
+            rotation.size = size;
+            rotation.signs = policies[policy];
+            rotation.seed = seed + 2;
+            rotation.step = static_cast<std::uint32_t>(seed % 1000);
+            const std::string name = std::string("staged columns ") + format_names[format] + " " +
+                                     (rounding == core::rounding_mode::sr ? "sr" : "rne") + " H" + std::to_string(size) +
+                                     " signs " + sign_names[static_cast<int>(rotation.signs)] + " " +
+                                     std::to_string(shape[0]) + "x" + std::to_string(shape[1]) + (bf16 ? " bf16" : " fp32") +
+                                     " " + std::string(test_inputs::value_kind_name(kind));
+            run_case(name, [&] { return check_quantize(input, bf16, options, rotation, gpu::quantize_path::automatic); });
           }
         }
       }
@@ -3145,6 +3214,7 @@ int main(int argc, char** argv) {
   };
   timed("rotations", [&] { rotation_checks(small); });
   timed("quantize sweep", [&] { quantize_sweep(small); });
+  timed("staged column sweep", [&] { staged_column_sweep(small); });
   timed("fast encoder", [&] { fast_encoder_checks(small); });
   timed("quantize fused", [&] { quantize_fused(small); });
   timed("quantize nvfp4", [&] { quantize_nvfp4_suite(small); });
