@@ -153,6 +153,11 @@ def _layout(options: _lib.QuantizeOptions, rows: int, cols: int) -> _lib.Quantiz
 _selected = threading.local()
 
 
+def _selected_index() -> Optional[int]:
+    """The CUDA device the library was last made current on, in this thread (None: not yet)."""
+    return getattr(_selected, "index", None)
+
+
 def _select(device: torch.device) -> None:
     """Makes the library's current CUDA device the tensor's (once per change, per thread)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

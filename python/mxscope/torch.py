@@ -18,6 +18,7 @@ have the input's dtype (bf16 under autocast), wgrad's is fp32 before it becomes 
 
 from __future__ import annotations
 
+import ctypes as _ctypes
 import re
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
@@ -26,7 +27,7 @@ import torch as _torch
 import torch.nn.functional as _F
 from torch import nn as _nn
 
-from . import _api
+from . import _api, _lib
 from .capture import autocast_dtype as _autocast_dtype
 
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -162,30 +163,86 @@ def _mm_fp32(a: _torch.Tensor, b: _torch.Tensor) -> _torch.Tensor:
     return _torch.mm(a.float(), b.float())  # exact operands: the same products, fp32 sums
 
 
+_raw_stream = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    """The current CUDA stream of device `index` as a pointer (torch's raw accessor where it has one:
+    no Stream object per call)."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return _torch.cuda.current_stream(index).cuda_stream
+
+
+class _OperandQuantizer:
+    """One operand of one MXLinear GEMM, for one shape and device. The library's options, storage
+    sizes, result block and counters are made once; per call only the step, the input and the bf16
+    operand change. On CUDA the codes and scales go to buffers kept here and overwritten by the next
+    call (the layer multiplies only the operand) unless a capture keeps them."""
+
+    __slots__ = ("identity", "options", "layout", "rows", "cols", "device", "counters", "result", "codes",
+                 "scales", "function", "format", "by_reference")
+
+    def __init__(self, identity, options, rows: int, cols: int, device: _torch.device):
+        self.identity, self.options, self.rows, self.cols, self.device = identity, options, rows, cols, device
+        self.layout = _api._layout(options, rows, cols)
+        self.format = options.format.decode()
+        self.counters = self.result = self.codes = self.scales = self.function = self.by_reference = None
+        # The CUDA fast path: block-scaled formats (the per-tensor ones need the host's scale) on a
+        # non-empty tensor.
+        if device.type == "cuda" and self.layout.scale_kind == _lib.MXS_BLOCK_SCALES and rows * cols > 0:
+            self.counters = _torch.zeros(4, dtype=_torch.int64, device=device)
+            self.codes, self.scales = self._storage()
+            self.result = _lib.QuantizeResult()
+            self.result.device_counters = self.counters.data_ptr()
+            self.function = _lib.library().mxs_quantize
+            self.by_reference = (_ctypes.byref(options), _ctypes.byref(self.result))
+        elif device.type == "cuda":
+            self.counters = _torch.zeros(4, dtype=_torch.int64, device=device)
+
+    def _storage(self):
+        layout = self.layout
+        return (_torch.empty((layout.code_rows, layout.code_cols), dtype=_torch.uint8, device=self.device),
+                _torch.empty((layout.scale_rows, layout.scale_cols), dtype=_torch.uint8, device=self.device))
+
+    def __call__(self, t: _torch.Tensor, step: int, keep_codes: bool) -> _api.QuantizedTensor:
+        options = self.options
+        options.step = step
+        if self.function is None:  # the CPU, per-tensor formats, empty tensors
+            cuda = t.device.type == "cuda"
+            return _api.quantize_matrix(t, self.rows, self.cols, options, dequantized=not cuda, operand=cuda,
+                                        layout=self.layout, counters=self.counters)
+        codes, scales = self._storage() if keep_codes else (self.codes, self.scales)
+        operand = _torch.empty_like(t, dtype=_torch.bfloat16)
+        result = self.result
+        result.codes = codes.data_ptr()
+        result.scales = scales.data_ptr()
+        result.operand_bf16 = operand.data_ptr()
+        index = self.device.index
+        if _api._selected_index() != index:
+            _api._select(self.device)
+        _lib.check(self.function(t.data_ptr(), _api._DTYPES[t.dtype], self.rows, self.cols, _lib.MXS_CUDA,
+                                 _current_stream(index), *self.by_reference))
+        return _api.QuantizedTensor(None, codes, scales, result.tensor_scale, self.format, self.layout.block,
+                                    options.axis, operand, self.counters)
+
+
 def _quantize_operand(module: "MXLinear", t: _torch.Tensor, gemm: str, index: int, recipe: GemmRecipe):
-    role, axis, gradient = _OPERANDS[gemm][index]
     t = t.contiguous()
     rows, cols = t.shape
-    # The options and storage sizes of each operand, made once per module and shape: only the step
-    # changes from call to call.
-    key = (gemm, index, rows, cols, t.device)
-    cached = module._mxs_operands.get(key)
-    identity = (module.recipe, recipe, module.layer_name)
-    if cached is None or cached[0] != identity:
+    key = (gemm, index, rows, cols, t.get_device())
+    quantizer = module._mxs_operands.get(key)
+    if (quantizer is None or quantizer.identity[0] is not module.recipe or quantizer.identity[1] is not recipe
+            or quantizer.identity[2] is not module.layer_name):
+        role, axis, gradient = _OPERANDS[gemm][index]
         options = _api.make_options(recipe.operand_format(gradient), axis=axis, block=recipe.block or None,
                                     rounding=recipe.operand_rounding(gradient), scale_rule=recipe.scale_rule,
                                     rotation=recipe.rotation, signs=recipe.signs, seed=module.recipe.seed,
                                     step=module.step, sr_bits=recipe.sr_bits, layer=module.layer_name, role=role,
                                     seed_policy=recipe.seed_policy)
-        counters = _torch.zeros(4, dtype=_torch.int64, device=t.device) if t.device.type == "cuda" else None
-        cached = (identity, options, _api._layout(options, rows, cols), counters)
-        module._mxs_operands[key] = cached
-    _, options, layout, counters = cached
-    options.step = module.step
-    cuda = t.device.type == "cuda"
-    # On CUDA the counts accumulate in the module's counter tensor (nothing waits for them).
-    return _api.quantize_matrix(t, rows, cols, options, dequantized=not cuda, operand=cuda, layout=layout,
-                                counters=counters)
+        quantizer = _OperandQuantizer((module.recipe, recipe, module.layer_name), options, rows, cols, t.device)
+        module._mxs_operands[key] = quantizer
+    return quantizer(t, module.step, module.mxscope_capture_quantized)
 
 
 def _product(a, b, transpose_a: bool, transpose_b: bool, out_dtype: _torch.dtype) -> _torch.Tensor:
@@ -218,7 +275,7 @@ def _metadata(prefix: str, module: "MXLinear", recipe: GemmRecipe, gradient: boo
 def _report_operands(module: "MXLinear", gemm: str, recipe: GemmRecipe, quantized) -> None:
     """Hands the operands of `gemm` to an active mxscope.capture.Capture (MX formats only: the dump
     stores MX codes and e8m0 scales)."""
-    if not getattr(module, "mxscope_capture_quantized", False):
+    if not module.mxscope_capture_quantized:
         return
     if not all(recipe.operand_format(operand[2]).startswith("mx") for operand in _OPERANDS[gemm]):
         return
@@ -275,6 +332,10 @@ class MXLinear(_nn.Linear):
     """nn.Linear whose fprop, dgrad and wgrad follow `recipe`. With no quantized GEMM it computes
     exactly what nn.Linear does. layer_name (set by convert to the module's qualified name) and
     step (set by set_step) enter the random streams, as the replay's layer and step do."""
+
+    # Set by an active mxscope.capture.Capture while a step is captured (a class default, so that
+    # reading it is a plain attribute lookup).
+    mxscope_capture_quantized = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Optional[Recipe] = None, layer_name: str = ""):

@@ -283,6 +283,55 @@ class MXLinearSemantics(unittest.TestCase):
         torch.testing.assert_close(x.grad, q(dy, "dgrad", "dy", 1) @ q(w, "dgrad", "w", 0), **tolerance)
         torch.testing.assert_close(w.grad, q(dy, "wgrad", "dy", 0).t() @ q(x, "wgrad", "x", 0), **tolerance)
 
+    def test_layer_operands_are_the_quantize_bits(self):
+        """Every operand MXLinear multiplies (the bf16 operand on CUDA, the fp32 values on the CPU)
+        equals mxscope.quantize's for the same recipe, layer and step, bit for bit, over steps that
+        reuse the layer's buffers."""
+        sr_h16 = mt.GemmRecipe(rounding="sr", rotation=16)
+        cases = [(mt.LADDER["mxfp4-fdw-sr-rht"], torch.float32), (mt.LADDER["mxfp4-fdw-h16"], torch.bfloat16),
+                 (mt.LADDER["nvfp4-te"], torch.float32), (mt.Recipe("sr-h16", sr_h16, sr_h16, sr_h16), torch.bfloat16)]
+        for recipe, dtype in cases:
+            name = recipe.name
+            recipe = recipe.with_seed(4)
+            layer = mt.MXLinear(64, 96, bias=False, recipe=recipe, layer_name="blk.1.down").to(DEVICE)
+            multiplied = []
+            original = mt._product
+
+            def recording(a, b, *rest):
+                multiplied.append((a, b))
+                return original(a, b, *rest)
+
+            mt._product = recording
+            try:
+                for step in (3, 4):
+                    layer.step = step
+                    multiplied.clear()
+                    x = sample(128, 64, seed=step).to(DEVICE, dtype).requires_grad_(True)
+                    dy = sample(128, 96, seed=10 + step).to(DEVICE, dtype)
+                    layer(x).backward(dy)
+                    expected = {"fprop": ((x, "x", 1), (layer.weight, "w", 1)),
+                                "dgrad": ((dy, "dy", 1), (layer.weight, "w", 0)),
+                                "wgrad": ((dy, "dy", 0), (x, "x", 0))}
+                    self.assertEqual(len(multiplied), 3)
+                    for gemm, pair in zip(("fprop", "dgrad", "wgrad"), multiplied):
+                        g = recipe.gemm(gemm)
+                        for got, (t, role, axis) in zip(pair, expected[gemm]):
+                            gradient = role == "dy"
+                            want = mxscope.quantize(t.detach().contiguous(), g.operand_format(gradient), axis=axis,
+                                                    role=role, layer="blk.1.down", step=step, seed=4,
+                                                    rounding=g.operand_rounding(gradient), rotation=g.rotation or None,
+                                                    signs=g.signs, operand=True)
+                            with self.subTest(recipe=name, step=step, gemm=gemm, role=role):
+                                if DEVICE == "cuda":
+                                    self.assertTrue(torch.equal(got.operand.view(torch.int16),
+                                                                want.operand.view(torch.int16)))
+                                    self.assertEqual(got.tensor_scale, want.tensor_scale)
+                                else:
+                                    self.assertTrue(torch.equal(got.dequantized.view(torch.int32),
+                                                                want.dequantized.view(torch.int32)))
+            finally:
+                mt._product = original
+
     def test_the_step_changes_stochastic_rounding(self):
         layer = mt.MXLinear(64, 32, bias=False, recipe=mt.LADDER["mxfp4-fdw-sr"], layer_name="l").to(DEVICE)
         x = sample(64, 64, seed=3).to(DEVICE)

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where the time of mxscope.torch goes on a GPU: (1) mxscope.quantize per operand shape, axis,
 input dtype and rounding, device time by CUDA events and host time per call; (2) torch.profiler
-over two training steps of the trainer's bench model under one recipe, the kernels by device time.
+over two training steps of the trainer's bench model under one recipe, the kernels by device time;
+(3) before (2), the host's and the device's time per training step, each alone.
 
-usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8]
+usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8] [--steps-only]
 """
 
 from __future__ import annotations
@@ -22,22 +23,31 @@ from mxscope import _api  # noqa: E402
 
 
 def time_quantize(t, axis, rounding, rotation, repeats=20):
+    """Device ms per call (the calls queued behind a sleep, so that the host's pace does not enter)
+    and host ms per call, through MXLinear's operand quantizer (codes to reused buffers, one bf16
+    operand per call)."""
+    import mxscope.torch as mt
     rows, cols, matrix_axis = _api.as_matrix_shape(t.shape, axis)
     options = _api.make_options("mxfp4", axis=matrix_axis, block=None, rounding=rounding, scale_rule="floor",
                                 rotation=rotation, signs="none", seed=1, step=1, sr_bits=32, layer="l", role="x",
                                 seed_policy="per-step")
+    quantizer = mt._OperandQuantizer(("bench",), options, rows, cols, t.device)
     for _ in range(3):
-        _api.quantize_matrix(t, rows, cols, options, dequantized=False, operand=True, counts_on_device=True)
+        quantizer(t, 1, False)
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = time.perf_counter()
+    torch.cuda._sleep(SLEEP_CYCLES)
     start.record()
+    host = time.perf_counter()
     for _ in range(repeats):
-        _api.quantize_matrix(t, rows, cols, options, dequantized=False, operand=True, counts_on_device=True)
-    stop.record()
+        quantizer(t, 1, False)
     host = (time.perf_counter() - host) / repeats
+    stop.record()
     torch.cuda.synchronize()
     return start.elapsed_time(stop) / repeats, host * 1e3
+
+
+SLEEP_CYCLES = int(1.5e8)  # about 75 ms at the H200's clock: longer than the host takes to queue a step
 
 
 def main() -> int:
@@ -46,6 +56,7 @@ def main() -> int:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps-only", action="store_true", help="only the host and device time per step")
     args = parser.parse_args()
     tokens = args.batch * args.seq
     copy_in = torch.randn(tokens, 4 * args.d_model, device="cuda", dtype=torch.bfloat16)
@@ -61,7 +72,8 @@ def main() -> int:
     ms = start.elapsed_time(stop) / 20
     print(f"copy {copy_in.numel() * 2 / 1e6:.0f} MB: {ms:.3f} ms, {2 * copy_in.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"{'operand':<28} {'axis':>4} {'round':>5} {'rot':>4} {'device ms':>10} {'host ms':>8} {'GB/s in+out':>11}")
-    for name, shape, dtype in (("x/dy [K, d] bf16", (tokens, args.d_model), torch.bfloat16),
+    print("per call: device ms queued behind a sleep; host ms of MXLinear's operand quantizer")
+    for name, shape, dtype in () if args.steps_only else (("x/dy [K, d] bf16", (tokens, args.d_model), torch.bfloat16),
                                ("h [K, ffn] bf16", (tokens, 2816), torch.bfloat16),
                                ("w [d, d] fp32", (args.d_model, args.d_model), torch.float32)):
         t = torch.randn(*shape, device="cuda", dtype=dtype)
@@ -94,6 +106,20 @@ def main() -> int:
     for i in range(3):
         step(i)
     torch.cuda.synchronize()
+    # Host and device time per step: the host queues a step behind a sleep (its time is the host's
+    # alone), the events around the step give the device's alone.
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(3):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        host = time.perf_counter()
+        step(20 + i)
+        host = (time.perf_counter() - host) * 1e3
+        stop.record()
+        torch.cuda.synchronize()
+        print(f"step {args.recipe}: host {host:.2f} ms, device {start.elapsed_time(stop):.2f} ms")
+    if args.steps_only:
+        return 0
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(2):
