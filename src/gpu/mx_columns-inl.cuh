@@ -15,6 +15,12 @@
 
 constexpr int column_group = 4;
 
+// core::operand_bf16 of an MX element from its exact fp32 dequantized value (canonical NaN in a
+// block with a non-finite member).
+__device__ inline std::uint16_t operand_half(float dequantized) {
+  return core_ns::float_to_bf16(dequantized, core_ns::rounding_mode::rne, 0U, 32);
+}
+
 template <class Input>
 __device__ inline void load_group(const Input* input, std::int64_t index, int width, bool vector, float (&v)[column_group]) {
   if constexpr (std::is_same_v<Input, std::uint16_t>) {
@@ -76,17 +82,14 @@ __device__ inline std::uint32_t encode_column_element(const fast_encode::element
 }
 
 // One row of a column group out: its codes (at byte `code_at` of the row), dequantized values and
-// bf16 operand (at element `flat`). A full group of an aligned tensor goes out in one store per
+// bf16 operand `halves` (at element `flat`). A full group of an aligned tensor goes out in one store per
 // output (the row's codes, values and operand then all start on their vector's boundary: cols is a
 // multiple of 4 and the buffers come from a device allocator), a partial one element by element.
 __device__ inline void store_column_row(const mx_device_output& output, std::uint16_t* operand, std::int64_t code_at,
                                         std::int64_t flat, std::int64_t c0, int width, bool vector, bool packed,
                                         const std::uint32_t (&codes)[column_group],
-                                        const float (&dequantized)[column_group]) {
-  std::uint16_t halves[column_group];
-#pragma unroll
-  for (int k = 0; k < column_group; ++k)
-    halves[k] = core_ns::float_to_bf16(dequantized[k], core_ns::rounding_mode::rne, 0U, 32);
+                                        const float (&dequantized)[column_group],
+                                        const std::uint16_t (&halves)[column_group]) {
   if (vector) {
     if (packed) {  // c0 is a multiple of 4: columns c0, c0 + 1 share a byte, c0 + 2, c0 + 3 the next
       *reinterpret_cast<std::uint16_t*>(output.codes + code_at + c0 / 2) = static_cast<std::uint16_t>(
@@ -226,32 +229,44 @@ __global__ void mx_column_kernel(const Input* input, std::int64_t rows, std::int
         }
         codes[k] = encode_column_element(constants, plan, v[k], nonfinite[k], exponent[k], word, dequantized[k], counts);
       }
+      std::uint16_t halves[column_group];
+#pragma unroll
+      for (int k = 0; k < column_group; ++k) halves[k] = operand_half(dequantized[k]);
       store_column_row(output, operand, r * row_bytes, flat, c0, width, outputs_aligned && width == column_group, packed,
-                       codes, dequantized);
+                       codes, dequantized, halves);
     }
   }
   if (output.counters != nullptr) add_counters(output.counters, counts);
 }
 
-// Four fp4 elements of one row of a column group, each under its column's exponent (255: the column
-// met a non-finite value): fast_encode::fp4_encode's composition (fp4_nearest_even for rne,
-// fp4_locate and fp4_round for the other modes, on fl32(|v| 2^-e)), with the flags counted as it
-// states them, and the dequantized values as fast_encode::dequantize gives them. One multiply per
-// element where the generic encoder takes an integer decomposition.
-__device__ inline void encode_fp4_group(const fast_encode::element_constants& constants, const mx_plan& plan,
-                                        const float (&values)[column_group], const int (&exponent)[column_group],
+// The e2m1 magnitude of code m (0..7): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+__device__ inline float fp4_magnitude(std::uint32_t m) {
+  return m < 4 ? 0.5f * static_cast<float>(m) : static_cast<float>(m < 6 ? m - 2 : 2 * (m - 4));
+}
+
+// Four fp4 elements of one row of a column group, each under its column's factors: `inverse`
+// 2^-e and `power` 2^e of the block's exponent e (power NaN: the column met a non-finite value).
+// The codes and flags are fast_encode::fp4_encode's composition (fp4_nearest_even for rne,
+// fp4_locate and fp4_round for the other modes, on fl32(|v| 2^-e)), counted as it states them;
+// the dequantized value m 2^e is exact (at most two significant bits, no lower than 2^-128), as
+// fast_encode::dequantize gives it, and so its bf16 operand is its upper half (float_to_bf16
+// would round nothing; the canonical NaN's half is the canonical bf16 NaN).
+__device__ inline void encode_fp4_group(const mx_plan& plan, const float (&values)[column_group],
+                                        const float (&inverse)[column_group], const float (&power)[column_group],
                                         const core_ns::philox_block& words, std::uint32_t random_mask,
                                         std::uint32_t (&codes)[column_group], float (&dequantized)[column_group],
-                                        unsigned& flushed, unsigned& saturated) {
+                                        std::uint16_t (&halves)[column_group], unsigned& flushed,
+                                        unsigned& saturated) {
 #pragma unroll
   for (int k = 0; k < column_group; ++k) {
-    if (exponent[k] == 255) {
+    if (power[k] != power[k]) {
       codes[k] = 0;
       dequantized[k] = canonical_nan_float();
+      halves[k] = static_cast<std::uint16_t>(core_ns::float_bits(dequantized[k]) >> 16);
       continue;
     }
     const float magnitude = fabsf(values[k]);
-    const float scaled = magnitude * fast_encode::power_of_two(-exponent[k]);
+    const float scaled = magnitude * inverse[k];
     std::uint32_t code = 0;
     if (plan.rounding == core_ns::rounding_mode::rne) {
       code = fast_encode::fp4_nearest_even(scaled);
@@ -262,9 +277,10 @@ __device__ inline void encode_fp4_group(const fast_encode::element_constants& co
     }
     saturated += scaled > 6.0f ? 1U : 0U;
     flushed += code == 0 && magnitude != 0.0f ? 1U : 0U;
-    code |= (core_ns::float_bits(values[k]) >> 31) << 3;
-    codes[k] = code;
-    dequantized[k] = fast_encode::dequantize(constants, code, exponent[k]);
+    const std::uint32_t sign = core_ns::float_bits(values[k]) & 0x80000000U;
+    dequantized[k] = core_ns::bits_float(core_ns::float_bits(fp4_magnitude(code) * power[k]) | sign);
+    halves[k] = static_cast<std::uint16_t>(core_ns::float_bits(dequantized[k]) >> 16);
+    codes[k] = code | (sign >> 28);
   }
 }
 
@@ -288,9 +304,13 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
   // Declared as 16-byte vectors for their alignment, used as scalars.
   __shared__ float4 tile_vectors[staged_rows][staged_columns / 4];
   __shared__ int4 exponent_vectors[staged_columns / 4];
+  __shared__ float4 inverse_vectors[staged_columns / 4];
+  __shared__ float4 power_vectors[staged_columns / 4];
   __shared__ float half_amax[2][staged_columns];  // -1: that half met a non-finite value
   float(*tile)[staged_columns] = reinterpret_cast<float(*)[staged_columns]>(tile_vectors);
   int* column_exponent = reinterpret_cast<int*>(exponent_vectors);  // the block's, or 255 (non-finite)
+  float* column_inverse = reinterpret_cast<float*>(inverse_vectors);  // 2^-e
+  float* column_power = reinterpret_cast<float*>(power_vectors);      // 2^e, NaN for a non-finite column
   const bool packed = core_ns::spec(plan.element).bits == 4;
   const bool fp4 = plan.element == element_kind::fp4_e2m1;
   const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
@@ -356,9 +376,11 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
       }
       float amax = 0.0f;
       bool nonfinite = false;
-      for (int r = half * (staged_rows / 2); r < (half + 1) * (staged_rows / 2); ++r) {
-        const float value = tile[r][c];
-        if (r >= height || c >= width) continue;
+      const int present = c < width ? height - half * (staged_rows / 2) : 0;  // rows of this half in the tensor
+#pragma unroll
+      for (int i = 0; i < staged_rows / 2; ++i) {
+        const float value = tile[half * (staged_rows / 2) + i][c];
+        if (i >= present) continue;
         counts[counter_nonzero] += value != 0.0f ? 1U : 0U;
         const bool finite = is_finite(value);
         counts[counter_nonfinite] += finite ? 0U : 1U;
@@ -374,7 +396,10 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
       const bool nonfinite = a < 0.0f || b < 0.0f;
       const std::uint8_t scale = column_scale(plan, a > b ? a : b, nonfinite);
       if (t < width) output.scales[(r0 / staged_rows) * cols + c_first + t] = scale;
-      column_exponent[t] = nonfinite ? 255 : core_ns::scale_exponent(scale);
+      const int exponent = core_ns::scale_exponent(scale);
+      column_exponent[t] = nonfinite ? 255 : exponent;
+      column_inverse[t] = fast_encode::power_of_two(nonfinite ? 0 : -exponent);
+      column_power[t] = nonfinite ? canonical_nan_float() : fast_encode::power_of_two(exponent);
     }
     __syncthreads();
     {  // encode: row t / 8, column groups 4 (t % 8) + 32 m
@@ -388,26 +413,32 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
               stochastic ? plan.stream.block(static_cast<std::uint64_t>(flat) / 4) : core_ns::philox_block{};
           const float4 four = *reinterpret_cast<const float4*>(&tile[r][c]);
           const float values[column_group] = {four.x, four.y, four.z, four.w};
-          const int4 exponents = *reinterpret_cast<const int4*>(&column_exponent[c]);
-          const int exponent[column_group] = {exponents.x, exponents.y, exponents.z, exponents.w};
           std::uint32_t codes[column_group];
           float dequantized[column_group];
+          std::uint16_t halves[column_group];
           if (fp4) {
-            encode_fp4_group(constants, plan, values, exponent, words, random_mask, codes, dequantized,
+            const float4 inverses = *reinterpret_cast<const float4*>(&column_inverse[c]);
+            const float4 powers = *reinterpret_cast<const float4*>(&column_power[c]);
+            const float inverse[column_group] = {inverses.x, inverses.y, inverses.z, inverses.w};
+            const float power[column_group] = {powers.x, powers.y, powers.z, powers.w};
+            encode_fp4_group(plan, values, inverse, power, words, random_mask, codes, dequantized, halves,
                              counts[counter_flushed], counts[counter_saturated]);
           } else {
+            const int4 exponents = *reinterpret_cast<const int4*>(&column_exponent[c]);
+            const int exponent[column_group] = {exponents.x, exponents.y, exponents.z, exponents.w};
             unsigned long long wide[mx_counter_count] = {0, 0, 0, 0};
 #pragma unroll
             for (int k = 0; k < column_group; ++k) {
               const bool nonfinite = exponent[k] == 255;
               codes[k] = encode_column_element(constants, plan, values[k], nonfinite, nonfinite ? 0 : exponent[k],
                                                nonfinite ? 0U : words.word[k], dequantized[k], wide);
+              halves[k] = operand_half(dequantized[k]);
             }
             counts[counter_flushed] += static_cast<unsigned>(wide[counter_flushed]);
             counts[counter_saturated] += static_cast<unsigned>(wide[counter_saturated]);
           }
           store_column_row(output, operand, (r0 + r) * row_bytes, flat, c_first + c, column_group, true, packed, codes,
-                           dequantized);
+                           dequantized, halves);
         }
       }
     }
