@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Where the time of mxscope.torch goes on a GPU: (1) mxscope.quantize per operand shape, axis,
-input dtype and rounding, device time by CUDA events and host time per call; (2) torch.profiler
+"""Where the time of mxscope.torch goes on a GPU: (1) MXLinear's operand quantizer per operand
+shape, axis, input dtype and rounding: device time per call (the calls queued behind a sleep) and
+host time per call; (2) torch.profiler
 over two training steps of the trainer's bench model under one recipe, the kernels by device time;
-(3) before (2), the host's and the device's time per training step, each alone.
+(3) before (2), the host's and the device's time per training step, each alone; (4) with
+--host-split only, the host's time per step split over MXLinear's functions.
 
-usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8] [--steps-only]
+usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8] [--steps-only] [--host-split]
 """
 
 from __future__ import annotations
@@ -50,6 +52,65 @@ def time_quantize(t, axis, rounding, rotation, repeats=20):
 SLEEP_CYCLES = int(1.5e8)  # about 75 ms at the H200's clock: longer than the host takes to queue a step
 
 
+def host_split(args) -> int:
+    """The host's time per training step (10 steps, no profiler) for bf16 and args.recipe, and
+    within it the time of MXLinear's functions, each wrapped with a timer."""
+    import collections
+    sys.path.insert(0, os.path.join(HERE, "..", "capture"))
+    import train_tiny_llama as trainer
+    import mxscope.torch as mt
+    import torch.nn.functional as F
+    spent, calls = collections.defaultdict(float), collections.Counter()
+
+    def timed(name, function):
+        def wrapper(*arguments, **keywords):
+            start = time.perf_counter()
+            try:
+                return function(*arguments, **keywords)
+            finally:
+                spent[name] += time.perf_counter() - start
+                calls[name] += 1
+        return wrapper
+
+    mt._quantize_operand = timed("quantize_operand", mt._quantize_operand)
+    mt._product = timed("product", mt._product)
+    mt._MXLinearFunction.forward = staticmethod(timed("function.forward", mt._MXLinearFunction.forward))
+    mt._MXLinearFunction.backward = staticmethod(timed("function.backward", mt._MXLinearFunction.backward))
+    mt.MXLinear.forward = timed("MXLinear.forward", mt.MXLinear.forward)
+    for recipe in ("bf16", args.recipe):
+        config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
+        torch.manual_seed(0)
+        model = trainer.TinyLlama(config).cuda()
+        mt.convert(model, mt.LADDER[recipe], include=trainer.BLOCK_LINEARS)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inputs = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
+
+        def step(i):
+            mt.set_step(model, i)
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), inputs.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for i in range(3):
+            step(i)
+        torch.cuda.synchronize()
+        spent.clear()
+        calls.clear()
+        steps = 10
+        start = time.perf_counter()
+        for i in range(steps):
+            step(10 + i)
+        host = (time.perf_counter() - start) / steps
+        torch.cuda.synchronize()
+        print(f"{recipe}: host {host * 1e3:.2f} ms per step")
+        for name in spent:
+            print(f"   {name:<20} {spent[name] / steps * 1e3:7.2f} ms per step {calls[name] // steps:4d} calls "
+                  f"{spent[name] / calls[name] * 1e6:7.1f} us per call")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="mxfp4-fdw")
@@ -57,7 +118,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps-only", action="store_true", help="only the host and device time per step")
+    parser.add_argument("--host-split", action="store_true",
+                        help="only the host's time per step split over the layer's functions (bf16 and --recipe)")
     args = parser.parse_args()
+    if args.host_split:
+        return host_split(args)
     tokens = args.batch * args.seq
     copy_in = torch.randn(tokens, 4 * args.d_model, device="cuda", dtype=torch.bfloat16)
     copy_out = torch.empty_like(copy_in)
