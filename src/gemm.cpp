@@ -804,25 +804,7 @@ std::int64_t short_float_product(const canonical_operand& a, const canonical_ope
             }
           }
         }
-        const std::int64_t count = group_end - group_begin;
-        double terms[64];
-        std::vector<double> wide_terms;
-        for (std::int64_t e = 0; e < entries; ++e) {
-          if (redo[static_cast<std::size_t>(e)] != 0) continue;
-          float& accumulator = accumulators[static_cast<std::size_t>(e)];
-          if (count == 1) {
-            accumulator = add_exact_value(accumulator, contributions[static_cast<std::size_t>(e)]);
-            continue;
-          }
-          double* gathered = terms;
-          if (count > 64) {
-            wide_terms.resize(static_cast<std::size_t>(count));
-            gathered = wide_terms.data();
-          }
-          for (std::int64_t g = 0; g < count; ++g) gathered[g] = contributions[static_cast<std::size_t>(g * entries + e)];
-          if (!std::isfinite(accumulator)) continue;  // inf + finite terms stays inf
-          accumulator = core_ns::add_exactly_to_float(accumulator, gathered, static_cast<int>(count));
-        }
+        add_groups_exactly(accumulators.data(), contributions.data(), entries, group_end - group_begin, redo.data());
       }
       for (std::int64_t r = 0; r < rows; ++r) {
         for (std::int64_t j = 0; j < cols; ++j) {

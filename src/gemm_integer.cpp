@@ -161,31 +161,7 @@ std::int64_t general_tile(const fast_context& context, const T* a_values, const 
       }
     }
     if (is_exact) continue;
-    const std::int64_t count = group_end - group_begin;
-    double terms[64];
-    std::vector<double> wide_terms;
-    for (std::int64_t e = 0; e < entries; ++e) {
-      float& accumulator = accumulators[static_cast<std::size_t>(e)];
-      if (count == 1) {
-        accumulator = add_exact_value(accumulator, contributions[static_cast<std::size_t>(e)]);
-        continue;
-      }
-      double* gathered = terms;
-      if (count > 64) {
-        wide_terms.resize(static_cast<std::size_t>(count));
-        gathered = wide_terms.data();
-      }
-      bool nan_term = false;
-      for (std::int64_t g = 0; g < count; ++g) {
-        gathered[g] = contributions[static_cast<std::size_t>(g * entries + e)];
-        nan_term = nan_term || std::isnan(gathered[g]);
-      }
-      if (nan_term || !std::isfinite(accumulator)) {
-        accumulator = nonfinite_step(accumulator, nan_term ? std::numeric_limits<double>::quiet_NaN() : 0.0);
-        continue;
-      }
-      accumulator = core_ns::add_exactly_to_float(accumulator, gathered, static_cast<int>(count));
-    }
+    add_groups_exactly(accumulators.data(), contributions.data(), entries, group_end - group_begin, nullptr);
   }
 
   for (std::int64_t r = 0; r < rows; ++r) {

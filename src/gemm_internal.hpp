@@ -75,6 +75,39 @@ inline float add_exact_value(float accumulator, double value) {
   return core_ns::add_to_float(accumulator, value + 0.0);
 }
 
+// One group step of the block models for every entry of a tile: entry e's `count` block
+// contributions (contributions[g * entries + e], exact doubles) go into its fp32 accumulator
+// exactly (core::add_exactly_to_float of the group). Entries with skip[e] != 0 are left alone (skip
+// may be null); a NaN contribution or a non-finite accumulator takes nonfinite_step.
+inline void add_groups_exactly(float* accumulators, const double* contributions, std::int64_t entries,
+                               std::int64_t count, const std::uint8_t* skip) {
+  double terms[64];
+  std::vector<double> wide_terms;
+  for (std::int64_t e = 0; e < entries; ++e) {
+    if (skip != nullptr && skip[e] != 0) continue;
+    float& accumulator = accumulators[e];
+    if (count == 1) {
+      accumulator = add_exact_value(accumulator, contributions[e]);
+      continue;
+    }
+    double* gathered = terms;
+    if (count > 64) {
+      wide_terms.resize(static_cast<std::size_t>(count));
+      gathered = wide_terms.data();
+    }
+    bool nan_term = false;
+    for (std::int64_t g = 0; g < count; ++g) {
+      gathered[g] = contributions[g * entries + e];
+      nan_term = nan_term || std::isnan(gathered[g]);
+    }
+    if (nan_term || !std::isfinite(accumulator)) {
+      accumulator = nonfinite_step(accumulator, nan_term ? std::numeric_limits<double>::quiet_NaN() : 0.0);
+      continue;
+    }
+    accumulator = core_ns::add_exactly_to_float(accumulator, gathered, static_cast<int>(count));
+  }
+}
+
 inline float epilogue(float accumulator, float alpha) { return accumulator * alpha; }
 
 inline float round_output(float value, output_rounding output) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mxscope/core/formats.hpp"  // only for the element_kind enumerators that name the formats
+#include "support/bits.hpp"
 
 namespace reference {
 
@@ -226,16 +227,7 @@ inline expected_encoding round_to_table(const format_description& format, const 
   return result;
 }
 
-inline std::uint64_t bits_of(double value) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-inline std::uint32_t bits_of(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
+using mxscope::testing::bits_of;  // support/bits.hpp
 inline float float_from_bits(std::uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof value);
