@@ -577,6 +577,128 @@ std::vector<std::string> together(process_group& world, const std::function<std:
   return all;
 }
 
+// The unit fragments of RUN/.partial merged back into the order of rows of one process (layer,
+// step, gemm, strategy): their steps.csv and accumulation.csv lines go into the two files; their
+// summaries and the seconds each strategy took (as measured by whichever rank ran the unit) come
+// back. A fragment with the wrong number of lines, no summary or another unit's name is damaged:
+// the assembly stops and names it.
+struct merged_fragments {
+  json units = json::array();
+  std::vector<double> strategy_seconds;
+  std::vector<json> strategy_stage_seconds;
+};
+
+template <class UnitAt, class FragmentName, class UnitText>
+merged_fragments merge_fragments(const std::vector<layer_plan>& plan, std::size_t units_per_layer,
+                                 std::size_t strategy_count, const fs::path& partial, const UnitAt& unit_at,
+                                 const FragmentName& fragment_name, const UnitText& unit_text,
+                                 io::atomic_file& steps_file, io::atomic_file& accumulation_file) {
+  merged_fragments out;
+  out.strategy_seconds.assign(strategy_count, 0.0);
+  out.strategy_stage_seconds.assign(strategy_count, json::object());
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    const std::size_t steps = plan[layer_index].entries.size();
+    std::vector<json> fragments;
+    std::vector<std::vector<std::string_view>> step_lines, accumulation_lines;
+    fragments.reserve(units_per_layer);
+    for (std::size_t u = 0; u < units_per_layer; ++u) {
+      const std::size_t index = layer_index * units_per_layer + u;
+      const fs::path path = partial / fragment_name(index);
+      fragments.push_back(json::parse(read_text(path), nullptr, false));
+      const json& fragment = fragments.back();
+      const auto lines = [&](const char* field) {
+        std::vector<std::string_view> found;
+        if (!fragment.is_object() || !fragment.contains(field) || !fragment[field].is_string()) return found;
+        const std::string& text = fragment[field].get_ref<const std::string&>();
+        for (std::size_t begin = 0; begin < text.size();) {
+          const std::size_t end = text.find('\n', begin);
+          if (end == std::string::npos) break;
+          found.emplace_back(text.data() + begin, end + 1 - begin);
+          begin = end + 1;
+        }
+        return found;
+      };
+      step_lines.push_back(lines("steps"));
+      accumulation_lines.push_back(lines("accumulation"));
+      if (step_lines.back().size() != steps || accumulation_lines.back().size() != steps ||
+          !fragment.contains("summary") || fragment.value("unit", "") != unit_text(index)) {
+        throw std::runtime_error(fmt::format("{}: damaged fragment of unit {}; delete it and run again with --resume",
+                                             path.string(), unit_text(index)));
+      }
+      out.units.push_back(fragment["summary"]);
+      const std::size_t strategy = unit_at(index).strategy;
+      out.strategy_seconds[strategy] += fragment.value("seconds", 0.0);
+      if (fragment.contains("stage_seconds")) {
+        for (const char* stage : {"gemm", "compare", "metrics", "gemm_quantize", "gemm_product", "gemm_exact_product"}) {
+          out.strategy_stage_seconds[strategy][stage] =
+              out.strategy_stage_seconds[strategy].value(stage, 0.0) + fragment["stage_seconds"].value(stage, 0.0);
+        }
+      }
+    }
+    for (std::size_t t = 0; t < steps; ++t) {
+      for (std::size_t u = 0; u < units_per_layer; ++u) {
+        steps_file.write(step_lines[u][t]);
+        accumulation_file.write(accumulation_lines[u][t]);
+      }
+    }
+  }
+  return out;
+}
+
+// summary.json's provenance: the tool, the analysis, the dump and its source, the inputs' hashes,
+// the filters, the reference and whether attribution ran.
+json summary_provenance(const replay_options& options, const analysis& parsed, const io::dump_reader& dump,
+                        const std::map<std::string, std::string>& input_sha256, bool attribute) {
+  json provenance;
+  provenance["tool"] = "mxscope";
+  provenance["version"] = version_string;
+  provenance["git_hash"] = git_hash;
+  provenance["analysis_file"] = parsed.path;
+  provenance["analysis_text"] = parsed.text;
+  provenance["dump"] = options.dump.string();
+  json source;
+  source["hardware"] = dump.source().hardware;
+  source["framework"] = dump.source().framework;
+  source["recipe"] = dump.source().recipe;
+  source["model"] = dump.source().model;
+  source["notes"] = dump.source().notes;
+  provenance["dump_source"] = source;
+  json inputs = json::object();
+  inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
+  for (const auto& [file, hash] : input_sha256) inputs[file] = hash;
+  provenance["input_sha256"] = inputs;
+  provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};
+  provenance["reference"] = reference_kind_name(parsed.reference);
+  provenance["attribute"] = attribute;
+  provenance["environment"] = "run.json (device, threads and wall times differ between runs and are kept there)";
+  return provenance;
+}
+
+// The four final files, all or none: when one cannot be written (a full disk), those already
+// renamed are removed again and .partial stays, so --resume assembles them once there is room.
+// Then .partial goes (its run key first: without it the directory is a finished run).
+void commit_final_files(const fs::path& out, const fs::path& partial, io::atomic_file& steps_file,
+                        io::atomic_file& accumulation_file, const json& summary, const json& run) {
+  std::error_code ignored;
+  std::vector<fs::path> written;
+  try {
+    steps_file.commit();
+    written.push_back(out / "steps.csv");
+    accumulation_file.commit();
+    written.push_back(out / "accumulation.csv");
+    io::write_file_atomically(out / "summary.json", summary.dump(2) + "\n");
+    written.push_back(out / "summary.json");
+    io::write_file_atomically(out / "run.json", run.dump(2) + "\n");
+  } catch (const std::exception& error) {
+    for (const fs::path& path : written) fs::remove(path, ignored);
+    throw std::runtime_error(fmt::format("{}\nthe final files were not written; the finished units are kept in {}; "
+                                         "finish the run with --resume",
+                                         error.what(), partial.string()));
+  }
+  fs::remove(partial / "run-key.json", ignored);
+  fs::remove_all(partial, ignored);
+}
+
 }  // namespace
 
 replay_outcome run_replay(const replay_options& options, std::ostream& log) {
@@ -1251,80 +1373,11 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   io::atomic_file accumulation_file(options.out / "accumulation.csv");
   steps_file.write(steps_header);
   accumulation_file.write(accumulation_header);
-  json units = json::array();
-  std::vector<double> strategy_seconds(strategy_count, 0.0);  // as measured by whichever rank ran each unit
-  std::vector<json> strategy_stage_seconds(strategy_count, json::object());
-  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    const std::size_t steps = plan[layer_index].entries.size();
-    std::vector<json> fragments;
-    std::vector<std::vector<std::string_view>> step_lines, accumulation_lines;
-    fragments.reserve(units_per_layer);
-    for (std::size_t u = 0; u < units_per_layer; ++u) {
-      const std::size_t index = layer_index * units_per_layer + u;
-      const fs::path path = partial / fragment_name(index);
-      fragments.push_back(json::parse(read_text(path), nullptr, false));
-      const json& fragment = fragments.back();
-      const auto lines = [&](const char* field) {
-        std::vector<std::string_view> out;
-        if (!fragment.is_object() || !fragment.contains(field) || !fragment[field].is_string()) return out;
-        const std::string& text = fragment[field].get_ref<const std::string&>();
-        for (std::size_t begin = 0; begin < text.size();) {
-          const std::size_t end = text.find('\n', begin);
-          if (end == std::string::npos) break;
-          out.emplace_back(text.data() + begin, end + 1 - begin);
-          begin = end + 1;
-        }
-        return out;
-      };
-      step_lines.push_back(lines("steps"));
-      accumulation_lines.push_back(lines("accumulation"));
-      if (step_lines.back().size() != steps || accumulation_lines.back().size() != steps ||
-          !fragment.contains("summary") || fragment.value("unit", "") != unit_text(index)) {
-        throw std::runtime_error(fmt::format("{}: damaged fragment of unit {}; delete it and run again with --resume",
-                                             path.string(), unit_text(index)));
-      }
-      units.push_back(fragment["summary"]);
-      strategy_seconds[unit_at(index).strategy] += fragment.value("seconds", 0.0);
-      if (fragment.contains("stage_seconds")) {
-        for (const char* stage : {"gemm", "compare", "metrics", "gemm_quantize", "gemm_product", "gemm_exact_product"}) {
-          strategy_stage_seconds[unit_at(index).strategy][stage] =
-              strategy_stage_seconds[unit_at(index).strategy].value(stage, 0.0) +
-              fragment["stage_seconds"].value(stage, 0.0);
-        }
-      }
-    }
-    for (std::size_t t = 0; t < steps; ++t) {
-      for (std::size_t u = 0; u < units_per_layer; ++u) {
-        steps_file.write(step_lines[u][t]);
-        accumulation_file.write(accumulation_lines[u][t]);
-      }
-    }
-  }
+  const merged_fragments merged = merge_fragments(plan, units_per_layer, strategy_count, partial, unit_at, fragment_name,
+                                                  unit_text, steps_file, accumulation_file);
   json summary;
-  json provenance;
-  provenance["tool"] = "mxscope";
-  provenance["version"] = version_string;
-  provenance["git_hash"] = git_hash;
-  provenance["analysis_file"] = parsed.path;
-  provenance["analysis_text"] = parsed.text;
-  provenance["dump"] = options.dump.string();
-  json source;
-  source["hardware"] = dump.source().hardware;
-  source["framework"] = dump.source().framework;
-  source["recipe"] = dump.source().recipe;
-  source["model"] = dump.source().model;
-  source["notes"] = dump.source().notes;
-  provenance["dump_source"] = source;
-  json inputs = json::object();
-  inputs["manifest.json"] = io::sha256_file(dump.directory() / "manifest.json");
-  for (const auto& [file, hash] : input_sha256) inputs[file] = hash;
-  provenance["input_sha256"] = inputs;
-  provenance["filters"] = {{"layers", options.layers.value_or("")}, {"steps", options.steps.value_or("")}};
-  provenance["reference"] = reference_kind_name(parsed.reference);
-  provenance["attribute"] = attribute;
-  provenance["environment"] = "run.json (device, threads and wall times differ between runs and are kept there)";
-  summary["provenance"] = provenance;
-  summary["units"] = units;
+  summary["provenance"] = summary_provenance(options, parsed, dump, input_sha256, attribute);
+  summary["units"] = merged.units;
 
   json run;
   run["device"] = options.device;
@@ -1352,8 +1405,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   json per_strategy = json::object();
   json per_strategy_stage = json::object();
   for (std::size_t k = 0; k < strategy_count; ++k) {
-    per_strategy[parsed.strategies[k].name] = strategy_seconds[k];
-    per_strategy_stage[parsed.strategies[k].name] = strategy_stage_seconds[k];
+    per_strategy[parsed.strategies[k].name] = merged.strategy_seconds[k];
+    per_strategy_stage[parsed.strategies[k].name] = merged.strategy_stage_seconds[k];
   }
   run["seconds_per_strategy"] = per_strategy;
   run["stage_seconds_per_strategy"] = per_strategy_stage;
@@ -1368,26 +1421,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     run["per_rank"] = ranks_json;
   }
 
-  std::error_code ignored;
-  // All four final files or none: when one cannot be written (a full disk), those already renamed
-  // are removed again and .partial stays, so --resume assembles them once there is room.
-  std::vector<fs::path> written;
-  try {
-    steps_file.commit();
-    written.push_back(options.out / "steps.csv");
-    accumulation_file.commit();
-    written.push_back(options.out / "accumulation.csv");
-    io::write_file_atomically(options.out / "summary.json", summary.dump(2) + "\n");
-    written.push_back(options.out / "summary.json");
-    io::write_file_atomically(options.out / "run.json", run.dump(2) + "\n");
-  } catch (const std::exception& error) {
-    for (const fs::path& path : written) fs::remove(path, ignored);
-    throw std::runtime_error(fmt::format("{}\nthe final files were not written; the finished units are kept in {}; "
-                                         "finish the run with --resume",
-                                         error.what(), partial.string()));
-  }
-  fs::remove(partial / "run-key.json", ignored);  // first: without it the directory is a finished run
-  fs::remove_all(partial, ignored);
+  commit_final_files(options.out, partial, steps_file, accumulation_file, summary, run);
   outcome.complete = true;
   return outcome;
 }
