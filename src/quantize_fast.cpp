@@ -1,6 +1,7 @@
 // Fast MX quantizer (see include/mxscope/quantize_fast.hpp for what it covers and why it is exact).
 //
-// Scalar form (tails, odd block sizes, stochastic rounding, builds without Highway). With
+// Scalar form (tails, odd block sizes, builds without Highway): core/encode_bits.hpp's
+// quantize_finite, the same integer encoder the GPU quantizers use. With
 // |v| = S * 2^t (S the 24-bit significand with its leading one restored, t the exponent of its
 // last bit) and the block's shared exponent e:
 //   binade = max(floor(log2 |v / 2^e|), min normal exponent of the element format)
@@ -41,6 +42,7 @@
 #include <cstring>
 #include <limits>
 
+#include "mxscope/core/encode_bits.hpp"
 #include "mxscope/errors.hpp"
 
 namespace mxscope::fast_detail {
@@ -154,64 +156,6 @@ inline block_constants make_block_constants(const element_params& params, int ex
   constants.scale_power = power_of_two_float(exponent);
   constants.inverse_scale = power_of_two_float(std::min(-exponent, 127));
   return constants;
-}
-
-struct element_code {
-  std::uint32_t code;  // with the sign bit
-  std::uint32_t magnitude_code;
-  bool saturated;
-  bool flushed;
-};
-
-// One finite element against its block's constants: the scalar form of the SIMD lanes below.
-inline element_code encode_element(const element_params& params, core::rounding_mode mode, int sr_bits,
-                                   std::uint32_t bits, const block_constants& block, std::uint32_t random_word) {
-  const std::uint32_t magnitude = bits & fp32_magnitude_mask;
-  const std::int32_t biased = std::max(static_cast<std::int32_t>(magnitude >> 23), 1);
-  const std::uint32_t significand = magnitude - (static_cast<std::uint32_t>(biased - 1) << 23);
-  const std::int32_t leading_biased = significand == 0 ? 0 : 127 + 31 - __builtin_clz(significand);
-  const std::int32_t binade = std::max(leading_biased + biased - block.binade_offset, params.min_exponent);
-  const std::int32_t shift = binade + (block.binade_offset - 127 - params.mantissa_bits) - biased;
-  std::uint32_t steps = 0;
-  switch (mode) {
-    case core::rounding_mode::rne: {
-      const int clamped = std::min(shift, all_dropped_shift);
-      const std::uint32_t odd = (significand >> clamped) & 1U;
-      steps = (significand + (1U << (clamped - 1)) - 1U + odd) >> clamped;
-      break;
-    }
-    case core::rounding_mode::rna: {
-      const int clamped = std::min(shift, all_dropped_shift);
-      steps = (significand + (1U << (clamped - 1))) >> clamped;
-      break;
-    }
-    case core::rounding_mode::rtz: steps = significand >> std::min(shift, all_dropped_shift); break;
-    case core::rounding_mode::sr: {
-      // F = dropped / 2^shift; round up iff floor(F * 2^R) + (word >> (32 - R)) >= 2^R.
-      const int clamped = std::min(shift, 24);
-      steps = significand >> clamped;
-      const std::uint64_t dropped = significand - (steps << clamped);
-      const int scale_up = sr_bits - shift;
-      const std::uint64_t top = scale_up >= 0 ? dropped << scale_up : (-scale_up >= 32 ? 0U : dropped >> -scale_up);
-      const std::uint64_t draw = random_word >> (32 - sr_bits);
-      if (top + draw >= (std::uint64_t{1} << sr_bits)) ++steps;
-      break;
-    }
-  }
-  const std::int32_t unclamped = ((binade + params.bias - 1) << params.mantissa_bits) + static_cast<std::int32_t>(steps);
-  const std::int32_t magnitude_code = std::min(unclamped, params.max_code);
-  element_code result{};
-  result.magnitude_code = static_cast<std::uint32_t>(magnitude_code);
-  result.code = result.magnitude_code | ((bits >> 31) != 0 ? params.sign_bit : 0U);
-  result.saturated = static_cast<std::int32_t>(magnitude) > block.saturation_threshold;
-  result.flushed = magnitude_code == 0 && magnitude != 0;
-  return result;
-}
-
-inline float dequantize_element(const element_params& params, const element_code& code, const block_constants& block,
-                                std::uint32_t input_bits) {
-  const float magnitude = params.magnitude_value[code.magnitude_code] * block.scale_power;
-  return core::bits_float(core::float_bits(magnitude) | (input_bits & 0x80000000U));
 }
 
 inline void store_code(std::uint8_t* code_row, int bits, std::int64_t column, std::uint32_t code) {
@@ -349,6 +293,7 @@ inline void encode_row_scalar(const kernel_arguments& args, const float* row, st
                               std::int64_t begin, std::int64_t end, const thread_scratch& scratch,
                               quantize_counts& counts) {
   const auto& params = *args.params;
+  const core::encode_bits::element_constants element = core::encode_bits::constants_of(params.kind);
   std::uint8_t* code_row = args.destination.codes + row_index * args.code_row_bytes;
   float* dequantized_row = args.destination.dequantized != nullptr ? args.destination.dequantized + row_index * args.cols
                                                                    : nullptr;
@@ -359,16 +304,14 @@ inline void encode_row_scalar(const kernel_arguments& args, const float* row, st
       if (dequantized_row != nullptr) dequantized_row[c] = core::bits_float(fp32_quiet_nan_bits);
       continue;
     }
-    block_constants constants{};
-    constants.exponent = scratch.binade_offset[at] - binade_bias;
-    constants.binade_offset = scratch.binade_offset[at];
-    constants.saturation_threshold = scratch.threshold[at];
-    constants.scale_power = scratch.scale_power[at];
-    const std::uint32_t bits = core::float_bits(row[c]);
+    // The one integer encoder (core/encode_bits.hpp), also the GPU's; the SIMD lanes below are its
+    // vector form.
+    const int exponent = scratch.binade_offset[at] - binade_bias;
     const std::uint32_t word = args.rounding == core::rounding_mode::sr ? scratch.words[at] : 0U;
-    const element_code code = encode_element(params, args.rounding, args.sr_bits, bits, constants, word);
+    const core::encoded code =
+        core::encode_bits::quantize_finite(element, row[c], exponent, args.rounding, word, args.sr_bits);
     store_code(code_row, params.bits, c, code.code);
-    if (dequantized_row != nullptr) dequantized_row[c] = dequantize_element(params, code, constants, bits);
+    if (dequantized_row != nullptr) dequantized_row[c] = core::encode_bits::dequantize(element, code.code, exponent);
     counts.flushed += code.flushed;
     counts.saturated += code.saturated;
   }
@@ -449,7 +392,7 @@ using float_tag = hn::Rebind<float, int_tag>;
 using int_vector = hn::Vec<int_tag>;
 using float_vector = hn::Vec<float_tag>;
 
-// Stochastic rounding in lanes: the integer form of encode_element (sr branch), which needs the
+// Stochastic rounding in lanes: the lane form of core::encode_bits::quantize_finite (sr branch), which needs the
 // exact dropped bits. binade_offset = binade_bias + e, shift_offset = binade_offset - 127 -
 // mantissa_bits. Returns the clamped magnitude codes.
 HWY_INLINE int_vector EncodeMagnitudesStochastic(int_tag di, int_vector magnitude, int_vector binade_offset,
