@@ -90,6 +90,180 @@ void warn_nonfinite(const io::safetensors_reader& reader, std::string_view name,
                      reader.label(), name, nan, infinite);
 }
 
+// One `mxscope gemm` run as the outputs see it: the flags, the operands' file, the result, its
+// reference and comparison (what the output file, the JSON and the table are made from).
+struct gemm_study {
+  const gemm_command_options& options;
+  gemm_kind kind;
+  gemm_layout layout;
+  const std::string& format_a;
+  const std::string& format_b;
+  const mxscope::strategy& chosen;
+  const accumulation_model& model;
+  output_rounding rounding;
+  reference_kind reference_choice;
+  const std::string& source_label;
+  const gemm_result& result;
+  const reference_result& reference;
+  const comparison& metrics;
+  const std::optional<certification>& certified;
+  std::int64_t reduction;
+};
+
+// The output file: the emulated result, the reference and the recipe.
+void write_gemm_file(const gemm_study& study) {
+  const gemm_command_options& options = study.options;
+  const gemm_result& result = study.result;
+  const reference_result& reference = study.reference;
+  const mxscope::strategy& chosen = study.chosen;
+  io::safetensors_writer writer;
+  writer.add_matrix("out", result.out);
+  writer.add("ref", io::dtype::f64, {reference.fp64.rows, reference.fp64.cols}, bytes_of(reference.fp64));
+  if (study.model.kind == accumulation_kind::exact) {
+    writer.add("out_fp64", io::dtype::f64, {result.exact.rows, result.exact.cols}, bytes_of(result.exact));
+  }
+  writer.set_metadata("gemm", std::string(gemm_kind_name(study.kind)));
+  writer.set_metadata("format_a", study.format_a);
+  writer.set_metadata("format_b", study.format_b);
+  writer.set_metadata("operand_a", std::string(study.layout.a_name));
+  writer.set_metadata("operand_b", std::string(study.layout.b_name));
+  writer.set_metadata("block_a", std::to_string(block_of(chosen.a.quantize)));
+  writer.set_metadata("block_b", std::to_string(block_of(chosen.b.quantize)));
+  writer.set_metadata("accum", accumulation_model_name(study.model));
+  writer.set_metadata("output", std::string(output_rounding_name(study.rounding)));
+  writer.set_metadata("reference", std::string(reference_kind_name(study.reference_choice)));
+  writer.set_metadata("rounding", std::string(rounding_name(chosen.a.quantize.rounding)));
+  writer.set_metadata("scale_rule", std::string(scale_rule_name(chosen.a.quantize.rule)));
+  writer.set_metadata("rotation", options.strategy.rotation);
+  writer.set_metadata("signs", std::string(sign_policy_name(chosen.rotation_signs)));
+  writer.set_metadata("seed", std::to_string(options.strategy.seed));
+  writer.set_metadata("step", std::to_string(options.strategy.step));
+  writer.set_metadata("sr_bits", std::to_string(chosen.a.quantize.sr_bits));
+  writer.set_metadata("layer", options.strategy.layer);
+  writer.set_metadata("seed_policy", options.strategy.seed_policy);
+  writer.set_metadata("mxscope_version", version_text());
+  writer.set_metadata("source_file", study.source_label);
+  writer.set_metadata("out_layout", fmt::format("{} [{}, {}] = A B^T with A = {} and B = {} in the orientation of "
+                                                "docs/numerics.md (Accumulation models)",
+                                                gemm_kind_name(study.kind), result.out.rows, result.out.cols,
+                                                study.layout.a_name, study.layout.b_name));
+  writer.write(options.output);
+}
+
+double exact_fraction_of(const comparison& metrics) {
+  return metrics.ulp.compared > 0 ? static_cast<double>(metrics.ulp.histogram[0]) / static_cast<double>(metrics.ulp.compared)
+                                  : 0.0;
+}
+
+// `--json`: the run, the recipe, the reference, the metrics, the operands and the certification.
+void print_gemm_json(const gemm_study& study, std::ostream& out) {
+  const gemm_command_options& options = study.options;
+  const gemm_result& result = study.result;
+  const reference_result& reference = study.reference;
+  const comparison& metrics = study.metrics;
+  const mxscope::strategy& chosen = study.chosen;
+  nlohmann::ordered_json json;
+  json["gemm"] = gemm_kind_name(study.kind);
+  json["input"] = study.source_label;
+  json["output"] = options.output;
+  json["rows"] = result.out.rows;
+  json["cols"] = result.out.cols;
+  json["reduction"] = study.reduction;
+  nlohmann::ordered_json recipe;
+  recipe["format_a"] = study.format_a;
+  recipe["format_b"] = study.format_b;
+  recipe["rounding"] = rounding_name(chosen.a.quantize.rounding);
+  recipe["scale_rule"] = scale_rule_name(chosen.a.quantize.rule);
+  recipe["rotation"] = options.strategy.rotation;
+  recipe["signs"] = sign_policy_name(chosen.rotation_signs);
+  recipe["seed"] = options.strategy.seed;
+  recipe["step"] = options.strategy.step;
+  recipe["sr_bits"] = chosen.a.quantize.sr_bits;
+  recipe["layer"] = options.strategy.layer;
+  recipe["seed_policy"] = options.strategy.seed_policy;
+  recipe["accum"] = accumulation_model_name(study.model);
+  recipe["output"] = output_rounding_name(study.rounding);
+  json["strategy"] = recipe;
+  nlohmann::ordered_json reference_json;
+  reference_json["kind"] = reference_kind_name(study.reference_choice);
+  reference_json["error_bound"] = number(reference.error_bound);
+  reference_json["certified_entries"] = reference.stats.certified_entries;
+  reference_json["fallback_entries"] = reference.stats.fallback_entries;
+  reference_json["nonfinite_entries"] = reference.stats.nonfinite_entries;
+  json["reference"] = reference_json;
+  nlohmann::ordered_json metrics_json;
+  metrics_json["rel_err"] = number(metrics.rel_err);
+  metrics_json["cosine"] = number(metrics.cosine);
+  metrics_json["bias"] = number(metrics.bias);
+  metrics_json["orth_err"] = number(metrics.orth_err);
+  metrics_json["max_abs_err"] = number(metrics.max_abs_err);
+  metrics_json["error_norm"] = number(metrics.error_norm);
+  metrics_json["reference_norm"] = number(metrics.reference_norm);
+  metrics_json["estimate_norm"] = number(metrics.estimate_norm);
+  metrics_json["zero_reference"] = metrics.zero_reference;
+  metrics_json["nonfinite_estimate"] = metrics.nonfinite_estimate;
+  nlohmann::ordered_json ulp;
+  ulp["max"] = metrics.ulp.max;
+  ulp["mean"] = number(metrics.ulp.mean);
+  ulp["exact_frac"] = exact_fraction_of(metrics);
+  ulp["compared"] = metrics.ulp.compared;
+  ulp["nan_pairs"] = metrics.ulp.nan_pairs;
+  ulp["histogram"] = metrics.ulp.histogram;
+  metrics_json["ulp"] = ulp;
+  json["metrics"] = metrics_json;
+  json["operands"] = {{"a", operand_json(result.a, study.format_a)}, {"b", operand_json(result.b, study.format_b)}};
+  if (study.certified) {
+    const certification& certified = *study.certified;
+    nlohmann::ordered_json certification_json;
+    certification_json["entries_checked"] = certified.entries_checked;
+    certification_json["max_ulp_fp64"] = certified.max_ulp_fp64;
+    certification_json["max_ulp_fp32"] = certified.max_ulp_fp32;
+    certification_json["max_abs_error"] = number(certified.max_abs_error);
+    certification_json["bound_violations"] = certified.bound_violations;
+    certification_json["max_bound_ratio"] = number(certified.max_bound_ratio);
+    certification_json["passed"] = certified.passed;
+    json["certification"] = certification_json;
+  }
+  json["fast_path_fallback_entries"] = result.fallback_entries;
+  out << json.dump(2) << '\n';
+}
+
+// The table: a header line, then one metric per row.
+void print_gemm_table(const gemm_study& study, std::ostream& out) {
+  const gemm_result& result = study.result;
+  const comparison& metrics = study.metrics;
+  out << fmt::format("gemm {} -> {}: [{}, {}] = {} ({}) x {} ({}), K = {}, accum {}, output {}, reference {}\n",
+                     gemm_kind_name(study.kind), study.options.output, result.out.rows, result.out.cols,
+                     study.layout.a_name, study.format_a, study.layout.b_name, study.format_b, study.reduction,
+                     accumulation_model_name(study.model), output_rounding_name(study.rounding),
+                     reference_kind_name(study.reference_choice));
+  const auto row = [&out](std::string_view name, const std::string& value) { out << fmt::format("{:<20} {}\n", name, value); };
+  const auto real = [](double value) { return fmt::format("{:.9g}", value); };
+  row("metric", "value");
+  row("rel_err", real(metrics.rel_err));
+  row("cosine", real(metrics.cosine));
+  row("bias", real(metrics.bias));
+  row("orth_err", real(metrics.orth_err));
+  row("max_abs_err", real(metrics.max_abs_err));
+  row("ulp_max", std::to_string(metrics.ulp.max));
+  row("ulp_mean", real(metrics.ulp.mean));
+  row("ulp_exact_frac", real(exact_fraction_of(metrics)));
+  row("nonfinite_out", std::to_string(metrics.nonfinite_estimate));
+  for (const operand_summary* summary : {&result.a, &result.b}) {
+    const std::string prefix = fmt::format("{}.", summary->name);
+    row(prefix + "underflow_frac", real(underflow_fraction(*summary)));
+    row(prefix + "saturate_frac", real(saturate_fraction(*summary)));
+    row(prefix + "snr_db", fmt::format("{:.6f}", snr_db(*summary)));
+  }
+  row("reference_bound", real(study.reference.error_bound));
+  if (study.certified) {
+    row("certified_entries", std::to_string(study.certified->entries_checked));
+    row("certify_ulp_fp64", std::to_string(study.certified->max_ulp_fp64));
+    row("certify_ulp_fp32", std::to_string(study.certified->max_ulp_fp32));
+    row("certify_passed", study.certified->passed ? "yes" : "no");
+  }
+}
+
 int run_gemm_command(const gemm_command_options& options, std::ostream& out, std::ostream& err) {
   // Every flag is checked before any file is touched.
   const auto kind = parse_gemm_kind(options.gemm);
@@ -155,137 +329,14 @@ int run_gemm_command(const gemm_command_options& options, std::ostream& out, std
   if (options.certify > 0) certified = certify(canonical.a, canonical.b, reference, options.certify, chosen.seed);
   const comparison metrics = compare_on(device, result.out, reference.fp64, reference.fp32);
 
-  // Output file: the emulated result, the reference and the recipe.
-  io::safetensors_writer writer;
-  writer.add_matrix("out", result.out);
-  writer.add("ref", io::dtype::f64, {reference.fp64.rows, reference.fp64.cols}, bytes_of(reference.fp64));
-  if (model.kind == accumulation_kind::exact) {
-    writer.add("out_fp64", io::dtype::f64, {result.exact.rows, result.exact.cols}, bytes_of(result.exact));
-  }
-  writer.set_metadata("gemm", std::string(gemm_kind_name(*kind)));
-  writer.set_metadata("format_a", format_a);
-  writer.set_metadata("format_b", format_b);
-  writer.set_metadata("operand_a", std::string(layout.a_name));
-  writer.set_metadata("operand_b", std::string(layout.b_name));
-  writer.set_metadata("block_a", std::to_string(block_of(chosen.a.quantize)));
-  writer.set_metadata("block_b", std::to_string(block_of(chosen.b.quantize)));
-  writer.set_metadata("accum", accumulation_model_name(model));
-  writer.set_metadata("output", std::string(output_rounding_name(*output_rounding)));
-  writer.set_metadata("reference", std::string(reference_kind_name(*reference_kind)));
-  writer.set_metadata("rounding", std::string(rounding_name(chosen.a.quantize.rounding)));
-  writer.set_metadata("scale_rule", std::string(scale_rule_name(chosen.a.quantize.rule)));
-  writer.set_metadata("rotation", options.strategy.rotation);
-  writer.set_metadata("signs", std::string(sign_policy_name(chosen.rotation_signs)));
-  writer.set_metadata("seed", std::to_string(options.strategy.seed));
-  writer.set_metadata("step", std::to_string(options.strategy.step));
-  writer.set_metadata("sr_bits", std::to_string(chosen.a.quantize.sr_bits));
-  writer.set_metadata("layer", options.strategy.layer);
-  writer.set_metadata("seed_policy", options.strategy.seed_policy);
-  writer.set_metadata("mxscope_version", version_text());
-  writer.set_metadata("source_file", reader.label());
-  writer.set_metadata("out_layout", fmt::format("{} [{}, {}] = A B^T with A = {} and B = {} in the orientation of "
-                                                "docs/numerics.md (Accumulation models)",
-                                                gemm_kind_name(*kind), result.out.rows, result.out.cols,
-                                                layout.a_name, layout.b_name));
-  writer.write(options.output);
-
-  const std::int64_t reduction = canonical.a.cols;
-  const double exact_fraction =
-      metrics.ulp.compared > 0 ? static_cast<double>(metrics.ulp.histogram[0]) / static_cast<double>(metrics.ulp.compared) : 0.0;
+  const gemm_study study{options, *kind, layout, format_a, format_b, chosen, model, *output_rounding,
+                         *reference_kind, reader.label(), result, reference, metrics, certified,
+                         canonical.a.cols};
+  write_gemm_file(study);
   if (options.json) {
-    nlohmann::ordered_json json;
-    json["gemm"] = gemm_kind_name(*kind);
-    json["input"] = reader.label();
-    json["output"] = options.output;
-    json["rows"] = result.out.rows;
-    json["cols"] = result.out.cols;
-    json["reduction"] = reduction;
-    nlohmann::ordered_json recipe;
-    recipe["format_a"] = format_a;
-    recipe["format_b"] = format_b;
-    recipe["rounding"] = rounding_name(chosen.a.quantize.rounding);
-    recipe["scale_rule"] = scale_rule_name(chosen.a.quantize.rule);
-    recipe["rotation"] = options.strategy.rotation;
-    recipe["signs"] = sign_policy_name(chosen.rotation_signs);
-    recipe["seed"] = options.strategy.seed;
-    recipe["step"] = options.strategy.step;
-    recipe["sr_bits"] = chosen.a.quantize.sr_bits;
-    recipe["layer"] = options.strategy.layer;
-    recipe["seed_policy"] = options.strategy.seed_policy;
-    recipe["accum"] = accumulation_model_name(model);
-    recipe["output"] = output_rounding_name(*output_rounding);
-    json["strategy"] = recipe;
-    nlohmann::ordered_json reference_json;
-    reference_json["kind"] = reference_kind_name(*reference_kind);
-    reference_json["error_bound"] = number(reference.error_bound);
-    reference_json["certified_entries"] = reference.stats.certified_entries;
-    reference_json["fallback_entries"] = reference.stats.fallback_entries;
-    reference_json["nonfinite_entries"] = reference.stats.nonfinite_entries;
-    json["reference"] = reference_json;
-    nlohmann::ordered_json metrics_json;
-    metrics_json["rel_err"] = number(metrics.rel_err);
-    metrics_json["cosine"] = number(metrics.cosine);
-    metrics_json["bias"] = number(metrics.bias);
-    metrics_json["orth_err"] = number(metrics.orth_err);
-    metrics_json["max_abs_err"] = number(metrics.max_abs_err);
-    metrics_json["error_norm"] = number(metrics.error_norm);
-    metrics_json["reference_norm"] = number(metrics.reference_norm);
-    metrics_json["estimate_norm"] = number(metrics.estimate_norm);
-    metrics_json["zero_reference"] = metrics.zero_reference;
-    metrics_json["nonfinite_estimate"] = metrics.nonfinite_estimate;
-    nlohmann::ordered_json ulp;
-    ulp["max"] = metrics.ulp.max;
-    ulp["mean"] = number(metrics.ulp.mean);
-    ulp["exact_frac"] = exact_fraction;
-    ulp["compared"] = metrics.ulp.compared;
-    ulp["nan_pairs"] = metrics.ulp.nan_pairs;
-    ulp["histogram"] = metrics.ulp.histogram;
-    metrics_json["ulp"] = ulp;
-    json["metrics"] = metrics_json;
-    json["operands"] = {{"a", operand_json(result.a, format_a)}, {"b", operand_json(result.b, format_b)}};
-    if (certified) {
-      nlohmann::ordered_json certification_json;
-      certification_json["entries_checked"] = certified->entries_checked;
-      certification_json["max_ulp_fp64"] = certified->max_ulp_fp64;
-      certification_json["max_ulp_fp32"] = certified->max_ulp_fp32;
-      certification_json["max_abs_error"] = number(certified->max_abs_error);
-      certification_json["bound_violations"] = certified->bound_violations;
-      certification_json["max_bound_ratio"] = number(certified->max_bound_ratio);
-      certification_json["passed"] = certified->passed;
-      json["certification"] = certification_json;
-    }
-    json["fast_path_fallback_entries"] = result.fallback_entries;
-    out << json.dump(2) << '\n';
+    print_gemm_json(study, out);
   } else {
-    out << fmt::format("gemm {} -> {}: [{}, {}] = {} ({}) x {} ({}), K = {}, accum {}, output {}, reference {}\n",
-                       gemm_kind_name(*kind), options.output, result.out.rows, result.out.cols, layout.a_name, format_a,
-                       layout.b_name, format_b, reduction, accumulation_model_name(model),
-                       output_rounding_name(*output_rounding), reference_kind_name(*reference_kind));
-    const auto row = [&out](std::string_view name, const std::string& value) { out << fmt::format("{:<20} {}\n", name, value); };
-    const auto real = [](double value) { return fmt::format("{:.9g}", value); };
-    row("metric", "value");
-    row("rel_err", real(metrics.rel_err));
-    row("cosine", real(metrics.cosine));
-    row("bias", real(metrics.bias));
-    row("orth_err", real(metrics.orth_err));
-    row("max_abs_err", real(metrics.max_abs_err));
-    row("ulp_max", std::to_string(metrics.ulp.max));
-    row("ulp_mean", real(metrics.ulp.mean));
-    row("ulp_exact_frac", real(exact_fraction));
-    row("nonfinite_out", std::to_string(metrics.nonfinite_estimate));
-    for (const auto& [summary, format] : {std::pair{&result.a, format_a}, std::pair{&result.b, format_b}}) {
-      const std::string prefix = fmt::format("{}.", summary->name);
-      row(prefix + "underflow_frac", real(underflow_fraction(*summary)));
-      row(prefix + "saturate_frac", real(saturate_fraction(*summary)));
-      row(prefix + "snr_db", fmt::format("{:.6f}", snr_db(*summary)));
-    }
-    row("reference_bound", real(reference.error_bound));
-    if (certified) {
-      row("certified_entries", std::to_string(certified->entries_checked));
-      row("certify_ulp_fp64", std::to_string(certified->max_ulp_fp64));
-      row("certify_ulp_fp32", std::to_string(certified->max_ulp_fp32));
-      row("certify_passed", certified->passed ? "yes" : "no");
-    }
+    print_gemm_table(study, out);
   }
   if (certified && !certified->passed) {
     throw check_failed(fmt::format("--certify: the {} reference disagrees with the exact recomputation of {} entries "
