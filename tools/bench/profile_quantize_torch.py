@@ -52,14 +52,39 @@ def time_quantize(t, axis, rounding, rotation, repeats=20):
 SLEEP_CYCLES = int(1.5e8)  # about 75 ms at the H200's clock: longer than the host takes to queue a step
 
 
-def host_split(args) -> int:
-    """The host's time per training step (10 steps, no profiler) for bf16 and args.recipe, and
-    within it the time of MXLinear's functions, each wrapped with a timer."""
-    import collections
+def training_step(args, recipe: str):
+    """The trainer's bench model (4 layers, ffn 2816) under `recipe` with AdamW: a function that runs
+    training step i, after three warm-up steps."""
     sys.path.insert(0, os.path.join(HERE, "..", "capture"))
     import train_tiny_llama as trainer
     import mxscope.torch as mt
     import torch.nn.functional as F
+    config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
+    torch.manual_seed(0)
+    model = trainer.TinyLlama(config).cuda()
+    mt.convert(model, mt.LADDER[recipe], include=trainer.BLOCK_LINEARS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
+
+    def step(i):
+        mt.set_step(model, i)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), inputs.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    return step
+
+
+def host_split(args) -> int:
+    """The host's time per training step (10 steps, no profiler) for bf16 and args.recipe, and
+    within it the time of MXLinear's functions, each wrapped with a timer."""
+    import collections
+    import mxscope.torch as mt
     spent, calls = collections.defaultdict(float), collections.Counter()
 
     def timed(name, function):
@@ -78,24 +103,7 @@ def host_split(args) -> int:
     mt._MXLinearFunction.backward = staticmethod(timed("function.backward", mt._MXLinearFunction.backward))
     mt.MXLinear.forward = timed("MXLinear.forward", mt.MXLinear.forward)
     for recipe in ("bf16", args.recipe):
-        config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
-        torch.manual_seed(0)
-        model = trainer.TinyLlama(config).cuda()
-        mt.convert(model, mt.LADDER[recipe], include=trainer.BLOCK_LINEARS)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        inputs = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
-
-        def step(i):
-            mt.set_step(model, i)
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), inputs.reshape(-1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        for i in range(3):
-            step(i)
-        torch.cuda.synchronize()
+        step = training_step(args, recipe)
         spent.clear()
         calls.clear()
         steps = 10
@@ -149,28 +157,7 @@ def main() -> int:
                 print(f"{name:<28} {axis:>4} {rounding:>5} {rotation or 0:>4} {device_ms:10.3f} {host_ms:8.3f} "
                       f"{moved / device_ms / 1e6:11.0f}")
 
-    sys.path.insert(0, os.path.join(HERE, "..", "capture"))
-    import train_tiny_llama as trainer
-    import mxscope.torch as mt
-    import torch.nn.functional as F
-    config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
-    torch.manual_seed(0)
-    model = trainer.TinyLlama(config).cuda()
-    mt.convert(model, mt.LADDER[args.recipe], include=trainer.BLOCK_LINEARS)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    inputs = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
-
-    def step(i):
-        mt.set_step(model, i)
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(inputs).float().reshape(-1, 256), inputs.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for i in range(3):
-        step(i)
-    torch.cuda.synchronize()
+    step = training_step(args, args.recipe)
     # Host and device time per step: the host queues a step behind a sleep (its time is the host's
     # alone), the events around the step give the device's alone.
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
