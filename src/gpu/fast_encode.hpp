@@ -78,11 +78,28 @@ MXSCOPE_HD constexpr fp4_unscaled fp4_unscaled_constants(int exponent) {
 // (fp4_unscaled_word_offset), which saves two operations per element; the sum is exact modulo
 // 2^32, so the packed word is the same.
 // `clamped` is min(|v|, six) (the kernel takes fminf, one instruction).
-MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled_biased(float clamped, fp4_unscaled block) {
+//
+// The rounding itself, for callers that also want the grid point: sum = magic + the point, whose
+// bit pattern gives the biased code, and sum - magic the point m 2^e itself, exactly (both are
+// multiples of the spacing b / 2 and the difference is below 2^24 spacings; a subnormal point
+// such as 2^-127 included).
+struct fp4_unscaled_rounding {
+  float sum;
+  float magic;
+  std::uint32_t binade;
+  MXSCOPE_HD constexpr std::uint32_t biased() const { return core::float_bits(sum) - binade + (binade >> 22); }
+  MXSCOPE_HD constexpr float point() const { return sum - magic; }
+};
+
+MXSCOPE_HD constexpr fp4_unscaled_rounding fp4_nearest_even_unscaled_rounding(float clamped, fp4_unscaled block) {
   std::uint32_t binade = core::float_bits(clamped) & 0x7f800000U;
   binade = binade > block.one ? binade : block.one;
   const float magic = core::bits_float(binade) * 4194304.0f;  // 2^22 b: an fp32 multiply, off the integer pipe
-  return core::float_bits(clamped + magic) - binade + (binade >> 22);
+  return {clamped + magic, magic, binade};
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_nearest_even_unscaled_biased(float clamped, fp4_unscaled block) {
+  return fp4_nearest_even_unscaled_rounding(clamped, block).biased();
 }
 
 // code = biased + offset: offset = -(22 << 23) - (bits(one) >> 22), modulo 2^32.
@@ -183,10 +200,11 @@ MXSCOPE_HD constexpr std::uint32_t fp4_dither_high_bits(std::uint32_t word) {
   return 0x3f800000U | (word >> 9);
 }
 
-// The code less fp4_unscaled_offset(block), modulo 2^32, as fp4_nearest_even_unscaled_biased.
-// `clamped` is min(|v|, six); `word` the element's Philox word.
-MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled_biased(float clamped, std::uint32_t word,
-                                                                  fp4_unscaled block) {
+// The code less fp4_unscaled_offset(block), modulo 2^32, as fp4_nearest_even_unscaled_biased (and
+// the rounding with its grid point, as fp4_nearest_even_unscaled_rounding: sum = magic + the point,
+// floor_sum or floor_sum + s). `clamped` is min(|v|, six); `word` the element's Philox word.
+MXSCOPE_HD constexpr fp4_unscaled_rounding fp4_stochastic_unscaled_rounding(float clamped, std::uint32_t word,
+                                                                            fp4_unscaled block) {
   std::uint32_t binade = core::float_bits(clamped) & 0x7f800000U;
   binade = binade > block.one ? binade : block.one;
   const float b = core::bits_float(binade);
@@ -197,8 +215,12 @@ MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled_biased(float clamped,
   const float high = core::bits_float(fp4_dither_high_bits(word)) - 1.001953125f;  // - (1 + 2^-9)
   const float partial = fma_down(fp4_dither_low(word), spacing, rest);
   const float dithered = fma_down(high, spacing, partial);
-  const float sum = add_toward_zero(floor_sum, dithered);
-  return core::float_bits(sum) - binade + (binade >> 22);
+  return {add_toward_zero(floor_sum, dithered), magic, binade};
+}
+
+MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled_biased(float clamped, std::uint32_t word,
+                                                                  fp4_unscaled block) {
+  return fp4_stochastic_unscaled_rounding(clamped, word, block).biased();
 }
 
 MXSCOPE_HD constexpr std::uint32_t fp4_stochastic_unscaled(float magnitude, std::uint32_t word, fp4_unscaled block) {

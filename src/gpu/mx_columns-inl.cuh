@@ -244,15 +244,21 @@ __device__ inline float fp4_magnitude(std::uint32_t m) {
   return m < 4 ? 0.5f * static_cast<float>(m) : static_cast<float>(m < 6 ? m - 2 : 2 * (m - 4));
 }
 
-// Four fp4 elements of one row of a column group, each under its column's factors: `inverse`
-// 2^-e and `power` 2^e of the block's exponent e (power NaN: the column met a non-finite value).
-// The codes and flags are fast_encode::fp4_encode's composition (fp4_nearest_even for rne,
-// fp4_locate and fp4_round for the other modes, on fl32(|v| 2^-e)), counted as it states them;
-// the dequantized value m 2^e is exact (at most two significant bits, no lower than 2^-128), as
-// fast_encode::dequantize gives it, and so its bf16 operand is its upper half (float_to_bf16
-// would round nothing; the canonical NaN's half is the canonical bf16 NaN).
-__device__ inline void encode_fp4_group(const mx_plan& plan, const float (&values)[column_group],
-                                        const float (&inverse)[column_group], const float (&power)[column_group],
+// Four fp4 elements of one row of a column group, each under its column's constants: the block's
+// exponent e, `power` 2^e (NaN: the column met a non-finite value) and, where `unscaled` (rne, or
+// sr with 32 random bits) and the column's `one` is not 0, the unscaled grid {six, one} of
+// fast_encode::fp4_unscaled_constants(e) (the staged kernel gives it for -125 <= e <= 102, where
+// both fp4_nearest_even_unscaled and fp4_stochastic_unscaled hold). On that grid the code and its
+// point m 2^e come from one rounding (fast_encode::fp4_*_unscaled_rounding), with the saturation
+// flag |v| > 6 2^e; elsewhere from fast_encode::fp4_encode's composition on fl32(|v| 2^-e)
+// (fp4_nearest_even for rne, fp4_locate and fp4_round for the other modes) with the flag
+// fl32(|v| 2^-e) > 6 and the point fp4_magnitude(code) 2^e. The two are the same function where
+// both apply (the fused kernel's encoders rest on it). The point is exact (at most two significant
+// bits, no lower than 2^-128), as fast_encode::dequantize gives it, so the bf16 operand is its
+// upper half (float_to_bf16 would round nothing; the canonical NaN's half is the canonical bf16 NaN).
+__device__ inline void encode_fp4_group(const mx_plan& plan, bool unscaled, const float (&values)[column_group],
+                                        const int (&exponent)[column_group], const float (&six)[column_group],
+                                        const std::uint32_t (&one)[column_group], const float (&power)[column_group],
                                         const core_ns::philox_block& words, std::uint32_t random_mask,
                                         std::uint32_t (&codes)[column_group], float (&dequantized)[column_group],
                                         std::uint16_t (&halves)[column_group], unsigned& flushed,
@@ -266,19 +272,33 @@ __device__ inline void encode_fp4_group(const mx_plan& plan, const float (&value
       continue;
     }
     const float magnitude = fabsf(values[k]);
-    const float scaled = magnitude * inverse[k];
     std::uint32_t code = 0;
-    if (plan.rounding == core_ns::rounding_mode::rne) {
-      code = fast_encode::fp4_nearest_even(scaled);
+    float point = 0.0f;
+    if (unscaled && one[k] != 0) {
+      const fast_encode::fp4_unscaled grid{six[k], one[k]};
+      const float clamped = fminf(magnitude, six[k]);
+      const fast_encode::fp4_unscaled_rounding rounding =
+          plan.rounding == core_ns::rounding_mode::rne
+              ? fast_encode::fp4_nearest_even_unscaled_rounding(clamped, grid)
+              : fast_encode::fp4_stochastic_unscaled_rounding(clamped, words.word[k], grid);
+      code = rounding.biased() + fast_encode::fp4_unscaled_offset(grid);
+      point = rounding.point();
+      saturated += magnitude > six[k] ? 1U : 0U;
     } else {
-      const fast_encode::fp4_position position = fast_encode::fp4_locate(scaled);
-      code = fast_encode::fp4_round(position,
-                                    fast_encode::fp4_round_addend(plan.rounding, position.floor_code, words.word[k], random_mask));
+      const float scaled = magnitude * fast_encode::power_of_two(-exponent[k]);
+      if (plan.rounding == core_ns::rounding_mode::rne) {
+        code = fast_encode::fp4_nearest_even(scaled);
+      } else {
+        const fast_encode::fp4_position position = fast_encode::fp4_locate(scaled);
+        code = fast_encode::fp4_round(
+            position, fast_encode::fp4_round_addend(plan.rounding, position.floor_code, words.word[k], random_mask));
+      }
+      saturated += scaled > 6.0f ? 1U : 0U;
+      point = fp4_magnitude(code) * power[k];
     }
-    saturated += scaled > 6.0f ? 1U : 0U;
     flushed += code == 0 && magnitude != 0.0f ? 1U : 0U;
     const std::uint32_t sign = core_ns::float_bits(values[k]) & 0x80000000U;
-    dequantized[k] = core_ns::bits_float(core_ns::float_bits(fp4_magnitude(code) * power[k]) | sign);
+    dequantized[k] = core_ns::bits_float(core_ns::float_bits(point) | sign);
     halves[k] = static_cast<std::uint16_t>(core_ns::float_bits(dequantized[k]) >> 16);
     codes[k] = code | (sign >> 28);
   }
@@ -304,17 +324,20 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
   // Declared as 16-byte vectors for their alignment, used as scalars.
   __shared__ float4 tile_vectors[staged_rows][staged_columns / 4];
   __shared__ int4 exponent_vectors[staged_columns / 4];
-  __shared__ float4 inverse_vectors[staged_columns / 4];
+  __shared__ float4 six_vectors[staged_columns / 4];
+  __shared__ uint4 one_vectors[staged_columns / 4];
   __shared__ float4 power_vectors[staged_columns / 4];
   __shared__ float half_amax[2][staged_columns];  // -1: that half met a non-finite value
   float(*tile)[staged_columns] = reinterpret_cast<float(*)[staged_columns]>(tile_vectors);
   int* column_exponent = reinterpret_cast<int*>(exponent_vectors);  // the block's, or 255 (non-finite)
-  float* column_inverse = reinterpret_cast<float*>(inverse_vectors);  // 2^-e
+  float* column_six = reinterpret_cast<float*>(six_vectors);          // fp4's unscaled grid (encode_fp4_group),
+  std::uint32_t* column_one = reinterpret_cast<std::uint32_t*>(one_vectors);  // one 0 where it does not hold
   float* column_power = reinterpret_cast<float*>(power_vectors);      // 2^e, NaN for a non-finite column
   const bool packed = core_ns::spec(plan.element).bits == 4;
   const bool fp4 = plan.element == element_kind::fp4_e2m1;
   const bool stochastic = plan.rounding == core_ns::rounding_mode::sr;
   const std::uint32_t random_mask = stochastic ? fast_encode::fp4_random_mask(plan.sr_bits) : 0U;
+  const bool unscaled = plan.rounding == core_ns::rounding_mode::rne || (stochastic && plan.sr_bits == 32);
   const std::int64_t row_bytes = packed ? cols / 2 : cols;
   const std::int64_t tiles_across = (cols + staged_columns - 1) / staged_columns;
   const std::int64_t row_blocks = (rows + staged_rows - 1) / staged_rows;
@@ -398,7 +421,10 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
       if (t < width) output.scales[(r0 / staged_rows) * cols + c_first + t] = scale;
       const int exponent = core_ns::scale_exponent(scale);
       column_exponent[t] = nonfinite ? 255 : exponent;
-      column_inverse[t] = fast_encode::power_of_two(nonfinite ? 0 : -exponent);
+      const bool gridded = !nonfinite && fast_encode::fp4_stochastic_covers(exponent);  // -125..102
+      const fast_encode::fp4_unscaled grid = fast_encode::fp4_unscaled_constants(gridded ? exponent : 0);
+      column_six[t] = grid.six;
+      column_one[t] = gridded ? grid.one : 0U;
       column_power[t] = nonfinite ? canonical_nan_float() : fast_encode::power_of_two(exponent);
     }
     __syncthreads();
@@ -416,16 +442,18 @@ __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, s
           std::uint32_t codes[column_group];
           float dequantized[column_group];
           std::uint16_t halves[column_group];
+          const int4 exponents = *reinterpret_cast<const int4*>(&column_exponent[c]);
+          const int exponent[column_group] = {exponents.x, exponents.y, exponents.z, exponents.w};
           if (fp4) {
-            const float4 inverses = *reinterpret_cast<const float4*>(&column_inverse[c]);
+            const float4 sixes = *reinterpret_cast<const float4*>(&column_six[c]);
+            const uint4 ones = *reinterpret_cast<const uint4*>(&column_one[c]);
             const float4 powers = *reinterpret_cast<const float4*>(&column_power[c]);
-            const float inverse[column_group] = {inverses.x, inverses.y, inverses.z, inverses.w};
+            const float six[column_group] = {sixes.x, sixes.y, sixes.z, sixes.w};
+            const std::uint32_t one[column_group] = {ones.x, ones.y, ones.z, ones.w};
             const float power[column_group] = {powers.x, powers.y, powers.z, powers.w};
-            encode_fp4_group(plan, values, inverse, power, words, random_mask, codes, dequantized, halves,
-                             counts[counter_flushed], counts[counter_saturated]);
+            encode_fp4_group(plan, unscaled, values, exponent, six, one, power, words, random_mask, codes, dequantized,
+                             halves, counts[counter_flushed], counts[counter_saturated]);
           } else {
-            const int4 exponents = *reinterpret_cast<const int4*>(&column_exponent[c]);
-            const int exponent[column_group] = {exponents.x, exponents.y, exponents.z, exponents.w};
             unsigned long long wide[mx_counter_count] = {0, 0, 0, 0};
 #pragma unroll
             for (int k = 0; k < column_group; ++k) {
