@@ -227,8 +227,81 @@ class _OperandQuantizer:
                                     options.axis, operand, self.counters)
 
 
-def _quantize_operand(module: "MXLinear", t: _torch.Tensor, gemm: str, index: int, recipe: GemmRecipe):
+class _SharedInput:
+    """One input several layers read, as found by _SharedInputs: the x operands quantized from it so
+    far, by (recipe, axis, dtype of the layer's input after autocast's cast). The layers that found
+    it keep it on their autograd context, so that in the backward they share wgrad's x operand too."""
+
+    __slots__ = ("source", "operands")
+
+    def __init__(self, source: _torch.Tensor):
+        self.source = source  # held while the entry is in _SharedInputs: its memory is not reused
+        self.operands = {}
+
+
+class _SharedInputs:
+    """Operands of one input that several MXLinears quantize alike (q, k and v of one hidden state;
+    gate and up of a SwiGLU block): where a recipe's bits depend on neither the layer nor the step
+    (no stochastic rounding, no random signs), the first layer's operand serves the others, in the
+    forward (fprop's x) and in the backward (wgrad's x), with the bits each layer would compute.
+    An input is found by its memory, shape, dtype and version counter, before any autocast cast
+    (each layer casts its input itself): an entry holds its source, so that the memory is not reused
+    while the entry lives, and an in-place write through the input or a view of it changes the
+    version. convert() gives the layers it converts one of these; set_step empties it."""
+
+    __slots__ = ("entries", "size")
+    default_size = 4  # the inputs of one block's forward in flight at a time
+
+    def __init__(self, size: Optional[int] = None):
+        self.entries = []
+        self.size = self.default_size if size is None else size  # 0: nothing is shared
+
+    def find(self, t: _torch.Tensor) -> Optional[_SharedInput]:
+        """The entry of input t (a layer's input as it arrives), made if there is none."""
+        if self.size == 0:
+            return None
+        key = (t.data_ptr(), t.shape, t.dtype, t.device, t._version)
+        for entry_key, entry in self.entries:
+            if entry_key == key:
+                return entry
+        entry = _SharedInput(t)
+        self.entries.insert(0, (key, entry))
+        for _, old in self.entries[self.size:]:
+            old.source = None
+            old.operands.clear()  # forward operands; a backward starts a new set
+        del self.entries[self.size:]
+        return entry
+
+    def clear(self) -> None:
+        for _, entry in self.entries:
+            entry.source = None
+        self.entries.clear()
+
+
+def _shareable(recipe: GemmRecipe) -> bool:
+    """Whether the x operand's bits under `recipe` depend on neither the layer nor the step."""
+    return recipe.rounding != "sr" and not (recipe.rotation and recipe.signs != "none")
+
+
+def _quantize_operand(module: "MXLinear", t: _torch.Tensor, gemm: str, index: int, recipe: GemmRecipe,
+                      shared: Optional[_SharedInput] = None):
+    """The operand of `gemm` at `index`, or, for x with a shared input under a shareable recipe,
+    the one another layer quantized from the same input (made and kept there if none has)."""
     t = t.contiguous()
+    role, axis, _ = _OPERANDS[gemm][index]
+    if shared is None or role != "x" or module.mxscope_capture_quantized or not _shareable(recipe):
+        return _quantize_new(module, t, gemm, index, recipe)
+    key = (recipe, axis, t.dtype)
+    found = shared.operands.get(key)
+    if found is None:
+        found = _quantize_new(module, t, gemm, index, recipe)
+        if gemm == "wgrad":
+            shared.operands.clear()  # the forward is over: its operands are not needed again
+        shared.operands[key] = found
+    return found
+
+
+def _quantize_new(module: "MXLinear", t: _torch.Tensor, gemm: str, index: int, recipe: GemmRecipe):
     rows, cols = t.shape
     key = (gemm, index, rows, cols, t.get_device())
     quantizer = module._mxs_operands.get(key)
@@ -289,13 +362,13 @@ def _report_operands(module: "MXLinear", gemm: str, recipe: GemmRecipe, quantize
 
 class _MXLinearFunction(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, module):
-        ctx.module = module
+    def forward(ctx, x2d, weight, module, shared):
+        ctx.module, ctx.shared = module, shared
         ctx.save_for_backward(x2d, weight)
         recipe = module.recipe.fprop
         if recipe is None:
             return x2d @ weight.to(x2d.dtype).t()
-        xq = _quantize_operand(module, x2d, "fprop", 0, recipe)
+        xq = _quantize_operand(module, x2d, "fprop", 0, recipe, shared)
         wq = _quantize_operand(module, weight, "fprop", 1, recipe)
         if module.recipe.wgrad is None:
             _report_operands(module, "fprop", recipe, (xq, wq))
@@ -321,11 +394,11 @@ class _MXLinearFunction(_torch.autograd.Function):
                 dw = (dy.t() @ x2d.to(dy.dtype)).float()
             else:
                 dyq = _quantize_operand(module, dy, "wgrad", 0, recipe)
-                xq = _quantize_operand(module, x2d, "wgrad", 1, recipe)
+                xq = _quantize_operand(module, x2d, "wgrad", 1, recipe, ctx.shared)
                 _report_operands(module, "wgrad", recipe, (dyq, xq))
                 dw = _product(dyq, xq, True, False, _torch.float32)
             dw = dw.to(weight.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class MXLinear(_nn.Linear):
@@ -344,6 +417,7 @@ class MXLinear(_nn.Linear):
         self.layer_name = layer_name
         self.step = 0
         self._mxs_operands = {}
+        self._mxs_shared = _SharedInputs()
 
     @classmethod
     def from_linear(cls, linear: _nn.Linear, recipe: Recipe, layer_name: str = "") -> "MXLinear":
@@ -355,6 +429,7 @@ class MXLinear(_nn.Linear):
         out.bias = linear.bias
         out.recipe, out.layer_name, out.step = recipe, layer_name, 0
         out._mxs_operands = {}
+        out._mxs_shared = _SharedInputs()
         return out
 
     def forward(self, x: _torch.Tensor) -> _torch.Tensor:
@@ -362,11 +437,12 @@ class MXLinear(_nn.Linear):
             return super().forward(x)
         leading = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
+        shared = self._mxs_shared.find(x2d)  # before the cast, which makes a new tensor per layer
         cast = _autocast_dtype(x.device.type)
         if cast is not None and x2d.dtype != cast:
             x2d = x2d.to(cast)  # what autocast would feed the matmul
         with _torch.autocast(device_type=x.device.type, enabled=False):
-            y = _MXLinearFunction.apply(x2d, self.weight, self)
+            y = _MXLinearFunction.apply(x2d, self.weight, self, shared)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         return y.reshape(*leading, self.out_features)
@@ -388,14 +464,16 @@ def convert(model: _nn.Module, recipe: Recipe, include: str = r".*", exclude: Op
     if not targets:
         names = [name for name, module in model.named_modules() if isinstance(module, _nn.Linear)]
         raise ValueError(f"include: no nn.Linear module name matches {include!r}; the linear layers are {names}")
+    shared = _SharedInputs()
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if isinstance(module, MXLinear):
-            module.recipe, module.layer_name = recipe, name
-            module._mxs_operands = {}
-            continue
-        setattr(parent, child, MXLinear.from_linear(module, recipe, name))
+        if not isinstance(module, MXLinear):
+            module = MXLinear.from_linear(module, recipe, name)
+            setattr(parent, child, module)
+        module.recipe, module.layer_name = recipe, name
+        module._mxs_operands = {}
+        module._mxs_shared = shared
     return model
 
 
@@ -407,6 +485,7 @@ def set_step(model: _nn.Module, step: int) -> None:
     for module in model.modules():
         if isinstance(module, MXLinear):
             module.step = step
+            module._mxs_shared.clear()
 
 
 def mx_linears(model: _nn.Module) -> Dict[str, MXLinear]:

@@ -332,6 +332,73 @@ class MXLinearSemantics(unittest.TestCase):
             finally:
                 mt._product = original
 
+    def test_layers_sharing_an_input_share_its_operand_only_where_the_bits_agree(self):
+        """Three projections of one input (q, k, v): under a recipe whose x operand depends on neither
+        layer nor step, the input is quantized once per GEMM and outputs and gradients are those of
+        quantizing it in every layer; stochastic rounding or random signs quantize it per layer; an
+        in-place write to the input between two layers makes the second quantize it again."""
+
+        class Projections(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q, self.k, self.v = (torch.nn.Linear(64, 32, bias=False) for _ in range(3))
+
+            def forward(self, x):
+                return self.q(x) * self.k(x) + self.v(x)
+
+        original_new, original_size = mt._quantize_new, mt._SharedInputs.default_size
+        calls = []
+
+        def counting(module, t, gemm, index, recipe):
+            calls.append((module.layer_name, gemm, index))
+            return original_new(module, t, gemm, index, recipe)
+
+        def run(recipe, share, autocast):
+            torch.manual_seed(5)
+            mt._SharedInputs.default_size = original_size if share else 0
+            model = mt.convert(Projections(), recipe.with_seed(2)).to(DEVICE)
+            mt.set_step(model, 7)
+            x = sample(96, 64, seed=8).to(DEVICE).requires_grad_(True)
+            calls.clear()
+            # Under autocast each layer casts x to bf16 itself (a new tensor per layer).
+            with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16, enabled=autocast):
+                y = model(x)
+            y.float().backward(sample(96, 32, seed=9).to(DEVICE))
+            grads = [x.grad] + [getattr(model, n).weight.grad for n in "qkv"]
+            return len(calls), grads
+
+        mt._quantize_new = counting
+        try:
+            for name, recipe, shared_calls in (("mxfp4-fdw-h16", mt.LADDER["mxfp4-fdw-h16"], 14),
+                                               ("nvfp4-fdw", mt.LADDER["nvfp4-fdw"], 14),
+                                               ("mxfp4-fdw-sr", mt.LADDER["mxfp4-fdw-sr"], 16),
+                                               ("mxfp4-fdw-rht", mt.LADDER["mxfp4-fdw-rht"], 16),
+                                               ("sr-everywhere", mt.Recipe("sr", *(mt.GemmRecipe(rounding="sr"),) * 3),
+                                                18)):
+                for autocast in (False, True):
+                    with self.subTest(recipe=name, autocast=autocast):
+                        count, grads = run(recipe, True, autocast)
+                        alone_count, alone = run(recipe, False, autocast)
+                        self.assertEqual((count, alone_count), (shared_calls, 18))
+                        for got, want in zip(grads, alone):
+                            self.assertTrue(torch.equal(bits(got), bits(want)))
+            # An in-place write between two layers: the second quantizes the new values.
+            mt._SharedInputs.default_size = original_size
+            model = mt.convert(Projections(), mt.LADDER["mxfp4-f"]).to(DEVICE)
+            x = sample(96, 64, seed=8).to(DEVICE)
+            with torch.no_grad():
+                model.q(x)
+                x.mul_(3.0)
+                calls.clear()
+                k_out = model.k(x)
+            self.assertEqual(len(calls), 2)
+            fresh = mt.MXLinear(64, 32, bias=False, recipe=mt.LADDER["mxfp4-f"]).to(DEVICE)
+            fresh.weight = model.k.weight
+            with torch.no_grad():
+                self.assertTrue(torch.equal(bits(k_out), bits(fresh(x))))
+        finally:
+            mt._quantize_new, mt._SharedInputs.default_size = original_new, original_size
+
     def test_the_step_changes_stochastic_rounding(self):
         layer = mt.MXLinear(64, 32, bias=False, recipe=mt.LADDER["mxfp4-fdw-sr"], layer_name="l").to(DEVICE)
         x = sample(64, 64, seed=3).to(DEVICE)

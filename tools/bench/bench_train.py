@@ -5,7 +5,8 @@ measured in one process on one GPU, as ratios against the bf16 step of the same 
 Recipes: bf16 (autocast, the baseline); mxfp4-fdw (MXFP4 in fprop, dgrad and wgrad through
 mxscope.torch); mxfp4-fdw-wgrad-sr-h16 (the same with stochastic rounding and a deterministic H16 on
 Wgrad); mxfp4-fdw-torch (the first MXFP4 recipe through the pure-PyTorch quantizer mxfp_torch, the
-path the trainer had before). Each recipe trains its own copy of one initialization; the recipes
+path the trainer had before); mxfp4-fdw-unshared (mxfp4-fdw with every layer quantizing its own
+input, no operand shared between q, k and v or gate and up). Each recipe trains its own copy of one initialization; the recipes
 take turns (--rounds rounds of --steps steps each, after --warmup steps), and each step is timed
 from a device synchronization to the next, optimizer step included. The median step over all
 rounds is reported with the min and max.
@@ -45,6 +46,9 @@ def recipes():
         ("mxfp4-fdw-wgrad-sr-h16", "mxscope", trainer.QuantRecipe(),
          mt.Recipe("mxfp4-fdw-wgrad-sr-h16", rne, rne, wgrad, seed=1)),
         ("mxfp4-fdw-torch", "torch", quant, mt.Recipe("bf16")),
+        # mxfp4-fdw with every layer quantizing its own input (mxscope.torch shares the operand of an
+        # input several layers quantize alike: q, k, v; gate, up): what that sharing saves.
+        ("mxfp4-fdw-unshared", "mxscope", trainer.QuantRecipe(), mt.Recipe("mxfp4-fdw", rne, rne, rne, seed=1)),
     ]
 
 
@@ -84,6 +88,9 @@ def main() -> int:
             continue
         model = copy.deepcopy(base).to(device)
         trainer.apply_quantization(model, quantizer, quant, recipe)
+        if name.endswith("-unshared"):
+            for module in mt.mx_linears(model).values():
+                module._mxs_shared = mt._SharedInputs(size=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         runs.append({"name": name, "model": model, "optimizer": optimizer, "times": [], "step": 0,
                      "steps": args.torch_steps if quantizer == "torch" else args.steps})

@@ -6,7 +6,7 @@ over two training steps of the trainer's bench model under one recipe, the kerne
 (3) before (2), the host's and the device's time per training step, each alone; (4) with
 --host-split only, the host's time per step split over MXLinear's functions.
 
-usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--seq 1024] [--batch 8] [--steps-only] [--host-split]
+usage: profile_quantize_torch.py [--recipe mxfp4-fdw] [--d-model 1024] [--ffn 2816] [--heads 8] [--seq 1024] [--batch 8] [--steps-only] [--host-split]
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ SLEEP_CYCLES = int(1.5e8)  # about 75 ms at the H200's clock: longer than the ho
 
 
 def training_step(args, recipe: str):
-    """The trainer's bench model (4 layers, ffn 2816) under `recipe` with AdamW: a function that runs
+    """The trainer's bench model (4 layers) under `recipe` with AdamW: a function that runs
     training step i, after three warm-up steps."""
     sys.path.insert(0, os.path.join(HERE, "..", "capture"))
     import train_tiny_llama as trainer
     import mxscope.torch as mt
     import torch.nn.functional as F
-    config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=8, ffn=2816, seq=args.seq)
+    config = trainer.ModelConfig(d_model=args.d_model, layers=4, heads=args.heads, ffn=args.ffn, seq=args.seq)
     torch.manual_seed(0)
     model = trainer.TinyLlama(config).cuda()
     mt.convert(model, mt.LADDER[recipe], include=trainer.BLOCK_LINEARS)
@@ -123,6 +123,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="mxfp4-fdw")
     parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps-only", action="store_true", help="only the host and device time per step")
@@ -147,7 +149,7 @@ def main() -> int:
     print(f"{'operand':<28} {'axis':>4} {'round':>5} {'rot':>4} {'device ms':>10} {'host ms':>8} {'GB/s in+out':>11}")
     print("per call: device ms queued behind a sleep; host ms of MXLinear's operand quantizer")
     for name, shape, dtype in () if args.steps_only else (("x/dy [K, d] bf16", (tokens, args.d_model), torch.bfloat16),
-                               ("h [K, ffn] bf16", (tokens, 2816), torch.bfloat16),
+                               ("h [K, ffn] bf16", (tokens, args.ffn), torch.bfloat16),
                                ("w [d, d] fp32", (args.d_model, args.d_model), torch.float32)):
         t = torch.randn(*shape, device="cuda", dtype=dtype)
         for axis in (1, 0):
