@@ -8,6 +8,7 @@
 #include <cmath>
 #include <exception>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -538,6 +539,30 @@ std::vector<gemm_case> cases_named(const std::vector<gemm_case>& cases, const st
     throw input_error(fmt::format("field '{}': no case name starts with '{}'", field, io::printable_name(prefix)));
   }
   return chosen;
+}
+
+std::string hardware_path(const gemm_case& one) {
+  const auto call = one.metadata.find("call");
+  const auto rounding = one.metadata.find("out.rounding");
+  const std::string operation = call != one.metadata.end()
+                                    ? call->second
+                                    : fmt::format("a {}, b {}", format_name(one.a.options.format),
+                                                  format_name(one.b.options.format));
+  return fmt::format("{}, out {}", operation, rounding != one.metadata.end() ? rounding->second : "fp32");
+}
+
+std::vector<std::pair<std::string, std::vector<gemm_case>>> cases_by_path(const std::vector<gemm_case>& cases) {
+  std::vector<std::pair<std::string, std::vector<gemm_case>>> groups;
+  for (const auto& one : cases) {
+    const std::string path = hardware_path(one);
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == path; });
+    if (group == groups.end()) {
+      groups.emplace_back(path, std::vector<gemm_case>{});
+      group = std::prev(groups.end());
+    }
+    group->second.push_back(one);
+  }
+  return groups;
 }
 
 model_agreement check_model(const std::vector<gemm_case>& cases, const accumulation_model& model,

@@ -246,6 +246,7 @@ void write_conformance_directory(const fs::path& directory, const std::vector<co
     add_operand("a", one.a);
     add_operand("b", one.b);
     writer.add_matrix("out", one.out);
+    for (const auto& [key, value] : one.metadata) writer.set_metadata(key, value);
     writer.set_metadata("mxscope.case", "gemm");
     writer.set_metadata("out.kind", one.kind);
     const std::string file = "case" + std::to_string(index++) + ".safetensors";
@@ -293,6 +294,40 @@ TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
   const cli_result bad = run_cli({"conform", directory.string()});
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("out.shape"), std::string::npos) << bad.err;
+  fs::remove_all(directory);
+}
+
+// Two hardware paths in one directory (as the H200 capture holds fp8 and bf16 GEMMs): no single
+// model reproduces both, and --fit fits each path on its own and names its exact model.
+TEST(gemm_conformance, fit_is_one_per_hardware_path) {
+  const fs::path directory = scratch_directory("gemm_paths");
+  std::vector<conform::gemm_case> cases = {
+      synthetic_case("fp32-group:4", "mxfp4", 71), synthetic_case("trunc-align:13,1,rtz", "mxfp4", 72),
+      synthetic_case("fp32-group:4", "mxfp8_e4m3", 73), synthetic_case("trunc-align:13,1,rtz", "mxfp8_e4m3", 74)};
+  for (auto& one : cases) {
+    one.metadata["call"] = one.name.starts_with("fp32-group") ? "path_a(e4m3, e4m3)" : "path_b(bf16, bf16)";
+  }
+  EXPECT_EQ(conform::hardware_path(cases[0]), "path_a(e4m3, e4m3), out fp32");
+  const auto groups = conform::cases_by_path(cases);
+  ASSERT_EQ(groups.size(), 2U);
+  EXPECT_EQ(groups[0].second.size(), 2U);
+  EXPECT_EQ(groups[1].second[1].name, cases[3].name);
+  EXPECT_FALSE(conform::fit_gemm(cases, conform::fit_family()).exact()) << "one model explains both paths";
+  write_conformance_directory(directory, cases);
+  const cli_result fitted = run_cli({"conform", directory.string(), "--fit"});
+  EXPECT_EQ(fitted.code, 0) << fitted.err;
+  EXPECT_NE(fitted.out.find("fit: 2 hardware paths"), std::string::npos) << fitted.out;
+  EXPECT_NE(fitted.out.find("path 1: path_a(e4m3, e4m3), out fp32 (2 cases)"), std::string::npos) << fitted.out;
+  for (const char* path : {"fit path 1: ", "fit path 2: "}) {
+    const auto at = fitted.out.find(path);
+    ASSERT_NE(at, std::string::npos) << fitted.out;
+    const std::string line = fitted.out.substr(at, fitted.out.find('\n', at) - at);
+    EXPECT_NE(line.find("reproduces every output bit"), std::string::npos) << line;
+  }
+  // Without a recorded call, the operands' formats name the path.
+  for (auto& one : cases) one.metadata.clear();
+  EXPECT_EQ(conform::cases_by_path(cases).size(), 2U);
+  EXPECT_EQ(conform::hardware_path(cases[0]), "a mxfp4, b mxfp4, out fp32");
   fs::remove_all(directory);
 }
 

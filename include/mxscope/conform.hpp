@@ -139,6 +139,16 @@ conformance_set read_conformance_set(const std::filesystem::path& directory);
 std::vector<gemm_case> cases_named(const std::vector<gemm_case>& cases, const std::string& prefix,
                                    std::string_view field);
 
+// The hardware path a case was captured on: its "call" metadata (the operation and its input
+// dtypes, as the capture wrote it; else the operands' formats) and its output rounding, e.g.
+// "torch._scaled_mm(e4m3, e4m3, unit scales, out_dtype=float32), out fp32". Cases of different
+// paths accumulate differently and are fitted apart.
+std::string hardware_path(const gemm_case& one);
+
+// The cases grouped by hardware_path, the groups in the order of their first case, each group's
+// cases in directory order.
+std::vector<std::pair<std::string, std::vector<gemm_case>>> cases_by_path(const std::vector<gemm_case>& cases);
+
 // Plain values as an unquantized operand (bf16 / fp16 inputs are exact in fp32).
 quantized_tensor plain_operand(const matrix& values);
 

@@ -138,6 +138,32 @@ int run_quantizer_conformance(const conform_options& options, std::ostream& out)
   return exact == operands.size() ? 0 : 1;
 }
 
+// The fit of one set of cases (one hardware path): the finalists, the best model per case and the
+// verdict, which it also returns ("MODEL reproduces every output bit" or "best MODEL ...").
+std::string print_fit(const std::vector<conform::gemm_case>& cases, std::size_t max_listed, std::ostream& out) {
+  std::int64_t outputs = 0;
+  for (const auto& one : cases) outputs += one.out.size();
+  const conform::gemm_fit fit = conform::fit_gemm(cases, conform::fit_family(), 8, 8, max_listed);
+  out << fmt::format("fit: {} models screened on {} sampled outputs; finalists on all {} outputs:\n", fit.screened,
+                     fit.sample_entries, outputs);
+  print_agreement_header(out);
+  for (const auto& finalist : fit.finalists) print_agreement_row(finalist, out);
+  const auto& best = fit.finalists.front();
+  print_per_case(best, out);
+  std::string verdict;
+  if (best.exact()) {
+    verdict = fmt::format("{} reproduces every output bit ({} of {})", best.name, best.matches, best.compared);
+    out << "fit: " << verdict << "\n";
+  } else {
+    verdict = fmt::format("no model of the family reproduces every output; best: {} with match rate {:.6f} ({} of {})",
+                          best.name, best.match_rate(), best.matches, best.compared);
+    out << "fit: " << verdict << "\n";
+    print_worst(best, out);
+  }
+  if (fit.tied.size() > 1) out << fmt::format("fit: tied at the top: {}\n", fmt::join(fit.tied, ", "));
+  return verdict;
+}
+
 int run_gemm_conformance(const conform_options& options, std::ostream& out, std::ostream& err) {
   conform::conformance_set set = conform::read_conformance_set(options.directory);
   if (!options.cases.empty()) set.cases = conform::cases_named(set.cases, options.cases, "--cases");
@@ -157,22 +183,21 @@ int run_gemm_conformance(const conform_options& options, std::ostream& out, std:
   }
   int code = 0;
   if (options.fit) {
-    const conform::gemm_fit fit = conform::fit_gemm(set.cases, conform::fit_family(), 8, 8, options.max_listed);
-    out << fmt::format("fit: {} models screened on {} sampled outputs; finalists on all {} outputs:\n", fit.screened,
-                       fit.sample_entries, outputs);
-    print_agreement_header(out);
-    for (const auto& finalist : fit.finalists) print_agreement_row(finalist, out);
-    const auto& best = fit.finalists.front();
-    print_per_case(best, out);
-    if (best.exact()) {
-      out << fmt::format("fit: {} reproduces every output bit ({} of {})\n", best.name, best.matches, best.compared);
+    // One fit per hardware path: cases captured through different calls accumulate differently.
+    const auto groups = conform::cases_by_path(set.cases);
+    if (groups.size() == 1) {
+      print_fit(set.cases, options.max_listed, out);
     } else {
-      out << fmt::format("fit: no model of the family reproduces every output; best: {} with match rate {:.6f} "
-                         "({} of {})\n",
-                         best.name, best.match_rate(), best.matches, best.compared);
-      print_worst(best, out);
+      out << fmt::format("fit: {} hardware paths (the cases' call and output rounding), one fit each\n",
+                         groups.size());
+      std::vector<std::string> verdicts;
+      for (std::size_t i = 0; i < groups.size(); ++i) {
+        const auto& [path, cases] = groups[i];
+        out << fmt::format("path {}: {} ({} cases)\n", i + 1, io::printable_name(path), cases.size());
+        verdicts.push_back(fmt::format("path {}: {}", i + 1, print_fit(cases, options.max_listed, out)));
+      }
+      for (const auto& verdict : verdicts) out << "fit " << verdict << "\n";
     }
-    if (fit.tied.size() > 1) out << fmt::format("fit: tied at the top: {}\n", fmt::join(fit.tied, ", "));
   }
   if (!options.expect.empty()) {
     const accumulation_model model = parse_accumulation_model(options.expect, "expect");
