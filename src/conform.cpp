@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <optional>
 #include <cmath>
 #include <exception>
@@ -445,6 +446,44 @@ quantized_tensor plain_operand(const matrix& values) {
   return q;
 }
 
+namespace {
+
+// A convert case: "in" F32 [n] and "out" U8 [n] (n >= 1), "format" fp8_e4m3 or fp8_e5m2.
+convert_case read_convert_case(const io::safetensors_reader& reader, const std::string& name) {
+  const std::string& label = reader.label();
+  convert_case one;
+  one.name = name;
+  one.metadata = reader.metadata();
+  const std::string format = metadata_value(one.metadata, "format", label);
+  if (format == "fp8_e4m3") {
+    one.kind = core::element_kind::fp8_e4m3;
+  } else if (format == "fp8_e5m2") {
+    one.kind = core::element_kind::fp8_e5m2;
+  } else {
+    fail(label, "__metadata__.format", fmt::format("'{}': expected fp8_e4m3 or fp8_e5m2", io::printable_name(format)));
+  }
+  for (const auto& tensor : reader.tensors()) {
+    if (tensor.name != "in" && tensor.name != "out") {
+      fail(label, io::printable_name(tensor.name), "unexpected tensor (a convert case holds in and out)");
+    }
+  }
+  const io::tensor_info* in = reader.find("in");
+  const io::tensor_info* out = reader.find("out");
+  if (in == nullptr || in->type != io::dtype::f32 || in->shape.size() != 1 || in->shape[0] < 1) {
+    fail(label, "in", "must be a 1-D F32 tensor of at least one value");
+  }
+  if (out == nullptr || out->type != io::dtype::u8 || out->shape != in->shape) {
+    fail(label, "out", fmt::format("must be a 1-D U8 tensor of in's length ({})", in->shape[0]));
+  }
+  const std::vector<std::uint8_t> bytes = reader.read_tensor("in");
+  one.in.resize(static_cast<std::size_t>(in->shape[0]));
+  std::memcpy(one.in.data(), bytes.data(), one.in.size() * sizeof(float));
+  one.out = reader.read_tensor("out");
+  return one;
+}
+
+}  // namespace
+
 conformance_set read_conformance_set(const std::filesystem::path& directory) {
   const fs::path manifest_path = directory / "manifest.json";
   const std::string manifest = manifest_path.string();
@@ -485,9 +524,12 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
     const io::safetensors_reader reader(directory / file);
     const std::string& label = reader.label();
     one.metadata = reader.metadata();
-    if (metadata_value(one.metadata, "mxscope.case", label) != "gemm") {
-      fail(label, "__metadata__.mxscope.case", "expected \"gemm\"");
+    const std::string case_kind = metadata_value(one.metadata, "mxscope.case", label);
+    if (case_kind == "convert") {
+      set.converts.push_back(read_convert_case(reader, one.name));
+      continue;
     }
+    if (case_kind != "gemm") fail(label, "__metadata__.mxscope.case", "expected \"gemm\" or \"convert\"");
     one.kind = metadata_value(one.metadata, "out.kind", label);
     if (one.kind != "fprop" && one.kind != "dgrad" && one.kind != "wgrad" && one.kind != "product") {
       fail(label, "__metadata__.out.kind", fmt::format("'{}': expected fprop, dgrad, wgrad or product",
@@ -525,7 +567,7 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
     one.out = reader.read_matrix("out");
     set.cases.push_back(std::move(one));
   }
-  if (set.cases.empty()) fail(manifest, "cases", "lists no case");
+  if (set.cases.empty() && set.converts.empty()) fail(manifest, "cases", "lists no case");
   return set;
 }
 
@@ -539,6 +581,59 @@ std::vector<gemm_case> cases_named(const std::vector<gemm_case>& cases, const st
     throw input_error(fmt::format("field '{}': no case name starts with '{}'", field, io::printable_name(prefix)));
   }
   return chosen;
+}
+
+std::string convert_model::name() const {
+  static constexpr const char* overflow_names[] = {"saturate", "nan", "infinity"};
+  return fmt::format("{}/{}", rounding_name(rounding), overflow_names[static_cast<int>(overflow)]);
+}
+
+std::uint8_t convert_code(core::element_kind kind, float value, const convert_model& model) {
+  const double v = value;
+  if (std::isnan(v)) return static_cast<std::uint8_t>(core::nan_code(kind));
+  const double magnitude = std::fabs(v);
+  const double maximum = core::max_normal(kind);
+  // Overflow: the magnitude rounds beyond the largest finite value at its spacing (never under rtz,
+  // which stops at the largest finite value), or is infinite.
+  bool overflow = std::isinf(v);
+  if (!overflow && magnitude > maximum && model.rounding != core::rounding_mode::rtz) {
+    const int spacing = core::floor_log2(maximum) - core::spec(kind).mantissa_bits;
+    overflow = magnitude >= 2.0 * maximum ||
+               static_cast<double>(core::round_to_integer(magnitude * core::pow2(-spacing), model.rounding, 0, 32)) *
+                       core::pow2(spacing) > maximum;
+  }
+  const std::uint32_t sign = std::signbit(v) ? core::sign_bit(kind) : 0U;
+  if (overflow && model.overflow == overflow_rule::nan) return static_cast<std::uint8_t>(core::nan_code(kind));
+  if (overflow && model.overflow == overflow_rule::infinity) {
+    const auto& f = core::spec(kind);
+    return static_cast<std::uint8_t>(sign | (((1U << f.exponent_bits) - 1U) << f.mantissa_bits));
+  }
+  return core::encode(kind, v, model.rounding).code;
+}
+
+std::vector<convert_agreement> check_converts(const convert_case& one, std::size_t max_listed) {
+  std::vector<convert_agreement> rows;
+  const bool has_infinity = core::spec(one.kind).specials == core::special_encoding::ieee;
+  for (const auto rounding : {core::rounding_mode::rne, core::rounding_mode::rtz, core::rounding_mode::rna}) {
+    for (const auto overflow : {overflow_rule::saturate, overflow_rule::nan, overflow_rule::infinity}) {
+      if (overflow == overflow_rule::infinity && !has_infinity) continue;
+      const convert_model model{rounding, overflow};
+      convert_agreement row;
+      row.name = model.name();
+      for (std::size_t i = 0; i < one.in.size(); ++i) {
+        const std::uint8_t expected = convert_code(one.kind, one.in[i], model);
+        const bool both_nan = std::isnan(core::decode(one.kind, expected)) && std::isnan(core::decode(one.kind, one.out[i]));
+        ++row.compared;
+        if (expected == one.out[i] || both_nan) {
+          ++row.matches;
+        } else if (row.first_mismatches.size() < max_listed) {
+          row.first_mismatches.push_back(static_cast<std::int64_t>(i));
+        }
+      }
+      rows.push_back(std::move(row));
+    }
+  }
+  return rows;
 }
 
 std::string hardware_path(const gemm_case& one) {

@@ -15,6 +15,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <tuple>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -328,6 +331,84 @@ TEST(gemm_conformance, fit_is_one_per_hardware_path) {
   for (auto& one : cases) one.metadata.clear();
   EXPECT_EQ(conform::cases_by_path(cases).size(), 2U);
   EXPECT_EQ(conform::hardware_path(cases[0]), "a mxfp4, b mxfp4, out fp32");
+  fs::remove_all(directory);
+}
+
+// Hardware conversions: hand-made codes for values at the places the rules differ (ties, the
+// subnormal edge, the overflow threshold, infinities, NaN, signed zero), as PTX cvt.rn.satfinite
+// (saturate) and torch's float8_e4m3fn cast (NaN on overflow) write them.
+TEST(convert_conformance, the_rule_that_wrote_the_codes_is_named) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float above_tie = from_bits(bits_of(464.0f) + 1);  // the first value past 448's rounding interval
+  // value, e4m3 code under rne + saturate, under rne + NaN on overflow
+  const std::vector<std::tuple<float, std::uint8_t, std::uint8_t>> e4m3 = {
+      {448.0f, 0x7E, 0x7E}, {464.0f, 0x7E, 0x7E},  // the tie at the top goes to 448 (even)
+      {above_tie, 0x7E, 0x7F}, {480.0f, 0x7E, 0x7F}, {-1.0e30f, 0xFE, 0x7F}, {inf, 0x7E, 0x7F}, {-inf, 0xFE, 0x7F},
+      {nan, 0x7F, 0x7F}, {std::ldexp(1.0f, -10), 0x00, 0x00},  // half the smallest subnormal: tie to 0
+      {3.0f * std::ldexp(1.0f, -10), 0x02, 0x02}, {-0.0f, 0x80, 0x80}, {1.0625f, 0x38, 0x38}, {1.1875f, 0x3A, 0x3A},
+      {-2.0e-12f, 0x80, 0x80}};
+  conform::convert_case saturating;
+  saturating.name = "cvt_e4m3";
+  saturating.kind = mxscope::core::element_kind::fp8_e4m3;
+  conform::convert_case torch_like = saturating;
+  torch_like.name = "torch_e4m3";
+  for (const auto& [value, saturated, nan_on_overflow] : e4m3) {
+    saturating.in.push_back(value);
+    saturating.out.push_back(saturated);
+    torch_like.in.push_back(value);
+    torch_like.out.push_back(nan_on_overflow);
+  }
+  const auto exact_models = [](const conform::convert_case& one) {
+    std::vector<std::string> names;
+    for (const auto& row : conform::check_converts(one)) {
+      if (row.exact()) names.push_back(row.name);
+    }
+    return names;
+  };
+  EXPECT_EQ(exact_models(saturating), std::vector<std::string>{"rne/saturate"});
+  EXPECT_EQ(exact_models(torch_like), std::vector<std::string>{"rne/nan"});
+  // e5m2's largest finite value 57344 has an odd significand: its upper tie 61440 rounds up, past it.
+  EXPECT_EQ(conform::convert_code(mxscope::core::element_kind::fp8_e5m2, 61440.0f, {}), 0x7B);
+  EXPECT_EQ(conform::convert_code(mxscope::core::element_kind::fp8_e5m2, 61440.0f,
+                                  {mxscope::core::rounding_mode::rne, conform::overflow_rule::infinity}), 0x7C);
+  EXPECT_EQ(conform::convert_code(mxscope::core::element_kind::fp8_e5m2, -61439.996f,
+                                  {mxscope::core::rounding_mode::rne, conform::overflow_rule::infinity}), 0xFB);
+  EXPECT_EQ(conform::convert_code(mxscope::core::element_kind::fp8_e4m3, 1.0e6f,
+                                  {mxscope::core::rounding_mode::rtz, conform::overflow_rule::nan}), 0x7E);
+
+  // Through a directory and the CLI; a case whose out is short is refused naming the field.
+  const fs::path directory = scratch_directory("convert");
+  nlohmann::json manifest = {{"format", "mxscope-conformance"}, {"version", 1}, {"cases", nlohmann::json::array()}};
+  for (const auto* one : {&saturating, &torch_like}) {
+    mxscope::io::safetensors_writer writer;
+    std::vector<std::uint8_t> in_bytes(one->in.size() * sizeof(float));
+    std::memcpy(in_bytes.data(), one->in.data(), in_bytes.size());
+    writer.add("in", mxscope::io::dtype::f32, {static_cast<std::int64_t>(one->in.size())}, in_bytes);
+    writer.add("out", mxscope::io::dtype::u8, {static_cast<std::int64_t>(one->out.size())}, one->out);
+    writer.set_metadata("mxscope.case", "convert");
+    writer.set_metadata("format", "fp8_e4m3");
+    writer.set_metadata("call", one->name);
+    writer.write(directory / (one->name + ".safetensors"));
+    manifest["cases"].push_back({{"name", one->name}, {"file", one->name + ".safetensors"}});
+  }
+  std::ofstream(directory / "manifest.json") << manifest.dump(2);
+  const cli_result result = run_cli({"conform", directory.string()});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_NE(result.out.find("convert cvt_e4m3: reproduced exactly by rne/saturate\n"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("convert torch_e4m3: reproduced exactly by rne/nan\n"), std::string::npos) << result.out;
+  const cli_result one = run_cli({"conform", directory.string(), "--cases", "torch"});
+  EXPECT_EQ(one.out.find("cvt_e4m3"), std::string::npos) << one.out;
+  mxscope::io::safetensors_writer broken;
+  broken.add("in", mxscope::io::dtype::f32, {2}, std::vector<std::uint8_t>(8, 0));
+  broken.add("out", mxscope::io::dtype::u8, {1}, std::vector<std::uint8_t>(1, 0));
+  broken.set_metadata("mxscope.case", "convert");
+  broken.set_metadata("format", "fp8_e4m3");
+  broken.write(directory / "cvt_e4m3.safetensors");
+  const cli_result refused = run_cli({"conform", directory.string()});
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("out"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("cvt_e4m3.safetensors"), std::string::npos) << refused.err;
   fs::remove_all(directory);
 }
 
@@ -676,6 +757,26 @@ TEST(capture_script, cpu_dry_run_reads_back_and_matches_the_exact_model) {
 // The shipped H200 capture (tools/capture/h200_conformance.py). data/conformance/h200/expected.json
 // documents the model found by `mxscope conform data/conformance/h200 --fit` and its match counts
 // (docs/conformance.md, "H200 results"); the test reproduces them from the hardware data.
+
+// The H200's own fp8 conversions (tools/capture/h200_converters.py): PTX cvt.rn.satfinite is
+// mxscope's encoder (rne, saturating) on every input, torch's casts are rne with NaN (e4m3fn) or
+// infinity (e5m2) on overflow, and no other rounding x overflow model reproduces any of them.
+TEST(shipped_h200, converters_are_reproduced_by_one_model_each) {
+  const fs::path directory = fs::path(MXSCOPE_SOURCE_DIR) / "data/conformance/h200-converters";
+  const conform::conformance_set set = conform::read_conformance_set(directory);
+  const std::map<std::string, std::string> expected = {{"cvt_e4m3", "rne/saturate"}, {"cvt_e5m2", "rne/saturate"},
+                                                       {"torch_e4m3", "rne/nan"}, {"torch_e5m2", "rne/infinity"}};
+  ASSERT_EQ(set.converts.size(), expected.size());
+  for (const auto& one : set.converts) {
+    ASSERT_EQ(expected.count(one.name), 1U) << one.name;
+    EXPECT_GT(one.in.size(), 9000U);
+    std::vector<std::string> exact;
+    for (const auto& row : conform::check_converts(one)) {
+      if (row.exact()) exact.push_back(row.name);
+    }
+    EXPECT_EQ(exact, std::vector<std::string>{expected.at(one.name)}) << one.name;
+  }
+}
 
 TEST(shipped_h200, reproduces_under_the_documented_model) {
   const fs::path directory = fs::path(MXSCOPE_SOURCE_DIR) / "data/conformance/h200";

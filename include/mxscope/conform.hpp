@@ -122,10 +122,47 @@ struct gemm_case {
   std::map<std::string, std::string> metadata;
 };
 
+// A hardware conversion captured element by element ("mxscope.case": "convert"): fp32 inputs and
+// the 8-bit codes the hardware wrote for them (an fp8 cast or cvt instruction, no scaling).
+struct convert_case {
+  std::string name;
+  core::element_kind kind = core::element_kind::fp8_e4m3;  // "format": fp8_e4m3 or fp8_e5m2
+  std::vector<float> in;
+  std::vector<std::uint8_t> out;
+  std::map<std::string, std::string> metadata;
+};
+
 struct conformance_set {
   std::string source_json = "{}";  // the manifest's "source" object
   std::vector<gemm_case> cases;
+  std::vector<convert_case> converts;
 };
+
+// How a conversion model treats a finite value whose rounded magnitude exceeds the largest finite
+// one (and an infinity): saturate to +-max (mxscope's encoders, PTX cvt ... .satfinite), give NaN
+// (torch's float8_e4m3fn cast) or +-infinity (formats that have one: torch's float8_e5m2 cast).
+enum class overflow_rule : std::uint8_t { saturate, nan, infinity };
+
+struct convert_model {
+  core::rounding_mode rounding = core::rounding_mode::rne;
+  overflow_rule overflow = overflow_rule::saturate;
+  std::string name() const;  // "rne/saturate", ...
+};
+
+// The code of `value` under `model`: core::encode's rounding (mxscope's element encoder) with the
+// model's overflow rule; NaN gives the format's NaN code.
+std::uint8_t convert_code(core::element_kind kind, float value, const convert_model& model);
+
+struct convert_agreement {
+  std::string name;
+  std::int64_t compared = 0;
+  std::int64_t matches = 0;  // equal codes, or NaN codes on both sides (any sign or payload)
+  std::vector<std::int64_t> first_mismatches;  // indices, up to max_listed
+  bool exact() const { return compared > 0 && matches == compared; }
+};
+
+// Every rne/rtz/rna x overflow rule on one case, in that order.
+std::vector<convert_agreement> check_converts(const convert_case& one, std::size_t max_listed = 10);
 
 // The manifest's "format" field ("mxscope-dump", "mxscope-conformance", ...); throws input_error
 // when the directory holds no readable manifest.json.

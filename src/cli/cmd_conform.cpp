@@ -3,6 +3,8 @@
 // docs/conformance.md describes the checks and the output.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
 #include <filesystem>
 #include <ostream>
 
@@ -164,9 +166,49 @@ std::string print_fit(const std::vector<conform::gemm_case>& cases, std::size_t 
   return verdict;
 }
 
+// The convert cases: every rounding x overflow model's matches; the models that reproduce every code.
+void print_converts(const std::vector<conform::convert_case>& converts, std::size_t max_listed, std::ostream& out) {
+  for (const auto& one : converts) {
+    const auto call = one.metadata.find("call");
+    out << fmt::format("convert case {}: {} values to {}{}\n", io::printable_name(one.name), one.in.size(),
+                       core::spec(one.kind).name,
+                       call != one.metadata.end() ? ", " + io::printable_name(call->second) : std::string());
+    const auto rows = conform::check_converts(one, max_listed);
+    std::vector<std::string> exact;
+    for (const auto& row : rows) {
+      out << fmt::format("  {:<16} {:>9} of {:>9}  {:.6f}\n", row.name, row.matches, row.compared,
+                         static_cast<double>(row.matches) / static_cast<double>(row.compared));
+      if (row.exact()) exact.push_back(row.name);
+    }
+    if (!exact.empty()) {
+      out << fmt::format("convert {}: reproduced exactly by {}\n", io::printable_name(one.name), fmt::join(exact, ", "));
+      continue;
+    }
+    const auto best = std::max_element(rows.begin(), rows.end(),
+                                       [](const auto& a, const auto& b) { return a.matches < b.matches; });
+    out << fmt::format("convert {}: no model reproduces every code; best {} ({} of {}); first differences:\n",
+                       io::printable_name(one.name), best->name, best->matches, best->compared);
+    for (const std::int64_t i : best->first_mismatches) {
+      const float value = one.in[static_cast<std::size_t>(i)];
+      out << fmt::format("  in[{}] = {:.9g} (0x{:08x}): hardware 0x{:02x}\n", i, value, std::bit_cast<std::uint32_t>(value),
+                         one.out[static_cast<std::size_t>(i)]);
+    }
+  }
+}
+
 int run_gemm_conformance(const conform_options& options, std::ostream& out, std::ostream& err) {
   conform::conformance_set set = conform::read_conformance_set(options.directory);
-  if (!options.cases.empty()) set.cases = conform::cases_named(set.cases, options.cases, "--cases");
+  if (!options.cases.empty()) {
+    const auto unnamed = [&](const auto& one) { return !one.name.starts_with(options.cases); };
+    std::erase_if(set.converts, unnamed);
+    if (set.converts.empty()) {
+      set.cases = conform::cases_named(set.cases, options.cases, "--cases");  // throws when none is named
+    } else {
+      std::erase_if(set.cases, unnamed);
+    }
+  }
+  print_converts(set.converts, options.max_listed, out);
+  if (set.cases.empty()) return 0;
   std::int64_t outputs = 0;
   for (const auto& one : set.cases) outputs += one.out.size();
   out << fmt::format("conform gemm {}: {} cases, {} outputs\n", options.directory, set.cases.size(), outputs);
