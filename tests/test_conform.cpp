@@ -33,6 +33,7 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "python_runner.hpp"
+#include "support/temporary_directory.hpp"
 
 namespace {
 
@@ -60,12 +61,6 @@ float from_bits(std::uint32_t bits) {
   return value;
 }
 
-fs::path scratch_directory(const std::string& name) {
-  const fs::path directory = fs::temp_directory_path() / ("mxscope_test_conform_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(directory);
-  fs::create_directories(directory);
-  return directory;
-}
 
 struct cli_result {
   int code = 0;
@@ -260,7 +255,8 @@ void write_conformance_directory(const fs::path& directory, const std::vector<co
 }
 
 TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
-  const fs::path directory = scratch_directory("gemm_cli");
+  const mxscope::testing::temporary_directory scratch("conform-gemm_cli");
+  const fs::path& directory = scratch.path();
   std::vector<conform::gemm_case> cases = {synthetic_case("fp32-group:4", "mxfp4", 91),
                                            synthetic_case("fp32-group:4", "fp32", 92, 4, 4, 128)};
   write_conformance_directory(directory, cases);
@@ -297,13 +293,13 @@ TEST(gemm_conformance, cli_fit_expect_and_exit_codes) {
   const cli_result bad = run_cli({"conform", directory.string()});
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("out.shape"), std::string::npos) << bad.err;
-  fs::remove_all(directory);
 }
 
 // Two hardware paths in one directory (as the H200 capture holds fp8 and bf16 GEMMs): no single
 // model reproduces both, and --fit fits each path on its own and names its exact model.
 TEST(gemm_conformance, fit_is_one_per_hardware_path) {
-  const fs::path directory = scratch_directory("gemm_paths");
+  const mxscope::testing::temporary_directory scratch("conform-gemm_paths");
+  const fs::path& directory = scratch.path();
   std::vector<conform::gemm_case> cases = {
       synthetic_case("fp32-group:4", "mxfp4", 71), synthetic_case("trunc-align:13,1,rtz", "mxfp4", 72),
       synthetic_case("fp32-group:4", "mxfp8_e4m3", 73), synthetic_case("trunc-align:13,1,rtz", "mxfp8_e4m3", 74)};
@@ -331,7 +327,6 @@ TEST(gemm_conformance, fit_is_one_per_hardware_path) {
   for (auto& one : cases) one.metadata.clear();
   EXPECT_EQ(conform::cases_by_path(cases).size(), 2U);
   EXPECT_EQ(conform::hardware_path(cases[0]), "a mxfp4, b mxfp4, out fp32");
-  fs::remove_all(directory);
 }
 
 // Hardware conversions: hand-made codes for values at the places the rules differ (ties, the
@@ -378,7 +373,8 @@ TEST(convert_conformance, the_rule_that_wrote_the_codes_is_named) {
                                   {mxscope::core::rounding_mode::rtz, conform::overflow_rule::nan}), 0x7E);
 
   // Through a directory and the CLI; a case whose out is short is refused naming the field.
-  const fs::path directory = scratch_directory("convert");
+  const mxscope::testing::temporary_directory scratch("conform-convert");
+  const fs::path& directory = scratch.path();
   nlohmann::json manifest = {{"format", "mxscope-conformance"}, {"version", 1}, {"cases", nlohmann::json::array()}};
   for (const auto* one : {&saturating, &torch_like}) {
     mxscope::io::safetensors_writer writer;
@@ -409,13 +405,13 @@ TEST(convert_conformance, the_rule_that_wrote_the_codes_is_named) {
   EXPECT_EQ(refused.code, 2);
   EXPECT_NE(refused.err.find("out"), std::string::npos) << refused.err;
   EXPECT_NE(refused.err.find("cvt_e4m3.safetensors"), std::string::npos) << refused.err;
-  fs::remove_all(directory);
 }
 
 // Hostile manifests and case files are refused with exit 2 naming the file and field, without
 // a signal, without reading outside the directory, and without taking numbers that are not.
 TEST(gemm_conformance, hostile_manifests_and_cases_exit_two) {
-  const fs::path directory = scratch_directory("hostile");
+  const mxscope::testing::temporary_directory scratch("conform-hostile");
+  const fs::path& directory = scratch.path();
   const auto expect_refused = [&](const std::string& label, const std::vector<std::string>& fragments) {
     const cli_result result = run_cli({"conform", directory.string()});
     EXPECT_EQ(result.code, 2) << label << ": " << result.out << result.err;
@@ -507,7 +503,6 @@ TEST(gemm_conformance, hostile_manifests_and_cases_exit_two) {
     writer.write(directory / "case0.safetensors");
   }
   expect_refused("output rounding", {"case0.safetensors", "field '__metadata__.out.rounding'", "'fp16'"});
-  fs::remove_all(directory);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -662,7 +657,8 @@ TEST(quantizer_conformance, saturation_is_classified) {
 TEST(quantizer_conformance, cli_on_a_dump_reports_and_fits) {
   using mxscope::core::rounding_mode;
   using mxscope::core::scale_rule;
-  const fs::path directory = scratch_directory("quantizer_cli");
+  const mxscope::testing::temporary_directory scratch("conform-quantizer_cli");
+  const fs::path& directory = scratch.path();
   const quantizer_data data = quantizer_input(12);
   // dy [K = 128, n_out = 8] blocked along K (axis 0), as wgrad operands are: store the transpose.
   const matrix dy = mxscope::transposed(data.values);
@@ -694,7 +690,6 @@ TEST(quantizer_conformance, cli_on_a_dump_reports_and_fits) {
   const cli_result fitted = run_cli({"conform", directory.string(), "--fit"});
   EXPECT_NE(fitted.out.find("explained exactly by"), std::string::npos) << fitted.out;
   EXPECT_NE(fitted.out.find("floor/rna"), std::string::npos) << fitted.out;
-  fs::remove_all(directory);
 }
 
 // ------------------------------------------------------------------------------------------------
