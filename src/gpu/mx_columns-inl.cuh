@@ -503,10 +503,12 @@ void launch_staged_columns(const Input* input, std::int64_t rows, std::int64_t c
                   output, output.operand_bf16, signs);
 }
 
+// Along axis 0 in one pass (codes, scales, counters and output.operand_bf16 where given): the staged
+// kernel where it fits, else mx_column_kernel.
 template <class Input>
 void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
-                    const mx_device_output& output, std::uint16_t* operand) {
-  if (operand == output.operand_bf16 && staged_columns_fit(input, cols, plan, output, 0)) {
+                    const mx_device_output& output) {
+  if (staged_columns_fit(input, cols, plan, output, 0)) {
     launch_staged_columns(input, rows, cols, plan, output, 0, nullptr);
     return;
   }
@@ -514,5 +516,5 @@ void launch_columns(const Input* input, std::int64_t rows, std::int64_t cols, co
   const std::int64_t tiles = ((groups + column_tile_groups - 1) / column_tile_groups) * ((rows + plan.block - 1) / plan.block);
   const unsigned grid = static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, std::int64_t{1} << 20));
   runtime::launch(mx_column_kernel<Input>, grid, threads_per_block, 0, input, rows, cols, plan,
-                  fast_encode::constants_of(plan.element), output, operand);
+                  fast_encode::constants_of(plan.element), output, output.operand_bf16);
 }

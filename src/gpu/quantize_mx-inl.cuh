@@ -1008,7 +1008,7 @@ template <class Input>
 bool launch_generic(const Input* input, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
                     const mx_device_output& output, bool columns) {
   if (columns && column_path_covers(plan)) {
-    launch_columns(input, rows, cols, plan, output, output.operand_bf16);
+    launch_columns(input, rows, cols, plan, output);
     return true;
   }
   const std::int64_t scale_count = mx_scale_rows(plan, rows, cols) * mx_scale_cols(plan, rows, cols);
