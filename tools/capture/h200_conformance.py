@@ -18,6 +18,8 @@ metadata. Each case runs twice; metadata "out.repeat_identical" says whether bot
 
 Usage on the GPU machine (Python 3.12, torch with CUDA, safetensors optional):
     python3 tools/capture/h200_conformance.py --out data/conformance/h200
+The same command runs unchanged on ROCm PyTorch (an MI355X: --out data/conformance/mi355x); the
+provenance then names the platform, the HIP version, the gfx architecture and hipBLASLt.
 Then, where mxscope is built:
     mxscope conform data/conformance/h200 --fit
 
@@ -119,14 +121,35 @@ def cublas_settings() -> Dict[str, str]:
         settings["torch.backends.cuda.preferred_blas_library"] = str(torch.backends.cuda.preferred_blas_library())
     except Exception:  # noqa: BLE001
         pass
-    try:
-        settings["cublas_version"] = str(torch._C._cuda_getCompiledVersion())  # CUDA runtime torch was built with
-    except Exception:  # noqa: BLE001
-        pass
+    settings.update(platform_settings())
+    if not is_rocm():
+        try:
+            settings["cublas_version"] = str(torch._C._cuda_getCompiledVersion())  # CUDA runtime torch was built with
+        except Exception:  # noqa: BLE001
+            pass
     for key, value in sorted(os.environ.items()):
-        if key.startswith(("CUBLAS", "CUBLASLT", "NVIDIA_TF32", "TORCH_BLAS", "CUDA_VISIBLE")):
+        if key.startswith(("CUBLAS", "CUBLASLT", "NVIDIA_TF32", "TORCH_BLAS", "CUDA_VISIBLE", "HIPBLASLT", "ROCBLAS",
+                           "HIP_VISIBLE", "PYTORCH_ROCM", "TORCH_ROCM")):
             settings[f"env.{key}"] = value
     return settings
+
+
+def is_rocm() -> bool:
+    """ROCm PyTorch: the torch.cuda API runs on HIP devices, torch.version.hip is set."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def platform_settings() -> Dict[str, str]:
+    """Which stack ran the GEMMs: on ROCm torch's _scaled_mm and bf16 mm go to hipBLASLt, on CUDA to
+    cuBLASLt (the cases' calls are the same torch calls on both)."""
+    if is_rocm():
+        info = {"platform": "rocm", "hip": str(torch.version.hip), "blas": "hipBLASLt (torch on ROCm)"}
+        try:
+            info["gcn_arch"] = str(torch.cuda.get_device_properties(0).gcnArchName)
+        except Exception:  # noqa: BLE001 - provenance is best effort
+            pass
+        return info
+    return {"platform": "cuda", "blas": "cuBLASLt (torch on CUDA)"}
 
 
 def provenance(device: str, dry_run: bool) -> Dict[str, str]:

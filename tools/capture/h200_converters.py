@@ -17,6 +17,7 @@ comes from PyTorch's fp8 -> fp32 conversion (exact), not from mxscope.
 
 Usage on the GPU machine (torch with CUDA and float8 dtypes, nvcc on PATH or in /usr/local/cuda/bin):
     python3 tools/capture/h200_converters.py --out DIR
+On ROCm PyTorch the same command records torch's two casts only (the cvt program is CUDA).
 Then, where mxscope is built: mxscope conform DIR
 """
 
@@ -148,24 +149,29 @@ def main() -> int:
     source = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
               "python": platform.python_version(), "script": "tools/capture/h200_converters.py",
               "captured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rocm = getattr(torch.version, "hip", None) is not None
+    if rocm:  # the cvt program is CUDA; on ROCm only torch's casts are recorded
+        source.update({"platform": "rocm", "hip": str(torch.version.hip)})
     cases = []
     with tempfile.TemporaryDirectory() as work:
-        binary, arch, nvcc_version, ptx_lines = build_program(work)
-        source.update({"arch": arch, "nvcc": nvcc_version})
+        if not rocm:
+            binary, arch, nvcc_version, ptx_lines = build_program(work)
+            source.update({"platform": "cuda", "arch": arch, "nvcc": nvcc_version})
         for format_name, (dtype_name, ptx_type) in FORMATS.items():
             dtype = getattr(torch, dtype_name)
             values = inputs_for(dtype, args.seed)
-            cvt_lines = [line for line in ptx_lines if ptx_type in line]
-            if not cvt_lines:
-                print(f"h200_converters: the PTX has no cvt ... satfinite.{ptx_type}: {ptx_lines}", file=sys.stderr)
-                return 1
-            outputs = {
-                f"cvt_{format_name[4:]}": (run_cvt(binary, work, values, format_name == "fp8_e5m2"),
-                                           f"PTX {cvt_lines[0].split()[0]} (__nv_cvt_float_to_fp8, __NV_SATFINITE)",
-                                           {"ptx": " | ".join(cvt_lines)}),
-                f"torch_{format_name[4:]}": (values.cuda().to(dtype).view(torch.uint8).cpu(),
-                                             f"torch .to(torch.{dtype_name}) on cuda", {}),
-            }
+            outputs = {}
+            if not rocm:
+                cvt_lines = [line for line in ptx_lines if ptx_type in line]
+                if not cvt_lines:
+                    print(f"h200_converters: the PTX has no cvt ... satfinite.{ptx_type}: {ptx_lines}", file=sys.stderr)
+                    return 1
+                outputs[f"cvt_{format_name[4:]}"] = (
+                    run_cvt(binary, work, values, format_name == "fp8_e5m2"),
+                    f"PTX {cvt_lines[0].split()[0]} (__nv_cvt_float_to_fp8, __NV_SATFINITE)",
+                    {"ptx": " | ".join(cvt_lines)})
+            outputs[f"torch_{format_name[4:]}"] = (values.cuda().to(dtype).view(torch.uint8).cpu(),
+                                                   f"torch .to(torch.{dtype_name}) on {'rocm' if rocm else 'cuda'}", {})
             for name, (codes, call, extra) in outputs.items():
                 metadata = {"mxscope.case": "convert", "format": format_name, "call": call, "seed": str(args.seed),
                             **{f"source.{k}": v for k, v in source.items()}, **extra}
