@@ -277,10 +277,23 @@ class _SharedInputs:
             entry.source = None
         self.entries.clear()
 
+    def __reduce__(self):
+        # copy.deepcopy(model) and torch.save(model) get an empty cache: the entries hold activations
+        # (non-leaf tensors, which deepcopy refuses) and are worth nothing in a copy.
+        return (_SharedInputs, (self.size,))
+
 
 def _shareable(recipe: GemmRecipe) -> bool:
     """Whether the x operand's bits under `recipe` depend on neither the layer nor the step."""
     return recipe.rounding != "sr" and not (recipe.rotation and recipe.signs != "none")
+
+
+class _PreparedOperands(dict):
+    """A layer's _OperandQuantizers by (gemm, operand, shape, device). Copies and pickles of the layer
+    start empty: the quantizers hold ctypes pointers and device buffers, and are remade on first use."""
+
+    def __reduce__(self):
+        return (_PreparedOperands, ())
 
 
 def _quantize_operand(module: "MXLinear", t: _torch.Tensor, gemm: str, index: int, recipe: GemmRecipe,
@@ -416,7 +429,7 @@ class MXLinear(_nn.Linear):
         self.recipe = recipe if recipe is not None else Recipe()
         self.layer_name = layer_name
         self.step = 0
-        self._mxs_operands = {}
+        self._mxs_operands = _PreparedOperands()
         self._mxs_shared = _SharedInputs()
 
     @classmethod
@@ -428,7 +441,7 @@ class MXLinear(_nn.Linear):
         out.weight = linear.weight
         out.bias = linear.bias
         out.recipe, out.layer_name, out.step = recipe, layer_name, 0
-        out._mxs_operands = {}
+        out._mxs_operands = _PreparedOperands()
         out._mxs_shared = _SharedInputs()
         return out
 
@@ -472,7 +485,7 @@ def convert(model: _nn.Module, recipe: Recipe, include: str = r".*", exclude: Op
             module = MXLinear.from_linear(module, recipe, name)
             setattr(parent, child, module)
         module.recipe, module.layer_name = recipe, name
-        module._mxs_operands = {}
+        module._mxs_operands = _PreparedOperands()
         module._mxs_shared = shared
     return model
 

@@ -8,7 +8,9 @@ CPU (tools/gpu-python-test does this on a GPU machine).
 
 from __future__ import annotations
 
+import copy
 import fractions
+import io
 import json
 import os
 import subprocess
@@ -382,6 +384,19 @@ class MXLinearSemantics(unittest.TestCase):
                         self.assertEqual((count, alone_count), (shared_calls, 18))
                         for got, want in zip(grads, alone):
                             self.assertTrue(torch.equal(bits(got), bits(want)))
+            # A model copied or saved between a backward and the next set_step (an EMA copy, a
+            # checkpoint) copies no cached activation, and its layers still share one cache.
+            mt._SharedInputs.default_size = original_size
+            model = mt.convert(Projections(), mt.LADDER["mxfp4-fdw"]).to(DEVICE)
+            x = sample(96, 64, seed=8).to(DEVICE).requires_grad_(True)
+            model(x).sum().backward()
+            self.assertTrue(model.q._mxs_shared.entries)
+            copied = copy.deepcopy(model)
+            self.assertEqual(copied.q._mxs_shared.entries, [])
+            self.assertIs(copied.q._mxs_shared, copied.k._mxs_shared)
+            torch.save(model.q, io.BytesIO())  # (Projections is local to this test: not picklable)
+            with torch.no_grad():
+                self.assertTrue(torch.equal(bits(copied(x)), bits(model(x))))
             # An in-place write between two layers: the second quantizes the new values.
             mt._SharedInputs.default_size = original_size
             model = mt.convert(Projections(), mt.LADDER["mxfp4-f"]).to(DEVICE)
