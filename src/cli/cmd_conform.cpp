@@ -152,16 +152,13 @@ std::string print_fit(const std::vector<conform::gemm_case>& cases, std::size_t 
   for (const auto& finalist : fit.finalists) print_agreement_row(finalist, out);
   const auto& best = fit.finalists.front();
   print_per_case(best, out);
-  std::string verdict;
-  if (best.exact()) {
-    verdict = fmt::format("{} reproduces every output bit ({} of {})", best.name, best.matches, best.compared);
-    out << "fit: " << verdict << "\n";
-  } else {
-    verdict = fmt::format("no model of the family reproduces every output; best: {} with match rate {:.6f} ({} of {})",
-                          best.name, best.match_rate(), best.matches, best.compared);
-    out << "fit: " << verdict << "\n";
-    print_worst(best, out);
-  }
+  const std::string verdict =
+      best.exact() ? fmt::format("{} reproduces every output bit ({} of {})", best.name, best.matches, best.compared)
+                   : fmt::format("no model of the family reproduces every output; best: {} with match rate {:.6f} "
+                                 "({} of {})",
+                                 best.name, best.match_rate(), best.matches, best.compared);
+  out << "fit: " << verdict << "\n";
+  if (!best.exact()) print_worst(best, out);
   if (fit.tied.size() > 1) out << fmt::format("fit: tied at the top: {}\n", fmt::join(fit.tied, ", "));
   return verdict;
 }

@@ -178,7 +178,9 @@ void check(const case_description& k) {
   counters.download(got_counts, sizeof(got_counts));
   EXPECT_EQ(got_scales, want.scales);
   EXPECT_EQ(got_codes, want.codes);
-  if (k.dequantized) EXPECT_EQ(got_values, want.dequantized);
+  if (k.dequantized) {
+    EXPECT_EQ(got_values, want.dequantized);
+  }
   EXPECT_EQ(got_operand, want.operand);
   for (int c = 0; c < 4; ++c) EXPECT_EQ(got_counts[c], want.counts[c]) << "counter " << c;
 }
