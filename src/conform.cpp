@@ -1,9 +1,11 @@
 #include "mxscope/conform.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <cmath>
@@ -397,6 +399,52 @@ quantized_tensor read_operand(const io::safetensors_reader& reader, const std::s
   return q;
 }
 
+// "scale_a" and "scale_b" (optional, together): the fp32 per-tensor scales the GEMM applied to its
+// accumulator (torch._scaled_mm's scale_a, scale_b; any strtod form, the capture writes float.hex).
+// The operands are then per-tensor fp8 operands: their codes must be 8-bit fp8 codes with every
+// block scale 1, and the model applies alpha = fl32(sa sb), out = fl32(acc alpha) (docs/numerics.md).
+void read_tensor_scales(gemm_case& one, const std::string& label) {
+  const auto a_entry = one.metadata.find("scale_a");
+  const auto b_entry = one.metadata.find("scale_b");
+  if (a_entry == one.metadata.end() && b_entry == one.metadata.end()) return;
+  if (a_entry == one.metadata.end() || b_entry == one.metadata.end()) {
+    fail(label, a_entry == one.metadata.end() ? "__metadata__.scale_a" : "__metadata__.scale_b",
+         "missing: scale_a and scale_b come together");
+  }
+  const auto parse_scale = [&](const std::string& key, const std::string& text) {
+    char* end = nullptr;
+    const double value = std::strtod(text.c_str(), &end);
+    if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(value) || value <= 0.0 ||
+        static_cast<double>(static_cast<float>(value)) != value) {
+      fail(label, "__metadata__." + key,
+           fmt::format("'{}': expected a positive finite fp32 value", io::printable_name(text)));
+    }
+    return static_cast<float>(value);
+  };
+  const std::pair<quantized_tensor*, float> operands[] = {{&one.a, parse_scale("scale_a", a_entry->second)},
+                                                          {&one.b, parse_scale("scale_b", b_entry->second)}};
+  for (const auto& [q, scale] : operands) {
+    const char* name = q == &one.a ? "a" : "b";
+    const bool fp8 = q->options.format.scheme == quant_scheme::mx &&
+                     (q->options.format.element == core::element_kind::fp8_e4m3 ||
+                      q->options.format.element == core::element_kind::fp8_e5m2);
+    const bool unit_scales = std::all_of(q->scales.begin(), q->scales.end(),
+                                         [](std::uint8_t code) { return code == core::scale_code(0); });
+    if (!fp8 || !unit_scales) {
+      fail(label, fmt::format("{}.scales", name),
+           "per-tensor scales need fp8 codes (mxfp8_e4m3 or mxfp8_e5m2) whose block scales are all 1");
+    }
+    q->options.format.scheme = quant_scheme::per_tensor;
+    q->options.block = 0;
+    q->block = 0;
+    q->scales.clear();
+    q->scale_rows = 0;
+    q->scale_cols = 0;
+    q->tensor_scale = scale;
+    q->dequantized = dequantize(*q);
+  }
+}
+
 quantized_tensor select_rows(const quantized_tensor& q, const std::vector<std::int64_t>& rows) {
   quantized_tensor out = q;
   out.rows = static_cast<std::int64_t>(rows.size());
@@ -564,6 +612,7 @@ conformance_set read_conformance_set(const std::filesystem::path& directory) {
     if (one.a.rows == 0 || one.b.rows == 0 || one.a.cols == 0) {
       fail(label, "out.shape", "holds no outputs (M, N and K must be at least 1)");
     }
+    read_tensor_scales(one, label);
     one.out = reader.read_matrix("out");
     set.cases.push_back(std::move(one));
   }
@@ -761,6 +810,7 @@ gemm_fit fit_gemm(const std::vector<gemm_case>& cases, const std::vector<accumul
     gemm_case small;
     small.name = one.name;
     small.kind = one.kind;
+    small.metadata = one.metadata;  // "out.rounding" applies to the sample too
     small.a = select_rows(one.a, a_rows);
     small.b = select_rows(one.b, b_rows);
     small.out = matrix(static_cast<std::int64_t>(a_rows.size()), static_cast<std::int64_t>(b_rows.size()));
@@ -802,6 +852,57 @@ gemm_fit fit_gemm(const std::vector<gemm_case>& cases, const std::vector<accumul
     if (finalist.matches == fit.finalists.front().matches) fit.tied.push_back(finalist.name);
   }
   return fit;
+}
+
+std::string operand_class(const std::string& case_name) {
+  const std::size_t marker = case_name.rfind("_K");
+  if (marker == std::string::npos || marker + 2 == case_name.size()) return case_name;
+  const bool digits = std::all_of(case_name.begin() + static_cast<std::ptrdiff_t>(marker + 2), case_name.end(),
+                                  [](char c) { return c >= '0' && c <= '9'; });
+  return digits ? case_name.substr(0, marker) : case_name;
+}
+
+std::vector<holdout_split> holdout_splits(const std::vector<gemm_case>& cases) {
+  std::vector<holdout_split> splits;
+  std::vector<std::int64_t> depths;
+  for (const auto& one : cases) depths.push_back(one.a.cols);
+  std::sort(depths.begin(), depths.end());
+  depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+  if (depths.size() >= 2) {
+    holdout_split split;
+    split.rule = "by K";
+    std::vector<std::int64_t> fitted_depths;
+    std::vector<std::int64_t> held_depths;
+    for (std::size_t i = 0; i < depths.size(); ++i) (i % 2 == 0 ? fitted_depths : held_depths).push_back(depths[i]);
+    for (const auto& one : cases) {
+      const bool fitted = std::binary_search(fitted_depths.begin(), fitted_depths.end(), one.a.cols);
+      (fitted ? split.fitted : split.held_out).push_back(one);
+    }
+    split.fitted_label = fmt::format("K {}", fmt::join(fitted_depths, " "));
+    split.held_out_label = fmt::format("K {}", fmt::join(held_depths, " "));
+    splits.push_back(std::move(split));
+  }
+  std::vector<std::string> classes;
+  for (const auto& one : cases) {
+    const std::string name = operand_class(one.name);
+    if (std::find(classes.begin(), classes.end(), name) == classes.end()) classes.push_back(name);
+  }
+  if (classes.size() >= 2) {
+    holdout_split split;
+    split.rule = "by operand class";
+    std::vector<std::string> fitted_classes;
+    std::vector<std::string> held_classes;
+    for (std::size_t i = 0; i < classes.size(); ++i) (i % 2 == 0 ? fitted_classes : held_classes).push_back(classes[i]);
+    for (const auto& one : cases) {
+      const bool fitted = std::find(fitted_classes.begin(), fitted_classes.end(), operand_class(one.name)) !=
+                          fitted_classes.end();
+      (fitted ? split.fitted : split.held_out).push_back(one);
+    }
+    split.fitted_label = fmt::format("{}", fmt::join(fitted_classes, " "));
+    split.held_out_label = fmt::format("{}", fmt::join(held_classes, " "));
+    splits.push_back(std::move(split));
+  }
+  return splits;
 }
 
 // ------------------------------------------------------------------------------------------------

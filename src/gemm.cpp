@@ -268,6 +268,7 @@ canonical_operand make_canonical(const quantized_tensor& q, int block, bool keep
     for (int code = 0; code < codes; ++code) decoded[code] = static_cast<float>(core_ns::decode(kind, static_cast<std::uint32_t>(code)));
   }
   if (scheme == quant_scheme::nvfp4 || scheme == quant_scheme::per_tensor) out.tensor_scale = q.tensor_scale;
+  if (integer_format) out.element_min_exponent = core_ns::min_normal_exponent(kind);
 
   const auto element_at = [&](std::int64_t r, std::int64_t c) -> float {
     switch (scheme) {
@@ -370,13 +371,7 @@ struct generic_entry_result {
   double exact;
 };
 
-// floor(log2 |value|) of a finite nonzero value; 0 for zero and non-finite values (their products
-// take no part in any alignment).
-int leading_exponent(double value) {
-  return value == 0.0 || !std::isfinite(value) ? 0 : core_ns::floor_log2(std::fabs(value));
-}
-
-// The block-scaled values of an operand row by row, with their leading exponents (trunc-promote
+// The block-scaled values of an operand row by row, with their alignment exponents (trunc-promote
 // aligns to the exponent sums of the two factors).
 struct scaled_rows {
   std::vector<double> values;  // [rows, depth]
@@ -390,10 +385,9 @@ scaled_rows scale_rows(const canonical_operand& operand) {
   out.exponents.resize(size);
   for (std::int64_t row = 0; row < operand.rows; ++row) {
     for (std::int64_t k = 0; k < operand.depth; ++k) {
-      const double value = operand.scaled(row, k);
       const auto at = static_cast<std::size_t>(row * operand.depth + k);
-      out.values[at] = value;
-      out.exponents[at] = leading_exponent(value);
+      out.values[at] = operand.scaled(row, k);
+      out.exponents[at] = operand.alignment_exponent(row, k);
     }
   }
   return out;
@@ -480,8 +474,8 @@ generic_entry_result generic_entry(const canonical_operand& a, const canonical_o
       const auto at = static_cast<std::size_t>(k);
       x[at] = a.scaled(i, k);
       y[at] = b.scaled(j, k);
-      x_exponents[at] = leading_exponent(x[at]);
-      y_exponents[at] = leading_exponent(y[at]);
+      x_exponents[at] = a.alignment_exponent(i, k);
+      y_exponents[at] = b.alignment_exponent(j, k);
     }
     return {trunc_promote_entry(x.data(), x_exponents.data(), y.data(), y_exponents.data(), depth, model, products,
                                 exponents),

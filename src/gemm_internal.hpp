@@ -40,6 +40,9 @@ struct canonical_operand {
   // Exact block scale factors; NaN for a NaN block. 1 for formats without block scales.
   std::vector<double> block_scales;  // [rows, blocks]
   float tensor_scale = 1.0f;
+  // The element format's smallest normal exponent (fp32, bf16: -126). trunc-promote aligns a
+  // subnormal element as the hardware does, by its exponent field: as if its exponent were this.
+  int element_min_exponent = -126;
   // Integer view for the fast path: element * 2^fraction_bits is an integer of magnitude at most
   // integer_max, and block scale = scale_mantissa * 2^scale_exponent with an integer mantissa.
   bool integer_elements = false;
@@ -56,6 +59,18 @@ struct canonical_operand {
   double scaled(std::int64_t row, std::int64_t k) const {
     return static_cast<double>(elements[static_cast<std::size_t>(row * depth + k)]) *
            block_scales[static_cast<std::size_t>(row * blocks + k / block)];
+  }
+
+  // The exponent trunc-promote aligns by (docs/numerics.md): floor(log2 |scaled value|), where a
+  // subnormal element counts as having the format's smallest normal exponent (what a hardware
+  // adder reads from the exponent field). 0 for zero and non-finite values.
+  int alignment_exponent(std::int64_t row, std::int64_t k) const {
+    const double value = scaled(row, k);
+    if (value == 0.0 || !std::isfinite(value)) return 0;
+    const int leading = core_ns::floor_log2(std::fabs(value));
+    const float element = elements[static_cast<std::size_t>(row * depth + k)];
+    const int element_leading = core_ns::floor_log2(std::fabs(static_cast<double>(element)));
+    return element_leading < element_min_exponent ? leading + (element_min_exponent - element_leading) : leading;
   }
 };
 

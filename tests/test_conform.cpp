@@ -329,6 +329,173 @@ TEST(gemm_conformance, fit_is_one_per_hardware_path) {
   EXPECT_EQ(conform::hardware_path(cases[0]), "a mxfp4, b mxfp4, out fp32");
 }
 
+// trunc-promote aligns by exponent fields: a subnormal element counts as having its format's
+// smallest normal exponent (e4m3: -6), as the H200's fp8 tensor core does (docs/conformance.md,
+// the stress capture). Worked by hand with n = 2 (two bits below E) and one 32-product step:
+// a = [256, 2^-9, 2^-9] (block scale 1: the last two are e4m3 subnormals), b = [0, 1, 0.75].
+// The products 2^-9 and 1.5 * 2^-10 have field exponent sums -6 and -7, so E = -6, the unit is
+// 2^-8 and both truncate to 0. By leading exponents (E = -9, unit 2^-11) they would be kept
+// exactly: 7 * 2^-11, which is also the exact sum. Scaled by 2^4 the elements are normal and
+// both rules give the exact 7 * 2^-7.
+TEST(trunc_promote, aligns_a_subnormal_element_by_its_exponent_field) {
+  const auto product = [](float scale) {
+    matrix a(1, 3);
+    matrix b(1, 3);
+    const float a_values[3] = {256.0f, std::ldexp(1.0f, -9) * scale, std::ldexp(1.0f, -9) * scale};
+    const float b_values[3] = {0.0f, 1.0f, 0.75f};
+    for (int k = 0; k < 3; ++k) {
+      a(0, k) = a_values[k];
+      b(0, k) = b_values[k];
+    }
+    const quantized_tensor qa = mx_operand(a, "mxfp8_e4m3");
+    const quantized_tensor qb = mx_operand(b, "mxfp8_e4m3");
+    EXPECT_EQ(qa.dequantized(0, 1), a_values[1]) << "the operand must hold the value exactly";
+    const auto run = [&](const char* model) {
+      return mxscope::emulate_product(qa, qb, mxscope::parse_accumulation_model(model), mxscope::output_rounding::fp32)
+          .out(0, 0);
+    };
+    return std::pair<float, float>{run("trunc-promote:2,32,24"), run("exact")};
+  };
+  const auto [subnormal, subnormal_exact] = product(1.0f);
+  EXPECT_EQ(bits_of(subnormal), 0U);
+  EXPECT_EQ(subnormal_exact, std::ldexp(7.0f, -11));
+  const auto [normal, normal_exact] = product(16.0f);
+  EXPECT_EQ(normal, std::ldexp(7.0f, -7));
+  EXPECT_EQ(normal_exact, std::ldexp(7.0f, -7));
+}
+
+// Per-tensor scales in a case ("scale_a", "scale_b"): the operands become per-tensor fp8 and the
+// model applies alpha = fl32(sa sb), out = fl32(acc alpha); a scale that is not a positive fp32
+// value, a lone scale, or scales on operands that are not unit-scaled fp8 are input errors.
+TEST(gemm_conformance, per_tensor_scales_are_the_epilogue) {
+  const mxscope::testing::temporary_directory scratch("conform-scales");
+  const fs::path& directory = scratch.path();
+  conform::gemm_case one;
+  one.name = "scaled_K64";
+  one.kind = "product";
+  matrix a = wide_range_matrix(6, 64, 31);
+  matrix b = wide_range_matrix(5, 64, 32);
+  // Values that are e4m3 numbers with unit block scales: clamp the exponents to e4m3's range.
+  for (matrix* m : {&a, &b}) {
+    for (auto& v : m->values) v = static_cast<float>(mxscope::core::decode(mxscope::core::element_kind::fp8_e4m3,
+        mxscope::core::encode(mxscope::core::element_kind::fp8_e4m3, std::clamp(v, -448.0f, 448.0f)).code));
+  }
+  // MX e4m3 operands with every block scale 1 (code 127), as the capture writes fp8 operands.
+  const auto unit_scaled = [](const matrix& values) {
+    quantized_tensor q = mx_operand(values, "mxfp8_e4m3");
+    for (std::int64_t i = 0; i < values.rows * values.cols; ++i) {
+      q.codes[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(
+          mxscope::core::encode(mxscope::core::element_kind::fp8_e4m3, values.values[static_cast<std::size_t>(i)]).code);
+    }
+    std::fill(q.scales.begin(), q.scales.end(), std::uint8_t{127});
+    q.dequantized = values;
+    return q;
+  };
+  const float sa = 0.375f;
+  const float sb = 1.7f;
+  const auto model = mxscope::parse_accumulation_model("trunc-promote:13,32,14,128");
+  one.a = unit_scaled(a);
+  one.b = unit_scaled(b);
+  const matrix unscaled = mxscope::emulate_product(one.a, one.b, model, mxscope::output_rounding::fp32).out;
+  one.out = matrix(6, 5);
+  const float alpha = sa * sb;
+  for (std::int64_t i = 0; i < 6; ++i) {
+    for (std::int64_t j = 0; j < 5; ++j) {
+      one.out(i, j) = static_cast<float>(static_cast<double>(unscaled(i, j)) * static_cast<double>(alpha));
+    }
+  }
+  one.metadata = {{"scale_a", "0x1.8p-2"}, {"scale_b", fmt::format("{:a}", static_cast<double>(sb))}};
+  write_conformance_directory(directory, {one});
+  const conform::conformance_set set = conform::read_conformance_set(directory);
+  ASSERT_EQ(set.cases.size(), 1U);
+  EXPECT_EQ(set.cases[0].a.options.format.scheme, mxscope::quant_scheme::per_tensor);
+  EXPECT_EQ(set.cases[0].b.tensor_scale, sb);
+  EXPECT_TRUE(conform::check_model(set.cases, model, 3).exact());
+  // The same outputs read without the scales do not match (the scales are applied, not ignored).
+  conform::gemm_case unscaled_case = one;
+  unscaled_case.metadata.clear();
+  write_conformance_directory(directory, {unscaled_case});
+  EXPECT_FALSE(conform::check_model(conform::read_conformance_set(directory).cases, model, 0).exact());
+
+  const auto refused = [&](std::map<std::string, std::string> metadata, const std::string& fragment) {
+    conform::gemm_case bad = one;
+    bad.metadata = std::move(metadata);
+    write_conformance_directory(directory, {bad});
+    const cli_result result = run_cli({"conform", directory.string()});
+    EXPECT_EQ(result.code, 2) << fragment;
+    EXPECT_NE(result.err.find(fragment), std::string::npos) << result.err;
+  };
+  refused({{"scale_a", "abc"}, {"scale_b", "1"}}, "__metadata__.scale_a");
+  refused({{"scale_a", "1"}, {"scale_b", "-2"}}, "__metadata__.scale_b");
+  refused({{"scale_a", "0.1"}, {"scale_b", "1"}}, "positive finite fp32 value");  // 0.1 is no fp32 value
+  refused({{"scale_a", "1"}}, "scale_a and scale_b come together");
+  conform::gemm_case mxfp4 = synthetic_case("fp32-block", "mxfp4", 5, 2, 2, 64);
+  mxfp4.metadata = {{"scale_a", "1"}, {"scale_b", "1"}};
+  write_conformance_directory(directory, {mxfp4});
+  const cli_result not_fp8 = run_cli({"conform", directory.string()});
+  EXPECT_EQ(not_fp8.code, 2);
+  EXPECT_NE(not_fp8.err.find("a.scales"), std::string::npos) << not_fp8.err;
+}
+
+// The fit's screening sample keeps each case's output rounding: a bf16-output case is fitted by
+// the model that made it (the sample used to be compared as fp32 and screened the model out).
+TEST(gemm_conformance, bf16_output_cases_are_fitted_with_their_rounding) {
+  conform::gemm_case one;
+  one.name = "bf16out";
+  one.kind = "product";
+  one.a = mx_operand(wide_range_matrix(16, 256, 41), "mxfp8_e4m3");
+  one.b = mx_operand(wide_range_matrix(16, 256, 42), "mxfp8_e4m3");
+  const auto truth = mxscope::parse_accumulation_model("trunc-promote:13,32,14,128");
+  one.out = mxscope::emulate_product(one.a, one.b, truth, mxscope::output_rounding::bf16).out;
+  one.metadata["out.rounding"] = "bf16";
+  const conform::gemm_fit fit = conform::fit_gemm({one}, conform::fit_family());
+  ASSERT_TRUE(fit.exact());
+  EXPECT_NE(std::find(fit.tied.begin(), fit.tied.end(), mxscope::accumulation_model_name(truth)), fit.tied.end());
+}
+
+// Held-out splits: by K alternately over the sorted distinct K values, by operand class (the name
+// without "_K<digits>") alternately in order of appearance; a model fitted on one half of
+// synthetic trunc-promote cases predicts the other half bit for bit, and --holdout says so.
+TEST(gemm_conformance, holdout_splits_by_k_and_by_class) {
+  EXPECT_EQ(conform::operand_class("fp8_randn_K256"), "fp8_randn");
+  EXPECT_EQ(conform::operand_class("fp8_randn_K"), "fp8_randn_K");
+  EXPECT_EQ(conform::operand_class("bf16_Kx12"), "bf16_Kx12");
+  EXPECT_EQ(conform::operand_class("plain"), "plain");
+  std::vector<conform::gemm_case> cases;
+  const char* truth = "trunc-promote:13,32,14,128";
+  std::uint64_t seed = 100;
+  for (const char* cls : {"wide", "narrow", "other"}) {
+    for (const std::int64_t k : {64, 256, 512}) {
+      conform::gemm_case one = synthetic_case(truth, "mxfp8_e4m3", seed++, 8, 8, k);
+      one.name = fmt::format("{}_K{}", cls, k);
+      cases.push_back(std::move(one));
+    }
+  }
+  const auto splits = conform::holdout_splits(cases);
+  ASSERT_EQ(splits.size(), 2U);
+  EXPECT_EQ(splits[0].rule, "by K");
+  EXPECT_EQ(splits[0].fitted_label, "K 64 512");
+  EXPECT_EQ(splits[0].held_out_label, "K 256");
+  EXPECT_EQ(splits[0].fitted.size(), 6U);
+  EXPECT_EQ(splits[1].fitted_label, "wide other");
+  EXPECT_EQ(splits[1].held_out.size(), 3U);
+  for (const auto& one : splits[1].held_out) EXPECT_TRUE(one.name.starts_with("narrow_")) << one.name;
+  const mxscope::testing::temporary_directory scratch("conform-holdout");
+  write_conformance_directory(scratch.path(), cases);
+  const cli_result result = run_cli({"conform", scratch.path().string(), "--fit", "--holdout"});
+  EXPECT_EQ(result.code, 0) << result.out << result.err;
+  EXPECT_NE(result.out.find(fmt::format("holdout by K: {} predicts the 3 held-out cases (K 256): 192 of 192 "
+                                        "outputs (every bit)", truth)), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("holdout by operand class: "), std::string::npos) << result.out;
+  // One corrupted held-out output: the prediction is reported as not exact and the exit code is 1.
+  cases[1].out(0, 0) = from_bits(bits_of(cases[1].out(0, 0)) ^ 0x1U);  // wide_K256, held out by K
+  write_conformance_directory(scratch.path(), cases);
+  const cli_result corrupted = run_cli({"conform", scratch.path().string(), "--fit", "--holdout"});
+  EXPECT_EQ(corrupted.code, 1) << corrupted.out;
+  EXPECT_NE(corrupted.out.find("191 of 192 outputs (NOT exact)"), std::string::npos) << corrupted.out;
+  EXPECT_EQ(run_cli({"conform", scratch.path().string(), "--holdout"}).code, 2);
+}
+
 // Hardware conversions: hand-made codes for values at the places the rules differ (ties, the
 // subnormal edge, the overflow threshold, infinities, NaN, signed zero), as PTX cvt.rn.satfinite
 // (saturate) and torch's float8_e4m3fn cast (NaN on overflow) write them.
@@ -748,6 +915,45 @@ TEST(capture_script, cpu_dry_run_reads_back_and_matches_the_exact_model) {
                                  << (agreement.worst.empty() ? std::string("-") : agreement.worst[0].case_name);
 }
 
+// --suite stress: every operand class reads back with the shapes, formats and scales it documents.
+// The dry run's fp32 rounding of the fp64 product is not hardware; only the layout is checked here
+// (the captured suite is checked against the model in shipped_h200_directory).
+TEST(capture_script, stress_suite_dry_run_reads_back) {
+  const python_runner::temporary_directory scratch("h200-stress-dry-run");
+  const std::string problem = python_runner::torch_problem(scratch.path());
+  ASSERT_TRUE(problem.empty()) << problem;
+  const fs::path out = scratch.path() / "stress";
+  const auto result = python_runner::run_script(fs::path(MXSCOPE_SOURCE_DIR) / "tools/capture/h200_conformance.py",
+                                                {"--out", out.string(), "--cpu-dry-run", "--suite", "stress"},
+                                                scratch.path() / "python.log");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const conform::conformance_set set = conform::read_conformance_set(out);
+  ASSERT_EQ(set.cases.size(), 35U);
+  std::map<std::string, const conform::gemm_case*> by_name;
+  for (const auto& one : set.cases) by_name[one.name] = &one;
+  ASSERT_EQ(by_name.count("fp8_tiles_K256"), 1U);
+  EXPECT_EQ(by_name["fp8_tiles_K256"]->out.rows, 512);
+  EXPECT_EQ(by_name["fp8_tiles_K256"]->out.cols, 384);
+  EXPECT_EQ(by_name["fp8_randn_K1040"]->a.cols, 1040);
+  EXPECT_EQ(by_name["fp8_scaled_K256"]->a.options.format.scheme, mxscope::quant_scheme::per_tensor);
+  EXPECT_EQ(by_name["fp8_scaled_K256"]->a.tensor_scale, 0.375f);
+  EXPECT_EQ(by_name["fp8_scaled_K256"]->b.tensor_scale, 1.7f);
+  EXPECT_EQ(by_name["fp8_e5m2xe4m3_K256"]->a.options.format.element, mxscope::core::element_kind::fp8_e5m2);
+  EXPECT_EQ(by_name["fp8_bf16out_K256"]->metadata.at("out.rounding"), "bf16");
+  EXPECT_EQ(by_name["bf16_long_K16384"]->a.cols, 16384);
+  // The cancellation rows: +0 and -0 rows of a, and pairs that cancel inside each step.
+  const auto& cancel = *by_name["fp8_cancel_K64"];
+  for (std::int64_t k = 0; k < 64; ++k) {
+    EXPECT_EQ(bits_of(cancel.a.dequantized(24, k)), 0U);
+    EXPECT_EQ(bits_of(cancel.a.dequantized(25, k)), 0x80000000U);
+    if (k % 2 == 1) {
+      EXPECT_EQ(cancel.a.dequantized(3, k), -cancel.a.dequantized(3, k - 1));
+    }
+  }
+  // The subnormal class holds e4m3 values below 2^-6 only up to the two smallest binades.
+  for (const float v : by_name["fp8_subnormal_K64"]->a.dequantized.values) EXPECT_LT(std::fabs(v), 0.0625f);
+}
+
 // ------------------------------------------------------------------------------------------------
 // The shipped H200 capture (tools/capture/h200_conformance.py). data/conformance/h200/expected.json
 // documents the model found by `mxscope conform data/conformance/h200 --fit` and its match counts
@@ -773,11 +979,10 @@ TEST(shipped_h200, converters_are_reproduced_by_one_model_each) {
   }
 }
 
-TEST(shipped_h200, reproduces_under_the_documented_model) {
-  const fs::path directory = fs::path(MXSCOPE_SOURCE_DIR) / "data/conformance/h200";
-  if (!fs::exists(directory / "manifest.json")) {
-    GTEST_SKIP() << directory << "/manifest.json is not shipped yet (docs/conformance.md, H200 results: pending)";
-  }
+class shipped_h200_directory : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(shipped_h200_directory, reproduces_under_the_documented_model) {
+  const fs::path directory = fs::path(MXSCOPE_SOURCE_DIR) / "data/conformance" / GetParam();
   const fs::path expected_path = directory / "expected.json";
   ASSERT_TRUE(fs::exists(expected_path))
       << expected_path << " must document the fitted model: {\"model\": ..., \"matches\": ..., \"compared\": ...}";
@@ -801,5 +1006,11 @@ TEST(shipped_h200, reproduces_under_the_documented_model) {
     }
   }
 }
+
+// h200: the MXFP4-valued and random cases the model was found on; h200-stress: the operand classes
+// that separate hypotheses (subnormals, cancellation, the alignment edge, odd K, many tiles,
+// per-tensor scales, bf16 output, e5m2), captured later with --suite stress.
+INSTANTIATE_TEST_SUITE_P(captures, shipped_h200_directory, ::testing::Values("h200", "h200-stress"),
+                         [](const auto& info) { return std::string(info.param) == "h200" ? "base" : "stress"; });
 
 }  // namespace

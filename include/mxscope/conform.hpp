@@ -245,6 +245,25 @@ gemm_fit fit_gemm(const std::vector<gemm_case>& cases, const std::vector<accumul
                   std::int64_t sample_rows = 8, std::size_t finalists = 8, std::size_t max_listed = 10,
                   const gemm_options& options = {});
 
+// A held-out check of generality: the cases of one hardware path split in two, the family fitted on
+// `fitted` alone and the fitted model asked to predict `held_out` bit for bit.
+struct holdout_split {
+  std::string rule;  // "by K" or "by operand class"
+  std::string fitted_label;
+  std::string held_out_label;
+  std::vector<gemm_case> fitted;
+  std::vector<gemm_case> held_out;
+};
+
+// A case's operand class: its name without a trailing "_K<digits>" (fp8_randn_K256 -> fp8_randn).
+std::string operand_class(const std::string& case_name);
+
+// The splits of a path's cases: by K (the distinct K values in ascending order, alternately to the
+// fitted and the held-out half, so that both halves span short and long K: a fit on short K alone
+// cannot see a promotion interval) and by operand class (classes in order of first appearance,
+// alternately). A rule with fewer than two distinct values gives no split.
+std::vector<holdout_split> holdout_splits(const std::vector<gemm_case>& cases);
+
 // ------------------------------------------------------------------------------------------------
 // Self-test: the fast paths against the canonical generic paths on generated inputs.
 

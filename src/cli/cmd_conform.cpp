@@ -1,4 +1,4 @@
-// mxscope conform DUMP [--fit] [--expect MODEL] [--cases PREFIX] | --self-test [--device cpu|gpu]: does the hardware
+// mxscope conform DUMP [--fit [--holdout]] [--expect MODEL] [--cases PREFIX] | --self-test [--device cpu|gpu]: does the hardware
 // compute what the recorded recipe (quantizer) or an accumulation model (GEMM) says, bit for bit?
 // docs/conformance.md describes the checks and the output.
 #include <fmt/format.h>
@@ -21,6 +21,7 @@ namespace {
 struct conform_options {
   std::string directory;
   bool fit = false;
+  bool holdout = false;
   std::string expect;
   bool self_test = false;
   std::string device = "cpu";
@@ -163,6 +164,27 @@ std::string print_fit(const std::vector<conform::gemm_case>& cases, std::size_t 
   return verdict;
 }
 
+// The held-out checks of one path (conform::holdout_splits): fit on one half, predict the other.
+// Returns false when a fitted model (any of those tied at the top) misses a held-out output.
+bool print_holdout(const std::vector<conform::gemm_case>& cases, std::ostream& out) {
+  bool all_predicted = true;
+  for (const auto& split : conform::holdout_splits(cases)) {
+    const conform::gemm_fit fit = conform::fit_gemm(split.fitted, conform::fit_family(), 8, 8, 0);
+    const auto& best = fit.finalists.front();
+    out << fmt::format("holdout {}: fit on {} cases ({}): {} ({} of {} outputs)\n", split.rule, split.fitted.size(),
+                       split.fitted_label, fmt::join(fit.tied, ", "), best.matches, best.compared);
+    for (const auto& finalist : fit.finalists) {
+      if (finalist.matches != best.matches) continue;
+      const auto predicted = conform::check_model(split.held_out, finalist.model, 0);
+      all_predicted = all_predicted && predicted.exact() && best.exact();
+      out << fmt::format("holdout {}: {} predicts the {} held-out cases ({}): {} of {} outputs ({})\n", split.rule,
+                         finalist.name, split.held_out.size(), split.held_out_label, predicted.matches,
+                         predicted.compared, predicted.exact() ? "every bit" : "NOT exact");
+    }
+  }
+  return all_predicted;
+}
+
 // The convert cases: every rounding x overflow model's matches; the models that reproduce every code.
 void print_converts(const std::vector<conform::convert_case>& converts, std::size_t max_listed, std::ostream& out) {
   for (const auto& one : converts) {
@@ -226,6 +248,7 @@ int run_gemm_conformance(const conform_options& options, std::ostream& out, std:
     const auto groups = conform::cases_by_path(set.cases);
     if (groups.size() == 1) {
       print_fit(set.cases, options.max_listed, out);
+      if (options.holdout && !print_holdout(set.cases, out)) code = 1;
     } else {
       out << fmt::format("fit: {} hardware paths (the cases' call and output rounding), one fit each\n",
                          groups.size());
@@ -234,9 +257,11 @@ int run_gemm_conformance(const conform_options& options, std::ostream& out, std:
         const auto& [path, cases] = groups[i];
         out << fmt::format("path {}: {} ({} cases)\n", i + 1, io::printable_name(path), cases.size());
         verdicts.push_back(fmt::format("path {}: {}", i + 1, print_fit(cases, options.max_listed, out)));
+        if (options.holdout && !print_holdout(cases, out)) code = 1;
       }
       for (const auto& verdict : verdicts) out << "fit " << verdict << "\n";
     }
+    if (code != 0) err << "mxscope conform: check failed: a model fitted on half the cases mispredicts the other half\n";
   }
   if (!options.expect.empty()) {
     const accumulation_model model = parse_accumulation_model(options.expect, "expect");
@@ -278,6 +303,7 @@ int run_self_test(const conform_options& options, std::ostream& out, std::ostrea
 }
 
 int run_conform(const conform_options& options, std::ostream& out, std::ostream& err) {
+  if (options.holdout && !options.fit) throw input_error("field '--holdout': needs --fit");
   if (options.self_test) {
     if (!options.directory.empty() || options.fit || !options.expect.empty() || !options.cases.empty()) {
       throw input_error("field '--self-test': takes no DUMP, --fit, --expect or --cases");
@@ -290,6 +316,7 @@ int run_conform(const conform_options& options, std::ostream& out, std::ostream&
   if (format == io::dump_format_name) {
     if (!options.expect.empty()) throw input_error("field '--expect': applies to GEMM conformance cases only");
     if (!options.cases.empty()) throw input_error("field '--cases': applies to GEMM conformance cases only");
+    if (options.holdout) throw input_error("field '--holdout': applies to GEMM conformance cases only");
     return run_quantizer_conformance(options, out);
   }
   if (format == conform::conformance_format_name) return run_gemm_conformance(options, out, err);
@@ -305,6 +332,9 @@ void add_conform_command(CLI::App& app, command_list& commands) {
       "conform", "Check hardware-quantized operands and hardware GEMM outputs against the recipes and models");
   command->add_option("DUMP", options->directory, "Dump directory (quantizer check) or conformance directory (GEMM)");
   command->add_flag("--fit", options->fit, "Search scale rules x roundings / accumulation models for an exact fit");
+  command->add_flag("--holdout", options->holdout,
+                    "With --fit on GEMM cases: also fit each path on half its cases (by K, by operand class) and "
+                    "check the fitted model on the other half");
   command->add_option("--expect", options->expect, "GEMM cases: exit 1 unless MODEL reproduces every output bit");
   command->add_flag("--self-test", options->self_test, "Compare the fast paths with the canonical paths");
   command->add_option("--device", options->device, "Self-test device: cpu or gpu");

@@ -11,13 +11,32 @@ cases (docs/dump-format.md, "GEMM conformance cases"; docs/conformance.md):
 - bf16_mxfp4_K<k>: a bf16 GEMM with fp32 output on the MXFP4-valued operands (exact in bf16).
 - bf16_random_K<k> (K up to --bf16-random-max-k): a bf16 GEMM on random bf16 values, stored as BF16.
 
-M = N = 128 and K in {32, 64, 128, 256, 512, 1024, 4096} by default. The output directory holds
+M = N = 128 and K in {32, 64, 128, 256, 512, 1024, 4096} by default (--suite base). --suite stress
+writes operand classes chosen to separate hypotheses about the accumulator (M = N = 64 unless noted):
+
+- fp8_randn_K<k>: randn x 2^r per row (r in -6..5), clamped to +-448 and rounded to e4m3: narrow
+  spread inside a dot product, cancellation, subnormals in the rows scaled down (the issue's class).
+- fp8_subnormal_K<k>: e4m3 codes with exponent fields 0..2 only (subnormals and the smallest normals).
+- fp8_cancel_K<k>: rows whose products cancel exactly (pairs inside one 32-product step, and halves
+  of K against each other), rows of +0 and of -0 (signed-zero results), the rest randn.
+- fp8_edge_K<k>: in every 32-product step one large anchor product and the others 10..17 binades
+  below its exponent sum: the alignment window's edge.
+- fp8_randn_K<k> with k not a multiple of 32 (48, 80, 208, 1040) and fp8_tiles_K256 (M = 512,
+  N = 384: many output tiles).
+- fp8_scaled_K256 / fp8_pow2scaled_K256: non-unit per-tensor scales (scale_a, scale_b in the
+  metadata as float.hex), fp8_bf16out_K256: bf16 output.
+- fp8_e5m2xe4m3_K<k>, fp8_e4m3xe5m2_K<k>: one e5m2 operand (randn x 2^r, r in -16..8: e5m2
+  subnormals included).
+- bf16_long_K<k> (k in 2048..16384) and bf16_randn_K<k>: the bf16 GEMM at long K and on randn rows.
+
+The output directory holds
 manifest.json (format "mxscope-conformance") and one safetensors file per case, with provenance
 (torch and CUDA versions, device name, cuBLAS settings) in the manifest's source and each file's
 metadata. Each case runs twice; metadata "out.repeat_identical" says whether both runs agreed.
 
 Usage on the GPU machine (Python 3.12, torch with CUDA, safetensors optional):
     python3 tools/capture/h200_conformance.py --out data/conformance/h200
+    python3 tools/capture/h200_conformance.py --suite stress --out data/conformance/h200-stress
 The same command runs unchanged on ROCm PyTorch (an MI355X: --out data/conformance/mi355x); the
 provenance then names the platform, the HIP version, the gfx architecture and hipBLASLt.
 Then, where mxscope is built:
@@ -96,6 +115,55 @@ def e4m3_operand(rows: int, k: int, generator: torch.Generator) -> Tuple[torch.T
     values = table[codes].to(torch.float32)
     scale_codes = torch.full((rows, k // BLOCK), 127, dtype=torch.uint8)
     return values, codes.to(torch.uint8), scale_codes
+
+
+def decode_e5m2(code: int) -> float:
+    """OCP e5m2 value of a code (inf for S.11111.00, NaN for S.11111.xx, xx != 0)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent = (code >> 2) & 0x1F
+    mantissa = code & 0x3
+    if exponent == 0x1F:
+        return sign * float("inf") if mantissa == 0 else float("nan")
+    if exponent == 0:
+        return sign * mantissa / 4.0 * 2.0 ** -14
+    return sign * (1.0 + mantissa / 4.0) * 2.0 ** (exponent - 15)
+
+
+FP8_DECODERS = {"e4m3": decode_e4m3, "e5m2": decode_e5m2}
+FP8_MX_FORMATS = {"e4m3": "mxfp8_e4m3", "e5m2": "mxfp8_e5m2"}
+
+
+def fp8_codes(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values -> fp8 codes (u8) by round-to-nearest, ties to the even code, saturating at the
+    largest finite value (the clamp the stress classes apply anyway). Written out here rather than
+    with torch's float8 casts so that --cpu-dry-run runs on a torch without float8 dtypes."""
+    decode = FP8_DECODERS[fmt]
+    magnitudes = [(decode(c), c) for c in range(0x80) if decode(c) == decode(c) and decode(c) != float("inf")]
+    table = torch.tensor([m for m, _ in magnitudes], dtype=torch.float64)
+    codes = torch.tensor([c for _, c in magnitudes], dtype=torch.int64)
+    x = values.double().abs().clamp(max=float(table[-1]))
+    upper = torch.searchsorted(table, x).clamp(max=len(table) - 1)
+    lower = (upper - 1).clamp(min=0)
+    below = x - table[lower]
+    above = table[upper] - x
+    pick_upper = (above < below) | ((above == below) & (codes[upper] % 2 == 0))
+    index = torch.where(pick_upper, upper, lower)
+    magnitude_codes = codes[index]
+    sign = ((values < 0) | ((values == 0) & (torch.signbit(values) if hasattr(torch, "signbit") else values < 0)))
+    return (magnitude_codes | (sign.to(torch.int64) << 7)).to(torch.uint8)
+
+
+def fp8_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    decode = FP8_DECODERS[fmt]
+    table = torch.tensor([decode(c) for c in range(256)], dtype=torch.float32)
+    return table[codes.to(torch.int64)]
+
+
+def randn_rows(rows: int, k: int, generator: torch.Generator, low: int, high: int, clamp: float) -> torch.Tensor:
+    """randn x 2^r, r uniform in [low, high] per row, clamped to +-clamp (fp32)."""
+    normal = torch.randn((rows, k), generator=generator, dtype=torch.float32)
+    exponents = torch.randint(low, high + 1, (rows, 1), generator=generator).to(torch.float32)
+    return (normal * torch.pow(2.0, exponents)).clamp(-clamp, clamp)
 
 
 def bf16_random_operand(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -203,6 +271,31 @@ def fp8_product(a: torch.Tensor, b: torch.Tensor, device: str, dry_run: bool) ->
     return out.float()
 
 
+def fp8_codes_product(a_codes: torch.Tensor, a_fmt: str, b_codes: torch.Tensor, b_fmt: str, device: str,
+                      dry_run: bool, scale_a: float = 1.0, scale_b: float = 1.0,
+                      out_bf16: bool = False) -> Tuple[torch.Tensor, str, str]:
+    """torch._scaled_mm on fp8 codes a [M, K] and b [N, K] (b passed column-major, as cuBLASLt wants):
+    (out as fp32, out rounding, the call)."""
+    call = (f"torch._scaled_mm({a_fmt}, {b_fmt}, scale_a={scale_a.hex()}, scale_b={scale_b.hex()}, "
+            f"out_dtype={'bfloat16' if out_bf16 else 'float32'})")
+    rounding = "bf16" if out_bf16 else "fp32"
+    a = fp8_values(a_codes, a_fmt)
+    b = fp8_values(b_codes, b_fmt)
+    if dry_run:
+        product = (a.double() @ b.double().t()).float() * (torch.tensor(scale_a) * torch.tensor(scale_b))
+        return (product.to(torch.bfloat16).float() if out_bf16 else product), rounding, call
+    dtypes = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    a8 = a_codes.to(device).view(dtypes[a_fmt])
+    b8 = b_codes.to(device).view(dtypes[b_fmt])
+    if not torch.equal(a8.float().cpu(), a) or not torch.equal(b8.float().cpu(), b):
+        raise RuntimeError("torch decodes the fp8 codes differently from this script's tables")
+    sa = torch.tensor(scale_a, device=device, dtype=torch.float32)
+    sb = torch.tensor(scale_b, device=device, dtype=torch.float32)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                           out_dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    return out.float(), rounding, call
+
+
 def bf16_product(a: torch.Tensor, b: torch.Tensor, device: str, dry_run: bool) -> Tuple[torch.Tensor, str, str]:
     """bf16 GEMM: (out fp32, out rounding 'fp32' | 'bf16', the call used)."""
     if dry_run:
@@ -215,6 +308,120 @@ def bf16_product(a: torch.Tensor, b: torch.Tensor, device: str, dry_run: bool) -
     except (TypeError, RuntimeError):
         out = torch.mm(a16, b16.t())  # bf16 output: the fp32 accumulator rounded to bf16
         return out.float(), "bf16", "torch.mm(bf16, bf16) -> bf16"
+
+
+def fp8_operand_case(a_codes: torch.Tensor, a_fmt: str, b_codes: torch.Tensor, b_fmt: str) -> Tuple[Dict, Dict]:
+    tensors_a, meta_a = operand_tensors("a", a_codes, torch.full((a_codes.shape[0], -(-a_codes.shape[1] // BLOCK)), 127,
+                                                                 dtype=torch.uint8), FP8_MX_FORMATS[a_fmt])
+    tensors_b, meta_b = operand_tensors("b", b_codes, torch.full((b_codes.shape[0], -(-b_codes.shape[1] // BLOCK)), 127,
+                                                                 dtype=torch.uint8), FP8_MX_FORMATS[b_fmt])
+    return dict(tensors_a, **tensors_b), dict(meta_a, **meta_b)
+
+
+def randn_codes(rows: int, k: int, generator: torch.Generator, fmt: str = "e4m3") -> torch.Tensor:
+    if fmt == "e4m3":
+        return fp8_codes(randn_rows(rows, k, generator, -6, 5, 448.0), "e4m3")
+    return fp8_codes(randn_rows(rows, k, generator, -16, 8, 57344.0), "e5m2")
+
+
+def random_signs(codes: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    sign = torch.randint(0, 2, codes.shape, generator=generator, dtype=torch.int64) << 7
+    return (codes.to(torch.int64) | sign).to(torch.uint8)
+
+
+def subnormal_codes(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """e4m3 codes with exponent field 0..2: subnormals (2^-9 .. 7 x 2^-9) and the two smallest binades."""
+    return random_signs(torch.randint(0, 24, (rows, k), generator=generator, dtype=torch.int64), generator)
+
+
+def cancel_codes(m: int, n: int, k: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Operands whose dot products cancel: b repeats each value twice (b[2i + 1] = b[2i]) and its second half
+    of K repeats the first; a's rows 0..7 negate each pair (every 32-product step sums to exactly zero),
+    rows 8..15 negate the first half in the second (steps cancel steps K/2 later), rows 16..23 do the same
+    with one element changed (near-cancellation), row 24 is +0, row 25 is -0 (b's row 0 is positive, so
+    out[25, 0] sums -0 products only); the other rows are randn."""
+    half = k // 2
+    b = randn_codes(n, k, generator).to(torch.int64)
+    b[:, 1::2] = b[:, 0::2]
+    b[:, half:] = b[:, :half]
+    b[0] &= 0x7F
+    a = randn_codes(m, k, generator).to(torch.int64)
+    a[0:8, 1::2] = a[0:8, 0::2] ^ 0x80
+    a[8:24, half:] = a[8:24, :half] ^ 0x80
+    changed = torch.randint(half, k, (8,), generator=generator)
+    for row in range(16, 24):
+        column = int(changed[row - 16])
+        code = int(a[row, column])
+        a[row, column] = code - 1 if code & 0x7F == 0x7E else code ^ 0x01  # a neighbouring value, never NaN
+    a[24] = 0x00
+    a[25] = 0x80
+    return a.to(torch.uint8), b.to(torch.uint8)
+
+
+def edge_codes(m: int, n: int, k: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One anchor per 32-product step (the same position in a and b, e4m3 exponents 6..7 in both: product
+    exponent sums 12..14) and the other values with exponents -2..1 (sums -4..2): every product lies
+    10..18 binades below the step's largest exponent sum, across the alignment window's edge."""
+    def operand(rows: int) -> torch.Tensor:
+        mantissa = torch.randint(0, 8, (rows, k), generator=generator, dtype=torch.int64)
+        exponent = torch.randint(-2, 2, (rows, k), generator=generator, dtype=torch.int64)
+        return mantissa, exponent
+    anchors = [begin + int(torch.randint(0, min(BLOCK, k - begin), (1,), generator=generator))
+               for begin in range(0, k, BLOCK)]
+    out = []
+    for rows in (m, n):
+        mantissa, exponent = operand(rows)
+        for position in anchors:
+            exponent[:, position] = torch.randint(6, 8, (rows,), generator=generator, dtype=torch.int64)
+        codes = ((exponent + 7) << 3) | mantissa  # e4m3 bias 7, normal numbers only
+        out.append(random_signs(codes, generator))
+    return out[0], out[1]
+
+
+def stress_suite(record, generator: torch.Generator, device: str, dry_run: bool) -> None:
+    """The operand classes of --suite stress (module docstring). M = N = 64 unless noted."""
+    m = n = 64
+
+    def fp8_case(name: str, a_codes, a_fmt, b_codes, b_fmt, **options) -> None:
+        tensors, metadata = fp8_operand_case(a_codes, a_fmt, b_codes, b_fmt)
+        if "scale_a" in options:
+            metadata.update({"scale_a": options["scale_a"].hex(), "scale_b": options["scale_b"].hex()})
+        record(name, "", lambda: fp8_codes_product(a_codes, a_fmt, b_codes, b_fmt, device, dry_run, **options),
+               tensors, metadata, (a_codes.shape[0], b_codes.shape[0]))
+
+    for k in (32, 64, 128, 256, 1024, 4096, 48, 80, 208, 1040):
+        fp8_case(f"fp8_randn_K{k}", randn_codes(m, k, generator), "e4m3", randn_codes(n, k, generator), "e4m3")
+    for k in (64, 256, 1024):
+        fp8_case(f"fp8_subnormal_K{k}", subnormal_codes(m, k, generator), "e4m3", subnormal_codes(n, k, generator),
+                 "e4m3")
+    for k in (64, 256, 1024):
+        a_codes, b_codes = cancel_codes(m, n, k, generator)
+        fp8_case(f"fp8_cancel_K{k}", a_codes, "e4m3", b_codes, "e4m3")
+    for k in (64, 256, 1024, 4096):
+        a_codes, b_codes = edge_codes(m, n, k, generator)
+        fp8_case(f"fp8_edge_K{k}", a_codes, "e4m3", b_codes, "e4m3")
+    fp8_case("fp8_tiles_K256", randn_codes(512, 256, generator), "e4m3", randn_codes(384, 256, generator), "e4m3")
+    fp8_case("fp8_scaled_K256", randn_codes(m, 256, generator), "e4m3", randn_codes(n, 256, generator), "e4m3",
+             scale_a=0.375, scale_b=float(torch.tensor(1.7, dtype=torch.float32)))
+    fp8_case("fp8_pow2scaled_K256", randn_codes(m, 256, generator), "e4m3", randn_codes(n, 256, generator), "e4m3",
+             scale_a=2.0 ** -3, scale_b=2.0 ** 5)
+    fp8_case("fp8_bf16out_K256", randn_codes(m, 256, generator), "e4m3", randn_codes(n, 256, generator), "e4m3",
+             out_bf16=True)
+    for k in (64, 256, 1024):
+        fp8_case(f"fp8_e5m2xe4m3_K{k}", randn_codes(m, k, generator, "e5m2"), "e5m2", randn_codes(n, k, generator),
+                 "e4m3")
+    fp8_case("fp8_e4m3xe5m2_K256", randn_codes(m, 256, generator), "e4m3", randn_codes(n, 256, generator, "e5m2"),
+             "e5m2")
+
+    def bf16_case(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        record(name, "bf16", lambda: bf16_product(a.float(), b.float(), device, dry_run), {"a": a, "b": b}, {},
+               (a.shape[0], b.shape[0]))
+
+    for k in (2048, 4096, 8192, 16384):
+        bf16_case(f"bf16_long_K{k}", bf16_random_operand(m, k, generator), bf16_random_operand(n, k, generator))
+    for k in (256, 1024, 4096):
+        bf16_case(f"bf16_randn_K{k}", randn_rows(m, k, generator, -6, 5, 1e30).to(torch.bfloat16),
+                  randn_rows(n, k, generator, -6, 5, 1e30).to(torch.bfloat16))
 
 
 def run_twice(compute):
@@ -243,15 +450,17 @@ def capture(args: argparse.Namespace) -> int:
     m = args.m
     n = args.n
 
-    def record(name: str, kind_note: str, compute, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
+    def record(name: str, kind_note: str, compute, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str],
+               shape: Optional[Tuple[int, int]] = None) -> None:
+        rows, cols = shape if shape is not None else (m, n)
         try:
             result, repeat_identical = run_twice(compute)
             if isinstance(result, tuple):
                 out, rounding, call = result
             else:
                 out, rounding, call = result, "fp32", kind_note
-            if out.shape != (m, n):
-                raise RuntimeError(f"output shape {tuple(out.shape)} != ({m}, {n})")
+            if out.shape != (rows, cols):
+                raise RuntimeError(f"output shape {tuple(out.shape)} != ({rows}, {cols})")
             file = f"{name}.safetensors"
             full = dict(metadata)
             full.update({"mxscope.case": "gemm", "out.kind": "product", "out.rounding": rounding, "call": call,
@@ -260,14 +469,16 @@ def capture(args: argparse.Namespace) -> int:
             save_case(os.path.join(args.out, file), dict(tensors, out=out.cpu().float().contiguous()), full)
             cases.append({"name": name, "file": file})
             finite = bool(torch.isfinite(out).all())
-            print(f"ok    {name:<22} out [{m}, {n}] {rounding}  repeat_identical={repeat_identical}  finite={finite}")
+            print(f"ok    {name:<22} out [{rows}, {cols}] {rounding}  repeat_identical={repeat_identical}  finite={finite}")
         except Exception as error:  # noqa: BLE001 - one failing case must not stop the others
             failures.append((name, f"{type(error).__name__}: {error}"))
             print(f"FAIL  {name:<22} {type(error).__name__}: {error}")
             if args.verbose:
                 traceback.print_exc()
 
-    for k in args.sizes:
+    if args.suite == "stress":
+        stress_suite(record, generator, device, dry_run)
+    for k in (args.sizes if args.suite == "base" else []):
         a_values, a_codes, a_scales = mxfp4_operand(m, k, generator)
         b_values, b_codes, b_scales = mxfp4_operand(n, k, generator)
         tensors_a, meta_a = operand_tensors("a", a_codes, a_scales, "mxfp4")
@@ -295,7 +506,9 @@ def capture(args: argparse.Namespace) -> int:
 
     manifest = {"format": "mxscope-conformance", "version": 1,
                 "source": dict(source, hardware=source["device"],
-                               notes="M = N = %d; fp8: torch._scaled_mm with unit scales; bf16: fp32 output" % m),
+                               notes=("M = N = %d; fp8: torch._scaled_mm with unit scales; bf16: fp32 output" % m
+                                      if args.suite == "base" else
+                                      "stress suite: operand classes of tools/capture/h200_conformance.py")),
                 "cases": cases}
     manifest_path = os.path.join(args.out, "manifest.json")
     with open(f"{manifest_path}.tmp", "w", encoding="utf-8") as handle:
@@ -317,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--suite", choices=("base", "stress"), default="base",
+                        help="base: the MXFP4-valued and random cases; stress: the operand classes that separate "
+                             "accumulator hypotheses (see above)")
     parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=DEFAULT_SIZES,
                         help="comma-separated K values, multiples of 32 (default %(default)s)")
     parser.add_argument("--m", type=int, default=128)
