@@ -792,6 +792,21 @@ std::vector<accumulation_model> fit_family() {
       }
     }
   }
+  // Split K: a GEMM that cuts K into chunks of c products, accumulates each chunk in the full-width
+  // truncating adder and sums the chunks' fp32 results in order computes trunc-promote with
+  // promotion interval c. Chunks are multiples of a K tile, so c runs over multiples of 128 (the
+  // H200's cuBLAS bf16 GEMM splits K >= 4096 into chunks of 1408, docs/conformance.md).
+  for (int fraction_bits = 24; fraction_bits <= 26; ++fraction_bits) {
+    for (const int step : {16, 32}) {
+      for (int chunk = 512; chunk <= 4096; chunk += 128) {
+        accumulation_model model{accumulation_kind::trunc_promote, 1, fraction_bits, alignment_rounding::rtz};
+        model.products_per_step = step;
+        model.step_bits = 24;
+        model.promotion_interval = chunk;
+        models.push_back(model);
+      }
+    }
+  }
   models.push_back({accumulation_kind::fp32_block, 1, 0, alignment_rounding::rtz});
   for (const int group : {2, 4, 8}) models.push_back({accumulation_kind::fp32_group, group, 0, alignment_rounding::rtz});
   models.push_back({accumulation_kind::fp32_seq, 1, 0, alignment_rounding::rtz});

@@ -1009,8 +1009,13 @@ TEST_P(shipped_h200_directory, reproduces_under_the_documented_model) {
 
 // h200: the MXFP4-valued and random cases the model was found on; h200-stress: the operand classes
 // that separate hypotheses (subnormals, cancellation, the alignment edge, odd K, many tiles,
-// per-tensor scales, bf16 output, e5m2), captured later with --suite stress.
-INSTANTIATE_TEST_SUITE_P(captures, shipped_h200_directory, ::testing::Values("h200", "h200-stress"),
-                         [](const auto& info) { return std::string(info.param) == "h200" ? "base" : "stress"; });
+// per-tensor scales, bf16 output, e5m2, long-K bf16), captured later with --suite stress;
+// h200-probe: the split-K probes (--suite probe), whose outputs are 1 where the unit and the small
+// product share an accumulation and 1 + 2^-23 where cuBLAS summed them in separate K chunks.
+INSTANTIATE_TEST_SUITE_P(captures, shipped_h200_directory, ::testing::Values("h200", "h200-stress", "h200-probe"),
+                         [](const auto& info) {
+                           const std::string name = info.param;
+                           return name == "h200" ? std::string("base") : name.substr(5);
+                         });
 
 }  // namespace

@@ -29,6 +29,13 @@ writes operand classes chosen to separate hypotheses about the accumulator (M = 
   subnormals included).
 - bf16_long_K<k> (k in 2048..16384) and bf16_randn_K<k>: the bf16 GEMM at long K and on randn rows.
 
+--suite probe maps how a GEMM splits K into separately accumulated segments (bf16 and fp8):
+output (i, j) is 1 + 1.5 x 2^-24, a unit product at position P_j = s j + 1 and a small one at
+Q_i = s i + s/2 + 1 (s = K / M): where both fall into one truncating accumulation the small term
+is truncated away (out = 1), where they are summed in separate segments and added in fp32 with
+round-to-nearest it survives (out = 1 + 2^-23). Cases bf16_probe_M<m>_K<k> and fp8_probe_M<m>_K<k>
+(fp8: unit products 16, small ones 1.5 x 2^-12, below the 13-bit window: the same test).
+
 The output directory holds
 manifest.json (format "mxscope-conformance") and one safetensors file per case, with provenance
 (torch and CUDA versions, device name, cuBLAS settings) in the manifest's source and each file's
@@ -424,6 +431,41 @@ def stress_suite(record, generator: torch.Generator, device: str, dry_run: bool)
                   randn_rows(n, k, generator, -6, 5, 1e30).to(torch.bfloat16))
 
 
+def probe_operands(m: int, k: int, small: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The split probe of --suite probe (module docstring): a [m, k], b [m, k] as fp32 values."""
+    spacing = k // m
+    a = torch.zeros((m, k), dtype=torch.float32)
+    b = torch.zeros((m, k), dtype=torch.float32)
+    anchors = [spacing * j + 1 for j in range(m)]
+    smalls = [spacing * i + spacing // 2 + 1 for i in range(m)]
+    for j, position in enumerate(anchors):
+        a[:, position] = 1.0
+        b[j, position] = 1.0
+    for i, position in enumerate(smalls):
+        a[i, position] = small
+        b[:, position] = 1.0
+    return a, b
+
+
+def probe_suite(record, device: str, dry_run: bool) -> None:
+    for m, k in ((64, 2048), (64, 4096), (64, 8192), (128, 4096)):
+        a, b = probe_operands(m, k, 1.5 * 2.0 ** -24)
+        record(f"bf16_probe_M{m}_K{k}", "bf16", lambda a=a, b=b: bf16_product(a, b, device, dry_run),
+               {"a": a.to(torch.bfloat16), "b": b.to(torch.bfloat16)}, {}, (m, m))
+    for m, k in ((64, 4096), (64, 8192), (128, 4096)):
+        # e4m3 codes: anchors 4 x 4 = 16 (0x48), small terms 1.5 x 2^-6 (0x0C) times 2^-6 (0x08) = 1.5 x 2^-12,
+        # far below the 13-bit window under 16 but kept by an fp32 add of separate segments.
+        a, b = probe_operands(m, k, 0.5)
+        a_codes = torch.where(a == 1.0, 0x48, torch.where(a == 0.5, 0x0C, 0)).to(torch.uint8)
+        anchor_columns = b.sum(dim=0) == 1.0
+        b_codes = torch.where(b == 1.0, torch.where(anchor_columns, 0x48, 0x08), 0).to(torch.uint8)
+        tensors, metadata = fp8_operand_case(a_codes, "e4m3", b_codes, "e4m3")
+        record(f"fp8_probe_M{m}_K{k}", "",
+               lambda a_codes=a_codes, b_codes=b_codes: fp8_codes_product(a_codes, "e4m3", b_codes, "e4m3", device,
+                                                                          dry_run),
+               tensors, metadata, (m, m))
+
+
 def run_twice(compute):
     first = compute()
     second = compute()
@@ -478,6 +520,8 @@ def capture(args: argparse.Namespace) -> int:
 
     if args.suite == "stress":
         stress_suite(record, generator, device, dry_run)
+    if args.suite == "probe":
+        probe_suite(record, device, dry_run)
     for k in (args.sizes if args.suite == "base" else []):
         a_values, a_codes, a_scales = mxfp4_operand(m, k, generator)
         b_values, b_codes, b_scales = mxfp4_operand(n, k, generator)
@@ -508,7 +552,7 @@ def capture(args: argparse.Namespace) -> int:
                 "source": dict(source, hardware=source["device"],
                                notes=("M = N = %d; fp8: torch._scaled_mm with unit scales; bf16: fp32 output" % m
                                       if args.suite == "base" else
-                                      "stress suite: operand classes of tools/capture/h200_conformance.py")),
+                                      f"{args.suite} suite of tools/capture/h200_conformance.py")),
                 "cases": cases}
     manifest_path = os.path.join(args.out, "manifest.json")
     with open(f"{manifest_path}.tmp", "w", encoding="utf-8") as handle:
@@ -530,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory (created)")
-    parser.add_argument("--suite", choices=("base", "stress"), default="base",
+    parser.add_argument("--suite", choices=("base", "stress", "probe"), default="base",
                         help="base: the MXFP4-valued and random cases; stress: the operand classes that separate "
                              "accumulator hypotheses (see above)")
     parser.add_argument("--sizes", type=lambda text: [int(v) for v in text.split(",")], default=DEFAULT_SIZES,
