@@ -6,10 +6,12 @@ Recipes: bf16 (autocast, the baseline); mxfp4-fdw (MXFP4 in fprop, dgrad and wgr
 mxscope.torch); mxfp4-fdw-wgrad-sr-h16 (the same with stochastic rounding and a deterministic H16 on
 Wgrad); mxfp4-fdw-torch (the first MXFP4 recipe through the pure-PyTorch quantizer mxfp_torch, the
 path the trainer had before); mxfp4-fdw-unshared (mxfp4-fdw with every layer quantizing its own
-input, no operand shared between q, k and v or gate and up). Each recipe trains its own copy of one initialization; the recipes
-take turns (--rounds rounds of --steps steps each, after --warmup steps), and each step is timed
-from a device synchronization to the next, optimizer step included. The median step over all
-rounds is reported with the min and max.
+input, no operand shared between q, k and v or gate and up). Each recipe trains its own copy of one
+initialization; the recipes take turns (--rounds rounds of --steps steps each, after --warmup
+steps), and each step is timed from a device synchronization to the next, optimizer step included.
+The median step over all rounds is reported with the min and max. The pure-PyTorch recipe is warmed
+up and timed only after the other recipes' rounds: its steps fill the caching allocator with large
+temporaries, and measured among them they slowed every recipe after them (BENCHMARKS.md).
 
 usage: bench_train.py [--d-model 1024] [--seq 1024] [--layers 4] [--batch 8] [--rounds 3] [--steps 5]
                       [--json OUT.json]
@@ -93,6 +95,7 @@ def main() -> int:
                 module._mxs_shared = mt._SharedInputs(size=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         runs.append({"name": name, "model": model, "optimizer": optimizer, "times": [], "step": 0,
+                     "pure_torch": quantizer == "torch",
                      "steps": args.torch_steps if quantizer == "torch" else args.steps})
 
     def step(run):
@@ -108,19 +111,23 @@ def main() -> int:
         run["optimizer"].zero_grad(set_to_none=True)
         return loss
 
-    for run in runs:
-        for _ in range(args.warmup):
-            step(run)
-        torch.cuda.synchronize()
-    for _ in range(args.rounds):
-        for run in runs:
-            for _ in range(run["steps"]):
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                loss = step(run)
-                torch.cuda.synchronize()
-                run["times"].append(time.perf_counter() - started)
-            run["loss"] = float(loss)
+    def measure(phase):
+        for run in phase:
+            for _ in range(args.warmup):
+                step(run)
+            torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for run in phase:
+                for _ in range(run["steps"]):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    loss = step(run)
+                    torch.cuda.synchronize()
+                    run["times"].append(time.perf_counter() - started)
+                run["loss"] = float(loss)
+
+    measure([run for run in runs if not run["pure_torch"]])
+    measure([run for run in runs if run["pure_torch"]])
 
     tokens = args.batch * config.seq
     baseline = statistics.median(next(r for r in runs if r["name"] == "bf16")["times"]) if any(

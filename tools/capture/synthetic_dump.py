@@ -6,8 +6,12 @@ x [K, n_in] and dy [K, n_out] are bf16: Gaussian entries times a heavy-tailed pe
 (log-normal, sigma 1) and, for x, a few outlier channels (x8) as activations have; each step draws
 fresh values from a generator seeded by (seed, step, layer index), so a dump is reproducible.
 
+With --llama-layer the dump holds one whole Llama-3.1-8B decoder layer instead: its seven
+projections (q 4096 -> 4096, k and v 4096 -> 1024, o 4096 -> 4096, gate and up 4096 -> 14336, down
+14336 -> 4096) as layers.0.self_attn.{q,k,v,o}_proj and layers.0.mlp.{gate,up,down}_proj.
+
 Usage: synthetic_dump.py OUT_DIR [--n-out 4096] [--n-in 14336] [--tokens 8192] [--steps 1-2]
-                                 [--layers 1] [--seed 1] [--device cpu|cuda] [--weights]
+                                 [--layers 1 | --llama-layer] [--seed 1] [--device cpu|cuda] [--weights]
 """
 import argparse
 import json
@@ -25,6 +29,12 @@ def steps_of(text):
     return list(range(int(first), int(last or first) + 1))
 
 
+# Llama-3.1-8B's projections as (module, n_out, n_in).
+LLAMA_8B_LAYER = [("self_attn.q_proj", 4096, 4096), ("self_attn.k_proj", 1024, 4096),
+                  ("self_attn.v_proj", 1024, 4096), ("self_attn.o_proj", 4096, 4096),
+                  ("mlp.gate_proj", 14336, 4096), ("mlp.up_proj", 14336, 4096), ("mlp.down_proj", 4096, 14336)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -36,12 +46,17 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--weights", action="store_true", help="also write w [n_out, n_in] (fp32)")
+    parser.add_argument("--llama-layer", action="store_true",
+                        help="the seven projections of one Llama-3.1-8B layer (overrides --n-out, --n-in, --layers)")
     args = parser.parse_args()
+    if args.llama_layer:
+        shapes = [(f"layers.0.{module}", n_out, n_in) for module, n_out, n_in in LLAMA_8B_LAYER]
+    else:
+        shapes = [(f"layers.{index}.mlp.down_proj", args.n_out, args.n_in) for index in range(args.layers)]
 
     os.makedirs(args.out, exist_ok=True)
     entries = []
-    for layer_index in range(args.layers):
-        layer = f"layers.{layer_index}.mlp.down_proj"
+    for layer_index, (layer, n_out, n_in) in enumerate(shapes):
         os.makedirs(os.path.join(args.out, layer), exist_ok=True)
         for step in steps_of(args.steps):
             generator = torch.Generator(device=args.device)
@@ -55,9 +70,9 @@ def main():
                     values[:, channels] *= 8.0
                 return values.to(torch.bfloat16).cpu()
 
-            tensors = {"x": draw(args.tokens, args.n_in, True), "dy": draw(args.tokens, args.n_out, False) * 1e-3}
+            tensors = {"x": draw(args.tokens, n_in, True), "dy": draw(args.tokens, n_out, False) * 1e-3}
             if args.weights:
-                tensors["w"] = (torch.randn(args.n_out, args.n_in, generator=generator, device=args.device) * 0.02).cpu()
+                tensors["w"] = (torch.randn(n_out, n_in, generator=generator, device=args.device) * 0.02).cpu()
             relative = f"{layer}/step_{step:08d}.safetensors"
             safetensors_lite.save_file(tensors, os.path.join(args.out, relative),
                                        {"layer": layer, "step": str(step), "calls": "1"})
@@ -69,9 +84,11 @@ def main():
             "hardware": "synthetic",
             "framework": f"PyTorch {torch.__version__}",
             "recipe": "synthetic bf16 operands (tools/capture/synthetic_dump.py)",
-            "model": f"one Llama-shaped Wgrad: n_out {args.n_out}, n_in {args.n_in}, K {args.tokens}",
+            "model": (f"one Llama-3.1-8B layer: its seven projections, K {args.tokens}" if args.llama_layer else
+                      f"{len(shapes)} Llama-shaped Wgrad(s): n_out {args.n_out}, n_in {args.n_in}, K {args.tokens}"),
             "notes": "Gaussian values x log-normal per-token scale; x has outlier channels; not training data",
-            "provenance": {"seed": args.seed, "layers": args.layers, "steps": args.steps},
+            "provenance": {"seed": args.seed, "layers": len(shapes), "steps": args.steps,
+                           "llama_layer": args.llama_layer},
         },
         "entries": entries,
     }
