@@ -645,6 +645,172 @@ merged_fragments merge_fragments(const std::vector<layer_plan>& plan, std::size_
   return out;
 }
 
+// The entries the replay selects (--layers, --steps), grouped by layer in dump order, checked
+// against the analysis before any work starts: the GEMMs other than Wgrad need w, and every
+// strategy's rotation must divide every reduction length it is applied to.
+std::vector<layer_plan> select_entries(const replay_options& options, const analysis& parsed,
+                                       const io::dump_reader& dump) {
+  std::vector<layer_plan> plan;
+  std::optional<std::regex> layer_filter;
+  if (options.layers) {
+    check_layer_pattern(*options.layers);
+    try {
+      layer_filter.emplace(*options.layers, std::regex::ECMAScript);
+    } catch (const std::regex_error& error) {
+      throw input_error(
+          fmt::format("--layers: '{}' is not a valid regular expression: {}", *options.layers, error.what()));
+    }
+  }
+  std::optional<std::set<std::int64_t>> step_filter;
+  if (options.steps) {
+    const auto list = parse_step_list(*options.steps, "--steps");
+    step_filter.emplace(list.begin(), list.end());
+  }
+  for (const auto& entry : dump.entries()) {
+    if (layer_filter && !std::regex_match(entry.layer, *layer_filter)) continue;
+    if (step_filter && !step_filter->contains(entry.step)) continue;
+    if (plan.empty() || plan.back().name != entry.layer) plan.push_back({entry.layer, {}});
+    plan.back().entries.push_back(&entry);
+  }
+  if (plan.empty()) {
+    throw input_error(fmt::format("{}: no entries match --layers '{}' and --steps '{}'", options.dump.string(),
+                                  options.layers.value_or(".*"), options.steps.value_or("all")));
+  }
+  for (gemm_kind kind : parsed.gemms) {
+    if (kind == gemm_kind::wgrad) continue;
+    for (const auto& layer : plan) {
+      for (const auto* entry : layer.entries) {
+        if (!entry->w_type) {
+          throw input_error(fmt::format("{}: tensor 'w' is missing, but analysis {} asks for {} (which needs w)",
+                                        entry->file.string(), parsed.path, gemm_kind_name(kind)));
+        }
+      }
+    }
+  }
+
+  // Every strategy's rotation must divide every reduction length: checked before any work starts.
+  for (gemm_kind kind : parsed.gemms) {
+    for (const auto& s : parsed.strategies) {
+      const strategy& chosen = s.for_gemm(kind);
+      if (chosen.rotation_size == 0) continue;
+      for (const auto& layer : plan) {
+        for (const auto* entry : layer.entries) {
+          const std::int64_t reduction = kind == gemm_kind::wgrad   ? entry->tokens
+                                         : kind == gemm_kind::fprop ? entry->in_features
+                                                                    : entry->out_features;
+          if (reduction % chosen.rotation_size != 0) {
+            throw input_error(fmt::format(
+                "{}: strategy '{}': rotation hadamard:{} does not divide the {} reduction length {} of layer "
+                "'{}' (entry {})",
+                parsed.path, s.name, chosen.rotation_size, gemm_kind_name(kind), reduction, entry->layer,
+                entry->file.string()));
+          }
+        }
+      }
+    }
+  }
+  return plan;
+}
+
+// This rank's share of the units not finished at the start (done_at_start[i] == '1' for a finished
+// unit i in canonical order: layer, gemm, strategy): each pending unit weighs the M N K of its
+// layer's entries times its strategy's weight, and assign_units cuts the pending units into
+// contiguous runs of nearly equal weight, one per rank.
+struct unit_assignment {
+  std::vector<bool> mine;           // by unit index: this rank computes it
+  std::int64_t units_resumed = 0;   // units finished before this run
+  std::int64_t layers_resumed = 0;  // layers whose units were all finished before this run
+  std::int64_t entries = 0;         // entries this rank reads: those of the layers it owns a unit of
+};
+
+unit_assignment assign_pending(const std::vector<layer_plan>& plan, const analysis& parsed,
+                               const std::string& done_at_start, int ranks, int rank) {
+  const std::size_t gemm_count = parsed.gemms.size();
+  const std::size_t strategy_count = parsed.strategies.size();
+  const std::size_t units_per_layer = gemm_count * strategy_count;
+  const std::size_t unit_count = plan.size() * units_per_layer;
+  unit_assignment out;
+  std::vector<std::size_t> pending;
+  std::vector<std::uint64_t> costs;
+  for (std::size_t index = 0; index < unit_count; ++index) {
+    if (done_at_start[index] == '1') {
+      ++out.units_resumed;
+      continue;
+    }
+    std::uint64_t cost = 0;
+    for (const auto* entry : plan[index / units_per_layer].entries) {
+      cost += static_cast<std::uint64_t>(entry->tokens) * static_cast<std::uint64_t>(entry->in_features) *
+              static_cast<std::uint64_t>(entry->out_features);
+    }
+    const std::size_t gemm = (index / strategy_count) % gemm_count;
+    cost *= strategy_weight(parsed.strategies[index % strategy_count].for_gemm(parsed.gemms[gemm]));
+    pending.push_back(index);
+    costs.push_back(cost);
+  }
+  const std::vector<int> owners = assign_units(costs, ranks);
+  out.mine.assign(unit_count, false);
+  for (std::size_t i = 0; i < pending.size(); ++i) out.mine[pending[i]] = owners[i] == rank;
+  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
+    const auto first = done_at_start.begin() + static_cast<std::ptrdiff_t>(layer_index * units_per_layer);
+    if (std::all_of(first, first + static_cast<std::ptrdiff_t>(units_per_layer), [](char c) { return c == '1'; })) {
+      ++out.layers_resumed;
+    }
+    for (std::size_t u = 0; u < units_per_layer; ++u) {
+      if (out.mine[layer_index * units_per_layer + u]) {
+        out.entries += static_cast<std::int64_t>(plan[layer_index].entries.size());
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+// When a rank dies (killed, out of memory, its node lost), the launcher terminates the others.
+// The lowest rank still alive then names the ranks that are gone and the units they were on,
+// from their state files (a process on another host is listed with what it was working on).
+void report_termination(const fs::path& partial, int ranks, int rank, const std::string& host, std::size_t unit_count,
+                        const std::function<std::string(std::size_t)>& fragment_name, std::ostream& log) {
+  std::vector<json> states(static_cast<std::size_t>(ranks));
+  const auto gone = [&](const json& state) {
+    return state.is_object() && state.value("host", "") == host &&
+           ::kill(static_cast<pid_t>(state.value("pid", std::int64_t{0})), 0) != 0 && errno == ESRCH;
+  };
+  for (int r = 0; r < ranks; ++r) {
+    states[static_cast<std::size_t>(r)] =
+        json::parse(read_text(partial / fmt::format("rank-{:05d}.json", r)), nullptr, false);
+  }
+  for (int r = 0; r < rank; ++r) {
+    if (!gone(states[static_cast<std::size_t>(r)])) return;  // a lower rank reports
+  }
+  std::string message = "mxscope replay: error: the launcher stopped the run";
+  std::size_t stopped_ranks = 0, stopped_units = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const json& state = states[static_cast<std::size_t>(r)];
+    if (!state.is_object()) continue;
+    const bool working = state.value("state", "") == "working";
+    if (r == rank || (!gone(state) && state.value("host", "") == host)) {
+      // Alive: its units in progress are lost with it.
+      if (working) ++stopped_ranks, stopped_units += state["units"].size();
+      continue;
+    }
+    std::string units;
+    for (const auto& unit : state["units"]) units += (units.empty() ? "" : ", ") + unit.get<std::string>();
+    const std::string what = working ? fmt::format("working on {}", units)
+                                     : fmt::format("in state '{}'", state.value("state", "?"));
+    message += fmt::format("\nrank {} of {} (host {}, pid {}) {} {}", r, ranks, state.value("host", "?"),
+                           state.value("pid", std::int64_t{0}), gone(state) ? "is gone; it was" : "was", what);
+  }
+  if (stopped_ranks > 0) {
+    message += fmt::format("\n{} other ranks were stopped with {} units in progress", stopped_ranks, stopped_units);
+  }
+  std::size_t complete = 0;
+  for (std::size_t index = 0; index < unit_count; ++index) complete += fs::exists(partial / fragment_name(index));
+  message += fmt::format("\n{} of {} units are complete and kept in {}; finish the run with --resume (with any "
+                         "number of ranks)\n",
+                         complete, unit_count, partial.string());
+  log << message << std::flush;
+}
+
 // summary.json's provenance: the tool, the analysis, the dump and its source, the inputs' hashes,
 // the filters, the reference and whether attribution ran.
 json summary_provenance(const replay_options& options, const analysis& parsed, const io::dump_reader& dump,
@@ -672,6 +838,57 @@ json summary_provenance(const replay_options& options, const analysis& parsed, c
   provenance["attribute"] = attribute;
   provenance["environment"] = "run.json (device, threads and wall times differ between runs and are kept there)";
   return provenance;
+}
+
+// The stage times of run.json's "seconds".
+struct run_seconds {
+  double total, read, setup, upload, hashing, reference, strategies;
+};
+
+// run.json: where each stage ran, threads and ranks, what was resumed, the stage times, the time
+// of every strategy (and of its stages), and with several ranks each rank's share.
+json run_record(const std::string& device_option, const std::string& gpu_name, const placement_counts& placed,
+                int threads, const replay_outcome& outcome, const run_seconds& seconds, const merged_fragments& merged,
+                const analysis& parsed, const std::vector<json>& per_rank) {
+  json run;
+  run["device"] = device_option;
+  if (!gpu_name.empty()) run["gpu"] = gpu_name;
+  run["placement"] = {{"quantize", {{"gpu", placed.quantize_gpu}, {"cpu", placed.quantize_cpu}}},
+                      {"product", {{"gpu", placed.product_gpu}, {"cpu", placed.product_cpu}}},
+                      {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
+                      {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}},
+                      {"cross_step", {{"gpu", placed.cross_step_gpu}, {"cpu", placed.cross_step_cpu}}}};
+  run["threads"] = threads;
+  run["ranks"] = per_rank.size();
+  run["resumed_layers"] = outcome.layers_resumed;
+  run["resumed_units"] = outcome.units_resumed;
+  run["entries_replayed_in_last_process"] = outcome.entries;
+  run["seconds"] = {{"total", seconds.total},
+                    {"read", seconds.read},
+                    {"setup", seconds.setup},
+                    {"upload", seconds.upload},
+                    {"hashing", seconds.hashing},
+                    {"reference", seconds.reference},
+                    {"strategies", seconds.strategies}};
+  json per_strategy = json::object();
+  json per_strategy_stage = json::object();
+  for (std::size_t k = 0; k < parsed.strategies.size(); ++k) {
+    per_strategy[parsed.strategies[k].name] = merged.strategy_seconds[k];
+    per_strategy_stage[parsed.strategies[k].name] = merged.strategy_stage_seconds[k];
+  }
+  run["seconds_per_strategy"] = per_strategy;
+  run["stage_seconds_per_strategy"] = per_strategy_stage;
+  if (per_rank.size() > 1) {
+    json ranks_json = json::array();
+    for (std::size_t r = 0; r < per_rank.size(); ++r) {
+      ranks_json.push_back({{"rank", r},
+                            {"entries", per_rank[r]["entries"]},
+                            {"units", per_rank[r]["units_done"]},
+                            {"seconds", per_rank[r]["seconds"]}});
+    }
+    run["per_rank"] = ranks_json;
+  }
+  return run;
 }
 
 // The four final files, all or none: when one cannot be written (a full disk), those already
@@ -753,65 +970,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
     dump_holder.emplace(options.dump);
     const io::dump_reader& dump = *dump_holder;
 
-    // Select the entries.
-    std::optional<std::regex> layer_filter;
-    if (options.layers) {
-      check_layer_pattern(*options.layers);
-      try {
-        layer_filter.emplace(*options.layers, std::regex::ECMAScript);
-      } catch (const std::regex_error& error) {
-        throw input_error(
-            fmt::format("--layers: '{}' is not a valid regular expression: {}", *options.layers, error.what()));
-      }
-    }
-    std::optional<std::set<std::int64_t>> step_filter;
-    if (options.steps) {
-      const auto list = parse_step_list(*options.steps, "--steps");
-      step_filter.emplace(list.begin(), list.end());
-    }
-    for (const auto& entry : dump.entries()) {
-      if (layer_filter && !std::regex_match(entry.layer, *layer_filter)) continue;
-      if (step_filter && !step_filter->contains(entry.step)) continue;
-      if (plan.empty() || plan.back().name != entry.layer) plan.push_back({entry.layer, {}});
-      plan.back().entries.push_back(&entry);
-    }
-    if (plan.empty()) {
-      throw input_error(fmt::format("{}: no entries match --layers '{}' and --steps '{}'", options.dump.string(),
-                                    options.layers.value_or(".*"), options.steps.value_or("all")));
-    }
-    for (gemm_kind kind : parsed.gemms) {
-      if (kind == gemm_kind::wgrad) continue;
-      for (const auto& layer : plan) {
-        for (const auto* entry : layer.entries) {
-          if (!entry->w_type) {
-            throw input_error(fmt::format("{}: tensor 'w' is missing, but analysis {} asks for {} (which needs w)",
-                                          entry->file.string(), parsed.path, gemm_kind_name(kind)));
-          }
-        }
-      }
-    }
-
-    // Every strategy's rotation must divide every reduction length: checked before any work starts.
-    for (gemm_kind kind : parsed.gemms) {
-      for (const auto& s : parsed.strategies) {
-        const strategy& chosen = s.for_gemm(kind);
-        if (chosen.rotation_size == 0) continue;
-        for (const auto& layer : plan) {
-          for (const auto* entry : layer.entries) {
-            const std::int64_t reduction = kind == gemm_kind::wgrad   ? entry->tokens
-                                           : kind == gemm_kind::fprop ? entry->in_features
-                                                                      : entry->out_features;
-            if (reduction % chosen.rotation_size != 0) {
-              throw input_error(fmt::format(
-                  "{}: strategy '{}': rotation hadamard:{} does not divide the {} reduction length {} of layer "
-                  "'{}' (entry {})",
-                  parsed.path, s.name, chosen.rotation_size, gemm_kind_name(kind), reduction, entry->layer,
-                  entry->file.string()));
-            }
-          }
-        }
-      }
-    }
+    plan = select_entries(options, parsed, dump);
     return std::string();
   });
   const analysis& parsed = *parsed_holder;
@@ -910,43 +1069,12 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   // The static assignment of the units still to do (assign_units).
   replay_outcome outcome;
   outcome.units_total = static_cast<std::int64_t>(unit_count);
-  std::vector<std::size_t> pending;
-  std::vector<std::uint64_t> costs;
-  for (std::size_t index = 0; index < unit_count; ++index) {
-    if (done_at_start[index] == '1') {
-      ++outcome.units_resumed;
-      continue;
-    }
-    std::uint64_t cost = 0;
-    for (const auto* entry : plan[unit_at(index).layer].entries) {
-      cost += static_cast<std::uint64_t>(entry->tokens) * static_cast<std::uint64_t>(entry->in_features) *
-              static_cast<std::uint64_t>(entry->out_features);
-    }
-    const unit_index unit = unit_at(index);
-    cost *= strategy_weight(parsed.strategies[unit.strategy].for_gemm(parsed.gemms[unit.gemm]));
-    pending.push_back(index);
-    costs.push_back(cost);
-  }
-  const std::vector<int> owners = assign_units(costs, ranks);
-  std::vector<bool> mine(unit_count, false);
-  for (std::size_t i = 0; i < pending.size(); ++i) mine[pending[i]] = owners[i] == rank;
+  const unit_assignment assigned = assign_pending(plan, parsed, done_at_start, ranks, rank);
+  outcome.units_resumed = assigned.units_resumed;
+  outcome.layers_resumed = assigned.layers_resumed;
+  const std::vector<bool>& mine = assigned.mine;
   const std::size_t units_per_layer = gemm_count * strategy_count;
-  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    const auto first = done_at_start.begin() + static_cast<std::ptrdiff_t>(layer_index * units_per_layer);
-    if (std::all_of(first, first + static_cast<std::ptrdiff_t>(units_per_layer), [](char c) { return c == '1'; })) {
-      ++outcome.layers_resumed;
-    }
-  }
-
-  std::int64_t total_entries = 0;
-  for (std::size_t layer_index = 0; layer_index < plan.size(); ++layer_index) {
-    for (std::size_t u = 0; u < units_per_layer; ++u) {
-      if (mine[layer_index * units_per_layer + u]) {
-        total_entries += static_cast<std::int64_t>(plan[layer_index].entries.size());
-        break;
-      }
-    }
-  }
+  const std::int64_t total_entries = assigned.entries;
   std::int64_t entries_seen = 0;
   double seconds_reference = 0.0, seconds_strategies = 0.0, seconds_read = 0.0;
   double seconds_setup = -1.0;  // from the start to the first read (parsing, planning, resuming)
@@ -1002,49 +1130,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   bool stopped_by_other = false;
   write_state("started", {});
 
-  // When a rank dies (killed, out of memory, its node lost), the launcher terminates the others.
-  // The lowest rank still alive then names the ranks that are gone and the units they were on,
-  // from their state files (a process on another host is listed with what it was working on).
   const auto termination_report = [&] {
-    std::vector<json> states(static_cast<std::size_t>(ranks));
-    const auto gone = [&](const json& state) {
-      return state.is_object() && state.value("host", "") == host &&
-             ::kill(static_cast<pid_t>(state.value("pid", std::int64_t{0})), 0) != 0 && errno == ESRCH;
-    };
-    for (int r = 0; r < ranks; ++r) {
-      states[static_cast<std::size_t>(r)] =
-          json::parse(read_text(partial / fmt::format("rank-{:05d}.json", r)), nullptr, false);
-    }
-    for (int r = 0; r < rank; ++r) {
-      if (!gone(states[static_cast<std::size_t>(r)])) return;  // a lower rank reports
-    }
-    std::string message = "mxscope replay: error: the launcher stopped the run";
-    std::size_t stopped_ranks = 0, stopped_units = 0;
-    for (int r = 0; r < ranks; ++r) {
-      const json& state = states[static_cast<std::size_t>(r)];
-      if (!state.is_object()) continue;
-      const bool working = state.value("state", "") == "working";
-      if (r == rank || (!gone(state) && state.value("host", "") == host)) {
-        // Alive: its units in progress are lost with it.
-        if (working) ++stopped_ranks, stopped_units += state["units"].size();
-        continue;
-      }
-      std::string units;
-      for (const auto& unit : state["units"]) units += (units.empty() ? "" : ", ") + unit.get<std::string>();
-      const std::string what = working ? fmt::format("working on {}", units)
-                                       : fmt::format("in state '{}'", state.value("state", "?"));
-      message += fmt::format("\nrank {} of {} (host {}, pid {}) {} {}", r, ranks, state.value("host", "?"),
-                             state.value("pid", std::int64_t{0}), gone(state) ? "is gone; it was" : "was", what);
-    }
-    if (stopped_ranks > 0) {
-      message += fmt::format("\n{} other ranks were stopped with {} units in progress", stopped_ranks, stopped_units);
-    }
-    std::size_t complete = 0;
-    for (std::size_t index = 0; index < unit_count; ++index) complete += fs::exists(partial / fragment_name(index));
-    message += fmt::format("\n{} of {} units are complete and kept in {}; finish the run with --resume (with any "
-                           "number of ranks)\n",
-                           complete, unit_count, partial.string());
-    log << message << std::flush;
+    report_termination(partial, ranks, rank, host, unit_count, fragment_name, log);
   };
   struct report_guard {
     process_group& world;
@@ -1379,48 +1466,14 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
   summary["provenance"] = summary_provenance(options, parsed, dump, input_sha256, attribute);
   summary["units"] = merged.units;
 
-  json run;
-  run["device"] = options.device;
+  std::string gpu_name;
   if (device == compute_device::gpu) {
     ready_gpu();
-    run["gpu"] = device_name(device);
+    gpu_name = device_name(device);
   }
-  run["placement"] = {{"quantize", {{"gpu", placed.quantize_gpu}, {"cpu", placed.quantize_cpu}}},
-                      {"product", {{"gpu", placed.product_gpu}, {"cpu", placed.product_cpu}}},
-                      {"reference", {{"gpu", placed.reference_gpu}, {"cpu", placed.reference_cpu}}},
-                      {"compare", {{"gpu", placed.compare_gpu}, {"cpu", placed.compare_cpu}}},
-                      {"cross_step", {{"gpu", placed.cross_step_gpu}, {"cpu", placed.cross_step_cpu}}}};
-  run["threads"] = threads;
-  run["ranks"] = ranks;
-  run["resumed_layers"] = outcome.layers_resumed;
-  run["resumed_units"] = outcome.units_resumed;
-  run["entries_replayed_in_last_process"] = outcome.entries;
-  run["seconds"] = {{"total", seconds_since(started)},
-                    {"read", seconds_read},
-                    {"setup", std::max(seconds_setup, 0.0)},
-                    {"upload", seconds_upload},
-                    {"hashing", seconds_hashing},
-                    {"reference", seconds_reference},
-                    {"strategies", seconds_strategies}};
-  json per_strategy = json::object();
-  json per_strategy_stage = json::object();
-  for (std::size_t k = 0; k < strategy_count; ++k) {
-    per_strategy[parsed.strategies[k].name] = merged.strategy_seconds[k];
-    per_strategy_stage[parsed.strategies[k].name] = merged.strategy_stage_seconds[k];
-  }
-  run["seconds_per_strategy"] = per_strategy;
-  run["stage_seconds_per_strategy"] = per_strategy_stage;
-  if (ranks > 1) {
-    json ranks_json = json::array();
-    for (std::size_t r = 0; r < per_rank.size(); ++r) {
-      ranks_json.push_back({{"rank", r},
-                            {"entries", per_rank[r]["entries"]},
-                            {"units", per_rank[r]["units_done"]},
-                            {"seconds", per_rank[r]["seconds"]}});
-    }
-    run["per_rank"] = ranks_json;
-  }
-
+  const run_seconds seconds{seconds_since(started), seconds_read,    std::max(seconds_setup, 0.0), seconds_upload,
+                            seconds_hashing,        seconds_reference, seconds_strategies};
+  const json run = run_record(options.device, gpu_name, placed, threads, outcome, seconds, merged, parsed, per_rank);
   commit_final_files(options.out, partial, steps_file, accumulation_file, summary, run);
   outcome.complete = true;
   return outcome;
