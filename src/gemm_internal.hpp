@@ -199,3 +199,11 @@ bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b
 bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks);
 
 }  // namespace mxscope::gemm_internal
+
+namespace mxscope::detail {
+
+// The elements of per-tensor operand `q` whose magnitudes lie in `part`, as an MX operand of
+// element format part.kind (src/gemm_per_tensor.cpp; emulate_named multiplies the parts on the GPU).
+quantized_tensor binade_part_operand(const quantized_tensor& q, int block, const binade_part& part);
+
+}  // namespace mxscope::detail
