@@ -176,6 +176,19 @@ TEST(SafetensorsReader, DecodesEveryConvertibleDtypeFromHandBuiltFiles) {
       const mxscope::matrix values = reader.read_matrix("t");
       ASSERT_EQ(values.rows, 1);
       ASSERT_EQ(values.cols, static_cast<std::int64_t>(count));
+      // The counting read: the same values, and the NaN and Inf counts of the expected values.
+      mxscope::io::nonfinite_count counted;
+      const mxscope::matrix same = reader.read_matrix("t", counted);
+      std::uint64_t nans = 0, infs = 0;
+      for (const std::uint32_t bits : test.expected_float_bits) {
+        nans += std::isnan(float_from_bits(bits));
+        infs += std::isinf(float_from_bits(bits));
+      }
+      EXPECT_EQ(counted.nan, nans) << test.dtype_name;
+      EXPECT_EQ(counted.inf, infs) << test.dtype_name;
+      for (std::size_t i = 0; i < count; ++i) {
+        EXPECT_EQ(float_bits(same.values[i]), float_bits(values.values[i])) << test.dtype_name << " element " << i;
+      }
       for (std::size_t i = 0; i < count; ++i) {
         const float expected = float_from_bits(test.expected_float_bits[i]);
         const float actual = values.values[i];
@@ -190,6 +203,52 @@ TEST(SafetensorsReader, DecodesEveryConvertibleDtypeFromHandBuiltFiles) {
         }
       }
     }
+  }
+}
+
+// The counting read over several 4 MiB chunks and the threaded loop: BF16 and F32 tensors of 2.5 M
+// elements with NaN (either sign, quiet and signalling payloads) and +-Inf at chosen places, one of
+// them on the chunk boundary; counts against std::isnan / std::isinf of every value read.
+TEST(SafetensorsReader, CountingReadMatchesAnIndependentCountAcrossChunks) {
+  constexpr std::size_t n = 2'500'000;
+  const std::vector<std::size_t> places = {0, 17, 2'097'151, 2'097'152, n - 1, 1'234'567};
+  std::vector<std::uint16_t> bf16(n);
+  std::vector<std::uint32_t> f32(n);
+  std::uint64_t state = 12345;
+  for (std::size_t i = 0; i < n; ++i) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const auto r = static_cast<std::uint32_t>(state >> 33);
+    bf16[i] = static_cast<std::uint16_t>(r & 0xFF7FU);  // exponent field never all ones: finite
+    f32[i] = r & 0xFF7FFFFFU;
+  }
+  const std::uint16_t bf16_special[] = {0x7FC0U, 0xFFC1U, 0x7F81U, 0x7F80U, 0xFF80U, 0x7FFFU};
+  const std::uint32_t f32_special[] = {0x7FC00000U, 0xFFC00001U, 0x7F800001U, 0x7F800000U, 0xFF800000U, 0x7FFFFFFFU};
+  for (std::size_t k = 0; k < places.size(); ++k) {
+    bf16[places[k]] = bf16_special[k];
+    f32[places[k]] = f32_special[k];
+  }
+  safetensors_writer writer;
+  std::vector<std::uint8_t> bf16_bytes(n * 2), f32_bytes(n * 4);
+  std::memcpy(bf16_bytes.data(), bf16.data(), bf16_bytes.size());
+  std::memcpy(f32_bytes.data(), f32.data(), f32_bytes.size());
+  writer.add("b", mxscope::io::dtype::bf16, {static_cast<std::int64_t>(n)}, bf16_bytes);
+  writer.add("f", mxscope::io::dtype::f32, {static_cast<std::int64_t>(n)}, f32_bytes);
+  temporary_directory directory;
+  const fs::path path = directory.path() / "big.safetensors";
+  writer.write(path);
+  const safetensors_reader reader(path);
+  for (const char* name : {"b", "f"}) {
+    mxscope::io::nonfinite_count counted;
+    const mxscope::matrix values = reader.read_matrix(name, counted);
+    std::uint64_t nans = 0, infs = 0;
+    for (const float v : values.values) {
+      nans += std::isnan(v);
+      infs += std::isinf(v);
+    }
+    EXPECT_EQ(nans, 4U) << name;  // the test's own construction
+    EXPECT_EQ(infs, 2U) << name;
+    EXPECT_EQ(counted.nan, nans) << name;
+    EXPECT_EQ(counted.inf, infs) << name;
   }
 }
 

@@ -344,21 +344,6 @@ void validate_entry_file(dump_entry_info& info) {
   }
 }
 
-nonfinite_count count_nonfinite(const matrix& values) {
-  std::int64_t nan = 0, inf = 0;
-  const float* data = values.data();
-  const std::int64_t size = values.size();
-#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (size >= (std::int64_t{1} << 20))
-  for (std::int64_t i = 0; i < size; ++i) {
-    nan += std::isnan(data[i]);
-    inf += std::isinf(data[i]);
-  }
-  nonfinite_count count;
-  count.nan = static_cast<std::uint64_t>(nan);
-  count.inf = static_cast<std::uint64_t>(inf);
-  return count;
-}
-
 // Every entry file's header, on a few threads (a dump of a large model lists hundreds of thousands
 // of files, and each check is an open, a read and a parse). The error reported is that of the
 // first failing entry in manifest order, as a sequential check would report.
@@ -585,8 +570,8 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     nonfinite_count count;
   };
   const auto read_values = [&reader](const char* name) {
-    loaded out{reader.read_matrix(name), {}};
-    out.count = count_nonfinite(out.values);
+    loaded out;
+    out.values = reader.read_matrix(name, out.count);
     return out;
   };
   const auto keep = [&](const char* name, loaded&& tensor) {

@@ -570,6 +570,66 @@ void convert_to_float(dtype type, const std::uint8_t* bytes, std::uint64_t eleme
                                 what, dtype_name(type)));
 }
 
+namespace {
+
+// BF16 -> fp32 with the NaN and Inf counts of the stored bits (exponent field all ones), one pass.
+void widen_bf16_counting(const std::uint8_t* bytes, std::int64_t count, float* destination, nonfinite_count& counts) {
+  std::uint64_t nan = 0, inf = 0;
+#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (count >= (std::int64_t{1} << 20))
+  for (std::int64_t i = 0; i < count; ++i) {
+    const std::uint16_t bits = load<std::uint16_t>(bytes + 2 * i);
+    destination[i] = core::bf16_to_float(bits);
+    const unsigned magnitude = bits & 0x7FFFU;
+    nan += magnitude > 0x7F80U;
+    inf += magnitude == 0x7F80U;
+  }
+  counts.nan += nan;
+  counts.inf += inf;
+}
+
+// F32 copied with the NaN and Inf counts of its bits.
+void copy_f32_counting(const std::uint8_t* bytes, std::int64_t count, float* destination, nonfinite_count& counts) {
+  std::memcpy(destination, bytes, static_cast<std::size_t>(count) * 4);
+  std::uint64_t nan = 0, inf = 0;
+#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (count >= (std::int64_t{1} << 20))
+  for (std::int64_t i = 0; i < count; ++i) {
+    const std::uint32_t magnitude = load<std::uint32_t>(bytes + 4 * i) & 0x7FFFFFFFU;
+    nan += magnitude > 0x7F800000U;
+    inf += magnitude == 0x7F800000U;
+  }
+  counts.nan += nan;
+  counts.inf += inf;
+}
+
+}  // namespace
+
+matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count) const {
+  const tensor_info& tensor = at(name);
+  const std::string what = fmt::format("{}: tensor '{}'", label_, printable_name(tensor.name));
+  if (!converts_to_matrix(tensor.type)) convert_to_float(tensor.type, nullptr, 0, nullptr, what);
+  const auto [rows, cols] = matrix_shape(tensor, label_);
+  matrix result(rows, cols);
+  count = {};
+  std::uint64_t filled = 0;
+  for_each_chunk(tensor, std::uint64_t{4} << 20, [&](const std::uint8_t* bytes, std::uint64_t elements) {
+    float* destination = result.data() + filled;
+    const auto n = static_cast<std::int64_t>(elements);
+    if (tensor.type == dtype::bf16) {
+      widen_bf16_counting(bytes, n, destination, count);
+    } else if (tensor.type == dtype::f32) {
+      copy_f32_counting(bytes, n, destination, count);
+    } else {
+      convert_to_float(tensor.type, bytes, elements, destination, what);
+      for (std::int64_t i = 0; i < n; ++i) {
+        count.nan += std::isnan(destination[i]);
+        count.inf += std::isinf(destination[i]);
+      }
+    }
+    filled += elements;
+  });
+  return result;
+}
+
 matrix safetensors_reader::read_matrix(std::string_view name) const {
   const tensor_info& tensor = at(name);
   const std::string what = fmt::format("{}: tensor '{}'", label_, printable_name(tensor.name));

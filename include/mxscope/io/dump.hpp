@@ -88,12 +88,6 @@ struct dump_entry_info {
   std::map<std::string, std::string> metadata;
 };
 
-struct nonfinite_count {
-  std::uint64_t nan = 0;
-  std::uint64_t inf = 0;
-  std::uint64_t total() const { return nan + inf; }
-};
-
 // A hardware-quantized operand as stored: codes, scales, the recipe, and the values they decode to.
 struct quantized_operand {
   quantized_operand_recipe recipe;

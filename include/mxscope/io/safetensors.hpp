@@ -71,6 +71,13 @@ inline constexpr int max_json_depth = 64;
 // long names are shortened, so an error message can never carry terminal escapes or megabytes.
 std::string printable_name(std::string_view name, std::size_t max_shown = 120);
 
+// NaN and Inf values of a tensor.
+struct nonfinite_count {
+  std::uint64_t nan = 0;
+  std::uint64_t inf = 0;
+  std::uint64_t total() const { return nan + inf; }
+};
+
 class safetensors_reader {
  public:
   // Opens and validates `path`; the tensor data stays on disk.
@@ -106,6 +113,9 @@ class safetensors_reader {
   // scalar; rank > 2 and dtypes without an fp32 conversion are input_errors naming the tensor.
   // Converts chunk by chunk, so no second full-size copy of the tensor is made.
   matrix read_matrix(std::string_view name) const;
+  // The same, counting the NaN and Inf values in the same pass (from the stored bits for BF16 and
+  // F32, the dtypes of captures; from the converted chunk otherwise).
+  matrix read_matrix(std::string_view name, nonfinite_count& count) const;
 
  private:
   safetensors_reader() = default;
