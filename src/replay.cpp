@@ -42,6 +42,7 @@
 #include "mxscope/parallel.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/version.hpp"
+#include "replay_rows.hpp"
 #include "run_directory.hpp"
 
 namespace mxscope {
@@ -50,76 +51,9 @@ namespace {
 
 using json = nlohmann::ordered_json;
 using clock_type = std::chrono::steady_clock;
-
-constexpr const char* steps_header =
-    "layer,gemm,strategy,step,t,rel_err,cosine,bias,orth_err,max_abs_err,ulp_max,ulp_mean,ulp_exact_frac,"
-    "quant_err,accum_err,a_role,b_role,a_underflow_frac,b_underflow_frac,a_saturate_frac,b_saturate_frac,"
-    "a_snr_db,b_snr_db,attr_a_flush,attr_a_clip,attr_a_round,attr_b_flush,attr_b_clip,attr_b_round\n";
-constexpr const char* accumulation_header =
-    "layer,gemm,strategy,T,step,acc_err,coherence,alpha,lag1_corr,structural_share,sgd_upd_err,sgd_disp_err,"
-    "adamw_upd_err,adamw_disp_err\n";
-
-// The per-step metrics that summary.json averages, in CSV order (names as in steps.csv).
-constexpr const char* step_metric_names[] = {"rel_err",          "cosine",           "bias",
-                                             "orth_err",         "max_abs_err",      "ulp_max",
-                                             "ulp_mean",         "ulp_exact_frac",   "quant_err",
-                                             "accum_err",        "a_underflow_frac", "b_underflow_frac",
-                                             "a_saturate_frac",  "b_saturate_frac",  "a_snr_db",
-                                             "b_snr_db",         "attr_a_flush",     "attr_a_clip",
-                                             "attr_a_round",     "attr_b_flush",     "attr_b_clip",
-                                             "attr_b_round"};
-constexpr int step_metric_count = sizeof(step_metric_names) / sizeof(step_metric_names[0]);
-
-std::string number(double value) {
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  return fmt::format("{:.17g}", value);
-}
-
-json json_number(double value) {
-  if (std::isfinite(value)) return json(value);
-  return json(number(value));  // JSON has no NaN or infinity: write them as strings
-}
+using namespace replay_rows;  // the units' state and their rows (src/replay_rows.hpp)
 
 using core::ratio;  // 0/0 = 0, x/0 = inf (core/growth.hpp)
-
-// ---------------------------------------------------------------------------------------------
-// Cross-step accumulators of one (layer, gemm, strategy) unit.
-
-struct unit_state {
-  std::string strategy_name;
-  const strategy* chosen = nullptr;
-  unit_accumulators accumulators;  // error sum, previous error, optimizer replays
-#ifdef MXSCOPE_HAVE_CUDA
-  // With --device gpu the same state in device memory, unless that was short at its first step:
-  // then `accumulators` holds it (the results are the same bits either way).
-  std::optional<gpu::unit_cross_step> device_accumulators;
-#endif
-  double error_energy_sum = 0.0;  // sum_t ||E_t||^2
-  double lag1_cosine_sum = 0.0;
-  std::vector<double> error_sum_norms;  // ||sum_{t<=s} E_t|| for s = 1..T
-  double sgd_disp_err = 0.0;            // of the last step (for the summary)
-  double adamw_disp_err = 0.0;
-  std::vector<std::array<double, step_metric_count>> step_metrics;  // per step, for the summary
-  std::string steps_rows;         // this unit's rows of steps.csv, in step order
-  std::string accumulation_rows;  // and of accumulation.csv
-  double seconds = 0.0;           // wall time of its steps (for run.json, not for the results)
-  // ... split into: rotate + quantize + model and exact products; comparison; the other metrics
-  std::array<double, 6> stage_seconds{};  // gemm, compare, metrics; gemm = quantize + product + exact product
-};
-
-// The state shared by every strategy of one (layer, gemm): the reference side.
-struct gemm_state {
-  gemm_kind kind;
-  reference_accumulators reference;  // sum_t G_t and the optimizer replays fed G_t
-  double reference_sum_norm = 0.0;   // ||sum_t G_t|| after the last step
-  std::vector<unit_state> units;
-#ifdef MXSCOPE_HAVE_CUDA
-  // With --device gpu the reference state in device memory (as for a unit's). A unit that runs on
-  // the host reads `reference`, downloaded from here once per step when such a unit needs it.
-  std::optional<gpu::reference_cross_step> device_reference;
-#endif
-};
 
 // One result of a step where it lives: with --device gpu in device memory (left there by the GPU,
 // or uploaded once when it was computed on the host), with a host copy made only when a stage on
@@ -811,80 +745,6 @@ void report_termination(const fs::path& partial, int ranks, int rank, const std:
   log << message << std::flush;
 }
 
-// A unit's fragment of the run directory: its rows of steps.csv and accumulation.csv, its summary
-// record (mean and last of each per-step metric and the final cross-step values) and its times.
-json unit_fragment(const std::string& unit_text, const std::string& layer_name, const gemm_state& state,
-                   const unit_state& unit, bool consecutive) {
-  json fragment;
-  fragment["unit"] = unit_text;
-  fragment["steps"] = unit.steps_rows;
-  fragment["accumulation"] = unit.accumulation_rows;
-  json record;
-  record["layer"] = layer_name;
-  record["gemm"] = gemm_kind_name(state.kind);
-  record["strategy"] = unit.strategy_name;
-  record["steps"] = unit.step_metrics.size();
-  record["consecutive"] = consecutive;
-  json mean = json::object(), last = json::object();
-  for (int m = 0; m < step_metric_count; ++m) {
-    double sum = 0.0;
-    for (const auto& row : unit.step_metrics) sum += row[static_cast<std::size_t>(m)];
-    mean[step_metric_names[m]] = json_number(sum / static_cast<double>(unit.step_metrics.size()));
-    last[step_metric_names[m]] = json_number(unit.step_metrics.back()[static_cast<std::size_t>(m)]);
-  }
-  record["mean"] = mean;
-  record["last"] = last;
-  const double error_sum_norm = unit.error_sum_norms.back();
-  const double total_steps = static_cast<double>(unit.step_metrics.size());
-  record["alpha"] = json_number(core::growth_exponent(unit.error_sum_norms));
-  record["acc_err"] = json_number(ratio(error_sum_norm, state.reference_sum_norm));
-  record["coherence"] = json_number(core::coherence(error_sum_norm, unit.error_energy_sum));
-  record["structural_share"] = json_number(core::structural_share(error_sum_norm, total_steps, unit.error_energy_sum));
-  // The values of the last accumulation.csv row (docs/metrics.md).
-  record["sgd_disp_err"] = json_number(unit.sgd_disp_err);
-  record["adamw_disp_err"] = json_number(unit.adamw_disp_err);
-  fragment["summary"] = record;
-  fragment["seconds"] = unit.seconds;
-  fragment["stage_seconds"] = {{"gemm", unit.stage_seconds[0]},
-                               {"compare", unit.stage_seconds[1]},
-                               {"metrics", unit.stage_seconds[2]},
-                               {"gemm_quantize", unit.stage_seconds[3]},
-                               {"gemm_product", unit.stage_seconds[4]},
-                               {"gemm_exact_product", unit.stage_seconds[5]}};
-  return fragment;
-}
-
-// Step t (1-based) of a unit's cross-step metrics: updates its sums and appends its row of
-// accumulation.csv (docs/metrics.md: acc_err, coherence, alpha, lag1, structural share and the
-// optimizer-replay errors).
-void add_cross_step_row(unit_state& unit, const unit_step_norms& norms, const reference_step_norms& reference_norms,
-                        std::int64_t t, const std::string& layer_name, gemm_kind kind, std::int64_t step) {
-  const double error_energy = norms.error_energy;
-  unit.error_energy_sum += error_energy;
-  if (t > 1) {
-    const double lag1_norms = std::sqrt(norms.previous_error_energy * error_energy);
-    unit.lag1_cosine_sum += lag1_norms == 0.0 ? 0.0 : norms.lag1_dot / lag1_norms;
-  }
-  const double error_sum_norm = norms.error_sum;
-  unit.error_sum_norms.push_back(error_sum_norm);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double acc_err = ratio(error_sum_norm, reference_norms.sum);
-  const double coherence = core::coherence(error_sum_norm, unit.error_energy_sum);
-  const double alpha = core::growth_exponent(unit.error_sum_norms);
-  const double lag1 = t > 1 ? unit.lag1_cosine_sum / static_cast<double>(t - 1) : nan;
-  const double structural = core::structural_share(error_sum_norm, static_cast<double>(t), unit.error_energy_sum);
-  const double sgd_upd_err = ratio(norms.sgd_update_difference, reference_norms.sgd_update);
-  const double sgd_disp_err = ratio(norms.sgd_displacement_difference, reference_norms.sgd_displacement);
-  const double adamw_upd_err = ratio(norms.adamw_update_difference, reference_norms.adamw_update);
-  const double adamw_disp_err = ratio(norms.adamw_displacement_difference, reference_norms.adamw_displacement);
-  unit.sgd_disp_err = sgd_disp_err;
-  unit.adamw_disp_err = adamw_disp_err;
-  unit.accumulation_rows += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", layer_name, gemm_kind_name(kind),
-                                        unit.strategy_name, t, step, number(acc_err), number(coherence), number(alpha),
-                                        number(lag1), number(structural), number(sgd_upd_err), number(sgd_disp_err),
-                                        number(adamw_upd_err), number(adamw_disp_err));
-}
-
 // summary.json's provenance: the tool, the analysis, the dump and its source, the inputs' hashes,
 // the filters, the reference and whether attribution ran.
 json summary_provenance(const replay_options& options, const analysis& parsed, const io::dump_reader& dump,
@@ -1351,31 +1211,8 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
             attributed.fill(std::numeric_limits<double>::quiet_NaN());
             if (attribute) attributed = attribution(device, state.kind, entry, chosen, reference_norm);
 
-            const double ulp_exact_fraction =
-                metrics.ulp.compared == 0 ? 0.0
-                                          : static_cast<double>(metrics.ulp.histogram[0]) /
-                                                static_cast<double>(metrics.ulp.compared);
-            const std::array<double, step_metric_count> values = {
-                metrics.rel_err,          metrics.cosine,
-                metrics.bias,             metrics.orth_err,
-                metrics.max_abs_err,      static_cast<double>(metrics.ulp.max),
-                metrics.ulp.mean,         ulp_exact_fraction,
-                quant_err,                accum_err,
-                underflow_fraction(result.a), underflow_fraction(result.b),
-                saturate_fraction(result.a),  saturate_fraction(result.b),
-                snr_db(result.a),             snr_db(result.b),
-                attributed[0],            attributed[1],
-                attributed[2],            attributed[3],
-                attributed[4],            attributed[5]};
-            unit.step_metrics.push_back(values);
-            unit.steps_rows += fmt::format("{},{},{},{},{}", layer.name, gemm_kind_name(state.kind), unit.strategy_name,
-                                      entry.info.step, t);
-            for (int m = 0; m < step_metric_count; ++m) {
-              unit.steps_rows += ',';
-              unit.steps_rows += number(values[static_cast<std::size_t>(m)]);
-              if (m == 9) unit.steps_rows += fmt::format(",{},{}", layout.a_name, layout.b_name);
-            }
-            unit.steps_rows += '\n';
+            add_step_row(unit, step_values(metrics, quant_err, accum_err, result, attributed), layer.name, state.kind,
+                         entry.info.step, t, layout);
 
             add_cross_step_row(unit, norms, reference_norms, t, layer.name, state.kind, entry.info.step);
             unit.stage_seconds[2] += seconds_since(stage_mark);
