@@ -1125,12 +1125,17 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
       // The next step of the layer is read on a background thread while this one is worked on
       // (its errors surface when its turn comes, as they would without the overlap); `read`
       // then times only the wait for it.
+      // The entry before the current one is handed to that read, which fills its memory again
+      // (same shapes step after step: no fresh pages to fault in).
       std::future<io::dump_entry> next_entry;
+      io::dump_entry spare;
       const auto read_in_background = [&](std::size_t e) {
         if (e >= layer.entries.size()) return;
-        next_entry = std::async(std::launch::async, [&dump, &read_options, info = layer.entries[e]] {
-          return dump.read(*info, read_options);
-        });
+        next_entry = std::async(std::launch::async,
+                                [&dump, &read_options, info = layer.entries[e], recycled = std::move(spare)]() mutable {
+                                  return dump.read(*info, read_options, std::move(recycled));
+                                });
+        spare = io::dump_entry{};
       };
       for (std::size_t e = 0; e < layer.entries.size(); ++e) {
         const auto* info = layer.entries[e];
@@ -1142,7 +1147,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
         auto mark = clock_type::now();
         if (seconds_setup < 0.0) seconds_setup = seconds_since(started);
-        const io::dump_entry entry = next_entry.valid() ? next_entry.get() : dump.read(*info, read_options);
+        io::dump_entry entry = next_entry.valid() ? next_entry.get() : dump.read(*info, read_options);
         read_in_background(e + 1);
         if (!entry.all_finite()) {
           throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
@@ -1222,6 +1227,7 @@ replay_outcome run_replay(const replay_options& options, std::ostream& log) {
         }
         compute.known_exact.reset();
         compute.resident_operands.clear();  // they copy this entry's operands
+        spare = std::move(entry);
         ++entries_seen;
         ++outcome.entries;
         report_progress(entries_seen, total_entries);

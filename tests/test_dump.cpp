@@ -702,6 +702,27 @@ TEST_F(HandBuiltDump, NonFiniteValuesAreCountedPerTensorAndCanBeRejected) {
   EXPECT_EQ(entry.nonfinite.at("dy").total(), 0U);
   EXPECT_EQ(entry.nonfinite_summary(), "dw: 0 NaN, 1 Inf; x: 2 NaN, 1 Inf");
 
+  // Reading into the memory of an earlier entry (a larger one holding other values, a smaller one,
+  // an empty one, this entry's own read) gives the same values, shapes and counts as a fresh read.
+  std::vector<dump_entry> earlier(4);
+  earlier[0].x = mxscope::matrix(64, 64, 7.0f);
+  earlier[0].dy = mxscope::matrix(32, 32, -3.0f);
+  earlier[1].x = mxscope::matrix(1, 2, 7.0f);
+  earlier[1].dy = mxscope::matrix(1, 1, 7.0f);
+  earlier[3] = reader.read(info);
+  for (auto& recycled : earlier) {
+    const dump_entry again = reader.read(info, {}, std::move(recycled));
+    EXPECT_EQ(again.x.rows, entry.x.rows);
+    EXPECT_EQ(again.x.cols, entry.x.cols);
+    EXPECT_EQ(again.dy.rows, entry.dy.rows);
+    EXPECT_EQ(again.dy.cols, entry.dy.cols);
+    ASSERT_EQ(again.x.values.size(), entry.x.values.size());
+    EXPECT_EQ(std::memcmp(again.x.values.data(), entry.x.values.data(), entry.x.values.size() * 4), 0);
+    ASSERT_EQ(again.dy.values.size(), entry.dy.values.size());
+    EXPECT_EQ(std::memcmp(again.dy.values.data(), entry.dy.values.data(), entry.dy.values.size() * 4), 0);
+    EXPECT_EQ(again.nonfinite_summary(), entry.nonfinite_summary());
+  }
+
   mxscope::io::dump_read_options strict;
   strict.reject_nonfinite = true;
   try {

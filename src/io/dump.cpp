@@ -553,6 +553,10 @@ std::vector<std::string> dump_reader::layers() const {
 }
 
 dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_options& options) const {
+  return read(info, options, dump_entry{});
+}
+
+dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_options& options, dump_entry recycled) const {
   // Validate again: the file may have changed since the dump was opened.
   dump_entry_info current = info;
   current.quantized.clear();
@@ -569,9 +573,9 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     matrix values;
     nonfinite_count count;
   };
-  const auto read_values = [&reader](const char* name) {
+  const auto read_values = [&reader](const char* name, matrix storage) {
     loaded out;
-    out.values = reader.read_matrix(name, out.count);
+    out.values = reader.read_matrix(name, out.count, std::move(storage));
     return out;
   };
   const auto keep = [&](const char* name, loaded&& tensor) {
@@ -582,11 +586,11 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     }
     return std::move(tensor.values);
   };
-  auto load = [&](const char* name) { return keep(name, read_values(name)); };
+  auto load = [&](const char* name) { return keep(name, read_values(name, matrix{})); };
   // dy on a second thread while x is read here (pread: the two reads share nothing); the checks
   // and their errors come in the order x, dy, as from one thread.
-  auto dy_values = std::async(std::launch::async, read_values, "dy");
-  loaded x_values = read_values("x");
+  auto dy_values = std::async(std::launch::async, read_values, "dy", std::move(recycled.dy));
+  loaded x_values = read_values("x", std::move(recycled.x));
   loaded dy_read = dy_values.get();
   entry.x = keep("x", std::move(x_values));
   entry.dy = keep("dy", std::move(dy_read));

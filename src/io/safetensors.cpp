@@ -604,11 +604,18 @@ void copy_f32_counting(const std::uint8_t* bytes, std::int64_t count, float* des
 }  // namespace
 
 matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count) const {
+  return read_matrix(name, count, matrix{});
+}
+
+matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count, matrix storage) const {
   const tensor_info& tensor = at(name);
   const std::string what = fmt::format("{}: tensor '{}'", label_, printable_name(tensor.name));
   if (!converts_to_matrix(tensor.type)) convert_to_float(tensor.type, nullptr, 0, nullptr, what);
   const auto [rows, cols] = matrix_shape(tensor, label_);
-  matrix result(rows, cols);
+  matrix result = std::move(storage);
+  result.rows = rows;
+  result.cols = cols;
+  result.values.resize(static_cast<std::size_t>(rows * cols));  // every element is written below
   count = {};
   std::uint64_t filled = 0;
   for_each_chunk(tensor, std::uint64_t{4} << 20, [&](const std::uint8_t* bytes, std::uint64_t elements) {

@@ -134,6 +134,9 @@ class dump_reader {
 
   // Reads one entry's tensors (only this entry is in memory).
   dump_entry read(const dump_entry_info& entry, const dump_read_options& options = {}) const;
+  // The same, reading x and dy into the memory of `recycled`'s (an entry the caller is done with;
+  // the values read are the same either way).
+  dump_entry read(const dump_entry_info& entry, const dump_read_options& options, dump_entry recycled) const;
   // Reads the entries one at a time in (layer, step) order and hands each to `visit`.
   void for_each(const std::function<void(const dump_entry&)>& visit, const dump_read_options& options = {}) const;
 

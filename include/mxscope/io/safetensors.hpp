@@ -116,6 +116,9 @@ class safetensors_reader {
   // The same, counting the NaN and Inf values in the same pass (from the stored bits for BF16 and
   // F32, the dtypes of captures; from the converted chunk otherwise).
   matrix read_matrix(std::string_view name, nonfinite_count& count) const;
+  // The same into `storage`'s memory where it is large enough (a matrix of an earlier read: a
+  // replay reads tensors of one shape step after step, and fresh memory costs page faults).
+  matrix read_matrix(std::string_view name, nonfinite_count& count, matrix storage) const;
 
  private:
   safetensors_reader() = default;
