@@ -877,6 +877,29 @@ std::string operand_class(const std::string& case_name) {
   return digits ? case_name.substr(0, marker) : case_name;
 }
 
+namespace {
+
+// The cases split by a key: the distinct keys, in the given order, go alternately to the fitted and
+// the held-out half; every case follows its key.
+template <class Key, class KeyOf>
+holdout_split split_alternately(const std::vector<gemm_case>& cases, const std::vector<Key>& keys, KeyOf key_of,
+                                std::string rule, std::string_view label_prefix) {
+  holdout_split split;
+  split.rule = std::move(rule);
+  std::vector<Key> fitted_keys;
+  std::vector<Key> held_keys;
+  for (std::size_t i = 0; i < keys.size(); ++i) (i % 2 == 0 ? fitted_keys : held_keys).push_back(keys[i]);
+  for (const auto& one : cases) {
+    const bool fitted = std::find(fitted_keys.begin(), fitted_keys.end(), key_of(one)) != fitted_keys.end();
+    (fitted ? split.fitted : split.held_out).push_back(one);
+  }
+  split.fitted_label = fmt::format("{}{}", label_prefix, fmt::join(fitted_keys, " "));
+  split.held_out_label = fmt::format("{}{}", label_prefix, fmt::join(held_keys, " "));
+  return split;
+}
+
+}  // namespace
+
 std::vector<holdout_split> holdout_splits(const std::vector<gemm_case>& cases) {
   std::vector<holdout_split> splits;
   std::vector<std::int64_t> depths;
@@ -884,18 +907,7 @@ std::vector<holdout_split> holdout_splits(const std::vector<gemm_case>& cases) {
   std::sort(depths.begin(), depths.end());
   depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
   if (depths.size() >= 2) {
-    holdout_split split;
-    split.rule = "by K";
-    std::vector<std::int64_t> fitted_depths;
-    std::vector<std::int64_t> held_depths;
-    for (std::size_t i = 0; i < depths.size(); ++i) (i % 2 == 0 ? fitted_depths : held_depths).push_back(depths[i]);
-    for (const auto& one : cases) {
-      const bool fitted = std::binary_search(fitted_depths.begin(), fitted_depths.end(), one.a.cols);
-      (fitted ? split.fitted : split.held_out).push_back(one);
-    }
-    split.fitted_label = fmt::format("K {}", fmt::join(fitted_depths, " "));
-    split.held_out_label = fmt::format("K {}", fmt::join(held_depths, " "));
-    splits.push_back(std::move(split));
+    splits.push_back(split_alternately(cases, depths, [](const gemm_case& one) { return one.a.cols; }, "by K", "K "));
   }
   std::vector<std::string> classes;
   for (const auto& one : cases) {
@@ -903,19 +915,8 @@ std::vector<holdout_split> holdout_splits(const std::vector<gemm_case>& cases) {
     if (std::find(classes.begin(), classes.end(), name) == classes.end()) classes.push_back(name);
   }
   if (classes.size() >= 2) {
-    holdout_split split;
-    split.rule = "by operand class";
-    std::vector<std::string> fitted_classes;
-    std::vector<std::string> held_classes;
-    for (std::size_t i = 0; i < classes.size(); ++i) (i % 2 == 0 ? fitted_classes : held_classes).push_back(classes[i]);
-    for (const auto& one : cases) {
-      const bool fitted = std::find(fitted_classes.begin(), fitted_classes.end(), operand_class(one.name)) !=
-                          fitted_classes.end();
-      (fitted ? split.fitted : split.held_out).push_back(one);
-    }
-    split.fitted_label = fmt::format("{}", fmt::join(fitted_classes, " "));
-    split.held_out_label = fmt::format("{}", fmt::join(held_classes, " "));
-    splits.push_back(std::move(split));
+    splits.push_back(split_alternately(cases, classes, [](const gemm_case& one) { return operand_class(one.name); },
+                                       "by operand class", ""));
   }
   return splits;
 }
