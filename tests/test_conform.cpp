@@ -891,16 +891,25 @@ TEST(self_test, gpu_without_backend_is_a_clear_input_error) {
 // terms), so the fp64 product is exact and its fp32 rounding is by definition the `exact` model:
 // any error in the script's code packing, nibble order, scale codes or layout breaks the match.
 
+// Runs tools/capture/h200_conformance.py --cpu-dry-run with `arguments` into scratch/<name> and
+// reads the directory back (the caller's ASSERTs stop on a failed run).
+conform::conformance_set dry_run_capture(const python_runner::temporary_directory& scratch, const std::string& name,
+                                         std::vector<std::string> arguments) {
+  const std::string problem = python_runner::torch_problem(scratch.path());
+  EXPECT_TRUE(problem.empty()) << problem;
+  if (!problem.empty()) return {};
+  const fs::path out = scratch.path() / name;
+  arguments.insert(arguments.begin(), {"--out", out.string(), "--cpu-dry-run"});
+  const auto result = python_runner::run_script(fs::path(MXSCOPE_SOURCE_DIR) / "tools/capture/h200_conformance.py",
+                                                arguments, scratch.path() / "python.log");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  if (result.exit_code != 0) return {};
+  return conform::read_conformance_set(out);
+}
+
 TEST(capture_script, cpu_dry_run_reads_back_and_matches_the_exact_model) {
   const python_runner::temporary_directory scratch("h200-dry-run");
-  const std::string problem = python_runner::torch_problem(scratch.path());
-  ASSERT_TRUE(problem.empty()) << problem;
-  const fs::path out = scratch.path() / "h200";
-  const auto result = python_runner::run_script(fs::path(MXSCOPE_SOURCE_DIR) / "tools/capture/h200_conformance.py",
-                                                {"--out", out.string(), "--cpu-dry-run", "--sizes", "32,128"},
-                                                scratch.path() / "python.log");
-  ASSERT_EQ(result.exit_code, 0) << result.output;
-  const conform::conformance_set set = conform::read_conformance_set(out);
+  const conform::conformance_set set = dry_run_capture(scratch, "h200", {"--sizes", "32,128"});
   ASSERT_EQ(set.cases.size(), 8U);
   std::vector<conform::gemm_case> mxfp4_cases;
   for (const auto& one : set.cases) {
@@ -920,14 +929,7 @@ TEST(capture_script, cpu_dry_run_reads_back_and_matches_the_exact_model) {
 // (the captured suite is checked against the model in shipped_h200_directory).
 TEST(capture_script, stress_suite_dry_run_reads_back) {
   const python_runner::temporary_directory scratch("h200-stress-dry-run");
-  const std::string problem = python_runner::torch_problem(scratch.path());
-  ASSERT_TRUE(problem.empty()) << problem;
-  const fs::path out = scratch.path() / "stress";
-  const auto result = python_runner::run_script(fs::path(MXSCOPE_SOURCE_DIR) / "tools/capture/h200_conformance.py",
-                                                {"--out", out.string(), "--cpu-dry-run", "--suite", "stress"},
-                                                scratch.path() / "python.log");
-  ASSERT_EQ(result.exit_code, 0) << result.output;
-  const conform::conformance_set set = conform::read_conformance_set(out);
+  const conform::conformance_set set = dry_run_capture(scratch, "stress", {"--suite", "stress"});
   ASSERT_EQ(set.cases.size(), 35U);
   std::map<std::string, const conform::gemm_case*> by_name;
   for (const auto& one : set.cases) by_name[one.name] = &one;
