@@ -4,7 +4,8 @@
 //
 // The stages are those of one (layer, step) of `mxscope replay` (src/replay.cpp), done here with
 // the same library calls in the same order, each timed on its own:
-//   read        dump_reader::read of the entry (bf16 -> fp32) and the finiteness check
+//   read        dump_reader::read of the entry (bf16 -> fp32) and the finiteness check; and the
+//               same into the memory of an earlier entry (ReadRecycled, as the replay reads)
 //   reference   the operands in the canonical orientation, reference_gemm(exact), and the
 //               reference side of the cross-step state (sum, SGD and AdamW replays, their norms)
 //   per strategy:
@@ -260,6 +261,28 @@ void BM_Read(benchmark::State& state) {
   set_shape_counters(state);
 }
 BENCHMARK(BM_Read)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(1);
+
+// The read as the replay does it from the third step of a layer on: into the memory of an earlier
+// entry of the same shape (dump_reader::read with a recycled entry), after one warm-up read.
+void BM_ReadRecycled(benchmark::State& state) {
+  fixture& f = data();
+  mxscope::io::dump_read_options options;
+  options.read_weight = false;
+  options.read_weight_gradient = false;
+  options.read_quantized = false;
+  const auto& info = f.dump->entries().front();
+  mxscope::io::dump_entry spare = f.dump->read(info, options);
+  for (auto _ : state) {
+    mxscope::io::dump_entry entry = f.dump->read(info, options, std::move(spare));
+    if (!entry.all_finite()) state.SkipWithError("non-finite synthetic values");
+    benchmark::DoNotOptimize(entry.x.data());
+    spare = std::move(entry);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(fs::file_size(info.file)));
+  set_shape_counters(state);
+}
+BENCHMARK(BM_ReadRecycled)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(5);
 
 // Orientation, reference GEMM and the reference side of the cross-step state.
 void compute_reference(fixture& f, benchmark::State* state) {
