@@ -23,9 +23,8 @@
 #include "mxscope/io/json_guard.hpp"
 #include "mxscope/io/safetensors.hpp"
 #include "mxscope/quantize_fast.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "backend/backend.hpp"
+#include "mxscope/device.hpp"
 
 namespace mxscope::conform {
 
@@ -1086,8 +1085,7 @@ std::vector<self_test_row> cpu_self_test(std::uint64_t seed) {
   return rows;
 }
 
-#ifdef MXSCOPE_HAVE_CUDA
-// The GPU kernels (include/mxscope/gpu.hpp) against the canonical CPU paths.
+// The GPU kernels (through src/backend) against the canonical CPU paths.
 std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
   std::vector<self_test_row> rows;
   const fast_quantize_guard guard;
@@ -1101,7 +1099,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
                                     core::rounding_mode::sr}) {
           const quantize_options options = mx_options(name, axis, rule, rounding);
           const quantized_tensor canonical = canonical_quantize(input, options);
-          const quantized_tensor device = gpu::quantize(input, options);
+          const quantized_tensor device = backend::quantize(input, options);
           row.compared += static_cast<std::int64_t>(canonical.codes.size() + canonical.scales.size());
           row.differing += differing_bytes(canonical.codes, device.codes) + differing_bytes(canonical.scales, device.scales);
         }
@@ -1120,7 +1118,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
       options.block = 16;
       options.nvfp4_2d = layout == 2;
       const quantized_tensor canonical = quantize(input, options);
-      const quantized_tensor device = gpu::quantize(input, options);
+      const quantized_tensor device = backend::quantize(input, options);
       row.compared += static_cast<std::int64_t>(canonical.codes.size() + canonical.scales.size() + 1);
       row.differing += differing_bytes(canonical.codes, device.codes) + differing_bytes(canonical.scales, device.scales) +
                        (core::float_bits(canonical.tensor_scale) != core::float_bits(device.tensor_scale) ? 1 : 0);
@@ -1136,7 +1134,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
       gemm_options generic;
       generic.path = accumulation_path::generic;
       const product_result reference = emulate_product(a, b, model, output_rounding::fp32, generic);
-      const product_result device = gpu::emulate_product(a, b, model);
+      const product_result device = backend::emulate(a, b, model);
       self_test_row row;
       row.kernel = fmt::format("gpu gemm {} {} x {}", accumulation_model_name(model), name, name);
       row.compared = reference.out.size();
@@ -1144,7 +1142,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
       rows.push_back(row);
     }
   }
-  if (gpu::native_mx_available()) {
+  if (backend::native_mx_available()) {
     // The gfx950 native path by name (the rows above take it too where it applies): the hardware
     // MX conversions (rne, and sr with the sr_bits it maps onto the seed) and the scaled MFMA as
     // fp32-group:4, on shapes that are not multiples of the instruction's tiles. Any difference here
@@ -1155,7 +1153,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
             mx_options("mxfp4", 1, rule, sr_bits == 0 ? core::rounding_mode::rne : core::rounding_mode::sr);
         if (sr_bits > 0) options.sr_bits = sr_bits;
         const quantized_tensor canonical = canonical_quantize(input, options);
-        const quantized_tensor device = gpu::quantize(input, options, {}, gpu::quantize_path::native);
+        const quantized_tensor device = backend::quantize(input, options, true);
         self_test_row row;
         row.kernel = fmt::format("gpu quantize native gfx950 mxfp4 {} {}", scale_rule_name(rule),
                                  sr_bits == 0 ? std::string("rne") : fmt::format("sr sr_bits {}", sr_bits));
@@ -1174,7 +1172,7 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
     gemm_options generic;
     generic.path = accumulation_path::generic;
     const product_result reference = emulate_product(a, b, group4, output_rounding::fp32, generic);
-    const product_result device = gpu::emulate_product(a, b, group4, output_rounding::fp32, gpu::gemm_path::native_mfma);
+    const product_result device = backend::emulate(a, b, group4, true);
     self_test_row row;
     row.kernel = "gpu gemm native gfx950 scaled MFMA fp32-group:4 mxfp4 x mxfp4 (37 x 21, K 200)";
     row.compared = reference.out.size();
@@ -1183,32 +1181,24 @@ std::vector<self_test_row> gpu_self_test(std::uint64_t seed) {
   }
   return rows;
 }
-#endif
 
 }  // namespace
 
-bool gpu_backend_available() {
-#ifdef MXSCOPE_HAVE_CUDA
-  return gpu::device_count() > 0;
-#else
-  return false;
-#endif
-}
+bool gpu_backend_available() { return gpu_count() > 0; }
 
 std::vector<self_test_row> self_test(self_test_device device, std::uint64_t seed) {
   if (device == self_test_device::cpu) return cpu_self_test(seed);
-#ifdef MXSCOPE_HAVE_CUDA
-  if (gpu::device_count() == 0) {
+  if (!backend::built_with_gpu()) {
+    throw input_error(
+        "conform --self-test: field '--device': gpu: this mxscope was built without a GPU backend (configure with "
+        "MXSCOPE_ENABLE_CUDA=ON on a machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); the "
+        "CPU self-test is --device cpu");
+  }
+  if (gpu_count() == 0) {
     throw input_error("conform --self-test: field '--device': gpu: no usable GPU (no device or no driver) on this "
                       "machine; the CPU self-test is --device cpu");
   }
   return gpu_self_test(seed);
-#else
-  throw input_error(
-      "conform --self-test: field '--device': gpu: this mxscope was built without a GPU backend (configure with "
-      "MXSCOPE_ENABLE_CUDA=ON on a machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); the CPU "
-      "self-test is --device cpu");
-#endif
 }
 
 }  // namespace mxscope::conform

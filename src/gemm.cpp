@@ -30,9 +30,7 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/reference.hpp"
 #include "gemm_internal.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "backend/backend.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -830,138 +828,9 @@ int common_block(const quantized_tensor& a, const quantized_tensor& b, std::stri
   return 32;
 }
 
-// What the GPU backend computes (gpu.hpp). A build without the backend computes nothing there
-// (compute_device::gpu then means the CPU).
-
-// What run_gemm prepares on the GPU (gpu::quantize_with_energies): MX, NVFP4, bf16 and per-tensor
-// fp8 operands.
-bool gpu_prepares(const quantize_options& options) {
-#ifdef MXSCOPE_HAVE_CUDA
-  const auto scheme = options.format.scheme;
-  return scheme == quant_scheme::mx || scheme == quant_scheme::nvfp4 || scheme == quant_scheme::bf16 ||
-         (scheme == quant_scheme::per_tensor && (options.format.element == element_kind::fp8_e4m3 ||
-                                                 options.format.element == element_kind::fp8_e5m2));
-#else
-  (void)options;
-  return false;
-#endif
-}
-
-bool gpu_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model) {
-#ifdef MXSCOPE_HAVE_CUDA
-  const bool models = model.kind == accumulation_kind::exact || model.kind == accumulation_kind::fp32_block ||
-                      model.kind == accumulation_kind::fp32_group || model.kind == accumulation_kind::fp32_seq;
-  return models && a.options.format.scheme == quant_scheme::mx && b.options.format.scheme == quant_scheme::mx;
-#else
-  (void)a, (void)b, (void)model;
-  return false;
-#endif
-}
-
-// The exact model of two unscaled operands (fp32 or bf16, finite) with fp32 output: the GPU's exact
-// reference kernel computes it.
-bool gpu_reference_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                              output_rounding output) {
-#ifdef MXSCOPE_HAVE_CUDA
-  const auto plain = [](const quantized_tensor& q) {
-    const quant_scheme scheme = q.options.format.scheme;
-    if (scheme != quant_scheme::none && scheme != quant_scheme::bf16) return false;
-    if (q.tensor_scale != 1.0f) return false;
-    // bf16 values left on the GPU: non-finite exactly where the input was or the rounding overflowed.
-    if (q.device_dequantized) return q.nonfinite_inputs == 0 && q.saturated == 0;
-    const float* values = q.dequantized.data();
-    const std::int64_t count = q.dequantized.size();
-    std::int64_t nonfinite = 0;
-#ifdef _OPENMP
-#pragma omp parallel for reduction(+ : nonfinite) schedule(static) if (count >= (std::int64_t{1} << 20))
-#endif
-    for (std::int64_t i = 0; i < count; ++i) nonfinite += !std::isfinite(values[i]);
-    return nonfinite == 0;
-  };
-  return model.kind == accumulation_kind::exact && output == output_rounding::fp32 && plain(a) && plain(b);
-#else
-  (void)a, (void)b, (void)model, (void)output;
-  return false;
-#endif
-}
-
-// fp32-block, fp32-group:G and fp32-seq of two unscaled operands (fp32 or bf16, finite) with fp32
-// output: the GPU's generic kernel computes them with unit block scales.
-bool gpu_plain_multiplies(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                          output_rounding output) {
-  const bool models = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
-                      model.kind == accumulation_kind::fp32_seq;
-  accumulation_model exact_model;
-  exact_model.kind = accumulation_kind::exact;
-  return models && gpu_reference_multiplies(a, b, exact_model, output);
-}
-
-#ifdef MXSCOPE_HAVE_CUDA
-// An unscaled operand's values as [rows, depth] in device memory: its GPU copy (transposed there when
-// it is blocked along axis 0), or its host values uploaded (then transposed there).
-device_matrix_ptr canonical_on_device(const quantized_tensor& q) {
-  device_matrix_ptr values = q.device_dequantized;
-  if (!values) values = std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(q.dequantized));
-  if (q.options.axis == 1) return values;
-  return std::make_shared<const gpu::device_matrix>(gpu::transposed(*values));
-}
-
-// detail::unit_scaled_mx with the codes in device memory (those of `q` when it has them there) and
-// its unit block scales made there.
-quantized_tensor unit_scaled_on_device(const quantized_tensor& q, int block) {
-  quantized_tensor shape;  // what unit_scaled_mx reads besides the codes: the options and the shape
-  shape.options = q.options;
-  shape.rows = q.rows;
-  shape.cols = q.cols;
-  quantized_tensor out = detail::unit_scaled_mx(shape, block);
-  out.scales.clear();
-  auto scales = std::make_shared<gpu::device_buffer>(static_cast<std::size_t>(out.scale_rows * out.scale_cols));
-  scales->fill_bytes(core_ns::scale_code(0));  // 2^0
-  out.device_scales = std::move(scales);
-  if (q.device_codes) {
-    out.device_codes = q.device_codes;
-  } else {
-    auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
-    codes->upload(q.codes.data(), q.codes.size());
-    out.device_codes = std::move(codes);
-  }
-  return out;
-}
-
-// Whether an operand quantized on the GPU left its values, or its codes, only there.
-bool values_only_on_device(const quantized_tensor& q) {
-  const bool values = q.device_dequantized && q.dequantized.size() != q.rows * q.cols;
-  const bool codes = q.device_codes && q.codes.size() != q.device_codes->bytes();
-  return values || codes;
-}
-
-// The operand with its values and codes on the host (for the CPU's product paths).
-quantized_tensor with_host_values(const quantized_tensor& q) {
-  quantized_tensor out = q;
-  if (q.device_dequantized && q.dequantized.size() != q.rows * q.cols) {
-    out.dequantized = q.device_dequantized->download32();
-  }
-  if (q.device_codes && q.codes.size() != q.device_codes->bytes()) {
-    out.codes.resize(q.device_codes->bytes());
-    q.device_codes->download(out.codes.data(), out.codes.size());
-    out.scales.resize(q.device_scales ? q.device_scales->bytes() : 0);
-    if (!out.scales.empty()) q.device_scales->download(out.scales.data(), out.scales.size());
-  }
-  out.device_dequantized.reset();
-  out.device_codes.reset();
-  out.device_scales.reset();
-  return out;
-}
-#endif
-
-}  // namespace
-
-
-namespace {
-
-product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                             output_rounding output, const gemm_options& options, std::string_view what,
-                             std::string_view a_name, std::string_view b_name) {
+// The operands' axes and reduction lengths and the model's parameters, checked before any product.
+void check_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                   std::string_view what, std::string_view a_name, std::string_view b_name) {
   for (const auto* q : {&a, &b}) {
     if (q->options.axis != 0 && q->options.axis != 1) {
       throw input_error(fmt::format("{}: field 'axis' must be 0 or 1, got {}", what, q->options.axis));
@@ -1002,155 +871,21 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                                     model.products_per_step, model.promotion_interval));
     }
   }
+}
+
+product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                             output_rounding output, const gemm_options& options, std::string_view what,
+                             std::string_view a_name, std::string_view b_name) {
+  check_product(a, b, model, what, a_name, b_name);
   const int block = common_block(a, b, what, a_name, b_name);
-  if (options.device == compute_device::gpu && gpu_multiplies(a, b, model)) {
-#ifdef MXSCOPE_HAVE_CUDA
-    product_result on_gpu =
-        gpu::emulate_product(a, b, model, output, gpu::gemm_path::automatic, options.keep_on_device);
-    on_gpu.product_on_gpu = true;
-    return on_gpu;
-#endif
-  }
-#ifdef MXSCOPE_HAVE_CUDA
-  // NVFP4 x NVFP4 with finite block scales: each element times its block scale is an integer of at
-  // most 8 bits times the block's power of two, so fp32-block and fp32-group:G are the integer
-  // path's products of those operands (gpu::prepare_nvfp4) times alpha = fl32(sa sb)
-  // (gpu::apply_tensor_scales, as generic_product's epilogue); and those block-scaled values are
-  // exact fp32 numbers, so `exact` is their exact reference with every exact sum times sa sb before
-  // the one rounding (gpu::scaled_reference_gemm, as add_scaled_exactly here).
-  if (options.device == compute_device::gpu && a.options.format.scheme == quant_scheme::nvfp4 &&
-      b.options.format.scheme == quant_scheme::nvfp4 &&
-      (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
-       model.kind == accumulation_kind::exact)) {
-    bool finite_a = false, finite_b = false;
-    if (model.kind == accumulation_kind::exact) {
-      const gpu::device_matrix left = gpu::nvfp4_block_scaled_values(a, finite_a);
-      const gpu::device_matrix right = gpu::nvfp4_block_scaled_values(b, finite_b);
-      if (finite_a && finite_b) {
-        reference_result reference =
-            gpu::scaled_reference_gemm(left, right, a.tensor_scale, b.tensor_scale, options.keep_on_device);
-        product_result on_gpu;
-        on_gpu.out = std::move(reference.fp32);
-        on_gpu.exact = std::move(reference.fp64);
-        on_gpu.device_out = std::move(reference.device_fp32);
-        on_gpu.device_exact = std::move(reference.device_fp64);
-        // bf16 output: the fp32 result rounded once more, as below for the CPU's products (on the
-        // device, times alpha = 1: finite operands give no NaN, and x 1 is exact).
-        if (output == output_rounding::bf16) {
-          if (on_gpu.device_out) {
-            gpu::apply_tensor_scales(on_gpu, 1.0f, 1.0f, false, output);
-          } else {
-            for (float& value : on_gpu.out.values) value = round_output(value, output);
-          }
-        }
-        on_gpu.product_on_gpu = true;
-        return on_gpu;
-      }
-    } else {
-      const gpu::prepared_operand left = gpu::prepare_nvfp4(a, finite_a);
-      const gpu::prepared_operand right = gpu::prepare_nvfp4(b, finite_b);
-      if (finite_a && finite_b) {
-        product_result on_gpu;
-        on_gpu.device_out = std::make_shared<gpu::device_matrix>(left.rows(), right.rows(), gpu::device_matrix::element::fp32);
-        gpu::multiply_prepared(left, right, model, output_rounding::fp32,
-                               on_gpu.device_out->fp32(), nullptr, gpu::gemm_path::integer);
-        gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, false, output);
-        if (!options.keep_on_device) {
-          on_gpu.out = on_gpu.device_out->download32();
-          on_gpu.device_out.reset();
-        }
-        on_gpu.product_on_gpu = true;
-        return on_gpu;
-      }
-    }
-  }
-  // Per-tensor fp8 (finite elements): the GPU multiplies the elements as MX operands with every
-  // block scale 2^0 and the host applies the tensor scales (detail::per_tensor_by_unit_scales).
-  if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model) &&
-      options.keep_on_device) {
-    // The same, with the tensor scales applied on the GPU to the product left there.
-    product_result on_gpu = gpu::emulate_product(unit_scaled_on_device(a, block), unit_scaled_on_device(b, block),
-                                                 model, output_rounding::fp32, gpu::gemm_path::automatic, true);
-    gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, model.kind == accumulation_kind::exact, output);
-    on_gpu.product_on_gpu = true;
-    return on_gpu;
-  }
-  if (options.device == compute_device::gpu && detail::per_tensor_by_unit_scales_applies(a, b, model)) {
-    product_result on_gpu = detail::per_tensor_by_unit_scales(
-        a, b, block, model, output,
-        [&](const quantized_tensor& x, const quantized_tensor& y) { return gpu::emulate_product(x, y, model); });
-    on_gpu.product_on_gpu = true;
-    return on_gpu;
-  }
-  // Per-tensor exact beyond fp64 (an e5m2 operand): detail::per_tensor_exact_by_parts on the GPU, the
-  // MX exact products of the binade parts kept there and their scaled rounding there too
-  // (gpu::combine_binade_parts). The parts' codes are mapped on the host.
-  if (options.device == compute_device::gpu) {
-    if (const auto route = detail::per_tensor_exact_parts_route(a, b, model)) {
-      const quantized_tensor& split = route->split_a ? a : b;
-      const quantized_tensor split_host = values_only_on_device(split) ? with_host_values(split) : split;
-      const quantized_tensor whole = unit_scaled_on_device(route->split_a ? b : a, block);
-      std::vector<device_matrix_ptr> sums;
-      for (const detail::binade_part& part : route->parts) {
-        const quantized_tensor piece = detail::binade_part_operand(split_host, block, part);
-        product_result partial =
-            gpu::emulate_product(route->split_a ? piece : whole, route->split_a ? whole : piece, model,
-                                 output_rounding::fp32, gpu::gemm_path::automatic, true);
-        sums.push_back(std::move(partial.device_exact));
-      }
-      product_result on_gpu =
-          gpu::combine_binade_parts(sums, a.tensor_scale, b.tensor_scale, output, options.keep_on_device);
-      on_gpu.product_on_gpu = true;
-      return on_gpu;
-    }
-  }
-#endif
-  if (options.device == compute_device::gpu && gpu_reference_multiplies(a, b, model, output)) {
-#ifdef MXSCOPE_HAVE_CUDA
-    // Unscaled operands (fp32, bf16): the exact model is the exact sum of the dequantized values'
-    // products rounded once, which is what the reference kernel computes (tests/test_gemm.cpp,
-    // ExactModelOfPlainOperandsIsTheExactReference).
-    const device_matrix_ptr left = canonical_on_device(a);
-    const device_matrix_ptr right = canonical_on_device(b);
-    const auto& known = options.known_exact;
-    if (options.keep_on_device && known && known->a && known->b && known->fp64 && known->fp32 &&
-        gpu::same_bits(*left, *known->a) && gpu::same_bits(*right, *known->b)) {
-      // The same operands, bit for bit, as a product already computed by the same kernel.
-      product_result on_gpu;
-      on_gpu.device_out = known->fp32;
-      on_gpu.device_exact = known->fp64;
-      on_gpu.product_on_gpu = true;
-      return on_gpu;
-    }
-    reference_result reference = gpu::reference_gemm(*left, *right, options.keep_on_device);
-    product_result on_gpu;
-    on_gpu.out = std::move(reference.fp32);
-    on_gpu.exact = std::move(reference.fp64);
-    on_gpu.device_out = std::move(reference.device_fp32);
-    on_gpu.device_exact = std::move(reference.device_fp64);
-    on_gpu.product_on_gpu = true;
-    return on_gpu;
-#endif
-  }
-  if (options.device == compute_device::gpu && gpu_plain_multiplies(a, b, model, output)) {
-#ifdef MXSCOPE_HAVE_CUDA
-    // Unscaled operands (fp32, bf16): block scales and tensor scales are 1, so the GPU's generic
-    // kernel on the dequantized values computes the model (block = the common K-block).
-    product_result on_gpu = gpu::emulate_plain_product(*canonical_on_device(a), *canonical_on_device(b), block, model,
-                                                       output, options.keep_on_device);
-    on_gpu.product_on_gpu = true;
-    return on_gpu;
-#endif
-  }
-#ifdef MXSCOPE_HAVE_CUDA
+  if (auto on_gpu = backend::product(a, b, model, output, options, block)) return std::move(*on_gpu);
   // The CPU's paths read an operand's values on the host.
-  if (values_only_on_device(a) || values_only_on_device(b)) {
+  if (backend::values_only_on_device(a) || backend::values_only_on_device(b)) {
     std::optional<quantized_tensor> a_host, b_host;
-    if (values_only_on_device(a)) a_host = with_host_values(a);
-    if (values_only_on_device(b)) b_host = with_host_values(b);
+    if (backend::values_only_on_device(a)) a_host = backend::with_host_values(a);
+    if (backend::values_only_on_device(b)) b_host = backend::with_host_values(b);
     return emulate_named(a_host ? *a_host : a, b_host ? *b_host : b, model, output, options, what, a_name, b_name);
   }
-#endif
   // Per-tensor exact beyond fp64 (an e5m2 operand): the CPU's MX exact products of the binade
   // parts, whose integers stay small enough for its fast path, instead of the per-entry definition.
   if (options.path == accumulation_path::automatic) {
@@ -1337,25 +1072,19 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     quantize_with.stream = core_ns::random_stream{chosen.seed, core_ns::policy_step(operand.seeds, context.step),
                                                   core_ns::stream_tag(hash, role)};
     validate(quantize_with, tensor.rows, tensor.cols, operand_what);
-#ifdef MXSCOPE_HAVE_CUDA
-    if (options.device == compute_device::gpu && gpu_prepares(quantize_with)) {
+    if (options.device == compute_device::gpu && backend::prepares(quantize_with)) {
       // The rotation, the quantizer and the operand's energies on the GPU; the dequantized values
       // stay there unless a CPU product needs them (fp32-seq's generic path reads them).
       check_rotation(tensor, axis, rotation_for(chosen, context), operand_what);
-      gpu::operand_energies energies;
-      const device_matrix_ptr resident = options.resident_copy(tensor);
-      // The codes stay on the GPU for a product that runs there (a CPU product downloads them).
-      const bool codes_on_device_only = options.keep_on_device;
-      quantized_tensor quantized = gpu::quantize_with_energies(
-          tensor, quantize_with, rotation_for(chosen, context), chosen.accumulation.kind == accumulation_kind::fp32_seq,
-          energies, resident.get(), codes_on_device_only);
-      summary = summarize_counts(name, axis, tensor.size(), quantized);
-      summary.signal_energy = energies.signal;
-      summary.error_energy = energies.error;
+      backend::prepared_operand prepared =
+          backend::prepare(tensor, quantize_with, rotation_for(chosen, context),
+                           chosen.accumulation.kind == accumulation_kind::fp32_seq, options);
+      summary = summarize_counts(name, axis, tensor.size(), prepared.quantized);
+      summary.signal_energy = prepared.signal_energy;
+      summary.error_energy = prepared.error_energy;
       summary.quantized_on_gpu = true;
-      return quantized;
+      return std::move(prepared.quantized);
     }
-#endif
     // Without a rotation the operand is quantized as captured (no copy).
     std::optional<matrix> rotated_copy;
     if (chosen.rotation_size != 0) rotated_copy = rotated_operand(tensor, axis, chosen, context, operand_what);

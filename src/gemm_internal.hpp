@@ -203,7 +203,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
 namespace mxscope::detail {
 
 // The elements of per-tensor operand `q` whose magnitudes lie in `part`, as an MX operand of
-// element format part.kind (src/gemm_per_tensor.cpp; emulate_named multiplies the parts on the GPU).
+// element format part.kind (src/gemm_per_tensor.cpp; src/backend/gpu_products.cpp multiplies the parts on the GPU).
 quantized_tensor binade_part_operand(const quantized_tensor& q, int block, const binade_part& part);
 
 }  // namespace mxscope::detail

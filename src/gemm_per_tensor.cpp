@@ -11,9 +11,7 @@
 #include "mxscope/core/tensor_scale.hpp"
 #include "mxscope/gemm.hpp"
 #include "gemm_internal.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "backend/backend.hpp"
 
 namespace mxscope {
 
@@ -38,12 +36,8 @@ bool finite_elements(const quantized_tensor& a, const quantized_tensor& b) {
     for (int code = 0; code < codes; ++code) {
       table[code] = std::isfinite(core_ns::decode(kind, static_cast<std::uint32_t>(code)));
     }
-#ifdef MXSCOPE_HAVE_CUDA
     // Codes left in device memory by the GPU's quantizer are checked there.
-    if (q.device_codes && q.codes.size() != q.device_codes->bytes()) {
-      return gpu::count_nonfinite_codes(*q.device_codes, q.rows * q.cols, kind) == 0;
-    }
-#endif
+    if (const auto on_device = backend::nonfinite_codes_on_device(q, kind)) return *on_device == 0;
     bool all = true;
     const auto size = static_cast<std::int64_t>(q.codes.size());
 #pragma omp parallel for schedule(static) reduction(&& : all) if (size >= parallel_elements)

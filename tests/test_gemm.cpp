@@ -415,7 +415,7 @@ TEST(Exact, MatchesBoostMultiprecision) {
 
 // The exact model of unscaled operands (fp32, bf16) is the exact reference of their dequantized
 // values: the exact sum of the products, rounded once to fp32 and to fp64, zero signs included. The
-// GPU computes that model with its reference kernel (src/gemm.cpp, gpu_reference_multiplies).
+// GPU computes that model with its reference kernel (src/backend/gpu_products.cpp, reference_multiplies).
 TEST(Exact, ExactModelOfPlainOperandsIsTheExactReference) {
   layer_tensors cancelling = random_layer(64, 9, 7, 51);
   for (std::int64_t k = 1; k < 64; k += 2) {  // token pairs that cancel exactly in dw = dy^T x

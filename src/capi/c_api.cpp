@@ -17,9 +17,7 @@
 #include "mxscope/gemm.hpp"
 #include "mxscope/quantize.hpp"
 #include "mxscope/reference.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "../backend/backend.hpp"
 
 #define MXS_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -187,49 +185,32 @@ void quantize_on_host(const void* input, int dtype, std::int64_t rows, std::int6
   result.nonfinite = q.nonfinite_inputs;
 }
 
-#ifdef MXSCOPE_HAVE_CUDA
 void quantize_on_gpu(const void* input, int dtype, std::int64_t rows, std::int64_t cols, void* stream,
                      const resolved_quantizer& quantizer, mxs_quantize_result& result) {
   if (dtype == MXS_F16) throw type_failure("input: CUDA tensors must be float32 or bfloat16 (float16: convert first)");
-  if (gpu::device_count() == 0) throw type_failure("device: no usable CUDA device (no device or no driver)");
-  const gpu::stream_scope scope(stream);
-  gpu::tensor_device_output output;
+  if (gpu_count() == 0) throw type_failure("device: no usable CUDA device (no device or no driver)");
+  backend::device_tensor_output output;
   output.codes = result.codes;
   output.scales = result.scales;
   output.dequantized = result.dequantized;
   output.operand_bf16 = result.operand_bf16;
-  gpu::device_buffer counters;
-  if (result.device_counters != nullptr) {
-    output.counters = reinterpret_cast<unsigned long long*>(result.device_counters);
-  } else {
-    counters = gpu::device_buffer(gpu::mx_counter_count * sizeof(unsigned long long));
-    counters.fill_bytes(0);
-    output.counters = counters.as<unsigned long long>();
-  }
-  const gpu::input_format format = dtype == MXS_BF16 ? gpu::input_format::bf16 : gpu::input_format::fp32;
-  result.tensor_scale = gpu::quantize_tensor_on_device(input, format, rows, cols, quantizer.chosen.quantize,
-                                                       quantizer.chosen.rotation, output);
-  result.nonzero = result.flushed = result.saturated = result.nonfinite = -1;
-  if (result.device_counters == nullptr) {
-    unsigned long long counts[gpu::mx_counter_count] = {};
-    counters.download(counts, sizeof(counts));
-    result.nonzero = static_cast<std::int64_t>(counts[gpu::counter_nonzero]);
-    result.flushed = static_cast<std::int64_t>(counts[gpu::counter_flushed]);
-    result.saturated = static_cast<std::int64_t>(counts[gpu::counter_saturated]);
-    result.nonfinite = static_cast<std::int64_t>(counts[gpu::counter_nonfinite]);
-  }
+  output.counters = reinterpret_cast<unsigned long long*>(result.device_counters);
+  const backend::device_tensor_counts counts =
+      backend::quantize_device_tensor(input, dtype == MXS_BF16, rows, cols, stream, quantizer.chosen.quantize,
+                                      quantizer.chosen.rotation, output);
+  result.tensor_scale = counts.tensor_scale;
+  result.nonzero = counts.nonzero;
+  result.flushed = counts.flushed;
+  result.saturated = counts.saturated;
+  result.nonfinite = counts.nonfinite;
 }
-#endif
 
 compute_device device_of(int device) {
   if (device == MXS_CPU) return compute_device::cpu;
   if (device != MXS_CUDA) throw type_failure(fmt::format("device: must be MXS_CPU (0) or MXS_CUDA (1), got {}", device));
-#ifdef MXSCOPE_HAVE_CUDA
-  if (gpu::device_count() == 0) throw type_failure("device: no usable CUDA device (no device or no driver)");
+  if (!backend::built_with_gpu()) throw type_failure("device: this libmxscope_c was built without the CUDA backend");
+  if (gpu_count() == 0) throw type_failure("device: no usable CUDA device (no device or no driver)");
   return compute_device::gpu;
-#else
-  throw type_failure("device: this libmxscope_c was built without the CUDA backend");
-#endif
 }
 
 void copy_metrics(const comparison& c, const gemm_result& result, mxs_gemm_metrics& m) {
@@ -305,11 +286,7 @@ MXS_EXPORT int mxs_quantize(const void* input, int dtype, int64_t rows, int64_t 
       quantize_on_host(input, dtype, rows, cols, quantizer, *result);
       return;
     }
-#ifdef MXSCOPE_HAVE_CUDA
     quantize_on_gpu(input, dtype, rows, cols, stream, quantizer, *result);
-#else
-    (void)stream;
-#endif
   });
 }
 

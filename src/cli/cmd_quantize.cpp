@@ -12,9 +12,8 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/io/atomic_file.hpp"
 #include "mxscope/io/safetensors.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "../backend/backend.hpp"
+#include "mxscope/device.hpp"
 
 namespace mxscope::cli {
 
@@ -97,14 +96,7 @@ std::string scales_layout(const quantize_options& options) {
 // (docs/gpu.md), so the output file does not say where it was made.
 quantized_tensor rotate_and_quantize(matrix& values, const strategy& chosen, int axis, const std::string& device,
                                      const std::string& what) {
-#ifdef MXSCOPE_HAVE_CUDA
-  if (device == "gpu") {
-    values = gpu::rotate(values, axis, chosen.rotation);
-    return gpu::quantize(values, chosen.quantize);
-  }
-#else
-  (void)device;
-#endif
+  if (device == "gpu") return backend::rotate_and_quantize(values, axis, chosen.rotation, chosen.quantize);
   rotate(values, axis, chosen.rotation, what);
   return quantize(values, chosen.quantize);
 }
@@ -121,19 +113,18 @@ int run_quantize(const quantize_command_options& options, std::ostream& out) {
     throw input_error(fmt::format("--device: must be cpu or gpu, got '{}'", options.device));
   }
   if (options.device == "gpu") {
-#ifdef MXSCOPE_HAVE_CUDA
-    if (chosen.quantize.format.scheme != quant_scheme::mx && chosen.quantize.format.scheme != quant_scheme::nvfp4) {
+    if (!backend::built_with_gpu()) {
+      throw input_error(
+          "--device gpu: this mxscope was built without the GPU backend (configure with MXSCOPE_ENABLE_CUDA=ON on a "
+          "machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); use --device cpu");
+    }
+    if (!backend::quantizes_alone(chosen.quantize)) {
       throw input_error(fmt::format("--device gpu: quantizes the MX formats and NVFP4 only, not '{}' (use --device cpu)",
                                     options.strategy.format));
     }
-    if (gpu::device_count() == 0) {
+    if (gpu_count() == 0) {
       throw input_error("--device gpu: no usable GPU (no device or no driver) on this machine; use --device cpu");
     }
-#else
-    throw input_error(
-        "--device gpu: this mxscope was built without the GPU backend (configure with MXSCOPE_ENABLE_CUDA=ON on a "
-        "machine with nvcc, or MXSCOPE_ENABLE_HIP=ON for AMD GPUs, see docs/gpu.md); use --device cpu");
-#endif
   }
 
   const io::safetensors_reader reader(options.input);

@@ -1,4 +1,4 @@
-#include "replay_rows.hpp"
+#include "rows.hpp"
 
 #include <fmt/format.h>
 

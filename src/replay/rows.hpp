@@ -1,9 +1,11 @@
 // The replay's units (one (layer, gemm, strategy) each): their cross-step state and how a step
 // becomes their rows of steps.csv and accumulation.csv and, at the end of a layer, their fragment
-// of the run directory (docs/metrics.md names every column). Used by run_replay (src/replay.cpp).
+// of the run directory (docs/metrics.md names every column). Used by the replay's step (step.cpp)
+// and run_replay (replay.cpp).
 #pragma once
 
 #include <array>
+#include <memory>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -15,9 +17,7 @@
 #include "mxscope/compare.hpp"
 #include "mxscope/cross_step.hpp"
 #include "mxscope/gemm.hpp"
-#ifdef MXSCOPE_HAVE_CUDA
-#include "mxscope/gpu.hpp"
-#endif
+#include "../backend/backend.hpp"
 
 namespace mxscope::replay_rows {
 
@@ -53,11 +53,9 @@ struct unit_state {
   std::string strategy_name;
   const strategy* chosen = nullptr;
   unit_accumulators accumulators;  // error sum, previous error, optimizer replays
-#ifdef MXSCOPE_HAVE_CUDA
   // With --device gpu the same state in device memory, unless that was short at its first step:
   // then `accumulators` holds it (the results are the same bits either way).
-  std::optional<gpu::unit_cross_step> device_accumulators;
-#endif
+  std::shared_ptr<backend::device_unit_state> device_accumulators;
   double error_energy_sum = 0.0;  // sum_t ||E_t||^2
   double lag1_cosine_sum = 0.0;
   std::vector<double> error_sum_norms;  // ||sum_{t<=s} E_t|| for s = 1..T
@@ -77,11 +75,9 @@ struct gemm_state {
   reference_accumulators reference;  // sum_t G_t and the optimizer replays fed G_t
   double reference_sum_norm = 0.0;   // ||sum_t G_t|| after the last step
   std::vector<unit_state> units;
-#ifdef MXSCOPE_HAVE_CUDA
   // With --device gpu the reference state in device memory (as for a unit's). A unit that runs on
   // the host reads `reference`, downloaded from here once per step when such a unit needs it.
-  std::optional<gpu::reference_cross_step> device_reference;
-#endif
+  std::shared_ptr<backend::device_reference_state> device_reference;
 };
 
 // A unit's fragment of the run directory: its rows of steps.csv and accumulation.csv, its summary
