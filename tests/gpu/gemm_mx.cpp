@@ -1,0 +1,214 @@
+// GPU test suites: emulated MX products on every path (generic, integer, tensor-core) against the
+// host definition: a sweep of shapes and models, edge cases and integer tiles.
+#include "support.hpp"
+#include "gemm_support.hpp"
+
+namespace gpu_test {
+
+void gemm_sweep(bool small) {
+  struct format_pair {
+    int a;
+    int b;
+  };
+  // {4, 3}: e5m2 x e4m3, the per-tensor fp8 hybrid as the GPU multiplies it (unit block scales).
+  const format_pair pairs[] = {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}, {0, 3}, {1, 5}, {0, 5}, {4, 3}};
+  const mxscope::accumulation_model models[] = {
+      model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::fp32_group, 2),
+      model_of(mxscope::accumulation_kind::fp32_group, 5), model_of(mxscope::accumulation_kind::exact),
+      model_of(mxscope::accumulation_kind::fp32_seq)};
+  int index = 0;
+  for (const format_pair& pair : pairs) {
+    for (const auto& model : models) {
+      for (const gemm_layout_case& layout : gemm_layouts) {
+        ++index;
+        if (small && index % 41 != 1) continue;
+        const std::uint64_t seed = next_seed();
+        const int block = index % 9 == 0 ? 16 : (index % 13 == 0 ? 64 : 32);
+        const value_kind kind = static_cast<value_kind>(index % test_inputs::value_kind_count);
+        const std::int64_t m = 37 + index % 3, n = 29 + index % 4, k = 70 + 32 * (index % 3);
+        const auto output = index % 7 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const auto [qa, qb] = make_operands(m, n, k, pair.a, pair.b, block, layout, kind, seed,
+                                            index % 4 == 0 ? core::rounding_mode::sr : core::rounding_mode::rne);
+        for (const gpu::gemm_path path :
+             {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core,
+              gpu::gemm_path::native_mfma}) {
+          if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, block, model))
+            continue;
+          const std::string policy = std::string("A ") + format_names[pair.a] + " axis " +
+                                     std::to_string(layout.a_axis) + ", B " + format_names[pair.b] + " axis " +
+                                     std::to_string(layout.b_axis) + ", block " + std::to_string(block) + ", model " +
+                                     model_name(model) + ", output " +
+                                     (output == mxscope::output_rounding::bf16 ? "bf16" : "fp32") + ", path " +
+                                     std::string(gpu::gemm_path_name(path)) + ", seed " + hex64(seed);
+          const std::string name = std::string("gemm ") + layout.name + " " + format_names[pair.a] + "x" +
+                                   format_names[pair.b] + " " + model_name(model) + " " +
+                                   std::string(gpu::gemm_path_name(path)) + " M" + std::to_string(m) + " N" +
+                                   std::to_string(n) + " K" + std::to_string(k) + " block " + std::to_string(block) +
+                                   " " + std::string(test_inputs::value_kind_name(kind));
+          run_case(name, [&] {
+            const gemm_output got = gpu_product(qa, qb, model, output, path);
+            return check_product_entries(qa, qb, model, output, got, {}, policy);
+          });
+        }
+      }
+    }
+  }
+}
+
+// Edge shapes: a single entry, K = 1, K below one block, M and N just past a tensor-core tile.
+void gemm_edges(bool small) {
+  struct edge {
+    std::int64_t m, n, k;
+    bool in_small_set;
+  };
+  const edge edges[] = {{1, 1, 1, true},       {1, 1, 33, true},   {3, 2, 31, true},
+                        {130, 200, 96, false}, {129, 1, 64, true}, {17, 131, 250, false}};
+  for (const edge& e : edges) {
+    if (small && !e.in_small_set) continue;
+    for (const auto& model :
+         {model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::exact),
+          model_of(mxscope::accumulation_kind::fp32_group, 4)}) {
+      const std::uint64_t seed = next_seed();
+      const auto [qa, qb] = make_operands(e.m, e.n, e.k, 0, 0, 32, gemm_layouts[2], value_kind::banded, seed);
+      for (const gpu::gemm_path path :
+           {gpu::gemm_path::generic, gpu::gemm_path::integer, gpu::gemm_path::tensor_core,
+            gpu::gemm_path::native_mfma}) {
+        if (!gpu::gemm_path_covers(path, qa.options.format.element, qb.options.format.element, 32, model)) continue;
+        const std::string name = "gemm edge wgrad mxfp4 " + model_name(model) + " " +
+                                 std::string(gpu::gemm_path_name(path)) + " M" + std::to_string(e.m) + " N" +
+                                 std::to_string(e.n) + " K" + std::to_string(e.k);
+        run_case(name, [&] {
+          const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, path);
+          return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
+                                       name + ", seed " + hex64(seed));
+        });
+      }
+    }
+  }
+  // The host convenience function on the automatic path.
+  const std::uint64_t seed = next_seed();
+  const auto [qa, qb] = make_operands(45, 38, 160, 0, 0, 32, gemm_layouts[0], value_kind::extreme, seed);
+  run_case("gemm host api gpu::emulate_product mxfp4 fp32-block automatic", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    const mxscope::product_result result = gpu::emulate_product(qa, qb, model);
+    gemm_output got{result.out, matrix64()};
+    std::string problem =
+        check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
+    if (!problem.empty()) return problem;
+    // The same product left in device memory.
+    const mxscope::product_result kept =
+        gpu::emulate_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, true);
+    if (!kept.out.values.empty() || !kept.device_out || kept.device_exact) {
+      return std::string("keep_on_device: the result is not (only) in device memory");
+    }
+    const gemm_output kept_out{kept.device_out->download32(), matrix64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, kept_out, {},
+                                 "keep_on_device, seed " + hex64(seed));
+  });
+  run_case("gemm host api gpu::emulate_product mxfp4 fp32-block from codes in device memory", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    // Device copies of the codes and scales, and host vectors emptied: the product must read them there.
+    mxscope::quantized_tensor da = qa, db = qb;
+    for (auto* q : {&da, &db}) {
+      auto codes = std::make_shared<gpu::device_buffer>(q->codes.size());
+      auto scales = std::make_shared<gpu::device_buffer>(q->scales.size());
+      codes->upload(q->codes.data(), q->codes.size());
+      scales->upload(q->scales.data(), q->scales.size());
+      q->device_codes = codes;
+      q->device_scales = scales;
+      q->codes.clear();
+      q->scales.clear();
+    }
+    const mxscope::product_result result = gpu::emulate_product(da, db, model);
+    const gemm_output got{result.out, matrix64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
+  });
+  run_case("gemm host api gpu::emulate_product mxfp4 exact automatic keep_on_device", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::exact);
+    const mxscope::product_result kept =
+        gpu::emulate_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, true);
+    if (!kept.out.values.empty() || !kept.exact.values.empty() || !kept.device_out || !kept.device_exact) {
+      return std::string("keep_on_device: the result is not (only) in device memory");
+    }
+    const gemm_output got{kept.device_out->download32(), kept.device_exact->download64()};
+    return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
+  });
+}
+
+// The integer path over several of its 64 x 64 tiles with tails in M, N and K (K not a multiple of
+// the block): fp8 e4m3 (block dots summed in fp64) and e3m2 x fp4 (in int32), each model, with
+// extreme values (block dots many binades apart: the running sums of fp32-group and exact round, so
+// those entries take the fix-up kernel) and NaN blocks.
+void gemm_integer_tiles(bool small) {
+  struct format_pair {
+    int a;
+    int b;
+  };
+  const format_pair pairs[] = {{3, 3}, {2, 0}};
+  const mxscope::accumulation_model models[] = {model_of(mxscope::accumulation_kind::fp32_block),
+                                                model_of(mxscope::accumulation_kind::fp32_group, 3),
+                                                model_of(mxscope::accumulation_kind::exact)};
+  const value_kind kinds[] = {value_kind::extreme, value_kind::nonfinite, value_kind::ties};
+  int index = 0;
+  for (const format_pair& pair : pairs) {
+    for (const auto& model : models) {
+      for (const value_kind kind : kinds) {
+        ++index;
+        if (small && pair.a != 3 && kind != value_kind::extreme) continue;
+        const std::uint64_t seed = next_seed();
+        const std::int64_t m = 70, n = 133, k = 100 + 3 * (index % 2);
+        const auto output = index % 5 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        const auto [qa, qb] = make_operands(m, n, k, pair.a, pair.b, 32, gemm_layouts[index % 3], kind, seed);
+        if (!gpu::gemm_path_covers(gpu::gemm_path::integer, qa.options.format.element, qb.options.format.element, 32,
+                                   model)) {
+          run_case("gemm integer tiles: path coverage", [&] {
+            return std::string("the integer path does not cover ") + format_names[pair.a] + " x " +
+                   format_names[pair.b] + " " + model_name(model);
+          });
+          continue;
+        }
+        const std::string name = std::string("gemm integer tiles ") + format_names[pair.a] + "x" +
+                                 format_names[pair.b] + " " + model_name(model) + " M" + std::to_string(m) + " N" +
+                                 std::to_string(n) + " K" + std::to_string(k) + " " +
+                                 std::string(test_inputs::value_kind_name(kind));
+        run_case(name, [&] {
+          const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::integer);
+          return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+        });
+      }
+    }
+  }
+  // Block scales constant along K in every row, different between rows (per-tensor scaling is the
+  // case of one scale): `exact` takes the whole-K dot (integer_mode::whole); then the same with one
+  // block's scale changed, which sends the product back to the per-block kernel. Both against the
+  // host definition.
+  for (const bool one_differs : {false, true}) {
+    for (const auto& layout : gemm_layouts) {
+      const std::uint64_t seed = next_seed();
+      const std::int64_t m = 70, n = 133, k = 100 + (one_differs ? 28 : 0);
+      auto [qa, qb] = make_operands(m, n, k, 3, 3, 32, layout, value_kind::banded, seed);
+      for (auto* q : {&qa, &qb}) {
+        const bool along_rows = q->options.axis == 1;
+        const std::int64_t lines = along_rows ? q->rows : q->cols;
+        const std::int64_t blocks = static_cast<std::int64_t>(q->scales.size()) / lines;
+        for (std::int64_t line = 0; line < lines; ++line) {
+          for (std::int64_t b = 0; b < blocks; ++b) {
+            const std::int64_t at = along_rows ? line * blocks + b : b * lines + line;
+            q->scales[at] = static_cast<std::uint8_t>(120 + (line * 7 + 3) % 15);
+          }
+        }
+      }
+      if (one_differs) qb.scales[qb.scales.size() / 2] = static_cast<std::uint8_t>(qb.scales[qb.scales.size() / 2] + 1);
+      const auto model = model_of(mxscope::accumulation_kind::exact);
+      const std::string name = std::string("gemm integer tiles e4m3 exact, scales constant along K") +
+                               (one_differs ? " but one " : " ") + layout.name;
+      run_case(name, [&] {
+        const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+        return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
+                                     name + ", seed " + hex64(seed));
+      });
+    }
+  }
+}
+
+}  // namespace gpu_test

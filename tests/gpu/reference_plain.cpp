@@ -1,0 +1,467 @@
+// GPU test suites: the exact reference GEMM, and the products of unscaled (fp32, bf16) operands,
+// against the definitions.
+#include "support.hpp"
+#include "gemm_support.hpp"
+
+namespace gpu_test {
+
+// The device reference of A and B (outputs poisoned with 0xFF first) against the definition, entry
+// by entry, and the host convenience function against the same.
+std::string check_reference(const matrix& a, const matrix& b, const std::string& replay) {
+  const std::int64_t m = a.rows, n = b.rows, k = a.cols;
+  gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
+  left.upload(a.data(), left.bytes());
+  right.upload(b.data(), right.bytes());
+  gpu::device_buffer out64(static_cast<std::size_t>(m * n) * 8), out32(static_cast<std::size_t>(m * n) * 4);
+  out64.fill_bytes(0xFF);
+  out32.fill_bytes(0xFF);
+  gpu::reference_on_device(left.as<const float>(), right.as<const float>(), m, n, k, out64.as<double>(),
+                           out32.as<float>());
+  gpu::synchronize();
+  matrix64 got64(m, n);
+  matrix got32(m, n);
+  out64.download(got64.data(), out64.bytes());
+  out32.download(got32.data(), out32.bytes());
+  std::vector<host_reference::reference_value> expected(static_cast<std::size_t>(m * n));
+  host_reference::parallel_for(m, [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t i = first; i < last; ++i) {
+      for (std::int64_t j = 0; j < n; ++j)
+        expected[static_cast<std::size_t>(i * n + j)] = host_reference::reference_entry(a, b, i, j);
+    }
+  });
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    const auto& want = expected[static_cast<std::size_t>(e)];
+    if (!same(want.fp64, got64.values[static_cast<std::size_t>(e)]) ||
+        !same(want.fp32, got32.values[static_cast<std::size_t>(e)])) {
+      return "entry (" + std::to_string(e / n) + ", " + std::to_string(e % n) + "): expected fp64 " +
+             show(want.fp64) + " fp32 " + show(want.fp32) + ", got fp64 " +
+             show(got64.values[static_cast<std::size_t>(e)]) + " fp32 " +
+             show(got32.values[static_cast<std::size_t>(e)]) + "; " + replay;
+    }
+  }
+  const mxscope::reference_result api = gpu::reference_gemm(a, b);
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)].fp64, api.fp64.values[static_cast<std::size_t>(e)]) ||
+        !same(expected[static_cast<std::size_t>(e)].fp32, api.fp32.values[static_cast<std::size_t>(e)])) {
+      return "gpu::reference_gemm entry " + std::to_string(e) + " differs; " + replay;
+    }
+  }
+  // The bound the CPU reports for `exact`: the largest half ulp of a finite nonzero result.
+  double bound = 0.0;
+  for (const auto& entry : expected) {
+    const double magnitude = std::fabs(entry.fp64);
+    if (magnitude == 0.0 || !std::isfinite(magnitude)) continue;
+    int exponent = 0;
+    (void)std::frexp(magnitude, &exponent);  // magnitude in [2^(exponent-1), 2^exponent)
+    bound = std::max(bound, magnitude < 0x1p-1021 ? 0x1p-1074 : std::ldexp(1.0, exponent - 1 - 53));
+  }
+  // The same result left in device memory.
+  const mxscope::reference_result kept = gpu::reference_gemm(a, b, true);
+  if (!kept.fp64.values.empty() || !kept.fp32.values.empty() || !kept.device_fp64 || !kept.device_fp32) {
+    return "gpu::reference_gemm(keep_on_device): the result is not (only) in device memory; " + replay;
+  }
+  const matrix64 kept64 = kept.device_fp64->download64();
+  const matrix kept32 = kept.device_fp32->download32();
+  if (kept64.rows != m || kept64.cols != n || kept32.rows != m || kept32.cols != n) {
+    return "gpu::reference_gemm(keep_on_device): wrong shape; " + replay;
+  }
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)].fp64, kept64.values[static_cast<std::size_t>(e)]) ||
+        !same(expected[static_cast<std::size_t>(e)].fp32, kept32.values[static_cast<std::size_t>(e)])) {
+      return "gpu::reference_gemm(keep_on_device) entry " + std::to_string(e) + " differs; " + replay;
+    }
+  }
+  // Entries in a row of A or of B that holds inf or NaN are the non-finite ones.
+  const auto bad_rows = [](const matrix& x) {
+    std::int64_t count = 0;
+    for (std::int64_t r = 0; r < x.rows; ++r) {
+      bool bad = false;
+      for (std::int64_t c = 0; c < x.cols; ++c) bad = bad || !std::isfinite(x(r, c));
+      count += bad;
+    }
+    return count;
+  };
+  const std::int64_t bad_a = bad_rows(a), bad_b = bad_rows(b);
+  const std::int64_t nonfinite = bad_a * n + bad_b * m - bad_a * bad_b;
+  for (const auto& [what, got] : {std::pair{"", &api}, std::pair{" (keep_on_device)", &kept}}) {
+    if (got->stats.entries != m * n || got->stats.nonfinite_entries != nonfinite ||
+        got->stats.certified_entries != m * n - nonfinite) {
+      return std::string("gpu::reference_gemm") + what + " stats: expected " + std::to_string(nonfinite) +
+             " non-finite of " + std::to_string(m * n) + ", got " + std::to_string(got->stats.nonfinite_entries) +
+             " of " + std::to_string(got->stats.entries) + "; " + replay;
+    }
+  }
+  for (const auto& [what, got] : {std::pair{"", api.error_bound}, std::pair{" (keep_on_device)", kept.error_bound}}) {
+    if (!same(bound, got)) {
+      return std::string("gpu::reference_gemm") + what + " error_bound: expected " + show(bound) + " got " +
+             show(got) + "; " + replay;
+    }
+  }
+  return "";
+}
+
+void reference_checks(bool small) {
+  struct shape {
+    std::int64_t m, n, k;
+  };
+  const shape shapes[] = {{1, 1, 1}, {3, 5, 2}, {37, 29, 70}, {96, 80, 1000}, {256, 192, 1500}};
+  int index = 0;
+  for (const shape& s : shapes) {
+    for (int kind = 0; kind < test_inputs::value_kind_count; ++kind) {
+      ++index;
+      if (small && s.m > 40) continue;
+      const std::uint64_t seed = next_seed();
+      matrix a = test_inputs::make_matrix(s.m, s.k, static_cast<value_kind>(kind), seed);
+      matrix b = test_inputs::make_matrix(s.n, s.k, static_cast<value_kind>(kind), seed + 1);
+      if (static_cast<value_kind>(kind) == value_kind::ties && s.k >= 2 && s.m >= 1 && s.n >= 1) {
+        // Exact ties: 1 + 2^-24 (fp32 tie), 1 + 2^-53 (fp64 tie), and a cancellation to 2^-149.
+        a(0, 0) = 1.0f;
+        a(0, 1) = 0x1p-24f;
+        b(0, 0) = 1.0f;
+        b(0, 1) = 1.0f;
+        for (std::int64_t kk = 2; kk < s.k; ++kk) a(0, kk) = 0.0f;
+      }
+      const std::string name = "reference exact M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" +
+                               std::to_string(s.k) + " " +
+                               std::string(test_inputs::value_kind_name(static_cast<value_kind>(kind)));
+      run_case(name, [&] { return check_reference(a, b, "seed " + hex64(seed)); });
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Unscaled operands (fp32, bf16 values): the tiled kernels that sum each K-chunk of 32 products in
+// fp64 where that is exact, and their fallbacks, against the definitions.
+
+struct plain_input {
+  std::string name;
+  matrix a, b;
+};
+
+// Inputs for every branch: bf16 chunks whose products sum exactly in fp64 (narrow); chunks too wide
+// for that (wide bf16, fp32 significands) in rows that still fit the 128-bit window of an entry;
+// and, mixed into one product with narrow rows, a row that does not fit that window, a row of
+// zeros, one wide chunk in a narrow row, NaN and infinity (the per-product kernels).
+std::vector<plain_input> plain_inputs(std::int64_t m, std::int64_t n, std::int64_t k, std::uint64_t seed) {
+  std::vector<plain_input> out;
+  out.push_back({"bf16 narrow", test_inputs::make_bf16_matrix(m, k, 2, seed),
+                 test_inputs::make_bf16_matrix(n, k, 2, seed + 1)});
+  out.push_back({"bf16 wide", test_inputs::make_bf16_matrix(m, k, 24, seed + 2),
+                 test_inputs::make_bf16_matrix(n, k, 24, seed + 3)});
+  out.push_back({"fp32 banded", test_inputs::make_matrix(m, k, value_kind::banded, seed + 4),
+                 test_inputs::make_matrix(n, k, value_kind::banded, seed + 5)});
+  plain_input mixed{"bf16 mixed rows", test_inputs::make_bf16_matrix(m, k, 3, seed + 6),
+                    test_inputs::make_bf16_matrix(n, k, 3, seed + 7)};
+  if (k >= 2) {
+    mixed.a(0, 0) = 0x1p100f;  // row 0 of A spans 2^-120 .. 2^100: beyond the window
+    mixed.a(0, k - 1) = 0x1p-120f;
+  }
+  if (m >= 3) {
+    for (std::int64_t c = 0; c < k; ++c) mixed.a(1, c) = 0.0f;
+    mixed.a(2, k / 2) *= 0x1p40f;  // one chunk of row 2 too wide for fp64, the row within the window
+  }
+  if (n >= 2) mixed.b(n - 1, k / 3) = std::numeric_limits<float>::quiet_NaN();
+  if (n >= 3) mixed.b(n / 2, k - 1) = -std::numeric_limits<float>::infinity();
+  out.push_back(std::move(mixed));
+  out.push_back({"extreme", test_inputs::make_matrix(m, k, value_kind::extreme, seed + 8),
+                 test_inputs::make_matrix(n, k, value_kind::extreme, seed + 9)});
+  return out;
+}
+
+// plain_product_on_device into a poisoned buffer against host_reference::plain_product_entry.
+std::string check_plain_product(const plain_input& in, int block, const mxscope::accumulation_model& model,
+                                mxscope::output_rounding output, const std::string& replay) {
+  const std::int64_t m = in.a.rows, n = in.b.rows, k = in.a.cols;
+  gpu::device_buffer left(in.a.values.size() * 4), right(in.b.values.size() * 4);
+  left.upload(in.a.data(), left.bytes());
+  right.upload(in.b.data(), right.bytes());
+  gpu::device_buffer out(static_cast<std::size_t>(m * n) * 4);
+  out.fill_bytes(0xFF);
+  gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), m, n, k, block, model, output,
+                               out.as<float>());
+  matrix got(m, n);
+  out.download(got.data(), out.bytes());
+  std::vector<float> expected(static_cast<std::size_t>(m * n));
+  host_reference::parallel_for(m, [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t i = first; i < last; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        expected[static_cast<std::size_t>(i * n + j)] =
+            host_reference::plain_product_entry(in.a, in.b, i, j, block, model, output);
+      }
+    }
+  });
+  for (std::int64_t e = 0; e < m * n; ++e) {
+    if (!same(expected[static_cast<std::size_t>(e)], got.values[static_cast<std::size_t>(e)])) {
+      return "entry (" + std::to_string(e / n) + ", " + std::to_string(e % n) + "): expected " +
+             show(expected[static_cast<std::size_t>(e)]) + " got " + show(got.values[static_cast<std::size_t>(e)]) +
+             "; " + replay;
+    }
+  }
+  return "";
+}
+
+// The leading and lowest set-bit exponents of the nonzero values x(row, first .. first + length - 1)
+// (finite, normal fp32), and their difference, the spread the reference's budgets read.
+struct exponent_range {
+  int high = -100000, low = 100000;
+  int spread() const { return high - low; }
+};
+
+exponent_range row_exponents(const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
+  exponent_range out;
+  for (std::int64_t c = first; c < std::min(x.cols, first + length); ++c) {
+    const float v = x(row, c);
+    if (v == 0.0f) continue;
+    int e = 0;
+    std::frexp(v, &e);
+    const auto significand = static_cast<std::uint32_t>(std::ldexp(std::fabs(v), 24 - e));  // 24 bits
+    out.high = std::max(out.high, e - 1);
+    out.low = std::min(out.low, e - 24 + __builtin_ctz(significand));
+  }
+  return out;
+}
+
+namespace {
+
+// Every model on odd shapes, K around multiples of 32, tiles cut at both edges.
+void plain_sweep(bool small) {
+  struct shape {
+    std::int64_t m, n, k;
+  };
+  // Odd sizes, K below, at and past multiples of 32, tiles of 64 x 64 cut at both edges.
+  const shape shapes[] = {{1, 1, 1}, {3, 5, 31}, {37, 29, 70}, {67, 65, 97}, {130, 70, 300}, {200, 150, 1030}};
+  struct model_case {
+    const char* name;
+    int block;
+    mxscope::accumulation_model model;
+  };
+  const model_case models[] = {
+      {"fp32-block", 32, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-group:2", 32, model_of(mxscope::accumulation_kind::fp32_group, 2)},
+      {"fp32-group:3", 32, model_of(mxscope::accumulation_kind::fp32_group, 3)},
+      {"fp32-block block 64", 64, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-block block 16", 16, model_of(mxscope::accumulation_kind::fp32_block)},
+      {"fp32-seq", 32, model_of(mxscope::accumulation_kind::fp32_seq)},
+  };
+  int index = 0;
+  for (const shape& s : shapes) {
+    if (small && s.m > 70) continue;
+    const std::uint64_t seed = next_seed();
+    const std::vector<plain_input> inputs = plain_inputs(s.m, s.n, s.k, seed);
+    const std::string dims = " M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k);
+    for (const plain_input& in : inputs) {
+      run_case("plain reference" + dims + " " + in.name,
+               [&] { return check_reference(in.a, in.b, "seed " + hex64(seed)); });
+      for (const model_case& mc : models) {
+        ++index;
+        const auto output = index % 4 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
+        run_case("plain " + std::string(mc.name) + dims + " " + in.name +
+                     (output == mxscope::output_rounding::bf16 ? " bf16 out" : ""),
+                 [&] { return check_plain_product(in, mc.block, mc.model, output, "seed " + hex64(seed)); });
+      }
+    }
+  }
+}
+
+// The exact reference's super-chunks and the edges of its 128-bit window.
+void plain_reference_edges() {
+  // The exact mode's super-chunks (8 chunks of 32): rows whose spread over a super-chunk is too wide
+  // for one fp64 dot of 256 products but whose chunks are not, beside rows that fit, several
+  // super-chunks and a partial last one.
+  run_case("plain reference super-chunks M70 N67 K600", []() -> std::string {
+    const std::uint64_t seed = next_seed();
+    const std::int64_t m = 70, n = 67, k = 600;
+    plain_input in{"super-chunks", test_inputs::make_bf16_matrix(m, k, 1, seed),
+                   test_inputs::make_bf16_matrix(n, k, 1, seed + 1)};
+    // Random rows: one element 2^-12 smaller in chunk 8 s + 1 of odd rows of A, in chunk 8 s + 5 of
+    // odd rows of B (which paths they take depends on the draw).
+    for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
+      for (std::int64_t i = 5; i < m && chunk % 8 == 1; i += 2) in.a(i, 32 * chunk + 5) *= 0x1p-12f;
+      for (std::int64_t j = 5; j < n && chunk % 8 == 5 && 32 * chunk + 9 < k; j += 2) in.b(j, 32 * chunk + 9) *= 0x1p-12f;
+    }
+    // Rows 2 and 3 reach each path whatever the draw: 1.5 throughout (spread 1), so entry (2, 2)
+    // is fused in every super-chunk; row 3 of A has one value 2^-30 smaller in chunk 8 s + 1 and
+    // row 3 of B in chunk 8 s + 5 (spreads 31), so entry (3, 3) steps per chunk in super-chunks 0
+    // and 1 (31 + 31 > 43 over each, at most 31 + 1 in any chunk).
+    for (std::int64_t c = 0; c < k; ++c) in.a(2, c) = in.b(2, c) = in.a(3, c) = in.b(3, c) = 1.5f;
+    for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
+      if (chunk % 8 == 1) in.a(3, 32 * chunk + 7) = 0x1.8p-30f;
+      if (chunk % 8 == 5 && 32 * chunk + 11 < k) in.b(3, 32 * chunk + 11) = 0x1.8p-30f;
+    }
+    // Rows where a budget one bit too large would round: B row 0 is 255/128 (8 significant bits,
+    // spread 7) throughout. A row 0 holds 255/128 in super-chunk 1 (k 256-511) but one value 2^-30
+    // smaller (k 300: spreads 37 + 7 = 44, one past 51 - 8; 255 products of 3.97 and one of
+    // 2^-30 3.97 need 54 bits), and the same values negated in super-chunk 0 without the small one,
+    // so that the exact entry is that one product. Row 1 likewise within chunks: chunk 2 (k 64-95)
+    // with one value 2^-33 smaller (k 70: spreads 40 + 7 = 47, one past 51 - 5; 54 bits), chunk 0
+    // negated without it.
+    constexpr float full = 255.0f / 128.0f;
+    for (std::int64_t c = 0; c < k; ++c) {
+      in.b(0, c) = full;
+      in.a(0, c) = c < 256 ? -full : c < 512 ? full : 0.0f;
+      in.a(1, c) = c < 32 ? -full : c >= 64 && c < 96 ? full : 0.0f;
+    }
+    in.a(0, 300) = full * 0x1p-30f;
+    in.a(0, 300 - 256) = 0.0f;
+    in.a(1, 70) = full * 0x1p-33f;
+    in.a(1, 70 - 64) = 0.0f;
+    // Rows 2 and 3 must reach both paths: fused (spreads over 256 products within 51 - 8) and per
+    // chunk (not, but every chunk within 51 - 5).
+    const auto spread = [](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
+      return row_exponents(x, row, first, length).spread();
+    };
+    bool fused = true, per_chunk = true;
+    for (std::int64_t super = 0; 256 * super < k; ++super) {
+      fused = fused && spread(in.a, 2, 256 * super, 256) + spread(in.b, 2, 256 * super, 256) <= 43;
+      if (super >= 2) continue;
+      per_chunk = per_chunk && spread(in.a, 3, 256 * super, 256) + spread(in.b, 3, 256 * super, 256) > 43;
+      for (std::int64_t c = 256 * super; c < 256 * super + 256; c += 32) {
+        per_chunk = per_chunk && spread(in.a, 3, c, 32) + spread(in.b, 3, c, 32) <= 46;
+      }
+    }
+    if (!fused || !per_chunk) return std::string("the input does not reach both super-chunk paths");
+    if (spread(in.a, 0, 256, 256) + spread(in.b, 0, 256, 256) != 44 || spread(in.a, 1, 64, 32) + spread(in.b, 0, 64, 32) != 47) {
+      return std::string("the budget rows do not have the spreads they are built for");
+    }
+    return check_reference(in.a, in.b, "seed " + hex64(seed));
+  });
+  // The 128-bit sums at the edges of their window (the steps' conversion of a dot into units of
+  // 2^(lo_a + lo_b), done by fp64 halves on CUDA): entries (0, 0) and (1, 1) use the whole window
+  // (spans 60 + 54 + 2 + depth bits = 126) with fused dots of 2^120 units in super-chunk 0 that
+  // chunk 16 (per-chunk steps: super-chunk 2 spans 60 binades) cancels exactly, so the result is
+  // the small rest from the window's bottom; entries (2, 2) and (3, 3) have a fused dot whose bits
+  // straddle 2^64 units (high and low halves both nonzero). Each pair once positive, once negative.
+  run_case("plain reference window edges M70 N67 K600", []() -> std::string {
+    const std::uint64_t seed = next_seed();
+    const std::int64_t m = 70, n = 67, k = 600;
+    plain_input in{"window edges", test_inputs::make_bf16_matrix(m, k, 1, seed),
+                   test_inputs::make_bf16_matrix(n, k, 1, seed + 1)};
+    for (std::int64_t r = 0; r < 4; ++r) {
+      const float s = r % 2 == 0 ? 1.0f : -1.0f;
+      for (std::int64_t c = 0; c < k; ++c) {
+        if (r < 2) {
+          in.a(r, c) = c < 256   ? -s * 0x1.8p60f
+                       : c < 512 ? s * 0x1.8p5f
+                       : c < 544 ? s * 0x1.8p63f
+                       : c < 576 ? -s * 0x1.4p5f
+                                 : 0.0f;
+          in.b(r, c) = c < 256 ? 0x1.8p30f : c < 512 ? 0x1.8p-23f : c < 544 ? 0x1.8p30f : c < 576 ? 0x1.8p-23f : 0.0f;
+        } else {
+          in.a(r, c) = c < 256 ? s * 0x1.000002p40f : 0x1.8p20f;
+          in.b(r, c) = c < 256 ? 0x1.8p30f : 0x1.8p-10f;
+        }
+      }
+    }
+    const auto whole = [&](const matrix& x, std::int64_t row) { return row_exponents(x, row, 0, k); };
+    const int depth_bits = 10;  // bit length of K = 600
+    for (std::int64_t r = 0; r < 2; ++r) {
+      if (whole(in.a, r).spread() + whole(in.b, r).spread() + 2 + depth_bits != 126) {
+        return std::string("rows 0 and 1 do not fill the 126-bit window");
+      }
+      for (std::int64_t super = 0; super < 2; ++super) {
+        if (row_exponents(in.a, r, 256 * super, 256).spread() + row_exponents(in.b, r, 256 * super, 256).spread() > 43) {
+          return std::string("rows 0 and 1 are not fused in super-chunks 0 and 1");
+        }
+      }
+      if (row_exponents(in.a, r, 512, 88).spread() + row_exponents(in.b, r, 512, 88).spread() <= 43 ||
+          row_exponents(in.a, r, 512, 32).spread() + row_exponents(in.b, r, 512, 32).spread() > 46 ||
+          row_exponents(in.a, r, 544, 32).spread() + row_exponents(in.b, r, 544, 32).spread() > 46) {
+        return std::string("rows 0 and 1 do not step per chunk in super-chunk 2");
+      }
+    }
+    for (std::int64_t r = 2; r < 4; ++r) {
+      // The super-chunk 0 dot, 256 (1 + 2^-23) 2^40 1.5 2^30, in units of 2^(lo_a + lo_b):
+      // bits from 2^(78 + 1 - base) down to 2^(54 - base).
+      const int base = whole(in.a, r).low + whole(in.b, r).low;
+      if (row_exponents(in.a, r, 0, 256).spread() + row_exponents(in.b, r, 0, 256).spread() > 43 ||
+          !(54 - base < 64 && 78 - base >= 64)) {
+        return std::string("rows 2 and 3 do not straddle the sums' halves");
+      }
+    }
+    return check_reference(in.a, in.b, "seed " + hex64(seed));
+  });
+}
+
+// The host functions on the same device code: emulate_plain_product, same_bits, transposed.
+void plain_host_functions() {
+  // The host convenience function runs the same device code.
+  const std::uint64_t seed = next_seed();
+  const std::vector<plain_input> inputs = plain_inputs(21, 19, 45, seed);
+  run_case("plain gpu::emulate_plain_product M21 N19 K45", [&]() -> std::string {
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    for (const plain_input& in : inputs) {
+      const mxscope::product_result got = gpu::emulate_plain_product(in.a, in.b, 32, model);
+      // The same from device memory, B given transposed and turned back there, the result kept.
+      matrix b_transposed(in.b.cols, in.b.rows);
+      for (std::int64_t i = 0; i < in.b.rows; ++i) {
+        for (std::int64_t k = 0; k < in.b.cols; ++k) b_transposed(k, i) = in.b(i, k);
+      }
+      const gpu::device_matrix b_back = gpu::transposed(gpu::device_matrix::upload(b_transposed));
+      const mxscope::product_result kept =
+          gpu::emulate_plain_product(gpu::device_matrix::upload(in.a), b_back, 32, model,
+                                     mxscope::output_rounding::fp32, true);
+      if (!kept.device_out || !kept.out.values.empty()) return in.name + ": the kept result is not in device memory";
+      const matrix kept_out = kept.device_out->download32();
+      for (std::int64_t i = 0; i < in.a.rows; ++i) {
+        for (std::int64_t j = 0; j < in.b.rows; ++j) {
+          const float want =
+              host_reference::plain_product_entry(in.a, in.b, i, j, 32, model, mxscope::output_rounding::fp32);
+          if (!same(want, got.out(i, j)) || !same(want, kept_out(i, j))) {
+            return in.name + " entry (" + std::to_string(i) + ", " + std::to_string(j) + "): expected " + show(want) +
+                   " got " + show(got.out(i, j)) + " and from device memory " + show(kept_out(i, j)) + "; seed " +
+                   hex64(seed);
+          }
+        }
+      }
+    }
+    return "";
+  });
+  // gpu::same_bits: equal bits, one flipped bit (also -0 against +0), other shapes and types.
+  run_case("plain gpu::same_bits", []() -> std::string {
+    matrix values(37, 41);
+    for (std::int64_t i = 0; i < values.size(); ++i) values.values[static_cast<std::size_t>(i)] = 0.25f * static_cast<float>(i % 97) - 3.0f;
+    const gpu::device_matrix x = gpu::device_matrix::upload(values);
+    if (!gpu::same_bits(x, gpu::device_matrix::upload(values))) return std::string("equal matrices reported different");
+    matrix changed = values;
+    changed.values[1234] = std::nextafter(changed.values[1234], 100.0f);
+    if (gpu::same_bits(x, gpu::device_matrix::upload(changed))) return std::string("one ulp apart reported equal");
+    changed = values;
+    changed.values[12] = -0.0f;
+    values.values[12] = 0.0f;
+    if (gpu::same_bits(gpu::device_matrix::upload(values), gpu::device_matrix::upload(changed))) {
+      return std::string("-0 and +0 reported equal");
+    }
+    if (gpu::same_bits(x, gpu::device_matrix::upload(matrix(41, 37)))) return std::string("other shape reported equal");
+    matrix64 wide(37, 41);
+    if (gpu::same_bits(x, gpu::device_matrix::upload(wide))) return std::string("fp64 reported equal to fp32");
+    return "";
+  });
+  // gpu::transposed on shapes around its 32 x 32 tile.
+  run_case("plain gpu::transposed", []() -> std::string {
+    for (const auto& [rows, cols] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {31, 33}, {64, 7}, {100, 257}, {0, 5}}) {
+      matrix values(rows, cols);
+      for (std::int64_t i = 0; i < values.size(); ++i) values.values[static_cast<std::size_t>(i)] = static_cast<float>(i) + 0.5f;
+      const matrix got = gpu::transposed(gpu::device_matrix::upload(values)).download32();
+      if (got.rows != cols || got.cols != rows) return "shape of the transpose of " + std::to_string(rows) + "x" + std::to_string(cols);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (!same(values(r, c), got(c, r))) {
+            return std::to_string(rows) + "x" + std::to_string(cols) + " element (" + std::to_string(r) + ", " +
+                   std::to_string(c) + ")";
+          }
+        }
+      }
+    }
+    return "";
+  });
+}
+
+}  // namespace
+
+void plain_checks(bool small) {
+  plain_sweep(small);
+  plain_reference_edges();
+  plain_host_functions();
+}
+
+}  // namespace gpu_test
