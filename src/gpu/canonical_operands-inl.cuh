@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // GEMM operands in canonical form.
 // ================================================================================================
 // GEMM operands in canonical form.
@@ -457,7 +457,7 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   s.blocks = (s.depth + operand.block - 1) / operand.block;
   s.byte_stride = (s.depth + 31) / 32 * 32;
   if (path == gemm_path::native_mfma) {
-    native_gfx950::prepare(operand, s);  // native_gfx950_kernels.hpp
+    native_gfx950::prepare(operand, s);  // native_gfx950_product.hpp
     return out;
   }
   const std::int64_t count = s.rows * s.depth;

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of host.cu (included there, in order, inside namespace mxscope::gpu):
 // the replay's cross-step state on the device.
 // ================================================================================================
 // The replay's cross-step state on the device: the shared per-element functions
@@ -334,6 +334,4 @@ void unit_cross_step::download(unit_accumulators& out) const {
   }
 }
 
-// Whole tensors in device memory under every scheme, and their bf16 GEMM operands.
-#include "tensor_quantize-inl.cuh"
 

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the fp64 tensor-core tiles (plain operands, the exact reference per warp).
 // -------------------------------------------------------------------------------------------
 // Chunk dots of a 64 x 64 tile of C on the fp64 tensor cores (mma.sync m16n8k8 f64, DMMA), shared by

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the emulated products' generic path and the unscaled operands' rows.
 // ================================================================================================
 // Emulated products (NUMERICS.md section 7), mirroring src/gemm.cpp.

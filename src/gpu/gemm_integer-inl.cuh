@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the integer path of the emulated products.
 // -------------------------------------------------------------------------------------------
 // Integer path: the block dot D of each K-block is an exact integer sum, then the model's steps
@@ -359,7 +359,7 @@ bool uniform_exponents(const prepared_operand::storage& operand) {
 }
 
 // The largest |integer element| of a tensor-core operand (tensor_core_element's codes).
-std::int64_t tensor_core_integer_max(element_kind kind) {
+[[maybe_unused]] std::int64_t tensor_core_integer_max(element_kind kind) {
   return kind == element_kind::fp4_e2m1 ? 12 : kind == element_kind::fp6_e2m3 ? 60 : 127;
 }
 

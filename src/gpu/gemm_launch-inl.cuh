@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the choice among the product kernels and their launches.
 
 namespace {
@@ -22,7 +22,7 @@ bool wgmma_present() {
 }
 }  // namespace
 
-#include "native_gfx950_kernels.hpp"  // the gfx950 native path (kernels for __gfx950__, stubs elsewhere)
+#include "native_gfx950_product.hpp"  // the gfx950 native product (kernels for __gfx950__, stubs elsewhere)
 
 namespace {
 // Whether tensor_core_scaled_kernel computes this product exactly (see there): both operands have
@@ -39,7 +39,7 @@ bool scaled_kernel_fits(const prepared_operand::storage& a, const prepared_opera
 }
 // The same for its fp8 form: also no 128-row tile of either operand spans more than fp8_window
 // exponents in a K-block (prepare_fp8_kernel).
-bool fp8_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
+[[maybe_unused]] bool fp8_kernel_fits(const prepared_operand::storage& a, const prepared_operand::storage& b) {
   return scaled_kernel_fits(a, b) && a.fp8_fits && b.fp8_fits;
 }
 }  // namespace

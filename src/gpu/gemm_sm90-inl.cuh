@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the sm_90a warpgroup-MMA fp32-block kernels.
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)  // as at the end of gemm_tensor_core-inl.cuh
 #if !defined(MXSCOPE_GPU_SIMULATE)

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the int8 tensor-core path and its fast fp32-block kernel.
 // -------------------------------------------------------------------------------------------
 // Tensor-core path (CUDA, sm_80+): mma.sync m16n8k32 s8 x s8 -> s32 per 32-block gives each block

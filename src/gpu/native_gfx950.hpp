@@ -3,8 +3,8 @@
 // On gfx950 the backend can quantize MXFP4 with the hardware's scaled conversions
 // (v_cvt_scalef32_pk_fp4_f32, and v_cvt_scalef32_sr_pk_fp4_f32 for stochastic rounding) and
 // multiply MXFP4 x MXFP4 with the scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4). The kernels are
-// in native_gfx950_kernels.hpp (HIP device code for __gfx950__ only; every other build has host
-// stubs). This header holds what the host decides with and what the tests check on the CPU: which
+// in native_gfx950_quantize.hpp and native_gfx950_product.hpp (HIP device code for __gfx950__ only;
+// every other build has host stubs). This header holds what the host decides with and what the tests check on the CPU: which
 // plans, blocks and models the native path takes, and how the emulator's stochastic rounding maps
 // onto the hardware's seed operand.
 //
@@ -36,7 +36,7 @@
 //     rows 4 (l / 16) ... + 3.
 #pragma once
 
-#include <atomic>  // (atomic, cstdlib, cstring: for native_gfx950_kernels.hpp, included inside a namespace)
+#include <atomic>  // (atomic, cstdlib, cstring: for native_gfx950_quantize.hpp, included inside a namespace)
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -94,7 +94,7 @@ constexpr bool gemm_fits(core::element_kind a, core::element_kind b, int block, 
          model.kind == accumulation_kind::fp32_group && model.blocks_per_group == mfma_blocks_per_instruction;
 }
 
-// Host side (native_gfx950_kernels.hpp): whether the current device is a gfx950 and this build has
+// Host side (native_gfx950_quantize.hpp, native_gfx950_product.hpp): whether the current device is a gfx950 and this build has
 // the native code (and MXSCOPE_GPU_NATIVE is not "off"); the quantizer and the operand preparation
 // and product of gemm_path::native_mfma. Builds without the native code throw gpu_error.
 bool present();

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of quantize.cu (included there, in order, inside namespace mxscope::gpu):
 // MX quantization (the generic, fused and column kernels) and the fast encoder's self-test.
 // ================================================================================================
 // MX quantization (NUMERICS.md sections 2-4).
@@ -144,7 +144,7 @@ enum class fused_encoder {
   any_format,        // the other formats: fast_encode::quantize_finite (float formats) or the core (int8)
 };
 
-// The gfx950 native quantizer's loads (native_gfx950_kernels.hpp: one thread per block reading its
+// The gfx950 native quantizer's loads (native_gfx950_quantize.hpp: one thread per block reading its
 // own 64 or 128 bytes); only the HIP device code for gfx950 has that path.
 #if defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE) && defined(__gfx950__)
 __device__ inline void load_block(const float* input, std::int64_t first, float (&v)[fused_block]) {
@@ -1054,7 +1054,7 @@ void quantize_on_device(const void* input, input_format format, std::int64_t row
   if (path == quantize_path::native ||
       (path == quantize_path::automatic && vectors_fit &&
        native_gfx950::quantize_plan_fits(plan, rotation.size, cols) && native_gfx950::present())) {
-    native_gfx950::quantize(input, format, rows, cols, plan, rotation, output);  // native_gfx950_kernels.hpp
+    native_gfx950::quantize(input, format, rows, cols, plan, rotation, output);  // native_gfx950_quantize.hpp
     finish(false);
     return;
   }

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the exact reference of fp32 operands.
 // ================================================================================================
 // Exact reference of fp32 operands (NUMERICS.md section 8): the exact sum of the products rounded

@@ -1,4 +1,4 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
+// Part of quantize.cu (included there, in order, inside namespace mxscope::gpu):
 // the Hadamard rotations.
 // ================================================================================================
 // Rotations (NUMERICS.md section 5).

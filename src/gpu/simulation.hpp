@@ -1,5 +1,5 @@
 // A CPU simulation of the small part of the CUDA programming model the backend uses, so that the
-// kernels of kernels.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
+// kernels of src/gpu/*.cu compile as plain C++ (MXSCOPE_GPU_SIMULATE) and run on the host: every GPU
 // thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
 // tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m16n8k8 f64) are emulated from their documented

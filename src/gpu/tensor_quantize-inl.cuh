@@ -1,8 +1,6 @@
 // Whole tensors in device memory under every scheme (gpu.hpp: quantize_tensor_on_device), and the
-// bf16 GEMM operands decoded from their codes. Included at the end of cross_step-inl.cuh (the end
-// of kernels.cu), inside namespace mxscope::gpu, so that it uses the quantizers' kernels and launch
-// helpers defined there and is compiled by every build of that file (nvcc, clang -x hip and the CPU
-// simulation).
+// bf16 GEMM operands decoded from their codes. Part of quantize.cu (included there last, inside
+// namespace mxscope::gpu), so that it uses the quantizers' kernels and launch helpers.
 
 namespace {
 

@@ -1,7 +1,7 @@
 // Throughput of the fp64 tensor-core shapes of mma.sync on one GPU (sm_90 and later for the
 // m16n8k* shapes): each warp runs `chains` independent accumulator sets through `iterations`
 // mmas, enough thread blocks fill every multiprocessor, and the rate counts 2 M N K operations per
-// mma. The plain-operand and integer kernels (src/gpu/kernels.cu) pick their DMMA shape by it, and
+// mma. The plain-operand and integer kernels (src/gpu/products.cu) pick their DMMA shape by it, and
 // tools/gpu-test runs it after the benchmark (the fp64 tensor-core peak of the same run). Built as
 // mxscope_dmma_shapes with the GPU tests (tests/gpu/CMakeLists.txt), or alone:
 //

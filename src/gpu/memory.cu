@@ -1,5 +1,9 @@
-// Part of kernels.cu (included there, in order, inside namespace mxscope::gpu):
-// devices, device memory and the quantizers' plans.
+// The GPU backend's devices, device memory (buffers, matrices, the scratch pool, timers) and the
+// quantizers' plans.
+#include "common.cuh"
+
+namespace mxscope::gpu {
+
 // ================================================================================================
 // Devices and memory.
 
@@ -35,11 +39,9 @@ device_description describe_device() {
   return out;
 }
 
-namespace {
-
 // The current device's properties, or nothing where no device answers (the error cleared): for
 // the feature checks that report absence instead of throwing.
-[[maybe_unused]] std::optional<runtime::device_properties> current_device_properties() {
+std::optional<runtime::device_properties> current_device_properties() {
   int device = 0;
   runtime::device_properties properties{};
   if (runtime::get_device(&device) != runtime::success ||
@@ -60,6 +62,8 @@ namespace {
 // queued after it was taken again. The pool is emptied before a cross-step state measures the free
 // memory (require_cross_step_room) and when an allocation fails (device_buffer's constructor), so
 // what it holds never makes a stage run out of memory.
+namespace {
+
 constexpr std::size_t scratch_pool_entries = 8;
 
 struct scratch_pool {
@@ -76,6 +80,8 @@ scratch_pool& the_scratch_pool() {
   return *pool;
 }
 
+}  // namespace
+
 void release_scratch_pool() {
   std::vector<scratch_pool::entry> released;
   {
@@ -86,64 +92,47 @@ void release_scratch_pool() {
   // freed here, outside the lock
 }
 
-class scratch_buffer {
- public:
-  explicit scratch_buffer(std::size_t bytes) {
-    MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
-    if (bytes == 0) return;
-    {
-      scratch_pool& pool = the_scratch_pool();
-      const std::lock_guard<std::mutex> lock(pool.mutex);
-      auto best = pool.entries.end();
-      for (auto it = pool.entries.begin(); it != pool.entries.end(); ++it) {
-        if (it->device == device_ && it->buffer.bytes() >= bytes &&
-            (best == pool.entries.end() || it->buffer.bytes() < best->buffer.bytes())) {
-          best = it;
-        }
-      }
-      if (best != pool.entries.end()) {
-        buffer_ = std::move(best->buffer);
-        pool.entries.erase(best);
-        return;
-      }
-    }
-    buffer_ = device_buffer(bytes);
-  }
-  ~scratch_buffer() {
-    if (buffer_.get() == nullptr) return;
-    std::size_t free_bytes = 0, total_bytes = 0;
-    if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
-      (void)runtime::last_error();
-      return;  // freed with buffer_
-    }
-    std::vector<scratch_pool::entry> dropped;
+scratch_buffer::scratch_buffer(std::size_t bytes) {
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
+  if (bytes == 0) return;
+  {
     scratch_pool& pool = the_scratch_pool();
     const std::lock_guard<std::mutex> lock(pool.mutex);
-    pool.entries.push_back({device_, std::move(buffer_)});
-    std::size_t kept = 0;
-    for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
-    while (!pool.entries.empty() && (pool.entries.size() > scratch_pool_entries || kept > total_bytes / 8)) {
-      kept -= pool.entries.front().buffer.bytes();
-      dropped.push_back(std::move(pool.entries.front()));
-      pool.entries.erase(pool.entries.begin());
+    auto best = pool.entries.end();
+    for (auto it = pool.entries.begin(); it != pool.entries.end(); ++it) {
+      if (it->device == device_ && it->buffer.bytes() >= bytes &&
+          (best == pool.entries.end() || it->buffer.bytes() < best->buffer.bytes())) {
+        best = it;
+      }
+    }
+    if (best != pool.entries.end()) {
+      buffer_ = std::move(best->buffer);
+      pool.entries.erase(best);
+      return;
     }
   }
-  scratch_buffer(scratch_buffer&&) noexcept = default;
-  scratch_buffer& operator=(scratch_buffer&&) = delete;
-  scratch_buffer(const scratch_buffer&) = delete;
-  scratch_buffer& operator=(const scratch_buffer&) = delete;
+  buffer_ = device_buffer(bytes);
+}
 
-  template <class T>
-  T* as() const {
-    return buffer_.as<T>();
+scratch_buffer::~scratch_buffer() {
+  if (buffer_.get() == nullptr) return;
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
+    (void)runtime::last_error();
+    return;  // freed with buffer_
   }
-  void fill_bytes(int value) { buffer_.fill_bytes(value); }
-  void download(void* host, std::size_t bytes) const { buffer_.download(host, bytes); }
-
- private:
-  int device_ = 0;
-  device_buffer buffer_;
-};
+  std::vector<scratch_pool::entry> dropped;
+  scratch_pool& pool = the_scratch_pool();
+  const std::lock_guard<std::mutex> lock(pool.mutex);
+  pool.entries.push_back({device_, std::move(buffer_)});
+  std::size_t kept = 0;
+  for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
+  while (!pool.entries.empty() && (pool.entries.size() > scratch_pool_entries || kept > total_bytes / 8)) {
+    kept -= pool.entries.front().buffer.bytes();
+    dropped.push_back(std::move(pool.entries.front()));
+    pool.entries.erase(pool.entries.begin());
+  }
+}
 
 // Multiprocessors of the current device, queried once per device.
 int multiprocessor_count() {
@@ -161,8 +150,6 @@ int multiprocessor_count() {
   }
   return counts[index];
 }
-
-}  // namespace
 
 device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
@@ -279,15 +266,9 @@ void synchronize() {
   MXSCOPE_GPU_CHECK(runtime::last_error());
 }
 
-namespace {
-
-// Called where temporary buffers must outlive the kernels just queued: waits for the device unless
-// the buffers are freed in stream order (stream_scope), which already orders the free after them.
 void release_after_kernels() {
   if (!(runtime::has_ordered_allocation && runtime::stream_ordered)) synchronize();
 }
-
-}  // namespace
 
 void copy_on_device(void* destination, const void* source, std::size_t bytes) {
   if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_on_device_async(destination, source, bytes));
@@ -390,3 +371,4 @@ std::int64_t mx_scale_cols(const mx_plan& plan, std::int64_t, std::int64_t cols)
   return plan.axis == 1 ? (cols + plan.block - 1) / plan.block : cols;
 }
 
+}  // namespace mxscope::gpu

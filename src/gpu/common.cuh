@@ -1,3 +1,8 @@
+// What every translation unit of the GPU backend shares (src/gpu/*.cu; docs/architecture.md): the
+// headers, the tensor-core and shared-memory macros, launch geometry, canonical NaNs, the integer
+// multiply-add and reduction helpers, and the declarations of the functions one unit defines for
+// the others (the device memory pool, device properties).
+//
 // The GPU backend (include/mxscope/gpu.hpp): one source for CUDA (nvcc) and HIP (clang -x hip).
 //
 // Bit-exactness rests on three habits, each argued next to the code that relies on it:
@@ -10,6 +15,8 @@
 //    splits independent work (entries, blocks, chunks, butterfly pairs of one stage);
 // 3. the build never contracts a multiply and an add into an FMA (nvcc --fmad=false, clang
 //    -ffp-contract=off), and fp32 arithmetic keeps subnormals (no flush to zero).
+#pragma once
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -67,7 +74,7 @@ namespace {
 
 constexpr int threads_per_block = 256;
 
-unsigned grid_for(std::int64_t work, int threads = threads_per_block) {
+inline unsigned grid_for(std::int64_t work, int threads = threads_per_block) {
   const std::int64_t blocks = (work + threads - 1) / threads;
   return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, std::int64_t{1} << 20));
 }
@@ -75,7 +82,7 @@ unsigned grid_for(std::int64_t work, int threads = threads_per_block) {
 // The grid of a kernel whose threads each reduce many elements and end with an atomic: about two
 // waves of threads_per_block-thread blocks on a large GPU, so that a large tensor does not make
 // one atomic per element on the same address (which the hardware serializes).
-unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(work), 1024U); }
+inline unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(work), 1024U); }
 
 // Grid-stride loop over [0, count).
 #define MXSCOPE_GRID_LOOP(index, count)                                                                        \
@@ -190,26 +197,63 @@ __device__ inline void add_counters(unsigned long long* global, const unsigned l
   block_reduce_to<false>(values, global, slots);
 }
 
-std::string to_text(std::int64_t value) { return std::to_string(value); }
+inline std::string to_text(std::int64_t value) { return std::to_string(value); }
+
+// The canonical tree sum (compare.hpp) of values[offset, offset + count): how the chunk partials of
+// the comparison and of the operand energies are combined.
+inline double tree_of(std::vector<double>& values, std::size_t offset, std::size_t count) {
+  return canonical_tree(std::span<double>(values.data() + offset, count));
+}
+
+template <class T>
+inline device_buffer upload_vector(const std::vector<T>& values) {
+  device_buffer buffer(values.size() * sizeof(T));
+  buffer.upload(values.data(), buffer.bytes());
+  return buffer;
+}
+
+// An operand's codes or scales: read where they are in device memory, else uploaded.
+inline device_buffer_ptr resident_or_uploaded(const device_buffer_ptr& resident, const std::vector<std::uint8_t>& host) {
+  return resident ? resident : std::make_shared<const device_buffer>(upload_vector(host));
+}
 
 }  // namespace
 
-// The kernels and their host functions, one file per part (docs/architecture.md). The parts are
-// compiled here, in this order, as one translation unit: they share the anonymous-namespace helpers
-// above and each other's.
-#include "devices-inl.cuh"
-#include "rotate-inl.cuh"
-#include "quantize_mx-inl.cuh"
-#include "canonical_operands-inl.cuh"
-#include "gemm_generic-inl.cuh"
-#include "gemm_fp64_tiles-inl.cuh"
-#include "gemm_integer-inl.cuh"
-#include "gemm_tensor_core-inl.cuh"
-#include "gemm_sm90-inl.cuh"
-#include "gemm_launch-inl.cuh"
-#include "reference-inl.cuh"
-#include "compare-inl.cuh"
-#include "host_api-inl.cuh"
-#include "cross_step-inl.cuh"
+// ---- Defined in memory.cu, used by the other units.
+
+// The current device's properties, or nothing where no device answers (the error cleared): for
+// the feature checks that report absence instead of throwing.
+std::optional<runtime::device_properties> current_device_properties();
+// Multiprocessors of the current device, queried once per device.
+int multiprocessor_count();
+// Called where temporary buffers must outlive the kernels just queued: waits for the device unless
+// the buffers are freed in stream order (stream_scope), which already orders the free after them.
+void release_after_kernels();
+// Empties the scratch pool (before a cross-step state measures the free memory).
+void release_scratch_pool();
+
+// A set-up buffer from the scratch pool of memory.cu (see the pool there): the smallest pooled
+// buffer of the current device that is large enough, else a new one; given back when it goes out
+// of scope.
+class scratch_buffer {
+ public:
+  explicit scratch_buffer(std::size_t bytes);
+  ~scratch_buffer();
+  scratch_buffer(scratch_buffer&&) noexcept = default;
+  scratch_buffer& operator=(scratch_buffer&&) = delete;
+  scratch_buffer(const scratch_buffer&) = delete;
+  scratch_buffer& operator=(const scratch_buffer&) = delete;
+
+  template <class T>
+  T* as() const {
+    return buffer_.as<T>();
+  }
+  void fill_bytes(int value) { buffer_.fill_bytes(value); }
+  void download(void* host, std::size_t bytes) const { buffer_.download(host, bytes); }
+
+ private:
+  int device_ = 0;
+  device_buffer buffer_;
+};
 
 }  // namespace mxscope::gpu
