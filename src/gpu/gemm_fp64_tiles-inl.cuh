@@ -380,6 +380,8 @@ __global__ void plain_rows_kernel(const std::int32_t* chunk_lows, const std::int
 // work on this one), tile_dots sums the 16 chunk dots, then every thread runs the model step of
 // each of its entries.
 template <plain_mode Mode, bool Scaled = false>
+// One body (about 190 lines): the tile loads, the fp64 dots and the per-model step of every entry
+// share the tile's fragments and accumulators held in registers.
 __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     plain_tile_kernel(const float* a, const float* b, const std::int8_t* a_spreads, const std::int8_t* b_spreads,
                       const std::int8_t* a_super_spreads, const std::int8_t* b_super_spreads,
@@ -713,6 +715,8 @@ __device__ inline void rw_tile_dots(const double* a_tile, const double* b_tile, 
   }
 }
 
+// One body (about 190 lines): each warp's fp64 tile dots, the super-chunk spread checks and the
+// 128-bit sums share the warp's fragments and long accumulators held in registers.
 template <bool Scaled>
 __global__ void __launch_bounds__(rw_threads, 2)
     reference_warp_kernel(const float* a_tiles, const float* b_tiles, const std::int8_t* a_spreads,

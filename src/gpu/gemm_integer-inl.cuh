@@ -70,6 +70,8 @@ __device__ inline bool add_rounds(double& running, double contribution) {
 }
 
 template <class Dot, integer_mode Mode>
+// One body (about 170 lines): the tile loads, the exact integer block dots and the model's step of
+// every entry share the tile's fragments and accumulators held in registers.
 __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
     integer_product_kernel(const std::int32_t* a_values, const std::int32_t* a_exponents,
                            const std::int32_t* b_values, const std::int32_t* b_exponents, std::int64_t m,

@@ -44,11 +44,11 @@ bool scaled_kernel_fits(const prepared_operand::storage& a, const prepared_opera
 }
 }  // namespace
 
-void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
-                       const accumulation_model& model, output_rounding output, float* out, double* exact_out,
-                       gemm_path path) {
-  const auto& a = a_operand.data();
-  const auto& b = b_operand.data();
+namespace {
+
+// The operands and the model checked against the path before anything is launched.
+void check_prepared(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                    const accumulation_model& model, gemm_path path) {
   if (a.depth != b.depth) {
     throw input_error("gpu gemm: the reduction lengths differ: A has " + to_text(a.depth) + ", B has " +
                       to_text(b.depth));
@@ -70,39 +70,147 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
   if (model.kind == accumulation_kind::fp32_group && model.blocks_per_group < 1) {
     throw input_error("gpu gemm: field 'accum': G must be positive");
   }
+}
+
+// The generic kernel in the mode of the model (exact, sequential, grouped).
+void launch_generic(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                    const accumulation_model& model, output_rounding output, float* out, double* exact_out) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  if (m == 0 || n == 0) return;
+  const unsigned grid = grid_for(m * n, 128);
+  const auto* ae = a.elements.as<const float>();
+  const auto* be = b.elements.as<const float>();
+  const auto* ax = a.exponents.as<const std::int32_t>();
+  const auto* bx = b.exponents.as<const std::int32_t>();
+  switch (model.kind) {
+    case accumulation_kind::exact:
+      runtime::launch(generic_product_kernel<generic_mode::exact>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                      a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+      break;
+    case accumulation_kind::fp32_seq:
+      runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                      a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+      break;
+    case accumulation_kind::fp32_block:
+    case accumulation_kind::fp32_group:
+      runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
+                      a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
+                      out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
+      break;
+    default:
+      // trunc-align and trunc-promote have no device kernel (gemm_path_covers refuses them first).
+      throw input_error("gpu gemm: the generic path covers exact, fp32-block, fp32-group:G and fp32-seq");
+  }
+}
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+// The exact model on the tensor cores: the block dots exact in fp64 where the operands' exponent
+// spans allow, flagged entries finished by the fix-up kernel.
+void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                              output_rounding output, float* out, double* exact_out, int fraction_total) {
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile), static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
+  device_buffer flagged(static_cast<std::size_t>(m * n));
+  flagged.fill_bytes(0);
+  const exponent_span_data a_spans = exponent_spans(a);
+  const exponent_span_data b_spans = exponent_spans(b);
+  const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
+  const int span_budget = 53 - dot_bits - bits_of(a.blocks);
+  runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                  a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                  b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
+                  out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
+                  b_spans.spans.as<const std::int32_t>(), span_budget);
+  runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
+                  a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
+                  b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
+                  a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
+  synchronize();  // the flag buffer must outlive both kernels
+}
+
+// fp32-block and fp32-group:G on the tensor cores: the selected kernel (wgmma_fp8, wgmma_bf16,
+// mma_sync, wgmma), falling back to the next where the operands do not fit it.
+void launch_tensor_core_block(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                              output_rounding output, float* out) {
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  #if !defined(MXSCOPE_GPU_SIMULATE)
+          // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
+          // belongs to the current device).
+          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(tcb_shared_bytes)));
+  #endif
+          const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
+          const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
+          constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+          if (tiles_m * tiles_n * tcb_group > int_limit || a.padded_rows * 4 > int_limit ||
+              b.padded_rows * 4 > int_limit || a.blocks > int_limit) {
+            throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
+                              to_text(n) + " x " + to_text(a.depth) + ")");
+          }
+          tensor_core_kernel kernel = selected_tensor_core_kernel();
+          if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) {
+            kernel = tensor_core_kernel::wgmma_bf16;
+          }
+          if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) {
+            kernel = tensor_core_kernel::mma_sync;
+          }
+          last_run_tensor_core_kernel.store(kernel);
+          if (kernel == tensor_core_kernel::wgmma_fp8 || kernel == tensor_core_kernel::wgmma_bf16) {
+  #if !defined(MXSCOPE_GPU_SIMULATE)
+            const bool fp8 = kernel == tensor_core_kernel::wgmma_fp8;
+            const auto entry = fp8 ? tensor_core_scaled_kernel<true> : tensor_core_scaled_kernel<false>;
+            MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(tcs_shared_bytes)));
+            // 128 x 256 tiles, as tensor_core_block_kernel's.
+            const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
+            const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
+            // Persistent: one thread block per multiprocessor (its shared memory allows no second).
+            const std::int64_t persistent = std::min<std::int64_t>(tiles_m * tiles_n, multiprocessor_count());
+            runtime::launch(entry, static_cast<unsigned>(persistent), tcs_threads, tcs_shared_bytes,
+                            a_tiles.as<const unsigned char>(), b_tiles.as<const unsigned char>(),
+                            fp8 ? a.fp8_bases.as<const std::int32_t>() : nullptr,
+                            fp8 ? b.fp8_bases.as<const std::int32_t>() : nullptr, m, n, a.blocks, tiles_m, tiles_n,
+                            output, out);
+  #endif
+          } else if (kernel == tensor_core_kernel::mma_sync) {
+            runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
+                            tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                            a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                            b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                            a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
+          } else {
+  #if !defined(MXSCOPE_GPU_SIMULATE)
+            // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
+            MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(tcw_shared_bytes)));
+            const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
+            const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
+            runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
+                            tcw_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
+                            a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
+                            b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
+                            a.padded_rows, b.padded_rows, a.blocks, wgmma_tiles_m, wgmma_tiles_n, output, out);
+  #endif
+          }
+}
+#endif
+
+}  // namespace
+
+void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
+                       const accumulation_model& model, output_rounding output, float* out, double* exact_out,
+                       gemm_path path) {
+  const auto& a = a_operand.data();
+  const auto& b = b_operand.data();
+  check_prepared(a, b, model, path);
+  if (a.rows == 0 || b.rows == 0) return;
   const int fraction_total = fraction_bits_of(a.element) + fraction_bits_of(b.element);
   switch (path) {
-    case gemm_path::generic: {
-      const unsigned grid = grid_for(m * n, 128);
-      const auto* ae = a.elements.as<const float>();
-      const auto* be = b.elements.as<const float>();
-      const auto* ax = a.exponents.as<const std::int32_t>();
-      const auto* bx = b.exponents.as<const std::int32_t>();
-      switch (model.kind) {
-        case accumulation_kind::exact:
-          runtime::launch(generic_product_kernel<generic_mode::exact>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
-                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
-          break;
-        case accumulation_kind::fp32_seq:
-          runtime::launch(generic_product_kernel<generic_mode::sequential>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
-                          a.block, 1, output, out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
-          break;
-        case accumulation_kind::fp32_block:
-        case accumulation_kind::fp32_group:
-          runtime::launch(generic_product_kernel<generic_mode::grouped>, grid, 128, 0, ae, ax, be, bx, m, n, a.depth,
-                          a.block, model.kind == accumulation_kind::fp32_group ? model.blocks_per_group : 1, output,
-                          out, exact_out, plain_rows_view{}, plain_rows_view{}, 0);
-          break;
-        default:
-          // trunc-align and trunc-promote have no device kernel (gemm_path_covers refuses them first).
-          throw input_error("gpu gemm: the generic path covers exact, fp32-block, fp32-group:G and fp32-seq");
-      }
-
+    case gemm_path::generic:
+      launch_generic(a, b, model, output, out, exact_out);
       break;
-    }
     case gemm_path::integer:
       if (block_dot_bits(a.element, b.element, a.block) <= 31) {
         launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
@@ -112,93 +220,17 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
         launch_integer<long long>(a, b, model, output, out, exact_out, fraction_total);
       }
       break;
-    case gemm_path::tensor_core: {
+    case gemm_path::tensor_core:
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-      const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile),
-                      static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
       if (model.kind == accumulation_kind::exact) {
-        device_buffer flagged(static_cast<std::size_t>(m * n));
-        flagged.fill_bytes(0);
-        const exponent_span_data a_spans = exponent_spans(a);
-        const exponent_span_data b_spans = exponent_spans(b);
-        const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
-        const int span_budget = 53 - dot_bits - bits_of(a.blocks);
-        runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
-                        a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
-                        b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                        out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
-                        b_spans.spans.as<const std::int32_t>(), span_budget);
-        runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
-                        a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
-                        b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
-                        a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
-        synchronize();  // the flag buffer must outlive both kernels
+        launch_tensor_core_exact(a, b, output, out, exact_out, fraction_total);
       } else {
-#if !defined(MXSCOPE_GPU_SIMULATE)
-        // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
-        // belongs to the current device).
-        MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(tcb_shared_bytes)));
-#endif
-        const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
-        const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
-        constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
-        if (tiles_m * tiles_n * tcb_group > int_limit || a.padded_rows * 4 > int_limit ||
-            b.padded_rows * 4 > int_limit || a.blocks > int_limit) {
-          throw input_error("gpu gemm: the product is too large for the tensor-core path (" + to_text(m) + " x " +
-                            to_text(n) + " x " + to_text(a.depth) + ")");
-        }
-        tensor_core_kernel kernel = selected_tensor_core_kernel();
-        if (kernel == tensor_core_kernel::wgmma_fp8 && !fp8_kernel_fits(a, b)) {
-          kernel = tensor_core_kernel::wgmma_bf16;
-        }
-        if (kernel == tensor_core_kernel::wgmma_bf16 && !scaled_kernel_fits(a, b)) {
-          kernel = tensor_core_kernel::mma_sync;
-        }
-        last_run_tensor_core_kernel.store(kernel);
-        if (kernel == tensor_core_kernel::wgmma_fp8 || kernel == tensor_core_kernel::wgmma_bf16) {
-#if !defined(MXSCOPE_GPU_SIMULATE)
-          const bool fp8 = kernel == tensor_core_kernel::wgmma_fp8;
-          const auto entry = fp8 ? tensor_core_scaled_kernel<true> : tensor_core_scaled_kernel<false>;
-          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(tcs_shared_bytes)));
-          // 128 x 256 tiles, as tensor_core_block_kernel's.
-          const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
-          const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
-          // Persistent: one thread block per multiprocessor (its shared memory allows no second).
-          const std::int64_t persistent = std::min<std::int64_t>(tiles_m * tiles_n, multiprocessor_count());
-          runtime::launch(entry, static_cast<unsigned>(persistent), tcs_threads, tcs_shared_bytes,
-                          a_tiles.as<const unsigned char>(), b_tiles.as<const unsigned char>(),
-                          fp8 ? a.fp8_bases.as<const std::int32_t>() : nullptr,
-                          fp8 ? b.fp8_bases.as<const std::int32_t>() : nullptr, m, n, a.blocks, tiles_m, tiles_n,
-                          output, out);
-#endif
-        } else if (kernel == tensor_core_kernel::mma_sync) {
-          runtime::launch(tensor_core_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), tcb_threads,
-                          tcb_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
-                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
-                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
-                          a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
-        } else {
-#if !defined(MXSCOPE_GPU_SIMULATE)
-          // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
-          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(tcw_shared_bytes)));
-          const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
-          const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
-          runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
-                          tcw_shared_bytes, a.bytes.as<const std::int8_t>(), a.scales.as<const std::uint32_t>(),
-                          a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
-                          b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
-                          a.padded_rows, b.padded_rows, a.blocks, wgmma_tiles_m, wgmma_tiles_n, output, out);
-#endif
-        }
+        launch_tensor_core_block(a, b, output, out);
       }
 #else
       throw input_error("gpu gemm: no tensor-core path in this build");
 #endif
       break;
-    }
     case gemm_path::native_mfma:
       native_gfx950::multiply(a, b, output, out);
       break;

@@ -72,6 +72,8 @@ __device__ inline void wgmma_s8_m64n64k32(int (&d)[32], std::uint64_t a_descript
 }
 #endif
 
+// One body (about 180 lines): the asynchronous copies, warpgroup MMAs in flight and the per-K-block
+// scale step share the pipeline's stage indices and the accumulators held in registers.
 __global__ void __launch_bounds__(tcw_threads, 1)
     tensor_core_wgmma_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
                              const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,
@@ -368,6 +370,8 @@ __device__ inline void bulk_copy(void* shared_destination, const void* global_so
 }
 #endif
 
+// One body (about 200 lines): the persistent loop's bulk copies, barriers, warpgroup MMAs and
+// scale-add epilogue share the stage indices, barrier phases and accumulators held in registers.
 template <bool Fp8>
 __global__ void __launch_bounds__(tcs_threads, 1)
     tensor_core_scaled_kernel(const unsigned char* a, const unsigned char* b, const std::int32_t* a_bases,

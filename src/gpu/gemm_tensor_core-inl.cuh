@@ -463,6 +463,8 @@ struct tcb_loader {
   }
 };
 
+// One body (about 150 lines): the copy pipeline, the mma.sync block dots and the per-K-block scale
+// step share the stage indices and the accumulators held in registers.
 __global__ void __launch_bounds__(tcb_threads, 1)
     tensor_core_block_kernel(const std::int8_t* a, const std::uint32_t* a_scales, const unsigned* a_slow,
                              const std::int8_t* b, const std::uint32_t* b_scales, const unsigned* b_slow,

@@ -316,6 +316,8 @@ constexpr int staged_columns = 128;
 constexpr int staged_rows = 32;  // the MX block along axis 0 (plan.block == 32)
 static_assert(threads_per_block == 2 * staged_columns && threads_per_block == staged_rows * 8);
 
+// One body (about 160 lines): the staging, the column scan and the encoding phases share the tile
+// in shared memory and its block exponents between their barriers.
 template <class Input, int Rotation>
 __global__ void mx_staged_column_kernel(const Input* input, std::int64_t rows, std::int64_t cols, mx_plan plan,
                                         fast_encode::element_constants constants, mx_device_output output,

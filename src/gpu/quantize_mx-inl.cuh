@@ -517,6 +517,9 @@ __device__ __forceinline__ void encode_anchored_block(const float (&v)[fused_blo
 // own, so that the rare path's registers do not weigh on the hot loop's. With Lean (folded H16 + sr
 // under the floor rule, without rotation signs or a dequantized output) only the common blocks are
 // encoded here and every other one returns false before writing or counting anything.
+// One body for every encoder (about 340 lines): the Encoder, Summed and Lean branches are resolved
+// at compile time, and each instantiation keeps the block's 32 values, flags and counts in registers
+// from the load to the stores.
 template <class Input, int Rotation, fused_encoder Encoder, bool Summed, bool Lean = false>
 __device__ __forceinline__ bool encode_fused_block(const Input* input, const uint4* loaded, std::int64_t g,
                                                    std::int64_t blocks_per_row,

@@ -64,6 +64,310 @@ void verdict(bool ok, const std::string& name, const std::string& detail) {
   std::fflush(stdout);
 }
 
+
+// ---- Copy bandwidth: 1 GiB device to device, bytes read + bytes written.
+double copy_baseline() {
+  const std::size_t copy_bytes = std::size_t{1} << 30;
+  double copy_bandwidth = 0.0;
+  {
+    gpu::device_buffer from(copy_bytes), to(copy_bytes);
+    from.fill_bytes(0x5A);
+    const double ms = median_ms(3, 20, [&] { gpu::copy_on_device(to.get(), from.get(), copy_bytes); });
+    copy_bandwidth = 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e9;
+    std::printf("copy d2d 1 GiB: %.3f ms, %.0f GB/s (read + write)\n", ms, copy_bandwidth);
+  }
+  return copy_bandwidth;
+}
+
+// ---- Quantizer: bf16 [16384, 16384] -> mxfp4 codes + e8m0 scales along rows (block 32).
+void bench_quantizer(double copy_bandwidth) {
+  const std::int64_t rows = 16384, cols = 16384;
+  std::vector<std::uint16_t> host(static_cast<std::size_t>(rows * cols));
+  std::uint64_t state = 0x9E3779B97F4A7C15ULL;
+  for (auto& v : host) {
+    // A bf16 of random sign, exponent in [2^-8, 2^7) and mantissa: realistic activations / gradients.
+    const std::uint64_t r = xorshift(state);
+    const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(r % 15U);
+    v = static_cast<std::uint16_t>(((r >> 8) & 0x8000U) | (exponent << 7) | ((r >> 20) & 0x7FU));
+  }
+  gpu::device_buffer input(host.size() * 2);
+  input.upload(host.data(), input.bytes());
+  mxscope::quantize_options options;
+  options.format = {mxscope::quant_scheme::mx, core::element_kind::fp4_e2m1, 32};
+  options.axis = 1;
+  options.stream = core::random_stream{1234, 5, 0xABCD};
+  const gpu::mx_plan rne = gpu::make_mx_plan(options);
+  options.rounding = core::rounding_mode::sr;
+  const gpu::mx_plan sr = gpu::make_mx_plan(options);
+  gpu::device_buffer codes(static_cast<std::size_t>(gpu::mx_code_bytes(rne, rows, cols)));
+  gpu::device_buffer scales(static_cast<std::size_t>(rows * (cols / 32)));
+  const gpu::mx_device_output output{codes.as<std::uint8_t>(), scales.as<std::uint8_t>(), nullptr, nullptr};
+  // The statistics counters (flushed, saturated, nonzero, nonfinite) as the library's quantize()
+  // asks for them: one row measures what they cost.
+  gpu::device_buffer counters(4 * sizeof(unsigned long long));
+  counters.fill_bytes(0);
+  gpu::mx_device_output counted = output;
+  counted.counters = counters.as<unsigned long long>();
+  const double bytes = static_cast<double>(rows * cols * 2 + codes.bytes() + scales.bytes());
+  gpu::rotation_plan none;
+  gpu::rotation_plan h16;
+  h16.size = 16;
+  struct variant {
+    const char* name;
+    const gpu::mx_plan* plan;
+    const gpu::rotation_plan* rotation;
+    gpu::quantize_path path;
+    const gpu::mx_device_output* output;
+  };
+  const variant variants[] = {
+      {"quantize bf16->mxfp4 rne (fused path)", &rne, &none, gpu::quantize_path::fused, &output},
+      {"quantize bf16->mxfp4 rne (fused path, with counters)", &rne, &none, gpu::quantize_path::fused, &counted},
+      {"quantize bf16->mxfp4 rne (generic two-pass path)", &rne, &none, gpu::quantize_path::generic, &output},
+      {"fused H16 + quantize bf16->mxfp4 rne", &rne, &h16, gpu::quantize_path::fused, &output},
+      {"quantize bf16->mxfp4 sr (fused path)", &sr, &none, gpu::quantize_path::fused, &output},
+      {"fused H16 + quantize bf16->mxfp4 sr", &sr, &h16, gpu::quantize_path::fused, &output},
+  };
+  std::printf("quantizer tensor: bf16 [%" PRId64 ", %" PRId64
+              "], %.0f MB moved per run (bf16 in, codes + scales out)\n",
+              rows, cols, bytes / 1e6);
+  for (const variant& v : variants) {
+    const double ms = median_ms(3, 15, [&] {
+      gpu::quantize_on_device(input.get(), gpu::input_format::bf16, rows, cols, *v.plan, *v.rotation, *v.output,
+                              v.path);
+    });
+    const double bandwidth = bytes / (ms * 1e-3) / 1e9;
+    std::printf("%s: %.3f ms, %.0f GB/s, %.2f of copy bandwidth\n", v.name, ms, bandwidth,
+                bandwidth / copy_bandwidth);
+  }
+}
+
+// ---- MXFP4 fp32-block GEMM: C [4096, 14336] = A [4096, 8192] B [14336, 8192]^T, random MX operands.
+void bench_mxfp4_gemm() {
+  const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
+  std::uint64_t state = 0x1234567887654321ULL;
+  const auto make_operand = [&](std::int64_t operand_rows) {
+    mxscope::quantized_tensor q;
+    q.rows = operand_rows;
+    q.cols = k;
+    q.options.format = {mxscope::quant_scheme::mx, core::element_kind::fp4_e2m1, 32};
+    q.options.axis = 1;
+    q.block = 32;
+    q.scale_rows = operand_rows;
+    q.scale_cols = k / 32;
+    q.codes.resize(static_cast<std::size_t>(operand_rows * k / 2));
+    for (std::size_t i = 0; i < q.codes.size(); i += 8) {
+      const std::uint64_t r = xorshift(state);
+      std::memcpy(q.codes.data() + i, &r, std::min<std::size_t>(8, q.codes.size() - i));
+    }
+    q.scales.resize(static_cast<std::size_t>(operand_rows * (k / 32)));
+    for (auto& s : q.scales) s = static_cast<std::uint8_t>(127 - 8 + xorshift(state) % 16);  // 2^-8 .. 2^7
+    return q;
+  };
+  const mxscope::quantized_tensor a = make_operand(n_out);
+  const mxscope::quantized_tensor b = make_operand(n_in);
+  const auto upload = [](const mxscope::quantized_tensor& q, gpu::device_buffer& codes, gpu::device_buffer& scales) {
+    codes = gpu::device_buffer(q.codes.size());
+    codes.upload(q.codes.data(), q.codes.size());
+    scales = gpu::device_buffer(q.scales.size());
+    scales.upload(q.scales.data(), q.scales.size());
+    gpu::mx_operand_view view;
+    view.codes = codes.as<const std::uint8_t>();
+    view.scales = scales.as<const std::uint8_t>();
+    view.element = q.options.format.element;
+    view.block = 32;
+    view.axis = 1;
+    view.rows = q.rows;
+    view.cols = q.cols;
+    return view;
+  };
+  gpu::device_buffer a_codes, a_scales, b_codes, b_scales;
+  const gpu::mx_operand_view a_view = upload(a, a_codes, a_scales);
+  const gpu::mx_operand_view b_view = upload(b, b_codes, b_scales);
+  mxscope::accumulation_model model;
+  model.kind = mxscope::accumulation_kind::fp32_block;
+  const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
+  gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
+  std::vector<float> tensor_core_result(static_cast<std::size_t>(n_out * n_in));
+  bool have_tensor_core = false;
+  if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1,
+                            32, model)) {
+    gpu::device_timer timer;
+    timer.start();
+    const gpu::prepared_operand left = gpu::prepare_operand(a_view, gpu::gemm_path::tensor_core);
+    const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::tensor_core);
+    timer.stop();
+    std::printf("gemm operand preparation (codes -> int8 2q, exponents): %.3f ms\n", timer.elapsed_ms());
+    // Every tensor-core kernel of this build and device, mma_sync first; the others are compared
+    // with it in every entry, and it (the automatic choice) with the integer path below.
+    const gpu::tensor_core_kernel automatic_kernel = gpu::selected_tensor_core_kernel();
+    for (const gpu::tensor_core_kernel kernel :
+         {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16,
+          gpu::tensor_core_kernel::wgmma_fp8}) {
+      const std::string name(gpu::tensor_core_kernel_name(kernel));
+      if (!gpu::tensor_core_kernel_available(kernel)) {
+        std::printf("gemm tensor_core kernel %s: not available in this build on this device\n", name.c_str());
+        continue;
+      }
+      gpu::select_tensor_core_kernel(kernel);
+      out.fill_bytes(0xFF);
+      const double ms = median_ms(2, 7, [&] {
+        gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
+                               gpu::gemm_path::tensor_core);
+      });
+      const gpu::tensor_core_kernel ran = gpu::last_tensor_core_kernel();
+      std::printf("gemm mxfp4 fp32-block tensor_core %s%s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                  ": %.3f ms, %.1f TFLOP/s\n",
+                  name.c_str(), kernel == automatic_kernel ? " (automatic)" : "",
+                  ran == kernel ? "" : (" (ran " + std::string(gpu::tensor_core_kernel_name(ran)) + ")").c_str(),
+                  n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
+      if (!have_tensor_core) {
+        out.download(tensor_core_result.data(), out.bytes());
+        have_tensor_core = true;
+      } else {
+        std::vector<float> kernel_result(tensor_core_result.size());
+        out.download(kernel_result.data(), out.bytes());
+        std::int64_t mismatches = 0;
+        for (std::size_t i = 0; i < kernel_result.size(); ++i) {
+          mismatches += std::memcmp(&kernel_result[i], &tensor_core_result[i], 4) != 0 ? 1 : 0;
+        }
+        verdict(mismatches == 0, "bench gemm: tensor_core " + name + " == mma_sync in all entries",
+                mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
+      }
+    }
+    gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
+  } else {
+    std::printf("gemm tensor_core path not available on this device\n");
+  }
+  {
+    const gpu::prepared_operand left = gpu::prepare_operand(a_view, gpu::gemm_path::integer);
+    const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::integer);
+    out.fill_bytes(0xFF);
+    const double ms = median_ms(0, 1, [&] {
+      gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
+                             gpu::gemm_path::integer);
+    });
+    std::printf("gemm mxfp4 fp32-block integer (SIMT) same shape: %.3f ms, %.1f TFLOP/s\n", ms,
+                flops / (ms * 1e-3) / 1e12);
+    std::vector<float> integer_result(static_cast<std::size_t>(n_out * n_in));
+    out.download(integer_result.data(), out.bytes());
+    if (have_tensor_core) {
+      std::int64_t mismatches = 0, first = -1;
+      for (std::size_t i = 0; i < integer_result.size(); ++i) {
+        if (std::memcmp(&integer_result[i], &tensor_core_result[i], 4) != 0) {
+          if (first < 0) first = static_cast<std::int64_t>(i);
+          ++mismatches;
+        }
+      }
+      char detail[160] = "";
+      if (mismatches > 0) {
+        std::snprintf(detail, sizeof(detail),
+                      "%" PRId64 " entries differ, first (%" PRId64 ", %" PRId64 "): %a vs %a", mismatches,
+                      first / n_in, first % n_in,
+                      static_cast<double>(integer_result[static_cast<std::size_t>(first)]),
+                      static_cast<double>(tensor_core_result[static_cast<std::size_t>(first)]));
+      }
+      verdict(mismatches == 0, "bench gemm: tensor_core == integer path in all entries", detail);
+    }
+    // Sampled entries against the host definition (src/gemm.cpp generic_entry).
+    const host_reference::operand_reader left_reader(a), right_reader(b);
+    std::mt19937_64 random(99);
+    int bad = 0;
+    std::string detail;
+    for (int s = 0; s < 64; ++s) {
+      const std::int64_t i = static_cast<std::int64_t>(random() % n_out),
+                         j = static_cast<std::int64_t>(random() % n_in);
+      const float want =
+          host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
+      const float got = integer_result[static_cast<std::size_t>(i * n_in + j)];
+      if (std::memcmp(&want, &got, 4) != 0) {
+        if (bad++ == 0) {
+          char text[160];
+          std::snprintf(text, sizeof(text), "entry (%" PRId64 ", %" PRId64 "): expected %a got %a", i, j,
+                        static_cast<double>(want), static_cast<double>(got));
+          detail = text;
+        }
+      }
+    }
+    verdict(bad == 0, "bench gemm: 64 sampled entries == host definition", detail);
+  }
+}
+
+// ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block
+// product (K-block 32), whose chunks of 32 products are summed in fp64 where that is exact.
+void bench_plain_products() {
+  const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
+  std::uint64_t state = 0x0123456789ABCDEFULL;
+  const auto make_values = [&](std::int64_t operand_rows) {
+    // bf16 values of random sign and mantissa, exponents in [2^-8, 2^2): weights / activations.
+    mxscope::matrix values(operand_rows, k);
+    for (float& v : values.values) {
+      const std::uint64_t r = xorshift(state);
+      const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(r % 10U);
+      const std::uint32_t bits = (static_cast<std::uint32_t>((r >> 8) & 0x8000U) | (exponent << 7) |
+                                  static_cast<std::uint32_t>((r >> 20) & 0x7FU))
+                                 << 16;
+      std::memcpy(&v, &bits, 4);
+    }
+    return values;
+  };
+  const mxscope::matrix a = make_values(n_out);
+  const mxscope::matrix b = make_values(n_in);
+  gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
+  left.upload(a.data(), left.bytes());
+  right.upload(b.data(), right.bytes());
+  const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
+  gpu::device_buffer out64(static_cast<std::size_t>(n_out * n_in) * 8), out32(static_cast<std::size_t>(n_out * n_in) * 4);
+  std::mt19937_64 random(7);
+  std::vector<std::pair<std::int64_t, std::int64_t>> samples;
+  for (int s = 0; s < 32; ++s) {
+    samples.emplace_back(static_cast<std::int64_t>(random() % n_out), static_cast<std::int64_t>(random() % n_in));
+  }
+  {
+    out64.fill_bytes(0xFF);
+    out32.fill_bytes(0xFF);
+    const double ms = quick_median_ms([&] {
+      gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
+                               out32.as<float>());
+    });
+    std::printf("reference exact bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                ": %.3f ms, %.2f TFLOP/s\n",
+                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
+    std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
+    std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
+    out64.download(got64.data(), out64.bytes());
+    out32.download(got32.data(), out32.bytes());
+    int bad = 0;
+    for (const auto& [i, j] : samples) {
+      const host_reference::reference_value want = host_reference::reference_entry(a, b, i, j);
+      const auto at = static_cast<std::size_t>(i * n_in + j);
+      if (std::memcmp(&want.fp64, &got64[at], 8) != 0 || std::memcmp(&want.fp32, &got32[at], 4) != 0) ++bad;
+    }
+    verdict(bad == 0, "bench reference: 32 sampled entries == host definition",
+            bad == 0 ? "" : std::to_string(bad) + " differ");
+  }
+  {
+    mxscope::accumulation_model model;
+    model.kind = mxscope::accumulation_kind::fp32_block;
+    out32.fill_bytes(0xFF);
+    const double ms = quick_median_ms([&] {
+      gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, 32, model,
+                                   mxscope::output_rounding::fp32, out32.as<float>());
+    });
+    std::printf("gemm fp32-block bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                ": %.3f ms, %.2f TFLOP/s\n",
+                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
+    std::vector<float> got(static_cast<std::size_t>(n_out * n_in));
+    out32.download(got.data(), out32.bytes());
+    int bad = 0;
+    for (const auto& [i, j] : samples) {
+      const float want = host_reference::plain_product_entry(a, b, i, j, 32, model, mxscope::output_rounding::fp32);
+      if (std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0) ++bad;
+    }
+    verdict(bad == 0, "bench plain fp32-block: 32 sampled entries == host definition",
+            bad == 0 ? "" : std::to_string(bad) + " differ");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,306 +386,11 @@ int main(int argc, char** argv) {
   std::printf("device: %s (compute capability %d.%d, %d multiprocessors)\n", device.name.c_str(), device.major,
               device.minor, device.multiprocessors);
 
-  // ---- Copy bandwidth: 1 GiB device to device, bytes read + bytes written.
-  const std::size_t copy_bytes = std::size_t{1} << 30;
-  double copy_bandwidth = 0.0;
-  {
-    gpu::device_buffer from(copy_bytes), to(copy_bytes);
-    from.fill_bytes(0x5A);
-    const double ms = median_ms(3, 20, [&] { gpu::copy_on_device(to.get(), from.get(), copy_bytes); });
-    copy_bandwidth = 2.0 * static_cast<double>(copy_bytes) / (ms * 1e-3) / 1e9;
-    std::printf("copy d2d 1 GiB: %.3f ms, %.0f GB/s (read + write)\n", ms, copy_bandwidth);
-  }
-
-  // ---- Quantizer: bf16 [16384, 16384] -> mxfp4 codes + e8m0 scales along rows (block 32).
-  const std::int64_t rows = 16384, cols = 16384;
-  if (!gemm_only && !reference_only) {
-    std::vector<std::uint16_t> host(static_cast<std::size_t>(rows * cols));
-    std::uint64_t state = 0x9E3779B97F4A7C15ULL;
-    for (auto& v : host) {
-      // A bf16 of random sign, exponent in [2^-8, 2^7) and mantissa: realistic activations / gradients.
-      const std::uint64_t r = xorshift(state);
-      const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(r % 15U);
-      v = static_cast<std::uint16_t>(((r >> 8) & 0x8000U) | (exponent << 7) | ((r >> 20) & 0x7FU));
-    }
-    gpu::device_buffer input(host.size() * 2);
-    input.upload(host.data(), input.bytes());
-    mxscope::quantize_options options;
-    options.format = {mxscope::quant_scheme::mx, core::element_kind::fp4_e2m1, 32};
-    options.axis = 1;
-    options.stream = core::random_stream{1234, 5, 0xABCD};
-    const gpu::mx_plan rne = gpu::make_mx_plan(options);
-    options.rounding = core::rounding_mode::sr;
-    const gpu::mx_plan sr = gpu::make_mx_plan(options);
-    gpu::device_buffer codes(static_cast<std::size_t>(gpu::mx_code_bytes(rne, rows, cols)));
-    gpu::device_buffer scales(static_cast<std::size_t>(rows * (cols / 32)));
-    const gpu::mx_device_output output{codes.as<std::uint8_t>(), scales.as<std::uint8_t>(), nullptr, nullptr};
-    // The statistics counters (flushed, saturated, nonzero, nonfinite) as the library's quantize()
-    // asks for them: one row measures what they cost.
-    gpu::device_buffer counters(4 * sizeof(unsigned long long));
-    counters.fill_bytes(0);
-    gpu::mx_device_output counted = output;
-    counted.counters = counters.as<unsigned long long>();
-    const double bytes = static_cast<double>(rows * cols * 2 + codes.bytes() + scales.bytes());
-    gpu::rotation_plan none;
-    gpu::rotation_plan h16;
-    h16.size = 16;
-    struct variant {
-      const char* name;
-      const gpu::mx_plan* plan;
-      const gpu::rotation_plan* rotation;
-      gpu::quantize_path path;
-      const gpu::mx_device_output* output;
-    };
-    const variant variants[] = {
-        {"quantize bf16->mxfp4 rne (fused path)", &rne, &none, gpu::quantize_path::fused, &output},
-        {"quantize bf16->mxfp4 rne (fused path, with counters)", &rne, &none, gpu::quantize_path::fused, &counted},
-        {"quantize bf16->mxfp4 rne (generic two-pass path)", &rne, &none, gpu::quantize_path::generic, &output},
-        {"fused H16 + quantize bf16->mxfp4 rne", &rne, &h16, gpu::quantize_path::fused, &output},
-        {"quantize bf16->mxfp4 sr (fused path)", &sr, &none, gpu::quantize_path::fused, &output},
-        {"fused H16 + quantize bf16->mxfp4 sr", &sr, &h16, gpu::quantize_path::fused, &output},
-    };
-    std::printf("quantizer tensor: bf16 [%" PRId64 ", %" PRId64
-                "], %.0f MB moved per run (bf16 in, codes + scales out)\n",
-                rows, cols, bytes / 1e6);
-    for (const variant& v : variants) {
-      const double ms = median_ms(3, 15, [&] {
-        gpu::quantize_on_device(input.get(), gpu::input_format::bf16, rows, cols, *v.plan, *v.rotation, *v.output,
-                                v.path);
-      });
-      const double bandwidth = bytes / (ms * 1e-3) / 1e9;
-      std::printf("%s: %.3f ms, %.0f GB/s, %.2f of copy bandwidth\n", v.name, ms, bandwidth,
-                  bandwidth / copy_bandwidth);
-    }
-  }
-
+  const double copy_bandwidth = copy_baseline();
+  if (!gemm_only && !reference_only) bench_quantizer(copy_bandwidth);
   if (quantize_only) return failures == 0 ? 0 : 1;
-
-  // ---- MXFP4 fp32-block GEMM: C [4096, 14336] = A [4096, 8192] B [14336, 8192]^T, random MX operands.
-  if (!reference_only) {
-    const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
-    std::uint64_t state = 0x1234567887654321ULL;
-    const auto make_operand = [&](std::int64_t operand_rows) {
-      mxscope::quantized_tensor q;
-      q.rows = operand_rows;
-      q.cols = k;
-      q.options.format = {mxscope::quant_scheme::mx, core::element_kind::fp4_e2m1, 32};
-      q.options.axis = 1;
-      q.block = 32;
-      q.scale_rows = operand_rows;
-      q.scale_cols = k / 32;
-      q.codes.resize(static_cast<std::size_t>(operand_rows * k / 2));
-      for (std::size_t i = 0; i < q.codes.size(); i += 8) {
-        const std::uint64_t r = xorshift(state);
-        std::memcpy(q.codes.data() + i, &r, std::min<std::size_t>(8, q.codes.size() - i));
-      }
-      q.scales.resize(static_cast<std::size_t>(operand_rows * (k / 32)));
-      for (auto& s : q.scales) s = static_cast<std::uint8_t>(127 - 8 + xorshift(state) % 16);  // 2^-8 .. 2^7
-      return q;
-    };
-    const mxscope::quantized_tensor a = make_operand(n_out);
-    const mxscope::quantized_tensor b = make_operand(n_in);
-    const auto upload = [](const mxscope::quantized_tensor& q, gpu::device_buffer& codes, gpu::device_buffer& scales) {
-      codes = gpu::device_buffer(q.codes.size());
-      codes.upload(q.codes.data(), q.codes.size());
-      scales = gpu::device_buffer(q.scales.size());
-      scales.upload(q.scales.data(), q.scales.size());
-      gpu::mx_operand_view view;
-      view.codes = codes.as<const std::uint8_t>();
-      view.scales = scales.as<const std::uint8_t>();
-      view.element = q.options.format.element;
-      view.block = 32;
-      view.axis = 1;
-      view.rows = q.rows;
-      view.cols = q.cols;
-      return view;
-    };
-    gpu::device_buffer a_codes, a_scales, b_codes, b_scales;
-    const gpu::mx_operand_view a_view = upload(a, a_codes, a_scales);
-    const gpu::mx_operand_view b_view = upload(b, b_codes, b_scales);
-    mxscope::accumulation_model model;
-    model.kind = mxscope::accumulation_kind::fp32_block;
-    const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
-    gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
-    std::vector<float> tensor_core_result(static_cast<std::size_t>(n_out * n_in));
-    bool have_tensor_core = false;
-    if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1,
-                              32, model)) {
-      gpu::device_timer timer;
-      timer.start();
-      const gpu::prepared_operand left = gpu::prepare_operand(a_view, gpu::gemm_path::tensor_core);
-      const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::tensor_core);
-      timer.stop();
-      std::printf("gemm operand preparation (codes -> int8 2q, exponents): %.3f ms\n", timer.elapsed_ms());
-      // Every tensor-core kernel of this build and device, mma_sync first; the others are compared
-      // with it in every entry, and it (the automatic choice) with the integer path below.
-      const gpu::tensor_core_kernel automatic_kernel = gpu::selected_tensor_core_kernel();
-      for (const gpu::tensor_core_kernel kernel :
-           {gpu::tensor_core_kernel::mma_sync, gpu::tensor_core_kernel::wgmma, gpu::tensor_core_kernel::wgmma_bf16,
-            gpu::tensor_core_kernel::wgmma_fp8}) {
-        const std::string name(gpu::tensor_core_kernel_name(kernel));
-        if (!gpu::tensor_core_kernel_available(kernel)) {
-          std::printf("gemm tensor_core kernel %s: not available in this build on this device\n", name.c_str());
-          continue;
-        }
-        gpu::select_tensor_core_kernel(kernel);
-        out.fill_bytes(0xFF);
-        const double ms = median_ms(2, 7, [&] {
-          gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
-                                 gpu::gemm_path::tensor_core);
-        });
-        const gpu::tensor_core_kernel ran = gpu::last_tensor_core_kernel();
-        std::printf("gemm mxfp4 fp32-block tensor_core %s%s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                    ": %.3f ms, %.1f TFLOP/s\n",
-                    name.c_str(), kernel == automatic_kernel ? " (automatic)" : "",
-                    ran == kernel ? "" : (" (ran " + std::string(gpu::tensor_core_kernel_name(ran)) + ")").c_str(),
-                    n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
-        if (!have_tensor_core) {
-          out.download(tensor_core_result.data(), out.bytes());
-          have_tensor_core = true;
-        } else {
-          std::vector<float> kernel_result(tensor_core_result.size());
-          out.download(kernel_result.data(), out.bytes());
-          std::int64_t mismatches = 0;
-          for (std::size_t i = 0; i < kernel_result.size(); ++i) {
-            mismatches += std::memcmp(&kernel_result[i], &tensor_core_result[i], 4) != 0 ? 1 : 0;
-          }
-          verdict(mismatches == 0, "bench gemm: tensor_core " + name + " == mma_sync in all entries",
-                  mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
-        }
-      }
-      gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
-    } else {
-      std::printf("gemm tensor_core path not available on this device\n");
-    }
-    {
-      const gpu::prepared_operand left = gpu::prepare_operand(a_view, gpu::gemm_path::integer);
-      const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::integer);
-      out.fill_bytes(0xFF);
-      const double ms = median_ms(0, 1, [&] {
-        gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
-                               gpu::gemm_path::integer);
-      });
-      std::printf("gemm mxfp4 fp32-block integer (SIMT) same shape: %.3f ms, %.1f TFLOP/s\n", ms,
-                  flops / (ms * 1e-3) / 1e12);
-      std::vector<float> integer_result(static_cast<std::size_t>(n_out * n_in));
-      out.download(integer_result.data(), out.bytes());
-      if (have_tensor_core) {
-        std::int64_t mismatches = 0, first = -1;
-        for (std::size_t i = 0; i < integer_result.size(); ++i) {
-          if (std::memcmp(&integer_result[i], &tensor_core_result[i], 4) != 0) {
-            if (first < 0) first = static_cast<std::int64_t>(i);
-            ++mismatches;
-          }
-        }
-        char detail[160] = "";
-        if (mismatches > 0) {
-          std::snprintf(detail, sizeof(detail),
-                        "%" PRId64 " entries differ, first (%" PRId64 ", %" PRId64 "): %a vs %a", mismatches,
-                        first / n_in, first % n_in,
-                        static_cast<double>(integer_result[static_cast<std::size_t>(first)]),
-                        static_cast<double>(tensor_core_result[static_cast<std::size_t>(first)]));
-        }
-        verdict(mismatches == 0, "bench gemm: tensor_core == integer path in all entries", detail);
-      }
-      // Sampled entries against the host definition (src/gemm.cpp generic_entry).
-      const host_reference::operand_reader left_reader(a), right_reader(b);
-      std::mt19937_64 random(99);
-      int bad = 0;
-      std::string detail;
-      for (int s = 0; s < 64; ++s) {
-        const std::int64_t i = static_cast<std::int64_t>(random() % n_out),
-                           j = static_cast<std::int64_t>(random() % n_in);
-        const float want =
-            host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
-        const float got = integer_result[static_cast<std::size_t>(i * n_in + j)];
-        if (std::memcmp(&want, &got, 4) != 0) {
-          if (bad++ == 0) {
-            char text[160];
-            std::snprintf(text, sizeof(text), "entry (%" PRId64 ", %" PRId64 "): expected %a got %a", i, j,
-                          static_cast<double>(want), static_cast<double>(got));
-            detail = text;
-          }
-        }
-      }
-      verdict(bad == 0, "bench gemm: 64 sampled entries == host definition", detail);
-    }
-  }
-  // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block
-  // product (K-block 32), whose chunks of 32 products are summed in fp64 where that is exact.
-  if (!gemm_only) {
-    const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
-    std::uint64_t state = 0x0123456789ABCDEFULL;
-    const auto make_values = [&](std::int64_t operand_rows) {
-      // bf16 values of random sign and mantissa, exponents in [2^-8, 2^2): weights / activations.
-      mxscope::matrix values(operand_rows, k);
-      for (float& v : values.values) {
-        const std::uint64_t r = xorshift(state);
-        const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(r % 10U);
-        const std::uint32_t bits = (static_cast<std::uint32_t>((r >> 8) & 0x8000U) | (exponent << 7) |
-                                    static_cast<std::uint32_t>((r >> 20) & 0x7FU))
-                                   << 16;
-        std::memcpy(&v, &bits, 4);
-      }
-      return values;
-    };
-    const mxscope::matrix a = make_values(n_out);
-    const mxscope::matrix b = make_values(n_in);
-    gpu::device_buffer left(a.values.size() * 4), right(b.values.size() * 4);
-    left.upload(a.data(), left.bytes());
-    right.upload(b.data(), right.bytes());
-    const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
-    gpu::device_buffer out64(static_cast<std::size_t>(n_out * n_in) * 8), out32(static_cast<std::size_t>(n_out * n_in) * 4);
-    std::mt19937_64 random(7);
-    std::vector<std::pair<std::int64_t, std::int64_t>> samples;
-    for (int s = 0; s < 32; ++s) {
-      samples.emplace_back(static_cast<std::int64_t>(random() % n_out), static_cast<std::int64_t>(random() % n_in));
-    }
-    {
-      out64.fill_bytes(0xFF);
-      out32.fill_bytes(0xFF);
-      const double ms = quick_median_ms([&] {
-        gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
-                                 out32.as<float>());
-      });
-      std::printf("reference exact bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                  ": %.3f ms, %.2f TFLOP/s\n",
-                  n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
-      std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
-      std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
-      out64.download(got64.data(), out64.bytes());
-      out32.download(got32.data(), out32.bytes());
-      int bad = 0;
-      for (const auto& [i, j] : samples) {
-        const host_reference::reference_value want = host_reference::reference_entry(a, b, i, j);
-        const auto at = static_cast<std::size_t>(i * n_in + j);
-        if (std::memcmp(&want.fp64, &got64[at], 8) != 0 || std::memcmp(&want.fp32, &got32[at], 4) != 0) ++bad;
-      }
-      verdict(bad == 0, "bench reference: 32 sampled entries == host definition",
-              bad == 0 ? "" : std::to_string(bad) + " differ");
-    }
-    {
-      mxscope::accumulation_model model;
-      model.kind = mxscope::accumulation_kind::fp32_block;
-      out32.fill_bytes(0xFF);
-      const double ms = quick_median_ms([&] {
-        gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, 32, model,
-                                     mxscope::output_rounding::fp32, out32.as<float>());
-      });
-      std::printf("gemm fp32-block bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                  ": %.3f ms, %.2f TFLOP/s\n",
-                  n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
-      std::vector<float> got(static_cast<std::size_t>(n_out * n_in));
-      out32.download(got.data(), out32.bytes());
-      int bad = 0;
-      for (const auto& [i, j] : samples) {
-        const float want = host_reference::plain_product_entry(a, b, i, j, 32, model, mxscope::output_rounding::fp32);
-        if (std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0) ++bad;
-      }
-      verdict(bad == 0, "bench plain fp32-block: 32 sampled entries == host definition",
-              bad == 0 ? "" : std::to_string(bad) + " differ");
-    }
-  }
+  if (!reference_only) bench_mxfp4_gemm();
+  if (!gemm_only) bench_plain_products();
   std::printf("bench: %s\n", failures == 0 ? "all checks passed" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }
