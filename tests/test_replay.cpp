@@ -34,6 +34,7 @@
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/io/safetensors.hpp"
+#include "mxscope/io/sha256.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/replay.hpp"
 
@@ -504,6 +505,55 @@ TEST(Replay, NonFiniteCaptureMidRunIsRefusedNamingItsFile) {
   EXPECT_NE(err_bad.str().find("l0_s3.safetensors"), std::string::npos) << err_bad.str();
   EXPECT_NE(err_bad.str().find("non-finite"), std::string::npos) << err_bad.str();
   EXPECT_FALSE(fs::exists(root / "bad" / "steps.csv"));
+  fs::remove_all(root);
+}
+
+// A fresh single-process run hashes its inputs while it works: its first checkpoint carries the
+// run key (every entry file's SHA-256, computed here independently), and a run that fails before
+// any checkpoint leaves no interrupted state behind, so the same command runs again afresh.
+TEST(Replay, FreshRunWritesItsKeyWithItsFirstCheckpoint) {
+  const fs::path root = fresh_directory("fresh-key");
+  write_dump(root / "dump", {"layer.a", "layer.b"}, 3, false);
+  write_text(root / "a.toml", "[[strategy]]\nname = \"mx\"\nformat = \"mxfp4\"\n");
+  EXPECT_FALSE(replay(root / "dump", root / "a.toml", root / "run", 1, false, 1).complete);
+  const std::string key = read_text(root / "run" / ".partial" / "run-key.json");
+  ASSERT_FALSE(key.empty());
+  EXPECT_EQ(key, read_text(root / "run" / ".mxscope-run"));
+  const auto parsed = nlohmann::json::parse(key);
+  std::size_t files = 0;
+  for (const auto& item : fs::directory_iterator(root / "dump")) {
+    if (item.path().extension() != ".safetensors") continue;
+    ++files;
+    const std::string name = item.path().filename().string();
+    ASSERT_TRUE(parsed["input_sha256"].contains(name)) << name;
+    EXPECT_EQ(parsed["input_sha256"][name], mxscope::io::sha256_file(item.path())) << name;
+  }
+  EXPECT_EQ(files, 6U);
+  EXPECT_TRUE(replay(root / "dump", root / "a.toml", root / "run", 2, true).complete);
+
+  // A non-finite capture in the first layer stops the run before its first checkpoint.
+  {
+    mxscope::matrix x = random_matrix(64, 32, 4004);
+    x(1, 2) = std::numeric_limits<float>::infinity();
+    mxscope::io::safetensors_writer writer;
+    writer.add_matrix("x", x);
+    writer.add_matrix("dy", random_matrix(64, 16, 4005));
+    writer.add_matrix("w", random_matrix(16, 32, 4006));
+    writer.write(root / "dump" / "l0_s2.safetensors");
+  }
+  const auto failure = [&] {
+    try {
+      replay(root / "dump", root / "a.toml", root / "failed", 1);
+    } catch (const mxscope::input_error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(failure().find("non-finite"), std::string::npos);
+  EXPECT_FALSE(fs::exists(root / "failed" / ".partial"));
+  EXPECT_FALSE(fs::exists(root / "failed" / ".mxscope-run"));
+  // The same command again: a fresh run (the same capture error), not "an interrupted run".
+  EXPECT_NE(failure().find("non-finite"), std::string::npos);
   fs::remove_all(root);
 }
 

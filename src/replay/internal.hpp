@@ -138,7 +138,7 @@ json summary_provenance(const replay_options& options, const analysis& parsed, c
 
 // The stage times of run.json's "seconds".
 struct run_seconds {
-  double total, read, setup, upload, hashing, reference, strategies;
+  double total, read, setup, upload, hashing, hashing_wait, reference, strategies;
 };
 
 // run.json: where each stage ran, threads and ranks, what was resumed, the stage times, the time

@@ -48,6 +48,8 @@ class replay_run {
  private:
   void start();
   std::string claim_directory();
+  void write_run_key(const std::string& key);
+  void settle_run_key();
   void write_state(const std::string& state, const std::vector<std::string>& units) const;
   void report_progress();
   void replay_layer(std::size_t layer_index);
@@ -86,6 +88,7 @@ class replay_run {
   fs::path stop_file_;
   std::optional<run_directory::directory_lock> lock_;
   std::map<std::string, std::string> input_sha256_;
+  std::future<std::string> pending_key_;  // the run key being hashed (claim_directory)
   std::string host_;
 
   replay_outcome outcome_;
@@ -93,6 +96,7 @@ class replay_run {
   std::int64_t total_entries_ = 0;
   std::int64_t entries_seen_ = 0;
   double seconds_read_ = 0.0, seconds_upload_ = 0.0, seconds_hashing_ = 0.0;
+  double seconds_hashing_wait_ = 0.0;  // of a key hashed in the background: the wait for it
   double seconds_setup_ = -1.0;  // from the start to the first read (parsing, planning, resuming)
   step_times step_seconds_;      // reference and strategies
   clock_type::time_point last_logged_ = clock_type::now();
@@ -156,17 +160,35 @@ void replay_run::ready_gpu() {
 // The run directory and its identity (rank 0 alone touches it before the work starts, and holds
 // its lock until the end). The key does not hold the number of processes: any number of them may
 // resume a run. Returns "finished", or one '0' or '1' per unit for whether it is done.
+//
+// The key needs the SHA-256 of every input file. A run that must compare keys (a finished or
+// interrupted directory) hashes first; a fresh single-process run (no .partial yet) hashes on
+// background threads while it works, and the key, .partial and the marker are written by
+// settle_run_key before its first fragment: a run killed before then leaves no checkpoint, so the
+// directory is still empty for the next run. (With several ranks any rank may write a fragment
+// first, so they hash first.)
 std::string replay_run::claim_directory() {
   const std::vector<std::string> setup = together(world_, [&]() -> std::string {
     if (rank_ != 0) return "";
     run_directory::claim(options_.out, dump_->directory());
     lock_.emplace(options_.out);
+    const run_directory::run_state state = run_directory::state_of(options_.out);
+    if (ranks_ == 1 && state == run_directory::run_state::empty && !fs::exists(partial_)) {
+      run_directory::remove_stale_files(options_.out);
+      pending_key_ = std::async(std::launch::async, [this] {
+        const auto hashing_started = clock_type::now();
+        input_sha256_ = hash_inputs(plan_, std::min(threads_, 8));
+        seconds_hashing_ = seconds_since(hashing_started);
+        return run_key(*parsed_, *dump_, options_, attribute_, input_sha256_);
+      });
+      return std::string(units_->count(), '0');
+    }
     const auto hashing_started = clock_type::now();
     input_sha256_ = hash_inputs(plan_, std::min(threads_, 8));
     seconds_hashing_ = seconds_since(hashing_started);
     const std::string key = run_key(*parsed_, *dump_, options_, attribute_, input_sha256_);
     const fs::path marker = options_.out / run_directory::marker_name;
-    switch (run_directory::state_of(options_.out)) {
+    switch (state) {
       case run_directory::run_state::finished:
         if (!options_.resume) {
           throw input_error(fmt::format("{}: the run directory already holds a finished run; use --resume or another "
@@ -193,16 +215,7 @@ std::string replay_run::claim_directory() {
         break;
       case run_directory::run_state::empty: break;
     }
-    std::error_code ignored;
-    fs::create_directories(partial_, ignored);
-    if (!fs::is_directory(partial_)) {
-      throw input_error(fmt::format("{}: cannot create the run directory", options_.out.string()));
-    }
-    // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage, and
-    // so are the state files of the processes of an earlier launch.
-    run_directory::remove_stale_files(options_.out);
-    if (read_text(marker) != key) io::write_file_atomically(marker, key);
-    if (!fs::exists(partial_ / "run-key.json")) io::write_file_atomically(partial_ / "run-key.json", key);
+    write_run_key(key);
     std::string done(units_->count(), '0');
     for (std::size_t index = 0; index < units_->count(); ++index) {
       if (fs::exists(partial_ / units_->fragment_name(index))) done[index] = '1';
@@ -210,6 +223,30 @@ std::string replay_run::claim_directory() {
     return done;
   });
   return setup[0];
+}
+
+// .partial, the marker and .partial/run-key.json for `key`.
+void replay_run::write_run_key(const std::string& key) {
+  std::error_code ignored;
+  fs::create_directories(partial_, ignored);
+  if (!fs::is_directory(partial_)) {
+    throw input_error(fmt::format("{}: cannot create the run directory", options_.out.string()));
+  }
+  // Temporary files of a process that was killed while writing (PATH.tmp.<pid>) are garbage, and
+  // so are the state files of the processes of an earlier launch.
+  run_directory::remove_stale_files(options_.out);
+  const fs::path marker = options_.out / run_directory::marker_name;
+  if (read_text(marker) != key) io::write_file_atomically(marker, key);
+  if (!fs::exists(partial_ / "run-key.json")) io::write_file_atomically(partial_ / "run-key.json", key);
+}
+
+// The key hashed in the background (claim_directory), written before anything depends on it.
+void replay_run::settle_run_key() {
+  if (!pending_key_.valid()) return;
+  const auto waiting = clock_type::now();
+  const std::string key = pending_key_.get();
+  seconds_hashing_wait_ = seconds_since(waiting);
+  write_run_key(key);
 }
 
 // With several processes, each keeps RUN/.partial/rank-<r>.json saying what it works on (for the
@@ -352,6 +389,7 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
 // each per-step metric and the final cross-step values).
 void replay_run::write_fragments(const layer_plan& layer, const std::vector<gemm_state>& gemms,
                                  const std::vector<std::vector<std::size_t>>& unit_indices) {
+  settle_run_key();
   bool consecutive = true;
   for (std::size_t i = 1; i < layer.entries.size(); ++i) {
     consecutive = consecutive && layer.entries[i]->step == layer.entries[i - 1]->step + 1;
@@ -456,8 +494,13 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
     ready_gpu();
     gpu_name = device_name(device_);
   }
-  const run_seconds seconds{seconds_since(started_),   seconds_read_,    std::max(seconds_setup_, 0.0),
-                            seconds_upload_,           seconds_hashing_, step_seconds_.reference,
+  const run_seconds seconds{seconds_since(started_),
+                            seconds_read_,
+                            std::max(seconds_setup_, 0.0),
+                            seconds_upload_,
+                            seconds_hashing_,
+                            seconds_hashing_wait_,
+                            step_seconds_.reference,
                             step_seconds_.strategies};
   const json run =
       run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
@@ -507,6 +550,7 @@ replay_outcome replay_run::run() {
 
   const std::vector<json> per_rank = gather_reports();
   if (rank_ != 0) return outcome_;
+  settle_run_key();
   outcome_.complete = false;
   for (std::size_t index = 0; index < units_->count(); ++index) {
     if (!fs::exists(partial_ / units_->fragment_name(index))) return outcome_;

@@ -119,6 +119,7 @@ json run_record(const std::string& device_option, const std::string& gpu_name, c
                     {"setup", seconds.setup},
                     {"upload", seconds.upload},
                     {"hashing", seconds.hashing},
+                    {"hashing_wait", seconds.hashing_wait},
                     {"reference", seconds.reference},
                     {"strategies", seconds.strategies}};
   json per_strategy = json::object();
