@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -601,6 +602,24 @@ void copy_f32_counting(const std::uint8_t* bytes, std::int64_t count, float* des
   counts.inf += inf;
 }
 
+// Room for `count` values in `values`. A large fresh destination is backed by transparent huge
+// pages where the kernel offers them on request (madvise; nothing changes where it does not): the
+// zero-fill of resize() then faults the memory in 2 MiB pages instead of 4 KiB ones, which was
+// most of the time of reading a large capture into fresh memory (BENCHMARKS.md, "Replay (CPU)").
+void reserve_for_read(std::vector<float>& values, std::size_t count) {
+  if (values.capacity() >= count) return;
+  values.reserve(count);
+  const std::size_t bytes = count * sizeof(float);
+  constexpr std::uintptr_t huge_page = std::uintptr_t{2} << 20;
+  if (bytes < 16 * huge_page) return;
+#ifdef MADV_HUGEPAGE
+  const auto begin = reinterpret_cast<std::uintptr_t>(values.data());
+  const std::uintptr_t first = (begin + huge_page - 1) & ~(huge_page - 1);
+  const std::uintptr_t last = (begin + bytes) & ~(huge_page - 1);
+  if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+}
+
 }  // namespace
 
 matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count) const {
@@ -615,6 +634,7 @@ matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& c
   matrix result = std::move(storage);
   result.rows = rows;
   result.cols = cols;
+  reserve_for_read(result.values, static_cast<std::size_t>(rows * cols));
   result.values.resize(static_cast<std::size_t>(rows * cols));  // every element is written below
   count = {};
   std::uint64_t filled = 0;
