@@ -46,30 +46,14 @@ comparison compare_impl(std::int64_t rows, std::int64_t cols, const matrix64& re
     const double e = hat - gi;
     return std::array<double, 5>{e * e, gi * gi, hat * hat, e * gi, hat * gi};
   });
-  out.error_norm = std::sqrt(sums[0]);
-  out.reference_norm = std::sqrt(sums[1]);
-  out.estimate_norm = std::sqrt(sums[2]);
-  out.error_dot_reference = sums[3];
-  out.estimate_dot_reference = sums[4];
-
-  constexpr double infinity = std::numeric_limits<double>::infinity();
-  if (out.reference_norm == 0.0) {
-    out.zero_reference = true;
-    out.rel_err = out.error_norm == 0.0 ? 0.0 : infinity;
-    out.orth_err = out.rel_err;
-    out.bias = 0.0;
-    out.cosine = out.estimate_norm == 0.0 ? 1.0 : 0.0;
-  } else {
-    out.rel_err = out.error_norm / out.reference_norm;
-    out.bias = out.error_dot_reference / sums[1];
+  if (finish_from_sums(out, sums.data())) {
     // Pass 2: ||E - bias G||^2 with the bias of pass 1.
     const double bias = out.bias;
     const double orthogonal = canonical_sum(count, [&](std::int64_t i) {
       const double d = error_at(i) - bias * g[i];
       return d * d;
     });
-    out.orth_err = std::sqrt(orthogonal) / out.reference_norm;
-    out.cosine = out.estimate_norm == 0.0 ? 0.0 : out.estimate_dot_reference / (out.estimate_norm * out.reference_norm);
+    finish_orthogonal(out, orthogonal);
   }
 
   // Order-free statistics: max |E| (NaN if any E is NaN), non-finite estimates, ulp histogram.

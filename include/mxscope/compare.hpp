@@ -21,7 +21,9 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -179,6 +181,35 @@ struct comparison {
   std::vector<double> row_error_norms;     // [rows]: ||E[r, :]||, canonical sum over the row
   std::vector<double> column_error_norms;  // [cols]: ||E[:, c]||, canonical sum down the column
 };
+
+// The ratios of a comparison from its canonical sums ||E||^2, ||G||^2, ||Ghat||^2, <E, G>, <Ghat, G>
+// (sums[0..4]), written once for the CPU (src/compare.cpp) and the GPU (src/gpu/compare_api-inl.cuh).
+// Returns whether the second pass is needed: ||E - bias G||^2, which finish_orthogonal takes (with
+// ||G|| = 0 the zero-norm rules above fill every ratio here).
+inline bool finish_from_sums(comparison& out, const double* sums) {
+  out.error_norm = std::sqrt(sums[0]);
+  out.reference_norm = std::sqrt(sums[1]);
+  out.estimate_norm = std::sqrt(sums[2]);
+  out.error_dot_reference = sums[3];
+  out.estimate_dot_reference = sums[4];
+  if (out.reference_norm == 0.0) {
+    out.zero_reference = true;
+    out.rel_err = out.error_norm == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+    out.orth_err = out.rel_err;
+    out.bias = 0.0;
+    out.cosine = out.estimate_norm == 0.0 ? 1.0 : 0.0;
+    return false;
+  }
+  out.rel_err = out.error_norm / out.reference_norm;
+  out.bias = out.error_dot_reference / sums[1];
+  return true;
+}
+
+// orth_err and cosine once the second pass has summed ||E - bias G||^2.
+inline void finish_orthogonal(comparison& out, double orthogonal_sum) {
+  out.orth_err = std::sqrt(orthogonal_sum) / out.reference_norm;
+  out.cosine = out.estimate_norm == 0.0 ? 0.0 : out.estimate_dot_reference / (out.estimate_norm * out.reference_norm);
+}
 
 // Ghat fp32 against G fp64; the ulp statistics use reference_fp32 (the correctly rounded fp32
 // reference, e.g. reference_result::fp32). Throws input_error on shape mismatch.

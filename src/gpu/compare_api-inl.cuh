@@ -55,29 +55,14 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
     sums[s] = tree_of(host_partials, static_cast<std::size_t>(s * chunk_count), static_cast<std::size_t>(chunk_count));
   }
 
-  // The formulas of compare_impl (src/compare.cpp), in the same operation order.
-  out.error_norm = std::sqrt(sums[0]);
-  out.reference_norm = std::sqrt(sums[1]);
-  out.estimate_norm = std::sqrt(sums[2]);
-  out.error_dot_reference = sums[3];
-  out.estimate_dot_reference = sums[4];
-  constexpr double infinity = std::numeric_limits<double>::infinity();
-  if (out.reference_norm == 0.0) {
-    out.zero_reference = true;
-    out.rel_err = out.error_norm == 0.0 ? 0.0 : infinity;
-    out.orth_err = out.rel_err;
-    out.bias = 0.0;
-    out.cosine = out.estimate_norm == 0.0 ? 1.0 : 0.0;
-  } else {
-    out.rel_err = out.error_norm / out.reference_norm;
-    out.bias = out.error_dot_reference / sums[1];
+  // The ratios as on the CPU (compare.hpp: finish_from_sums, finish_orthogonal).
+  if (finish_from_sums(out, sums)) {
     device_buffer orthogonal(static_cast<std::size_t>(chunk_count) * sizeof(double));
     runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat,
                     g, count, chunk_count, out.bias, orthogonal.as<double>());
     std::vector<double> orthogonal_partials(static_cast<std::size_t>(chunk_count));
     orthogonal.download(orthogonal_partials.data(), orthogonal.bytes());
-    out.orth_err = std::sqrt(canonical_tree(orthogonal_partials)) / out.reference_norm;
-    out.cosine = out.estimate_norm == 0.0 ? 0.0 : out.estimate_dot_reference / (out.estimate_norm * out.reference_norm);
+    finish_orthogonal(out, canonical_tree(orthogonal_partials));
   }
   for (int b = 0; b < ulp_bucket_count; ++b)
     out.ulp.histogram[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(host_counters.histogram[b]);

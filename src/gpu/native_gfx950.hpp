@@ -36,6 +36,12 @@
 //     rows 4 (l / 16) ... + 3.
 #pragma once
 
+// The native kernels exist in the HIP builds (their device code only for __gfx950__); nvcc and the
+// CPU simulation compile the host stubs of native_gfx950_quantize.hpp and native_gfx950_product.hpp.
+#if defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE)
+#define MXSCOPE_NATIVE_GFX950 1
+#endif
+
 #include <atomic>  // (atomic, cstdlib, cstring: for native_gfx950_quantize.hpp, included inside a namespace)
 #include <cstdint>
 #include <cstdlib>
@@ -94,9 +100,9 @@ constexpr bool gemm_fits(core::element_kind a, core::element_kind b, int block, 
          model.kind == accumulation_kind::fp32_group && model.blocks_per_group == mfma_blocks_per_instruction;
 }
 
-// Host side (native_gfx950_quantize.hpp, native_gfx950_product.hpp): whether the current device is a gfx950 and this build has
-// the native code (and MXSCOPE_GPU_NATIVE is not "off"); the quantizer and the operand preparation
-// and product of gemm_path::native_mfma. Builds without the native code throw gpu_error.
+// Host side (native_gfx950_quantize.hpp, native_gfx950_product.hpp): whether the current device is
+// a gfx950 and this build has the native code (and MXSCOPE_GPU_NATIVE is not "off"); the quantizer
+// and the operand preparation and product of gemm_path::native_mfma. Builds without the native code throw gpu_error.
 bool present();
 void quantize(const void* input, input_format format, std::int64_t rows, std::int64_t cols, const mx_plan& plan,
               const rotation_plan& rotation, const mx_device_output& output);

@@ -7,19 +7,11 @@
 
 namespace native_gfx950 {  // in mxscope::gpu
 
-#if defined(__HIP__) && !defined(MXSCOPE_GPU_SIMULATE)
-#define MXSCOPE_NATIVE_GFX950 1
-#endif
-
 #if defined(MXSCOPE_NATIVE_GFX950)
 
 namespace {
 
 typedef float float2_vector __attribute__((ext_vector_type(2)));
-typedef float float4_vector __attribute__((ext_vector_type(4)));
-typedef int int8_vector __attribute__((ext_vector_type(8)));
-
-constexpr int wave = 64;  // gfx950 runs wave64
 
 // ------------------------------------------------------------------------------------------------
 // Quantizer: the fused path's layout (one thread per 32-element block of a row, rotation in
