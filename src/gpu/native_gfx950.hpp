@@ -4,9 +4,9 @@
 // (v_cvt_scalef32_pk_fp4_f32, and v_cvt_scalef32_sr_pk_fp4_f32 for stochastic rounding) and
 // multiply MXFP4 x MXFP4 with the scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4). The kernels are
 // in native_gfx950_quantize.hpp and native_gfx950_product.hpp (HIP device code for __gfx950__ only;
-// every other build has host stubs). This header holds what the host decides with and what the tests check on the CPU: which
-// plans, blocks and models the native path takes, and how the emulator's stochastic rounding maps
-// onto the hardware's seed operand.
+// every other build has host stubs). This header holds what the host decides with and what the
+// tests check on the CPU: which plans, blocks and models the native path takes, and how the
+// emulator's stochastic rounding maps onto the hardware's seed operand.
 //
 // Nothing here has run on an MI355X. The native path equals the CPU emulator only if the hardware
 // behaves as the hypotheses below say; docs/gpu.md lists them and `mxscope conform --self-test
