@@ -255,7 +255,8 @@ struct mx_operand_view {
 // - generic: per entry, every product formed in fp64 and every rounding through a long accumulator
 //   (the definition; slow);
 // - integer: exact integer block dots (int32/int64 on element codes scaled to integers), then the
-//   model's rounding steps; every MX element format except fp8 e5m2;
+//   model's rounding steps; every MX element format except fp8 e5m2 (fp32-block: see
+//   integer_block_kernel);
 // - tensor_core: int8 tensor-core block dots (mma m16n8k32 on 2q / 8q / 64q integers, a fresh
 //   accumulator per 32-block) then the canonical fp32 scale-add (fp32-block) or an fp64 running
 //   sum checked by TwoSum at every addition, with a long-accumulator pass over the entries where
@@ -296,6 +297,21 @@ tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what prod
 // automatic before the first): where a selected kernel hands a product on as said above, the one
 // that took it.
 tensor_core_kernel last_tensor_core_kernel();
+
+// The kernel behind the integer path's fp32-block products (both give the same bits):
+// - simt: the integer path's own kernel (block dots on the fp64 tensor cores or in FMA chains);
+// - sliced: each element integer cut into three 7-bit slices, the block dot from nine
+//   mma.sync m16n8k32 s8 per K-block combined exactly (sm_80 or newer; docs/gpu.md). It takes the
+//   products of 32-element blocks whose formats' integers stay below 2^21 (fp8 e4m3, fp6 e3m2 and
+//   the narrower formats) and whose block exponents are finite (no NaN block); the others take simt.
+// automatic: sliced where it applies. Process-wide, as tensor_core_kernel.
+enum class integer_block_kernel : std::uint8_t { automatic, simt, sliced };
+std::string_view integer_block_kernel_name(integer_block_kernel kernel);
+bool integer_block_kernel_available(integer_block_kernel kernel);
+void select_integer_block_kernel(integer_block_kernel kernel);
+// The kernel that ran the most recent fp32-block product of the integer path (automatic before the
+// first).
+integer_block_kernel last_integer_block_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
 // contiguous) for one path; reusable across products.

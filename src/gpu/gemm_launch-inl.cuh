@@ -195,9 +195,102 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
   #endif
           }
 }
+
+// fp32-block on sliced_block_kernel (gemm_sliced-inl.cuh): true when it ran, false where its
+// conditions do not hold (the integer kernel then takes the product).
+bool launch_sliced_block(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                         output_rounding output, float* out, int fraction_total) {
+  if (a.block != 32 || integer_max_of(a.element) >= slc_integer_limit ||
+      integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
+    return false;
+  }
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const std::int64_t tiles_m = (m + slc_tile - 1) / slc_tile;
+  const std::int64_t tiles_n = (n + slc_tile - 1) / slc_tile;
+  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+  if (tiles_m * tiles_n * tcb_group > int_limit || a.blocks > int_limit) return false;
+  const std::int64_t padded_m = tiles_m * slc_tile;
+  const std::int64_t padded_n = tiles_n * slc_tile;
+  const auto slice_bytes = [&](std::int64_t rows) {
+    return static_cast<std::size_t>(rows * a.blocks * slc_row_block_bytes);
+  };
+  scratch_buffer a_slices(slice_bytes(padded_m)), b_slices(slice_bytes(padded_n));
+  scratch_buffer a_scales(static_cast<std::size_t>(a.blocks * padded_m) * sizeof(double));
+  scratch_buffer b_scales(static_cast<std::size_t>(a.blocks * padded_n) * sizeof(double));
+  scratch_buffer unfit(sizeof(unsigned));
+  unfit.fill_bytes(0);
+  const auto prepare = [&](const prepared_operand::storage& x, std::int64_t padded, int shift,
+                           const scratch_buffer& slices, const scratch_buffer& scales) {
+    runtime::launch(prepare_sliced_kernel, grid_for(padded * x.blocks), threads_per_block, 0,
+                    x.integers.as<const std::int32_t>(), x.exponents.as<const std::int32_t>(), x.rows, padded,
+                    x.depth, x.blocks, shift, slices.as<std::uint8_t>(), scales.as<double>(), unfit.as<unsigned>());
+  };
+  prepare(a, padded_m, -fraction_total, a_slices, a_scales);
+  prepare(b, padded_n, 0, b_slices, b_scales);
+  unsigned unfit_host = 0;
+  unfit.download(&unfit_host, sizeof(unfit_host));
+  if (unfit_host != 0) return false;
+#if !defined(MXSCOPE_GPU_SIMULATE)
+  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(sliced_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(slc_shared_bytes)));
+#endif
+  runtime::launch(sliced_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
+                  a_slices.as<const std::uint8_t>(), a_scales.as<const double>(), b_slices.as<const std::uint8_t>(),
+                  b_scales.as<const double>(), m, n, padded_m, padded_n, a.blocks, tiles_m, tiles_n, output, out);
+  release_after_kernels();  // the scratch buffers go back to the pool when this returns
+  return true;
+}
 #endif
 
+std::atomic<integer_block_kernel> chosen_integer_block_kernel{integer_block_kernel::automatic};
+std::atomic<integer_block_kernel> last_run_integer_block_kernel{integer_block_kernel::automatic};
+
+// The integer path's fp32-block product on the selected kernel (integer_block_kernel).
+void launch_integer_block(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                          output_rounding output, float* out, int fraction_total, const accumulation_model& model) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  if (chosen_integer_block_kernel.load() != integer_block_kernel::simt &&
+      launch_sliced_block(a, b, output, out, fraction_total)) {
+    last_run_integer_block_kernel.store(integer_block_kernel::sliced);
+    return;
+  }
+#endif
+  last_run_integer_block_kernel.store(integer_block_kernel::simt);
+  if (block_dot_bits(a.element, b.element, a.block) <= 31) {
+    launch_integer<std::int32_t>(a, b, model, output, out, nullptr, fraction_total);
+  } else {
+    launch_integer<double>(a, b, model, output, out, nullptr, fraction_total);  // <= 53 bits: gemm_path_covers
+  }
+}
+
 }  // namespace
+
+std::string_view integer_block_kernel_name(integer_block_kernel kernel) {
+  switch (kernel) {
+    case integer_block_kernel::automatic:
+      return "automatic";
+    case integer_block_kernel::simt:
+      return "simt";
+    case integer_block_kernel::sliced:
+      return "sliced";
+  }
+  return "?";
+}
+
+bool integer_block_kernel_available(integer_block_kernel kernel) {
+  return kernel != integer_block_kernel::sliced || tensor_cores_present();
+}
+
+void select_integer_block_kernel(integer_block_kernel kernel) {
+  if (!integer_block_kernel_available(kernel)) {
+    throw input_error("gpu gemm: the integer-path kernel " + std::string(integer_block_kernel_name(kernel)) +
+                      " is not available in this build on this device");
+  }
+  chosen_integer_block_kernel.store(kernel);
+}
+
+integer_block_kernel last_integer_block_kernel() { return last_run_integer_block_kernel.load(); }
 
 void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
                        const accumulation_model& model, output_rounding output, float* out, double* exact_out,
@@ -212,7 +305,9 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       launch_generic(a, b, model, output, out, exact_out);
       break;
     case gemm_path::integer:
-      if (block_dot_bits(a.element, b.element, a.block) <= 31) {
+      if (model.kind == accumulation_kind::fp32_block) {
+        launch_integer_block(a, b, output, out, fraction_total, model);
+      } else if (block_dot_bits(a.element, b.element, a.block) <= 31) {
         launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
       } else if (block_dot_bits(a.element, b.element, a.block) <= 53) {
         launch_integer<double>(a, b, model, output, out, exact_out, fraction_total);  // exact: see the integer path

@@ -142,7 +142,8 @@ void bench_quantizer(double copy_bandwidth) {
 }
 
 // ---- MXFP4 fp32-block GEMM: C [4096, 14336] = A [4096, 8192] B [14336, 8192]^T, random MX operands.
-void bench_mxfp4_gemm() {
+// Returns the automatic tensor-core kernel's time in ms (0 without the path).
+double bench_mxfp4_gemm() {
   const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
   std::uint64_t state = 0x1234567887654321ULL;
   const auto make_operand = [&](std::int64_t operand_rows) {
@@ -189,6 +190,7 @@ void bench_mxfp4_gemm() {
   gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
   std::vector<float> tensor_core_result(static_cast<std::size_t>(n_out * n_in));
   bool have_tensor_core = false;
+  double automatic_ms = 0.0;
   if (gpu::gemm_path_covers(gpu::gemm_path::tensor_core, core::element_kind::fp4_e2m1, core::element_kind::fp4_e2m1,
                             32, model)) {
     gpu::device_timer timer;
@@ -220,6 +222,7 @@ void bench_mxfp4_gemm() {
                   name.c_str(), kernel == automatic_kernel ? " (automatic)" : "",
                   ran == kernel ? "" : (" (ran " + std::string(gpu::tensor_core_kernel_name(ran)) + ")").c_str(),
                   n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
+      if (kernel == automatic_kernel) automatic_ms = ms;
       if (!have_tensor_core) {
         out.download(tensor_core_result.data(), out.bytes());
         have_tensor_core = true;
@@ -242,10 +245,12 @@ void bench_mxfp4_gemm() {
     const gpu::prepared_operand left = gpu::prepare_operand(a_view, gpu::gemm_path::integer);
     const gpu::prepared_operand right = gpu::prepare_operand(b_view, gpu::gemm_path::integer);
     out.fill_bytes(0xFF);
+    gpu::select_integer_block_kernel(gpu::integer_block_kernel::simt);
     const double ms = median_ms(0, 1, [&] {
       gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
                              gpu::gemm_path::integer);
     });
+    gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
     std::printf("gemm mxfp4 fp32-block integer (SIMT) same shape: %.3f ms, %.1f TFLOP/s\n", ms,
                 flops / (ms * 1e-3) / 1e12);
     std::vector<float> integer_result(static_cast<std::size_t>(n_out * n_in));
@@ -290,6 +295,105 @@ void bench_mxfp4_gemm() {
     }
     verdict(bad == 0, "bench gemm: 64 sampled entries == host definition", detail);
   }
+  return automatic_ms;
+}
+
+// ---- MXFP8 (e4m3) fp32-block GEMM at the same shape, the mxfp8 and per-tensor fp8 strategies'
+// product: the integer path's two kernels (simt, sliced), equal in every entry and to the host
+// definition in sampled ones, and the sliced one's time over the MXFP4 product's (`mxfp4_ms`).
+void bench_mxfp8_gemm(double mxfp4_ms) {
+  const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
+  std::uint64_t state = 0x0F1E2D3C4B5A6978ULL;
+  const auto make_operand = [&](std::int64_t operand_rows) {
+    mxscope::quantized_tensor q;
+    q.rows = operand_rows;
+    q.cols = k;
+    q.options.format = {mxscope::quant_scheme::mx, core::element_kind::fp8_e4m3, 32};
+    q.options.axis = 1;
+    q.block = 32;
+    q.scale_rows = operand_rows;
+    q.scale_cols = k / 32;
+    q.codes.resize(static_cast<std::size_t>(operand_rows * k));
+    for (std::size_t i = 0; i < q.codes.size(); i += 8) {
+      const std::uint64_t r = xorshift(state);
+      std::memcpy(q.codes.data() + i, &r, std::min<std::size_t>(8, q.codes.size() - i));
+    }
+    for (auto& c : q.codes) c = (c & 0x7F) == 0x7F ? static_cast<std::uint8_t>(c - 1) : c;  // no NaN codes
+    q.scales.resize(static_cast<std::size_t>(operand_rows * (k / 32)));
+    for (auto& s : q.scales) s = static_cast<std::uint8_t>(127 - 8 + xorshift(state) % 16);
+    return q;
+  };
+  const mxscope::quantized_tensor a = make_operand(n_out);
+  const mxscope::quantized_tensor b = make_operand(n_in);
+  std::vector<gpu::device_buffer> buffers;
+  const auto view_of = [&](const mxscope::quantized_tensor& q) {
+    buffers.emplace_back(q.codes.size());
+    buffers.back().upload(q.codes.data(), q.codes.size());
+    buffers.emplace_back(q.scales.size());
+    buffers.back().upload(q.scales.data(), q.scales.size());
+    gpu::mx_operand_view view;
+    view.codes = buffers[buffers.size() - 2].as<const std::uint8_t>();
+    view.scales = buffers.back().as<const std::uint8_t>();
+    view.element = core::element_kind::fp8_e4m3;
+    view.block = 32;
+    view.axis = 1;
+    view.rows = q.rows;
+    view.cols = q.cols;
+    return view;
+  };
+  buffers.reserve(4);
+  const gpu::prepared_operand left = gpu::prepare_operand(view_of(a), gpu::gemm_path::integer);
+  const gpu::prepared_operand right = gpu::prepare_operand(view_of(b), gpu::gemm_path::integer);
+  mxscope::accumulation_model model;
+  model.kind = mxscope::accumulation_kind::fp32_block;
+  const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
+  gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
+  std::vector<float> results[2];
+  const gpu::integer_block_kernel kernels[2] = {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced};
+  for (int v = 0; v < 2; ++v) {
+    const std::string name(gpu::integer_block_kernel_name(kernels[v]));
+    if (!gpu::integer_block_kernel_available(kernels[v])) {
+      std::printf("gemm mxfp8 integer %s: not available in this build on this device\n", name.c_str());
+      continue;
+    }
+    gpu::select_integer_block_kernel(kernels[v]);
+    out.fill_bytes(0xFF);
+    const bool slow = kernels[v] == gpu::integer_block_kernel::simt;
+    const double ms = median_ms(slow ? 0 : 2, slow ? 1 : 7, [&] {
+      gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
+                             gpu::gemm_path::integer);
+    });
+    const std::string ran(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel()));
+    std::printf("gemm mxfp8_e4m3 fp32-block integer %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                ": %.3f ms, %.1f TFLOP/s",
+                name.c_str(), ran == name ? "" : (" (ran " + ran + ")").c_str(), n_out, n_in, k, ms,
+                flops / (ms * 1e-3) / 1e12);
+    if (mxfp4_ms > 0.0) std::printf(", %.2fx the MXFP4 tensor-core product", ms / mxfp4_ms);
+    std::printf("\n");
+    results[v].resize(static_cast<std::size_t>(n_out * n_in));
+    out.download(results[v].data(), out.bytes());
+  }
+  gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+  if (!results[0].empty() && !results[1].empty()) {
+    std::int64_t mismatches = 0;
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
+    }
+    verdict(mismatches == 0, "bench gemm mxfp8: sliced == simt in all entries",
+            mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
+  }
+  const std::vector<float>& got = results[1].empty() ? results[0] : results[1];
+  const host_reference::operand_reader left_reader(a), right_reader(b);
+  std::mt19937_64 random(7);
+  int bad = 0;
+  for (int s = 0; s < 64; ++s) {
+    const std::int64_t i = static_cast<std::int64_t>(random() % n_out), j = static_cast<std::int64_t>(random() % n_in);
+    const float want =
+        host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
+    bad += std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0 ? 1 : 0;
+  }
+  verdict(bad == 0, "bench gemm mxfp8: 64 sampled entries == host definition",
+          bad == 0 ? "" : std::to_string(bad) + " differ");
 }
 
 // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block
@@ -389,7 +493,7 @@ int main(int argc, char** argv) {
   const double copy_bandwidth = copy_baseline();
   if (!gemm_only && !reference_only) bench_quantizer(copy_bandwidth);
   if (quantize_only) return failures == 0 ? 0 : 1;
-  if (!reference_only) bench_mxfp4_gemm();
+  if (!reference_only) bench_mxfp8_gemm(bench_mxfp4_gemm());
   if (!gemm_only) bench_plain_products();
   std::printf("bench: %s\n", failures == 0 ? "all checks passed" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;

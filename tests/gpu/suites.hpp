@@ -22,6 +22,7 @@ void quantize_bf16_energies(bool small);
 void gemm_sweep(bool small);
 void gemm_edges(bool small);
 void gemm_integer_tiles(bool small);
+void gemm_sliced_tiles(bool small);
 // gemm_tensor_core.cpp
 void gemm_tensor_core_tiles(bool small);
 void gemm_scaled_forms(bool small);

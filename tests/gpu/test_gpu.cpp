@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
     timed("gemm scaled operand forms", [&] { gemm_scaled_forms(small); });
   }
   timed("gemm integer tiles", [&] { gemm_integer_tiles(small); });
+  timed("gemm sliced tiles", [&] { gemm_sliced_tiles(small); });
   if (!small && !simulated) timed("gemm large", [&] { gemm_large(); });
   timed("per-tensor scales", [&] { tensor_scale_checks(small); });
   timed("reference", [&] { reference_checks(small); });

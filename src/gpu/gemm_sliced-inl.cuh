@@ -1,0 +1,295 @@
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
+// the integer path's fp32-block kernel on the int8 tensor cores, for element integers too wide for
+// one int8 (fp8 e4m3, fp6 e3m2, and pairs of them with the narrow formats).
+// -------------------------------------------------------------------------------------------
+// Sliced block dots. Every element integer Q of the integer path (the element times 2^fraction
+// bits, |Q| < 2^21 here: 229376 for e4m3) is cut into three signed 7-bit slices,
+//   Q = P0 + 2^7 P1 + 2^14 P2,  Pi = sign(Q) * (bits 7i .. 7i + 6 of |Q|),  |Pi| <= 127 (int8),
+// so that the block dot of a K-block of 32 is
+//   D = sum_k Qa Qb = S0 + 2^7 S1 + 2^14 S2 + 2^21 S3 + 2^28 S4,  S_l = sum_{i + j = l} Pa_i . Pb_j:
+// nine mma.sync m16n8k32 s8 per K-block, the pairs of one level chained in one accumulator. Each
+// slice dot is below 32 * 127^2 < 2^19 in magnitude and a level holds at most three, so every S_l
+// is exact in int32, and so are lo = S0 + 2^7 S1 and hi = S3 + 2^7 S4 (below 2^28).
+//
+// The three integers become doubles from their bits alone: the double with high word 0x43300000
+// and low word x ^ 2^31 is 2^52 + 2^31 + x for every int32 x. With c = 2^52 + 2^31,
+//   D = (v(lo) - c) + fma(v(S2), 2^14, -c 2^14) + fma(v(hi), 2^21, -c 2^21),
+// where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^47): none
+// rounds, and the double is D itself. The model's step is then add_to_float's fast path, fused:
+// s = fma(D, 2^k, acc) is fl64(acc + D 2^k) (2^k = the row's 2^(ea - fa - fb) times the column's
+// 2^eb, exact), rounded to fp32 where that is the correctly rounded sum (s not an fp32 midpoint
+// pattern and |s| >= 2^-126, or s = 0, which only an exact zero sum gives here: +0, as acc is never
+// -0); elsewhere the integer path's own step, add_exact_value (round to odd). Every entry thus
+// gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits.
+//
+// Conditions (launch_sliced_block, on the host and in prepare_sliced_kernel): fp32-block, blocks of
+// 32, both formats' integers below 2^21, no NaN block and every block exponent within [-400, 400]
+// (the scales and every D 2^k normal, finite doubles; E8M0 exponents are within [-127, 127]).
+//
+// Tiling: 128 x 128 entries per thread block of 8 warps (2 x 4), 64 x 32 per warp (4 x 4 mma
+// tiles, 64 fp32 accumulators per thread). A stage holds one K-block: the three slices of 128 rows
+// of A and of B, 32 bytes per row in tcb's swizzle, and the rows' scales; four stages (cp.async),
+// thread blocks in tcb's grouped launch order.
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+
+constexpr int slc_tile = 128;
+constexpr int slc_slices = 3;
+constexpr int slc_stages = 4;
+constexpr int slc_threads = 256;
+constexpr int slc_row_block_bytes = slc_slices * 32;  // one row's K-block in the prepared form
+constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 21;
+constexpr int slc_exponent_limit = 400;
+
+struct alignas(16) slc_stage {
+  std::uint8_t a[slc_slices][slc_tile * 32];
+  std::uint8_t b[slc_slices][slc_tile * 32];
+  double a_scales[slc_tile];
+  double b_scales[slc_tile];
+};
+constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage);
+static_assert(sizeof(slc_stage) % 16 == 0 && slc_tile == slc_threads / 2);
+
+// The prepared form of an integer-path operand: slices [padded rows][blocks][3][32] (int8) and
+// scales [blocks][padded rows] = 2^(e + shift) (double); padded rows have zero slices and scale 1.
+// A block exponent that is NaN's marker or outside +-slc_exponent_limit sets *unfit.
+__global__ void prepare_sliced_kernel(const std::int32_t* integers, const std::int32_t* exponents, std::int64_t rows,
+                                      std::int64_t padded_rows, std::int64_t depth, std::int64_t blocks, int shift,
+                                      std::uint8_t* slices, double* scales, unsigned* unfit) {
+  MXSCOPE_GRID_LOOP(index, padded_rows * blocks) {
+    const std::int64_t r = index / blocks;
+    const std::int64_t b = index % blocks;
+    std::uint32_t words[slc_slices][8] = {};
+    double scale = 1.0;
+    if (r < rows) {
+      const std::int32_t e = exponents[b * rows + r];
+      if (e == nan_block_exponent || e < -slc_exponent_limit || e > slc_exponent_limit) {
+        atomicMax(unfit, 1U);
+      } else {
+        scale = core_ns::pow2(e + shift);
+      }
+      const std::int64_t k0 = b * 32;
+      for (int k = 0; k < 32 && k0 + k < depth; ++k) {
+        const std::int32_t q = integers[r * depth + k0 + k];
+        const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
+#pragma unroll
+        for (int s = 0; s < slc_slices; ++s) {
+          const std::int32_t digit = static_cast<std::int32_t>((magnitude >> (7 * s)) & 127U);
+          const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
+          words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
+        }
+      }
+    }
+    auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
+#pragma unroll
+    for (int s = 0; s < slc_slices; ++s) {
+      out[2 * s] = make_uint4(words[s][0], words[s][1], words[s][2], words[s][3]);
+      out[2 * s + 1] = make_uint4(words[s][4], words[s][5], words[s][6], words[s][7]);
+    }
+    scales[b * padded_rows + r] = scale;
+  }
+}
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void mma_s8_add(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  const int accumulator[4] = {d[0], d[1], d[2], d[3]};
+  simulation::mma_s8(d, a, b, accumulator);
+}
+#else
+// mma.sync m16n8k32 s8 x s8 + d -> d.
+__device__ inline void mma_s8_add(int (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+constexpr double slc_offset = 4503601774854144.0;  // c = 2^52 + 2^31
+
+// 2^52 + 2^31 + x, exactly, from its bits.
+__device__ inline double sliced_word(int x) {
+  return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
+}
+
+__device__ __noinline__ float sliced_slow_step(float accumulator, double value) {
+  return add_exact_value_inline(accumulator, value);
+}
+
+// fl32(acc + D 2^k) from the levels' integers (see above); `scale` is 2^k.
+__device__ inline float sliced_step(float accumulator, int low, int middle, int high, double scale) {
+  const double dot = (sliced_word(low) - slc_offset) + fma_exact(sliced_word(middle), 16384.0, -slc_offset * 16384.0) +
+                     fma_exact(sliced_word(high), 2097152.0, -slc_offset * 2097152.0);
+  const double sum = fma_exact(dot, scale, static_cast<double>(accumulator));
+  const std::uint64_t bits = core_ns::double_bits(sum);
+  const auto low_word = static_cast<std::uint32_t>(bits);
+  const auto high_word = static_cast<std::uint32_t>(bits >> 32) & 0x7FFFFFFFU;
+  if ((low_word & 0x1FFFFFFFU) != 0x10000000U && (high_word >= 0x38100000U || (high_word | low_word) == 0U)) {
+    return static_cast<float>(sum);
+  }
+  return sliced_slow_step(accumulator, dot * scale);
+}
+
+// One thread's copies of a K-block: row t / 2's half t % 2 of each slice of A and of B, and for
+// threads 0..127 two scales (A's rows for 0..63, B's for 64..127).
+struct slc_loader {
+  const std::uint8_t* a_source;
+  const std::uint8_t* b_source;
+  const double* scale_source;
+  int data_offset;  // within each slice's 4096 bytes
+  int scale_offset;
+  std::int64_t scale_step;
+
+  __device__ slc_loader(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
+                        std::int64_t blocks, std::int64_t padded_m, std::int64_t padded_n, std::int64_t i0,
+                        std::int64_t j0) {
+    const int t = threadIdx.x;
+    const int row = t / 2;
+    const int half = t % 2;
+    a_source = a + (i0 + row) * blocks * slc_row_block_bytes + half * 16;
+    b_source = b + (j0 + row) * blocks * slc_row_block_bytes + half * 16;
+    data_offset = tcb_offset(row, half);
+    scale_source = nullptr;
+    scale_offset = 0;
+    scale_step = 0;
+    if (t < slc_tile / 2) {
+      scale_source = a_scales + i0 + 2 * t;
+      scale_offset = static_cast<int>(offsetof(slc_stage, a_scales)) + 16 * t;
+      scale_step = padded_m;
+    } else if (t < slc_tile) {
+      scale_source = b_scales + j0 + 2 * (t - slc_tile / 2);
+      scale_offset = static_cast<int>(offsetof(slc_stage, b_scales)) + 16 * (t - slc_tile / 2);
+      scale_step = padded_n;
+    }
+  }
+
+  __device__ void load(unsigned char* stage) {
+#pragma unroll
+    for (int s = 0; s < slc_slices; ++s) {
+      copy_async_16(stage + offsetof(slc_stage, a) + s * (slc_tile * 32) + data_offset, a_source + 32 * s, true);
+      copy_async_16(stage + offsetof(slc_stage, b) + s * (slc_tile * 32) + data_offset, b_source + 32 * s, true);
+    }
+    if (scale_source != nullptr) {
+      copy_async_16(stage + scale_offset, scale_source, true);
+      scale_source += scale_step;
+    }
+    a_source += slc_row_block_bytes;
+    b_source += slc_row_block_bytes;
+  }
+};
+
+// One body (about 110 lines): the copy pipeline, the nine mma of each tile and K-block and the
+// per-entry step share the stage indices and the accumulators held in registers.
+__global__ void __launch_bounds__(slc_threads, 1)
+    sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
+                        std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
+                        std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
+                        float* out) {
+  MXSCOPE_DYNAMIC_SHARED(uint4, slc_shared);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group_id = lane / 4;
+  const int thread_in_group = lane % 4;
+  const int warp_m = warp / 4;  // 0..1: 64 rows each
+  const int warp_n = warp % 4;  // 0..3: 32 columns each
+  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
+                                                 static_cast<int>(tiles_n), slc_tile, slc_tile);
+  const int block_count = static_cast<int>(blocks);
+  // ldmatrix row addresses as in tensor_core_block_kernel, within one slice.
+  const int matrix = lane / 8;
+  const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2));
+  const int b_matrix_offset = tcb_opaque(tcb_offset(warp_n * 32 + (matrix / 2) * 8 + lane % 8, matrix % 2));
+  const int row_base = warp_m * 64 + group_id;
+  const int col_base = warp_n * 32 + 2 * thread_in_group;
+
+  float accumulators[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+
+  slc_loader loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
+  unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(slc_shared);
+#pragma unroll
+  for (int s = 0; s < slc_stages - 1; ++s) {
+    if (s < block_count) loader.load(shared_bytes + s * sizeof(slc_stage));
+    copy_async_commit();
+  }
+  int compute_stage = 0;
+  int load_stage = slc_stages - 1;
+  for (int kb = 0; kb < block_count; ++kb) {
+    copy_async_wait<slc_stages - 2>();
+    __syncthreads();
+    if (kb + slc_stages - 1 < block_count) loader.load(shared_bytes + load_stage * sizeof(slc_stage));
+    copy_async_commit();
+    load_stage = load_stage == slc_stages - 1 ? 0 : load_stage + 1;
+    const slc_stage& stage = *reinterpret_cast<const slc_stage*>(shared_bytes + compute_stage * sizeof(slc_stage));
+    compute_stage = compute_stage == slc_stages - 1 ? 0 : compute_stage + 1;
+
+    std::uint32_t b_fragments[slc_slices][4][2];
+#pragma unroll
+    for (int s = 0; s < slc_slices; ++s) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        std::uint32_t r[4];
+        load_matrix_x4(r, stage.b[s] + b_matrix_offset + 512 * p);
+        b_fragments[s][2 * p][0] = r[0];
+        b_fragments[s][2 * p][1] = r[1];
+        b_fragments[s][2 * p + 1][0] = r[2];
+        b_fragments[s][2 * p + 1][1] = r[3];
+      }
+    }
+    double col_scales[4][2];
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      col_scales[ni][0] = stage.b_scales[col_base + ni * 8];
+      col_scales[ni][1] = stage.b_scales[col_base + ni * 8 + 1];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      std::uint32_t a_fragments[slc_slices][4];
+#pragma unroll
+      for (int s = 0; s < slc_slices; ++s) load_matrix_x4(a_fragments[s], stage.a[s] + a_matrix_offset + 512 * mi);
+      const double row_scales[2] = {stage.a_scales[row_base + mi * 16], stage.a_scales[row_base + mi * 16 + 8]};
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const auto& bf = b_fragments;
+        int level[5][4];
+        mma_s8(level[0], a_fragments[0], bf[0][ni]);
+        mma_s8(level[1], a_fragments[0], bf[1][ni]);
+        mma_s8_add(level[1], a_fragments[1], bf[0][ni]);
+        mma_s8(level[2], a_fragments[0], bf[2][ni]);
+        mma_s8_add(level[2], a_fragments[1], bf[1][ni]);
+        mma_s8_add(level[2], a_fragments[2], bf[0][ni]);
+        mma_s8(level[3], a_fragments[1], bf[2][ni]);
+        mma_s8_add(level[3], a_fragments[2], bf[1][ni]);
+        mma_s8(level[4], a_fragments[2], bf[2][ni]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          accumulators[mi][ni][e] =
+              sliced_step(accumulators[mi][ni][e], level[0][e] + 128 * level[1][e], level[2][e],
+                          level[3][e] + 128 * level[4][e], row_scales[e / 2] * col_scales[ni][e % 2]);
+        }
+      }
+    }
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t i = origin.i0 + row_base + mi * 16 + (e / 2) * 8;
+        const std::int64_t j = origin.j0 + col_base + ni * 8 + e % 2;
+        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+      }
+    }
+  }
+}
+
+#endif  // MXSCOPE_CUDA_TENSOR_CORES
