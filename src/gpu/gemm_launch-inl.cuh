@@ -196,10 +196,10 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
           }
 }
 
-// fp32-block on sliced_block_kernel (gemm_sliced-inl.cuh): true when it ran, false where its
-// conditions do not hold (the integer kernel then takes the product).
-bool launch_sliced_block(const prepared_operand::storage& a, const prepared_operand::storage& b,
-                         output_rounding output, float* out, int fraction_total) {
+// fp32-block or exact on sliced_block_kernel (gemm_sliced-inl.cuh): true when it ran, false where
+// its conditions do not hold (the integer kernel then takes the product).
+bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
+                   output_rounding output, float* out, double* exact_out, int fraction_total) {
   if (a.block != 32 || integer_max_of(a.element) >= slc_integer_limit ||
       integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
     return false;
@@ -207,11 +207,11 @@ bool launch_sliced_block(const prepared_operand::storage& a, const prepared_oper
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
   const std::int64_t tiles_m = (m + slc_tile - 1) / slc_tile;
-  const std::int64_t tiles_n = (n + slc_tile - 1) / slc_tile;
+  const std::int64_t tiles_n = (n + slc_tile_n - 1) / slc_tile_n;
   constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
   if (tiles_m * tiles_n * tcb_group > int_limit || a.blocks > int_limit) return false;
   const std::int64_t padded_m = tiles_m * slc_tile;
-  const std::int64_t padded_n = tiles_n * slc_tile;
+  const std::int64_t padded_n = tiles_n * slc_tile_n;
   const auto slice_bytes = [&](std::int64_t rows) {
     return static_cast<std::size_t>(rows * a.blocks * slc_row_block_bytes);
   };
@@ -231,13 +231,35 @@ bool launch_sliced_block(const prepared_operand::storage& a, const prepared_oper
   unsigned unfit_host = 0;
   unfit.download(&unfit_host, sizeof(unfit_host));
   if (unfit_host != 0) return false;
+  std::optional<scratch_buffer> flagged;
+  if (exact) {
+    flagged.emplace(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
+    flagged->fill_bytes(0);
+  }
+  std::uint8_t* const flags = exact ? flagged->as<std::uint8_t>() : nullptr;
+  const auto run = [&](auto kernel) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
-  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(sliced_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(slc_shared_bytes)));
+    MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(slc_shared_bytes)));
 #endif
-  runtime::launch(sliced_block_kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
-                  a_slices.as<const std::uint8_t>(), a_scales.as<const double>(), b_slices.as<const std::uint8_t>(),
-                  b_scales.as<const double>(), m, n, padded_m, padded_n, a.blocks, tiles_m, tiles_n, output, out);
+    runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
+                    a_slices.as<const std::uint8_t>(), a_scales.as<const double>(), b_slices.as<const std::uint8_t>(),
+                    b_scales.as<const double>(), m, n, padded_m, padded_n, a.blocks, tiles_m, tiles_n, output, out,
+                    exact_out, flags);
+  };
+  if (exact) {
+    run(sliced_block_kernel<true>);
+  } else {
+    run(sliced_block_kernel<false>);
+  }
+  if (exact) {
+    // The entries whose running sum rounded, by the per-entry definition (block dots <= 53 bits:
+    // gemm_path_covers, so the double chain is exact).
+    runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, grid_for(m * n), threads_per_block, 0,
+                    a.integers.as<const std::int32_t>(), a.exponents.as<const std::int32_t>(),
+                    b.integers.as<const std::int32_t>(), b.exponents.as<const std::int32_t>(), m, n, a.depth, a.block,
+                    a.blocks, 1, fraction_total, output, flags, out, exact_out);
+  }
   release_after_kernels();  // the scratch buffers go back to the pool when this returns
   return true;
 }
@@ -246,21 +268,22 @@ bool launch_sliced_block(const prepared_operand::storage& a, const prepared_oper
 std::atomic<integer_block_kernel> chosen_integer_block_kernel{integer_block_kernel::automatic};
 std::atomic<integer_block_kernel> last_run_integer_block_kernel{integer_block_kernel::automatic};
 
-// The integer path's fp32-block product on the selected kernel (integer_block_kernel).
-void launch_integer_block(const prepared_operand::storage& a, const prepared_operand::storage& b,
-                          output_rounding output, float* out, int fraction_total, const accumulation_model& model) {
+// The integer path's fp32-block and exact products on the selected kernel (integer_block_kernel).
+void launch_integer_sliced_or_simt(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                                   const accumulation_model& model, output_rounding output, float* out,
+                                   double* exact_out, int fraction_total) {
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
   if (chosen_integer_block_kernel.load() != integer_block_kernel::simt &&
-      launch_sliced_block(a, b, output, out, fraction_total)) {
+      launch_sliced(a, b, model.kind == accumulation_kind::exact, output, out, exact_out, fraction_total)) {
     last_run_integer_block_kernel.store(integer_block_kernel::sliced);
     return;
   }
 #endif
   last_run_integer_block_kernel.store(integer_block_kernel::simt);
   if (block_dot_bits(a.element, b.element, a.block) <= 31) {
-    launch_integer<std::int32_t>(a, b, model, output, out, nullptr, fraction_total);
+    launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
   } else {
-    launch_integer<double>(a, b, model, output, out, nullptr, fraction_total);  // <= 53 bits: gemm_path_covers
+    launch_integer<double>(a, b, model, output, out, exact_out, fraction_total);  // <= 53 bits: gemm_path_covers
   }
 }
 
@@ -305,8 +328,8 @@ void multiply_prepared(const prepared_operand& a_operand, const prepared_operand
       launch_generic(a, b, model, output, out, exact_out);
       break;
     case gemm_path::integer:
-      if (model.kind == accumulation_kind::fp32_block) {
-        launch_integer_block(a, b, output, out, fraction_total, model);
+      if (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact) {
+        launch_integer_sliced_or_simt(a, b, model, output, out, exact_out, fraction_total);
       } else if (block_dot_bits(a.element, b.element, a.block) <= 31) {
         launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
       } else if (block_dot_bits(a.element, b.element, a.block) <= 53) {

@@ -1,6 +1,6 @@
 // Part of products.cu (included there, in order, inside namespace mxscope::gpu):
-// the integer path's fp32-block kernel on the int8 tensor cores, for element integers too wide for
-// one int8 (fp8 e4m3, fp6 e3m2, and pairs of them with the narrow formats).
+// the integer path's fp32-block and exact kernel on the int8 tensor cores, for element integers too
+// wide for one int8 (fp8 e4m3, fp6 e3m2, and pairs of them with the narrower formats).
 // -------------------------------------------------------------------------------------------
 // Sliced block dots. Every element integer Q of the integer path (the element times 2^fraction
 // bits, |Q| < 2^21 here: 229376 for e4m3) is cut into three signed 7-bit slices,
@@ -15,25 +15,27 @@
 // and low word x ^ 2^31 is 2^52 + 2^31 + x for every int32 x. With c = 2^52 + 2^31,
 //   D = (v(lo) - c) + fma(v(S2), 2^14, -c 2^14) + fma(v(hi), 2^21, -c 2^21),
 // where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^47): none
-// rounds, and the double is D itself. The model's step is then add_to_float's fast path, fused:
-// s = fma(D, 2^k, acc) is fl64(acc + D 2^k) (2^k = the row's 2^(ea - fa - fb) times the column's
-// 2^eb, exact), rounded to fp32 where that is the correctly rounded sum (s not an fp32 midpoint
-// pattern and |s| >= 2^-126, or s = 0, which only an exact zero sum gives here: +0, as acc is never
-// -0); elsewhere the integer path's own step, add_exact_value (round to odd). Every entry thus
-// gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits.
+// rounds, and the double is D itself. The model's step fl32(acc + D 2^k) (2^k = the row's
+// 2^(ea - fa - fb) times the column's 2^eb, exact) then goes through fp64 in round-to-odd
+// (sliced_step), without a branch: ties, which quantized operands make common, cost nothing extra.
+// Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits. The
+// exact model adds the scaled dots D 2^k to a running fp64 sum checked by TwoSum, as the integer
+// kernel's exact mode does, and leaves the entries where an addition rounded to its fix-up kernel.
 //
-// Conditions (launch_sliced_block, on the host and in prepare_sliced_kernel): fp32-block, blocks of
-// 32, both formats' integers below 2^21, no NaN block and every block exponent within [-400, 400]
+// Conditions (launch_sliced, on the host and in prepare_sliced_kernel): fp32-block or exact, blocks
+// of 32, both formats' integers below 2^21, no NaN block and every block exponent within [-400, 400]
 // (the scales and every D 2^k normal, finite doubles; E8M0 exponents are within [-127, 127]).
 //
-// Tiling: 128 x 128 entries per thread block of 8 warps (2 x 4), 64 x 32 per warp (4 x 4 mma
-// tiles, 64 fp32 accumulators per thread). A stage holds one K-block: the three slices of 128 rows
-// of A and of B, 32 bytes per row in tcb's swizzle, and the rows' scales; four stages (cp.async),
-// thread blocks in tcb's grouped launch order.
+// Tiling: 128 x 64 entries per thread block of 8 warps (2 x 4), 64 x 16 per warp (4 x 2 mma tiles,
+// 32 accumulators per thread: 204 registers for fp32-block, 254 for exact, no spills on sm_90). A
+// stage holds one K-block: the three slices of 128 rows of A and 64 of B, 32 bytes per row in
+// tcb's swizzle, and the rows' scales; four stages (cp.async), thread blocks in tcb's grouped order.
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
-constexpr int slc_tile = 128;
+constexpr int slc_tile = 128;        // rows of A per thread block
+constexpr int slc_warp_cols = 16;    // columns per warp
+constexpr int slc_tile_n = 4 * slc_warp_cols;  // columns (rows of B) per thread block
 constexpr int slc_slices = 3;
 constexpr int slc_stages = 4;
 constexpr int slc_threads = 256;
@@ -43,12 +45,12 @@ constexpr int slc_exponent_limit = 400;
 
 struct alignas(16) slc_stage {
   std::uint8_t a[slc_slices][slc_tile * 32];
-  std::uint8_t b[slc_slices][slc_tile * 32];
+  std::uint8_t b[slc_slices][slc_tile_n * 32];
   double a_scales[slc_tile];
-  double b_scales[slc_tile];
+  double b_scales[slc_tile_n];
 };
 constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage);
-static_assert(sizeof(slc_stage) % 16 == 0 && slc_tile == slc_threads / 2);
+static_assert(sizeof(slc_stage) % 16 == 0 && slc_tile == slc_threads / 2 && slc_tile_n <= slc_tile);
 
 // The prepared form of an integer-path operand: slices [padded rows][blocks][3][32] (int8) and
 // scales [blocks][padded rows] = 2^(e + shift) (double); padded rows have zero slices and scale 1.
@@ -113,31 +115,39 @@ __device__ inline double sliced_word(int x) {
   return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
 }
 
-__device__ __noinline__ float sliced_slow_step(float accumulator, double value) {
-  return add_exact_value_inline(accumulator, value);
+// D from the levels' integers (see above).
+// fl32(acc + D 2^k), `scale` = 2^k. The sum is taken to
+// fp64 in round-to-odd: its round-down and round-up (two fmas of the exact D 2^k + acc) are equal
+// when it is exact; otherwise round-to-zero (the one of them nearer zero) with its last bit set is
+// the odd neighbour. An exact zero sum is +0 (the round-up; the round-down of x - x is -0), as
+// round to nearest gives: acc is never -0, and |D 2^k| is far above fp64's underflow. 53 >= 24 + 2 bits make the conversion to fp32 (round to nearest even) the
+// correctly rounded sum (core::add_to_float's argument, Boldo & Melquiond), for ties, subnormal and
+// overflowing sums alike; an infinite acc gives itself. The simulation takes core::round_to_odd_sum.
+__device__ inline double sliced_dot(int low, int middle, int high) {
+  return (sliced_word(low) - slc_offset) + fma_exact(sliced_word(middle), 16384.0, -slc_offset * 16384.0) +
+         fma_exact(sliced_word(high), 2097152.0, -slc_offset * 2097152.0);
 }
 
-// fl32(acc + D 2^k) from the levels' integers (see above); `scale` is 2^k.
-__device__ inline float sliced_step(float accumulator, int low, int middle, int high, double scale) {
-  const double dot = (sliced_word(low) - slc_offset) + fma_exact(sliced_word(middle), 16384.0, -slc_offset * 16384.0) +
-                     fma_exact(sliced_word(high), 2097152.0, -slc_offset * 2097152.0);
-  const double sum = fma_exact(dot, scale, static_cast<double>(accumulator));
-  const std::uint64_t bits = core_ns::double_bits(sum);
-  const auto low_word = static_cast<std::uint32_t>(bits);
-  const auto high_word = static_cast<std::uint32_t>(bits >> 32) & 0x7FFFFFFFU;
-  if ((low_word & 0x1FFFFFFFU) != 0x10000000U && (high_word >= 0x38100000U || (high_word | low_word) == 0U)) {
-    return static_cast<float>(sum);
-  }
-  return sliced_slow_step(accumulator, dot * scale);
+__device__ inline float sliced_step(float accumulator, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  if (!is_finite(accumulator)) return accumulator;  // what the fmas below give (two_sum needs finite values)
+  return static_cast<float>(core_ns::round_to_odd_sum(static_cast<double>(accumulator), dot * scale));
+#else
+  const double down = __fma_rd(dot, scale, static_cast<double>(accumulator));
+  const double up = __fma_ru(dot, scale, static_cast<double>(accumulator));
+  const std::uint64_t toward_zero = core_ns::double_bits(down > 0.0 ? down : up);
+  return static_cast<float>(core_ns::bits_double(toward_zero | (down != up ? 1U : 0U)));
+#endif
 }
 
-// One thread's copies of a K-block: row t / 2's half t % 2 of each slice of A and of B, and for
-// threads 0..127 two scales (A's rows for 0..63, B's for 64..127).
+// One thread's copies of a K-block: row t / 2's half t % 2 of each slice of A and (for t below
+// 2 slc_tile_n) of B, and for threads 0..63 two of A's scales, for the next slc_tile_n / 2 two of B's.
 struct slc_loader {
+  using stage_type = slc_stage;
   const std::uint8_t* a_source;
-  const std::uint8_t* b_source;
+  const std::uint8_t* b_source;  // null: no row of B
   const double* scale_source;
-  int data_offset;  // within each slice's 4096 bytes
+  int data_offset;  // within each slice
   int scale_offset;
   std::int64_t scale_step;
 
@@ -148,18 +158,18 @@ struct slc_loader {
     const int row = t / 2;
     const int half = t % 2;
     a_source = a + (i0 + row) * blocks * slc_row_block_bytes + half * 16;
-    b_source = b + (j0 + row) * blocks * slc_row_block_bytes + half * 16;
+    b_source = row < slc_tile_n ? b + (j0 + row) * blocks * slc_row_block_bytes + half * 16 : nullptr;
     data_offset = tcb_offset(row, half);
     scale_source = nullptr;
     scale_offset = 0;
     scale_step = 0;
     if (t < slc_tile / 2) {
       scale_source = a_scales + i0 + 2 * t;
-      scale_offset = static_cast<int>(offsetof(slc_stage, a_scales)) + 16 * t;
+      scale_offset = static_cast<int>(offsetof(stage_type, a_scales)) + 16 * t;
       scale_step = padded_m;
-    } else if (t < slc_tile) {
+    } else if (t < slc_tile / 2 + slc_tile_n / 2) {
       scale_source = b_scales + j0 + 2 * (t - slc_tile / 2);
-      scale_offset = static_cast<int>(offsetof(slc_stage, b_scales)) + 16 * (t - slc_tile / 2);
+      scale_offset = static_cast<int>(offsetof(stage_type, b_scales)) + 16 * (t - slc_tile / 2);
       scale_step = padded_n;
     }
   }
@@ -167,55 +177,67 @@ struct slc_loader {
   __device__ void load(unsigned char* stage) {
 #pragma unroll
     for (int s = 0; s < slc_slices; ++s) {
-      copy_async_16(stage + offsetof(slc_stage, a) + s * (slc_tile * 32) + data_offset, a_source + 32 * s, true);
-      copy_async_16(stage + offsetof(slc_stage, b) + s * (slc_tile * 32) + data_offset, b_source + 32 * s, true);
+      copy_async_16(stage + offsetof(stage_type, a) + s * (slc_tile * 32) + data_offset, a_source + 32 * s, true);
+      if (b_source != nullptr) {
+        copy_async_16(stage + offsetof(stage_type, b) + s * (slc_tile_n * 32) + data_offset, b_source + 32 * s, true);
+      }
     }
     if (scale_source != nullptr) {
       copy_async_16(stage + scale_offset, scale_source, true);
       scale_source += scale_step;
     }
     a_source += slc_row_block_bytes;
-    b_source += slc_row_block_bytes;
+    if (b_source != nullptr) b_source += slc_row_block_bytes;
   }
 };
 
-// One body (about 110 lines): the copy pipeline, the nine mma of each tile and K-block and the
+// One body (about 130 lines): the copy pipeline, the nine mma of each tile and K-block and the
 // per-entry step share the stage indices and the accumulators held in registers.
+// Exact: the `exact` model instead, as the integer kernel's exact mode: a running fp64 sum of the
+// scaled block dots per entry, every addition checked by TwoSum; an entry whose sum rounded is
+// marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
+// one rounding to fp32).
+template <bool Exact>
 __global__ void __launch_bounds__(slc_threads, 1)
     sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
                         std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
-                        float* out) {
+                        float* out, double* exact_out, std::uint8_t* flagged) {
+  constexpr int col_tiles = slc_warp_cols / 8;
+  using stage_type = slc_stage;
   MXSCOPE_DYNAMIC_SHARED(uint4, slc_shared);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;
   const int thread_in_group = lane % 4;
   const int warp_m = warp / 4;  // 0..1: 64 rows each
-  const int warp_n = warp % 4;  // 0..3: 32 columns each
+  const int warp_n = warp % 4;  // 0..3: slc_warp_cols columns each
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
-                                                 static_cast<int>(tiles_n), slc_tile, slc_tile);
+                                                 static_cast<int>(tiles_n), slc_tile, slc_tile_n);
   const int block_count = static_cast<int>(blocks);
   // ldmatrix row addresses as in tensor_core_block_kernel, within one slice.
   const int matrix = lane / 8;
   const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2));
-  const int b_matrix_offset = tcb_opaque(tcb_offset(warp_n * 32 + (matrix / 2) * 8 + lane % 8, matrix % 2));
+  const int b_matrix_offset = tcb_opaque(tcb_offset(warp_n * slc_warp_cols + (matrix / 2) * 8 + lane % 8, matrix % 2));
   const int row_base = warp_m * 64 + group_id;
-  const int col_base = warp_n * 32 + 2 * thread_in_group;
+  const int col_base = warp_n * slc_warp_cols + 2 * thread_in_group;
 
-  float accumulators[4][4][4];
+  static_assert(4 * col_tiles * 4 <= 64, "one flag bit per entry of the thread");
+  using accumulator_type = std::conditional_t<Exact, double, float>;
+  accumulator_type accumulators[4][col_tiles][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int ni = 0; ni < col_tiles; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
+  [[maybe_unused]] std::uint64_t rounded = 0;  // Exact: bit (mi col_tiles + ni) 4 + e
 
   slc_loader loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
   unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(slc_shared);
 #pragma unroll
   for (int s = 0; s < slc_stages - 1; ++s) {
-    if (s < block_count) loader.load(shared_bytes + s * sizeof(slc_stage));
+    if (s < block_count) loader.load(shared_bytes + s * sizeof(stage_type));
     copy_async_commit();
   }
   int compute_stage = 0;
@@ -223,17 +245,17 @@ __global__ void __launch_bounds__(slc_threads, 1)
   for (int kb = 0; kb < block_count; ++kb) {
     copy_async_wait<slc_stages - 2>();
     __syncthreads();
-    if (kb + slc_stages - 1 < block_count) loader.load(shared_bytes + load_stage * sizeof(slc_stage));
+    if (kb + slc_stages - 1 < block_count) loader.load(shared_bytes + load_stage * sizeof(stage_type));
     copy_async_commit();
     load_stage = load_stage == slc_stages - 1 ? 0 : load_stage + 1;
-    const slc_stage& stage = *reinterpret_cast<const slc_stage*>(shared_bytes + compute_stage * sizeof(slc_stage));
+    const stage_type& stage = *reinterpret_cast<const stage_type*>(shared_bytes + compute_stage * sizeof(stage_type));
     compute_stage = compute_stage == slc_stages - 1 ? 0 : compute_stage + 1;
 
-    std::uint32_t b_fragments[slc_slices][4][2];
+    std::uint32_t b_fragments[slc_slices][col_tiles][2];
 #pragma unroll
     for (int s = 0; s < slc_slices; ++s) {
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
+      for (int p = 0; p < col_tiles / 2; ++p) {
         std::uint32_t r[4];
         load_matrix_x4(r, stage.b[s] + b_matrix_offset + 512 * p);
         b_fragments[s][2 * p][0] = r[0];
@@ -242,9 +264,9 @@ __global__ void __launch_bounds__(slc_threads, 1)
         b_fragments[s][2 * p + 1][1] = r[3];
       }
     }
-    double col_scales[4][2];
+    double col_scales[col_tiles][2];
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
+    for (int ni = 0; ni < col_tiles; ++ni) {
       col_scales[ni][0] = stage.b_scales[col_base + ni * 8];
       col_scales[ni][1] = stage.b_scales[col_base + ni * 8 + 1];
     }
@@ -255,7 +277,7 @@ __global__ void __launch_bounds__(slc_threads, 1)
       for (int s = 0; s < slc_slices; ++s) load_matrix_x4(a_fragments[s], stage.a[s] + a_matrix_offset + 512 * mi);
       const double row_scales[2] = {stage.a_scales[row_base + mi * 16], stage.a_scales[row_base + mi * 16 + 8]};
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
+      for (int ni = 0; ni < col_tiles; ++ni) {
         const auto& bf = b_fragments;
         int level[5][4];
         mma_s8(level[0], a_fragments[0], bf[0][ni]);
@@ -269,9 +291,13 @@ __global__ void __launch_bounds__(slc_threads, 1)
         mma_s8(level[4], a_fragments[2], bf[2][ni]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          accumulators[mi][ni][e] =
-              sliced_step(accumulators[mi][ni][e], level[0][e] + 128 * level[1][e], level[2][e],
-                          level[3][e] + 128 * level[4][e], row_scales[e / 2] * col_scales[ni][e % 2]);
+          const double dot = sliced_dot(level[0][e] + 128 * level[1][e], level[2][e], level[3][e] + 128 * level[4][e]);
+          const double scale = row_scales[e / 2] * col_scales[ni][e % 2];
+          if constexpr (Exact) {
+            if (add_rounds(accumulators[mi][ni][e], dot * scale)) rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
+          } else {
+            accumulators[mi][ni][e] = sliced_step(accumulators[mi][ni][e], dot, scale);
+          }
         }
       }
     }
@@ -281,12 +307,22 @@ __global__ void __launch_bounds__(slc_threads, 1)
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
+    for (int ni = 0; ni < col_tiles; ++ni) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const std::int64_t i = origin.i0 + row_base + mi * 16 + (e / 2) * 8;
         const std::int64_t j = origin.j0 + col_base + ni * 8 + e % 2;
-        if (i < m && j < n) out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+        if (i >= m || j >= n) continue;
+        if constexpr (Exact) {
+          if ((rounded >> ((mi * col_tiles + ni) * 4 + e) & 1U) != 0) {
+            flagged[i * n + j] = 1;
+          } else {
+            out[i * n + j] = finish_output(static_cast<float>(accumulators[mi][ni][e]), output);
+            if (exact_out != nullptr) exact_out[i * n + j] = accumulators[mi][ni][e];
+          }
+        } else {
+          out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+        }
       }
     }
   }

@@ -303,28 +303,24 @@ double bench_mxfp4_gemm() {
 // definition in sampled ones, and the sliced one's time over the MXFP4 product's (`mxfp4_ms`).
 void bench_mxfp8_gemm(double mxfp4_ms) {
   const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
-  std::uint64_t state = 0x0F1E2D3C4B5A6978ULL;
-  const auto make_operand = [&](std::int64_t operand_rows) {
-    mxscope::quantized_tensor q;
-    q.rows = operand_rows;
-    q.cols = k;
-    q.options.format = {mxscope::quant_scheme::mx, core::element_kind::fp8_e4m3, 32};
-    q.options.axis = 1;
-    q.block = 32;
-    q.scale_rows = operand_rows;
-    q.scale_cols = k / 32;
-    q.codes.resize(static_cast<std::size_t>(operand_rows * k));
-    for (std::size_t i = 0; i < q.codes.size(); i += 8) {
-      const std::uint64_t r = xorshift(state);
-      std::memcpy(q.codes.data() + i, &r, std::min<std::size_t>(8, q.codes.size() - i));
+  // Gaussian values with a scale per row of 2^-4 .. 2^4, quantized by the host definition (rne,
+  // floor): block dots as quantized training operands make them, ties in the fp32 steps included.
+  const auto make_operand = [&](std::int64_t operand_rows, std::uint64_t seed) {
+    mxscope::matrix values(operand_rows, k);
+    std::mt19937_64 random(seed);
+    std::normal_distribution<float> normal;
+    for (std::int64_t r = 0; r < operand_rows; ++r) {
+      const float row_scale = std::ldexp(1.0f, static_cast<int>(random() % 9) - 4);
+      for (std::int64_t c = 0; c < k; ++c) values.values[static_cast<std::size_t>(r * k + c)] = normal(random) * row_scale;
     }
-    for (auto& c : q.codes) c = (c & 0x7F) == 0x7F ? static_cast<std::uint8_t>(c - 1) : c;  // no NaN codes
-    q.scales.resize(static_cast<std::size_t>(operand_rows * (k / 32)));
-    for (auto& s : q.scales) s = static_cast<std::uint8_t>(127 - 8 + xorshift(state) % 16);
-    return q;
+    mxscope::quantize_options options;
+    options.format = {mxscope::quant_scheme::mx, core::element_kind::fp8_e4m3, 32};
+    options.block = 32;
+    options.axis = 1;
+    return host_reference::quantize_mx(values, options);
   };
-  const mxscope::quantized_tensor a = make_operand(n_out);
-  const mxscope::quantized_tensor b = make_operand(n_in);
+  const mxscope::quantized_tensor a = make_operand(n_out, 0x0F1E2D3C4B5A6978ULL);
+  const mxscope::quantized_tensor b = make_operand(n_in, 0x1F2E3D4C5B6A7988ULL);
   std::vector<gpu::device_buffer> buffers;
   const auto view_of = [&](const mxscope::quantized_tensor& q) {
     buffers.emplace_back(q.codes.size());
@@ -344,56 +340,68 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
   buffers.reserve(4);
   const gpu::prepared_operand left = gpu::prepare_operand(view_of(a), gpu::gemm_path::integer);
   const gpu::prepared_operand right = gpu::prepare_operand(view_of(b), gpu::gemm_path::integer);
-  mxscope::accumulation_model model;
-  model.kind = mxscope::accumulation_kind::fp32_block;
   const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
-  gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
-  std::vector<float> results[2];
-  const gpu::integer_block_kernel kernels[2] = {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced};
-  for (int v = 0; v < 2; ++v) {
-    const std::string name(gpu::integer_block_kernel_name(kernels[v]));
-    if (!gpu::integer_block_kernel_available(kernels[v])) {
-      std::printf("gemm mxfp8 integer %s: not available in this build on this device\n", name.c_str());
-      continue;
-    }
-    gpu::select_integer_block_kernel(kernels[v]);
-    out.fill_bytes(0xFF);
-    const bool slow = kernels[v] == gpu::integer_block_kernel::simt;
-    const double ms = median_ms(slow ? 0 : 2, slow ? 1 : 7, [&] {
-      gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
-                             gpu::gemm_path::integer);
-    });
-    const std::string ran(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel()));
-    std::printf("gemm mxfp8_e4m3 fp32-block integer %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                ": %.3f ms, %.1f TFLOP/s",
-                name.c_str(), ran == name ? "" : (" (ran " + ran + ")").c_str(), n_out, n_in, k, ms,
-                flops / (ms * 1e-3) / 1e12);
-    if (mxfp4_ms > 0.0) std::printf(", %.2fx the MXFP4 tensor-core product", ms / mxfp4_ms);
-    std::printf("\n");
-    results[v].resize(static_cast<std::size_t>(n_out * n_in));
-    out.download(results[v].data(), out.bytes());
-  }
-  gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
-  if (!results[0].empty() && !results[1].empty()) {
-    std::int64_t mismatches = 0;
-    for (std::size_t i = 0; i < results[0].size(); ++i) {
-      mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
-    }
-    verdict(mismatches == 0, "bench gemm mxfp8: sliced == simt in all entries",
-            mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
-  }
-  const std::vector<float>& got = results[1].empty() ? results[0] : results[1];
   const host_reference::operand_reader left_reader(a), right_reader(b);
-  std::mt19937_64 random(7);
-  int bad = 0;
-  for (int s = 0; s < 64; ++s) {
-    const std::int64_t i = static_cast<std::int64_t>(random() % n_out), j = static_cast<std::int64_t>(random() % n_in);
-    const float want =
-        host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
-    bad += std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0 ? 1 : 0;
+  gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
+  gpu::device_buffer exact_out(static_cast<std::size_t>(n_out * n_in) * 8);
+  for (const mxscope::accumulation_kind kind : {mxscope::accumulation_kind::fp32_block, mxscope::accumulation_kind::exact}) {
+    mxscope::accumulation_model model;
+    model.kind = kind;
+    const bool exact = kind == mxscope::accumulation_kind::exact;
+    const char* model_name = exact ? "exact" : "fp32-block";
+    std::vector<float> results[2];
+    std::vector<double> exact_results[2];
+    const gpu::integer_block_kernel kernels[2] = {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced};
+    for (int v = 0; v < 2; ++v) {
+      const std::string name(gpu::integer_block_kernel_name(kernels[v]));
+      if (!gpu::integer_block_kernel_available(kernels[v])) {
+        std::printf("gemm mxfp8 integer %s: not available in this build on this device\n", name.c_str());
+        continue;
+      }
+      gpu::select_integer_block_kernel(kernels[v]);
+      out.fill_bytes(0xFF);
+      exact_out.fill_bytes(0xFF);
+      const bool slow = kernels[v] == gpu::integer_block_kernel::simt;
+      const double ms = median_ms(slow ? 0 : 2, slow ? 1 : 7, [&] {
+        gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(),
+                               exact ? exact_out.as<double>() : nullptr, gpu::gemm_path::integer);
+      });
+      const std::string ran(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel()));
+      std::printf("gemm mxfp8_e4m3 %s integer %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                  ": %.3f ms, %.1f TFLOP/s",
+                  model_name, name.c_str(), ran == name ? "" : (" (ran " + ran + ")").c_str(), n_out, n_in, k, ms,
+                  flops / (ms * 1e-3) / 1e12);
+      if (mxfp4_ms > 0.0) std::printf(", %.2fx the MXFP4 tensor-core product", ms / mxfp4_ms);
+      std::printf("\n");
+      results[v].resize(static_cast<std::size_t>(n_out * n_in));
+      out.download(results[v].data(), out.bytes());
+      if (exact) {
+        exact_results[v].resize(results[v].size());
+        exact_out.download(exact_results[v].data(), exact_out.bytes());
+      }
+    }
+    gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+    if (!results[0].empty() && !results[1].empty()) {
+      std::int64_t mismatches = 0;
+      for (std::size_t i = 0; i < results[0].size(); ++i) {
+        mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
+        if (exact) mismatches += std::memcmp(&exact_results[0][i], &exact_results[1][i], 8) != 0 ? 1 : 0;
+      }
+      verdict(mismatches == 0, std::string("bench gemm mxfp8 ") + model_name + ": sliced == simt in all entries",
+              mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
+    }
+    const std::vector<float>& got = results[1].empty() ? results[0] : results[1];
+    std::mt19937_64 random(7);
+    int bad = 0;
+    for (int s = 0; s < 64; ++s) {
+      const std::int64_t i = static_cast<std::int64_t>(random() % n_out), j = static_cast<std::int64_t>(random() % n_in);
+      const float want =
+          host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
+      bad += std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0 ? 1 : 0;
+    }
+    verdict(bad == 0, std::string("bench gemm mxfp8 ") + model_name + ": 64 sampled entries == host definition",
+            bad == 0 ? "" : std::to_string(bad) + " differ");
   }
-  verdict(bad == 0, "bench gemm mxfp8: 64 sampled entries == host definition",
-          bad == 0 ? "" : std::to_string(bad) + " differ");
 }
 
 // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block

@@ -171,15 +171,15 @@ void gemm_integer_tiles(bool small) {
                                  format_names[pair.b] + " " + model_name(model) + " M" + std::to_string(m) + " N" +
                                  std::to_string(n) + " K" + std::to_string(k) + " " +
                                  std::string(test_inputs::value_kind_name(kind));
-        if (model.kind != mxscope::accumulation_kind::fp32_block) {
+        if (model.kind == mxscope::accumulation_kind::fp32_group) {
           run_case(name, [&] {
             const gemm_output got = gpu_product(qa, qb, model, output, gpu::gemm_path::integer);
             return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
           });
           continue;
         }
-        // fp32-block under both of the path's kernels; the sliced one takes these pairs (integers
-        // below 2^21, blocks of 32) unless a block is NaN (an E8M0 scale 0xFF).
+        // fp32-block and exact under both of the path's kernels; the sliced one takes these pairs
+        // (integers below 2^21, blocks of 32) unless a block is NaN (an E8M0 scale 0xFF).
         const bool nan_block = std::find(qa.scales.begin(), qa.scales.end(), 0xFF) != qa.scales.end() ||
                                std::find(qb.scales.begin(), qb.scales.end(), 0xFF) != qb.scales.end();
         for (const gpu::integer_block_kernel kernel : {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced}) {
@@ -231,9 +231,9 @@ void gemm_integer_tiles(bool small) {
   }
 }
 
-// The sliced kernel of the integer path's fp32-block products over several of its 128 x 128 tiles
-// and more K-blocks than its pipeline has stages, with tails in M, N and K: every entry equal to
-// the integer kernel's (simt) and sampled entries to the host definition, for e4m3 x e4m3 (the
+// The sliced kernel of the integer path's fp32-block and exact products over several of its tiles
+// and more K-blocks than its pipeline has stages, with tails in M, N and K: every entry (and fp64
+// entry) equal to the integer kernel's (simt) and sampled entries to the host definition, for e4m3 x e4m3 (the
 // mxfp8 and per-tensor fp8 products) and fp4 x e4m3, banded and extreme values, fp32 and bf16 output.
 void gemm_sliced_tiles(bool small) {
   struct sliced_case {
@@ -247,16 +247,17 @@ void gemm_sliced_tiles(bool small) {
       {3, 3, value_kind::extreme, 131, 129, 32 * 6, mxscope::output_rounding::bf16},
       {0, 3, value_kind::ties, 200, 140, 32 * 5 + 1, mxscope::output_rounding::fp32},
   };
-  const auto model = model_of(mxscope::accumulation_kind::fp32_block);
   int index = 0;
   for (const sliced_case& c : cases) {
     ++index;
     if (small && index > 1) continue;
     const std::uint64_t seed = next_seed();
     const auto [qa, qb] = make_operands(c.m, c.n, c.k, c.a, c.b, 32, gemm_layouts[index % 3], c.kind, seed);
-    const std::string name = std::string("gemm sliced tiles ") + format_names[c.a] + "x" + format_names[c.b] + " M" +
-                             std::to_string(c.m) + " N" + std::to_string(c.n) + " K" + std::to_string(c.k) + " " +
-                             std::string(test_inputs::value_kind_name(c.kind));
+    for (const auto& model :
+         {model_of(mxscope::accumulation_kind::fp32_block), model_of(mxscope::accumulation_kind::exact)}) {
+    const std::string name = std::string("gemm sliced tiles ") + format_names[c.a] + "x" + format_names[c.b] + " " +
+                             model_name(model) + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) + " K" +
+                             std::to_string(c.k) + " " + std::string(test_inputs::value_kind_name(c.kind));
     run_case(name, [&]() -> std::string {
       gpu::select_integer_block_kernel(gpu::integer_block_kernel::simt);
       const gemm_output simt = gpu_product(qa, qb, model, c.output, gpu::gemm_path::integer);
@@ -271,6 +272,12 @@ void gemm_sliced_tiles(bool small) {
                  hex32(core::float_bits(simt.out.values[i])) + ", seed " + hex64(seed);
         }
       }
+      for (std::size_t i = 0; i < sliced.exact.values.size(); ++i) {
+        if (std::memcmp(&sliced.exact.values[i], &simt.exact.values[i], 8) != 0) {
+          return "fp64 entry " + std::to_string(i) + ": sliced bits " + hex64(core::double_bits(sliced.exact.values[i])) +
+                 ", simt " + hex64(core::double_bits(simt.exact.values[i])) + ", seed " + hex64(seed);
+        }
+      }
       std::vector<std::pair<std::int64_t, std::int64_t>> entries;
       std::mt19937_64 random(seed);
       for (int s = 0; s < 96; ++s) {
@@ -280,6 +287,7 @@ void gemm_sliced_tiles(bool small) {
       entries.emplace_back(c.m - 1, c.n - 1);
       return check_product_entries(qa, qb, model, c.output, sliced, entries, name + ", seed " + hex64(seed));
     });
+    }
   }
 }
 
