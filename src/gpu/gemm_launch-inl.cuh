@@ -206,11 +206,11 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
   }
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  const std::int64_t tiles_m = (m + slc_tile - 1) / slc_tile;
+  const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
   const std::int64_t tiles_n = (n + slc_tile_n - 1) / slc_tile_n;
   constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
   if (tiles_m * tiles_n * tcb_group > int_limit || a.blocks > int_limit) return false;
-  const std::int64_t padded_m = tiles_m * slc_tile;
+  const std::int64_t padded_m = (m + slc_row_pad - 1) / slc_row_pad * slc_row_pad;
   const std::int64_t padded_n = tiles_n * slc_tile_n;
   const auto slice_bytes = [&](std::int64_t rows) {
     return static_cast<std::size_t>(rows * a.blocks * slc_row_block_bytes);

@@ -26,16 +26,18 @@
 // of 32, both formats' integers below 2^21, no NaN block and every block exponent within [-400, 400]
 // (the scales and every D 2^k normal, finite doubles; E8M0 exponents are within [-127, 127]).
 //
-// Tiling: 128 x 64 entries per thread block of 8 warps (2 x 4), 64 x 16 per warp (4 x 2 mma tiles,
-// 32 accumulators per thread: 204 registers for fp32-block, 254 for exact, no spills on sm_90). A
-// stage holds one K-block: the three slices of 128 rows of A and 64 of B, 32 bytes per row in
-// tcb's swizzle, and the rows' scales; four stages (cp.async), thread blocks in tcb's grouped order.
+// Tiling: 64 x 64 entries per thread block of 8 warps (2 x 4), 32 x 16 per warp (2 x 2 mma tiles,
+// 16 accumulators per thread: 128 registers (4 bytes spilled in fp32-block), two thread blocks per
+// multiprocessor). A stage holds one K-block: the three slices of 64 rows of A and 64 of B, 32
+// bytes per row in tcb's swizzle, and the rows' scales; four stages (cp.async), thread blocks in
+// tcb's grouped order.
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
-constexpr int slc_tile = 128;        // rows of A per thread block
+constexpr int slc_tile_m = 64;       // rows of A per thread block (32 per warp)
 constexpr int slc_warp_cols = 16;    // columns per warp
 constexpr int slc_tile_n = 4 * slc_warp_cols;  // columns (rows of B) per thread block
+constexpr int slc_row_pad = 128;     // prepared rows of A padded to a multiple of this
 constexpr int slc_slices = 3;
 constexpr int slc_stages = 4;
 constexpr int slc_threads = 256;
@@ -44,13 +46,14 @@ constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 21;
 constexpr int slc_exponent_limit = 400;
 
 struct alignas(16) slc_stage {
-  std::uint8_t a[slc_slices][slc_tile * 32];
+  std::uint8_t a[slc_slices][slc_tile_m * 32];
   std::uint8_t b[slc_slices][slc_tile_n * 32];
-  double a_scales[slc_tile];
+  double a_scales[slc_tile_m];
   double b_scales[slc_tile_n];
 };
 constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage);
-static_assert(sizeof(slc_stage) % 16 == 0 && slc_tile == slc_threads / 2 && slc_tile_n <= slc_tile);
+static_assert(sizeof(slc_stage) % 16 == 0 && 2 * (slc_tile_m + slc_tile_n) == slc_threads &&
+              slc_row_pad % slc_tile_m == 0);
 
 // The prepared form of an integer-path operand: slices [padded rows][blocks][3][32] (int8) and
 // scales [blocks][padded rows] = 2^(e + shift) (double); padded rows have zero slices and scale 1.
@@ -140,14 +143,15 @@ __device__ inline float sliced_step(float accumulator, double dot, double scale)
 #endif
 }
 
-// One thread's copies of a K-block: row t / 2's half t % 2 of each slice of A and (for t below
-// 2 slc_tile_n) of B, and for threads 0..63 two of A's scales, for the next slc_tile_n / 2 two of B's.
+// One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
+// for t < 2 slc_tile_m, else of row t / 2 - slc_tile_m of B: thread t copies chunk t of each
+// slice, and threads below slc_tile_m / 2 + slc_tile_n / 2 two scales (A's, then B's).
 struct slc_loader {
   using stage_type = slc_stage;
-  const std::uint8_t* a_source;
-  const std::uint8_t* b_source;  // null: no row of B
+  const std::uint8_t* source;
+  int offset;      // within a stage, slice 0
+  int slice_step;  // bytes between slices in the stage
   const double* scale_source;
-  int data_offset;  // within each slice
   int scale_offset;
   std::int64_t scale_step;
 
@@ -155,39 +159,38 @@ struct slc_loader {
                         std::int64_t blocks, std::int64_t padded_m, std::int64_t padded_n, std::int64_t i0,
                         std::int64_t j0) {
     const int t = threadIdx.x;
-    const int row = t / 2;
-    const int half = t % 2;
-    a_source = a + (i0 + row) * blocks * slc_row_block_bytes + half * 16;
-    b_source = row < slc_tile_n ? b + (j0 + row) * blocks * slc_row_block_bytes + half * 16 : nullptr;
-    data_offset = tcb_offset(row, half);
+    if (t < 2 * slc_tile_m) {
+      source = a + (i0 + t / 2) * blocks * slc_row_block_bytes + (t % 2) * 16;
+      offset = static_cast<int>(offsetof(stage_type, a)) + tcb_offset(t / 2, t % 2);
+      slice_step = slc_tile_m * 32;
+    } else {
+      const int row = t / 2 - slc_tile_m;
+      source = b + (j0 + row) * blocks * slc_row_block_bytes + (t % 2) * 16;
+      offset = static_cast<int>(offsetof(stage_type, b)) + tcb_offset(row, t % 2);
+      slice_step = slc_tile_n * 32;
+    }
     scale_source = nullptr;
     scale_offset = 0;
     scale_step = 0;
-    if (t < slc_tile / 2) {
+    if (t < slc_tile_m / 2) {
       scale_source = a_scales + i0 + 2 * t;
       scale_offset = static_cast<int>(offsetof(stage_type, a_scales)) + 16 * t;
       scale_step = padded_m;
-    } else if (t < slc_tile / 2 + slc_tile_n / 2) {
-      scale_source = b_scales + j0 + 2 * (t - slc_tile / 2);
-      scale_offset = static_cast<int>(offsetof(stage_type, b_scales)) + 16 * (t - slc_tile / 2);
+    } else if (t < slc_tile_m / 2 + slc_tile_n / 2) {
+      scale_source = b_scales + j0 + 2 * (t - slc_tile_m / 2);
+      scale_offset = static_cast<int>(offsetof(stage_type, b_scales)) + 16 * (t - slc_tile_m / 2);
       scale_step = padded_n;
     }
   }
 
   __device__ void load(unsigned char* stage) {
 #pragma unroll
-    for (int s = 0; s < slc_slices; ++s) {
-      copy_async_16(stage + offsetof(stage_type, a) + s * (slc_tile * 32) + data_offset, a_source + 32 * s, true);
-      if (b_source != nullptr) {
-        copy_async_16(stage + offsetof(stage_type, b) + s * (slc_tile_n * 32) + data_offset, b_source + 32 * s, true);
-      }
-    }
+    for (int s = 0; s < slc_slices; ++s) copy_async_16(stage + offset + s * slice_step, source + 32 * s, true);
+    source += slc_row_block_bytes;
     if (scale_source != nullptr) {
       copy_async_16(stage + scale_offset, scale_source, true);
       scale_source += scale_step;
     }
-    a_source += slc_row_block_bytes;
-    if (b_source != nullptr) b_source += slc_row_block_bytes;
   }
 };
 
@@ -198,35 +201,36 @@ struct slc_loader {
 // marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
 // one rounding to fp32).
 template <bool Exact>
-__global__ void __launch_bounds__(slc_threads, 1)
+__global__ void __launch_bounds__(slc_threads, 2)
     sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
                         std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
                         float* out, double* exact_out, std::uint8_t* flagged) {
   constexpr int col_tiles = slc_warp_cols / 8;
+  constexpr int row_tiles = slc_tile_m / 32;  // m16 tiles per warp
   using stage_type = slc_stage;
   MXSCOPE_DYNAMIC_SHARED(uint4, slc_shared);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;
   const int thread_in_group = lane % 4;
-  const int warp_m = warp / 4;  // 0..1: 64 rows each
+  const int warp_m = warp / 4;  // 0..1: 32 rows each
   const int warp_n = warp % 4;  // 0..3: slc_warp_cols columns each
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
-                                                 static_cast<int>(tiles_n), slc_tile, slc_tile_n);
+                                                 static_cast<int>(tiles_n), slc_tile_m, slc_tile_n);
   const int block_count = static_cast<int>(blocks);
   // ldmatrix row addresses as in tensor_core_block_kernel, within one slice.
   const int matrix = lane / 8;
-  const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * 64 + (matrix % 2) * 8 + lane % 8, matrix / 2));
+  const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * (slc_tile_m / 2) + (matrix % 2) * 8 + lane % 8, matrix / 2));
   const int b_matrix_offset = tcb_opaque(tcb_offset(warp_n * slc_warp_cols + (matrix / 2) * 8 + lane % 8, matrix % 2));
-  const int row_base = warp_m * 64 + group_id;
+  const int row_base = warp_m * (slc_tile_m / 2) + group_id;
   const int col_base = warp_n * slc_warp_cols + 2 * thread_in_group;
 
-  static_assert(4 * col_tiles * 4 <= 64, "one flag bit per entry of the thread");
+  static_assert(row_tiles * col_tiles * 4 <= 64, "one flag bit per entry of the thread");
   using accumulator_type = std::conditional_t<Exact, double, float>;
-  accumulator_type accumulators[4][col_tiles][4];
+  accumulator_type accumulators[row_tiles][col_tiles][4];
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
+  for (int mi = 0; mi < row_tiles; ++mi)
 #pragma unroll
     for (int ni = 0; ni < col_tiles; ++ni)
 #pragma unroll
@@ -271,7 +275,7 @@ __global__ void __launch_bounds__(slc_threads, 1)
       col_scales[ni][1] = stage.b_scales[col_base + ni * 8 + 1];
     }
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi) {
+    for (int mi = 0; mi < row_tiles; ++mi) {
       std::uint32_t a_fragments[slc_slices][4];
 #pragma unroll
       for (int s = 0; s < slc_slices; ++s) load_matrix_x4(a_fragments[s], stage.a[s] + a_matrix_offset + 512 * mi);
@@ -305,7 +309,7 @@ __global__ void __launch_bounds__(slc_threads, 1)
   copy_async_wait<0>();
 
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
+  for (int mi = 0; mi < row_tiles; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < col_tiles; ++ni) {
 #pragma unroll
