@@ -1,7 +1,8 @@
 // GPU backend benchmark: device-to-device copy bandwidth (the memory ceiling), the MX quantizer
 // (bf16 -> mxfp4, fused Hadamard-16 + quantize, stochastic rounding) as bandwidth and as a fraction
-// of the copy, the MXFP4 fp32-block GEMM at n_out 4096, n_in 14336, K 8192 in TFLOP/s, and at that
-// shape, for unscaled bf16-valued operands, the exact reference and the fp32-block product in
+// of the copy, the MXFP4 fp32-block GEMM at n_out 4096, n_in 14336, K 8192 in TFLOP/s, the MXFP8
+// e4m3 product (fp32-block and exact) on the integer path's two kernels at that shape, and there,
+// for unscaled bf16-valued operands, the exact reference and the fp32-block product in
 // TFLOP/s (2 M N K / time, to set beside the fp64 peak: their chunk sums are fp64 FMAs).
 // Times come from device events; every number is the median of the repeats after warm-up runs.
 // The GEMM result of the tensor-core path is checked against the integer path in every entry and
