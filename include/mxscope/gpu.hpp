@@ -255,7 +255,7 @@ struct mx_operand_view {
 // - generic: per entry, every product formed in fp64 and every rounding through a long accumulator
 //   (the definition; slow);
 // - integer: exact integer block dots (int32/int64 on element codes scaled to integers), then the
-//   model's rounding steps; every MX element format except fp8 e5m2 (fp32-block: see
+//   model's rounding steps; every MX element format except fp8 e5m2 (fp32-block and exact: see
 //   integer_block_kernel);
 // - tensor_core: int8 tensor-core block dots (mma m16n8k32 on 2q / 8q / 64q integers, a fresh
 //   accumulator per 32-block) then the canonical fp32 scale-add (fp32-block) or an fp64 running
@@ -298,7 +298,7 @@ tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what prod
 // that took it.
 tensor_core_kernel last_tensor_core_kernel();
 
-// The kernel behind the integer path's fp32-block products (both give the same bits):
+// The kernel behind the integer path's fp32-block and exact products (both give the same bits):
 // - simt: the integer path's own kernel (block dots on the fp64 tensor cores or in FMA chains);
 // - sliced: each element integer cut into three 7-bit slices, the block dot from nine
 //   mma.sync m16n8k32 s8 per K-block combined exactly (sm_80 or newer; docs/gpu.md). It takes the
@@ -309,8 +309,8 @@ enum class integer_block_kernel : std::uint8_t { automatic, simt, sliced };
 std::string_view integer_block_kernel_name(integer_block_kernel kernel);
 bool integer_block_kernel_available(integer_block_kernel kernel);
 void select_integer_block_kernel(integer_block_kernel kernel);
-// The kernel that ran the most recent fp32-block product of the integer path (automatic before the
-// first).
+// The kernel that ran the most recent fp32-block or exact product of the integer path (automatic
+// before the first).
 integer_block_kernel last_integer_block_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
