@@ -313,6 +313,21 @@ void select_integer_block_kernel(integer_block_kernel kernel);
 // before the first).
 integer_block_kernel last_integer_block_kernel();
 
+// The kernel behind fp32-block products of unscaled operands with blocks of 32 (the bf16 and fp32
+// baselines; plain_product_on_device), both on the fp64 tensor cores where a chunk's dot is exact
+// and both giving the same bits:
+// - tile: 32 x 16 entries per warp, operands staged from their rows (every build);
+// - warp: 32 x 32 entries per warp from chunk tiles of both operands (one more fp32 copy of each,
+//   padded to whole 64-row tiles, held while it runs), the exact reference's layout (CUDA builds
+//   with the tensor cores, sm_80 or newer).
+// automatic: warp where available. Process-wide, as tensor_core_kernel.
+enum class plain_block_kernel : std::uint8_t { automatic, tile, warp };
+std::string_view plain_block_kernel_name(plain_block_kernel kernel);
+bool plain_block_kernel_available(plain_block_kernel kernel);
+void select_plain_block_kernel(plain_block_kernel kernel);
+// The kernel that ran the most recent such product (automatic before the first).
+plain_block_kernel last_plain_block_kernel();
+
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
 // contiguous) for one path; reusable across products.
 class prepared_operand {

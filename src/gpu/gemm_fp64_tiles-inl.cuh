@@ -240,6 +240,31 @@ __device__ inline float add_exact_dot(float accumulator, double dot) {
   return core_ns::add_to_float(accumulator, dot + 0.0);
 }
 
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+// fl32(acc + dot scale) for a finite dot whose product with `scale` is exact, without a branch
+// (the sliced and block-warp kernels' step). The sum is taken to fp64 in round-to-odd: its
+// round-down and round-up (two fmas of the exact dot scale + acc) are equal when it is exact;
+// otherwise round-to-zero (the one of them nearer zero) with its last bit set is the odd neighbour.
+// An exact zero sum is +0 (the round-up; the round-down of x - x is -0), as round to nearest gives
+// for the callers' dots, which are never -0 (their sums start at +0). 53 >= 24 + 2 bits make the
+// conversion to fp32 (round to nearest even) the correctly rounded sum (core::add_to_float's
+// argument, Boldo & Melquiond), for ties, subnormal and overflowing sums alike; an infinite acc
+// gives itself. Where core::add_to_float's midpoint test would take its slow path (exact fp32
+// ties, common with quantized operands) this costs the same. The simulation takes
+// core::round_to_odd_sum.
+__device__ inline float round_to_odd_step(float accumulator, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  if (!is_finite(accumulator)) return accumulator;  // what the fmas below give (two_sum needs finite values)
+  return static_cast<float>(core_ns::round_to_odd_sum(static_cast<double>(accumulator), dot * scale));
+#else
+  const double down = __fma_rd(dot, scale, static_cast<double>(accumulator));
+  const double up = __fma_ru(dot, scale, static_cast<double>(accumulator));
+  const std::uint64_t toward_zero = core_ns::double_bits(down > 0.0 ? down : up);
+  return static_cast<float>(core_ns::bits_double(toward_zero | (down != up ? 1U : 0U)));
+#endif
+}
+#endif  // MXSCOPE_CUDA_TENSOR_CORES
+
 // What the exact reference multiplies its exact sums by before the one rounding: nothing (the
 // reference of unscaled operands), or the tensor scales' exact product sa sb (core::
 // add_scaled_exactly; the exact model of NVFP4 operands given as their block-scaled values, which

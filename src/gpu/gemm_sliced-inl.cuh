@@ -17,7 +17,7 @@
 // where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^47): none
 // rounds, and the double is D itself. The model's step fl32(acc + D 2^k) (2^k = the row's
 // 2^(ea - fa - fb) times the column's 2^eb, exact) then goes through fp64 in round-to-odd
-// (sliced_step), without a branch: ties, which quantized operands make common, cost nothing extra.
+// (round_to_odd_step), without a branch: ties, which quantized operands make common, cost nothing extra.
 // Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits. The
 // exact model adds the scaled dots D 2^k to a running fp64 sum checked by TwoSum, as the integer
 // kernel's exact mode does, and leaves the entries where an addition rounded to its fix-up kernel.
@@ -119,28 +119,9 @@ __device__ inline double sliced_word(int x) {
 }
 
 // D from the levels' integers (see above).
-// fl32(acc + D 2^k), `scale` = 2^k. The sum is taken to
-// fp64 in round-to-odd: its round-down and round-up (two fmas of the exact D 2^k + acc) are equal
-// when it is exact; otherwise round-to-zero (the one of them nearer zero) with its last bit set is
-// the odd neighbour. An exact zero sum is +0 (the round-up; the round-down of x - x is -0), as
-// round to nearest gives: acc is never -0, and |D 2^k| is far above fp64's underflow. 53 >= 24 + 2 bits make the conversion to fp32 (round to nearest even) the
-// correctly rounded sum (core::add_to_float's argument, Boldo & Melquiond), for ties, subnormal and
-// overflowing sums alike; an infinite acc gives itself. The simulation takes core::round_to_odd_sum.
 __device__ inline double sliced_dot(int low, int middle, int high) {
   return (sliced_word(low) - slc_offset) + fma_exact(sliced_word(middle), 16384.0, -slc_offset * 16384.0) +
          fma_exact(sliced_word(high), 2097152.0, -slc_offset * 2097152.0);
-}
-
-__device__ inline float sliced_step(float accumulator, double dot, double scale) {
-#if defined(MXSCOPE_GPU_SIMULATE)
-  if (!is_finite(accumulator)) return accumulator;  // what the fmas below give (two_sum needs finite values)
-  return static_cast<float>(core_ns::round_to_odd_sum(static_cast<double>(accumulator), dot * scale));
-#else
-  const double down = __fma_rd(dot, scale, static_cast<double>(accumulator));
-  const double up = __fma_ru(dot, scale, static_cast<double>(accumulator));
-  const std::uint64_t toward_zero = core_ns::double_bits(down > 0.0 ? down : up);
-  return static_cast<float>(core_ns::bits_double(toward_zero | (down != up ? 1U : 0U)));
-#endif
 }
 
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
@@ -300,7 +281,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
           if constexpr (Exact) {
             if (add_rounds(accumulators[mi][ni][e], dot * scale)) rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
           } else {
-            accumulators[mi][ni][e] = sliced_step(accumulators[mi][ni][e], dot, scale);
+            accumulators[mi][ni][e] = round_to_odd_step(accumulators[mi][ni][e], dot, scale);
           }
         }
       }

@@ -10,6 +10,7 @@ namespace mxscope::gpu {
 #include "canonical_operands-inl.cuh"
 #include "gemm_generic-inl.cuh"
 #include "gemm_fp64_tiles-inl.cuh"
+#include "gemm_block_warp-inl.cuh"
 #include "gemm_integer-inl.cuh"
 #include "gemm_tensor_core-inl.cuh"
 #include "gemm_sliced-inl.cuh"

@@ -74,6 +74,20 @@ __global__ void reference_kernel(const float* a, const float* b, plain_rows_view
 
 namespace {
 
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+// The operand x [rows, depth] in chunk tiles (chunk_tiles_kernel), for reference_warp_kernel and
+// block_warp_kernel.
+scratch_buffer chunk_tiles(const float* x, std::int64_t rows, std::int64_t depth) {
+  const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
+  const std::int64_t total = (rows + plain_tile - 1) / plain_tile * chunks * plain_tile * plain_chunk;
+  scratch_buffer out(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
+  const dim3 grid(static_cast<unsigned>(chunks),
+                  static_cast<unsigned>(std::min<std::int64_t>((rows + plain_tile - 1) / plain_tile, 65535)));
+  if (total > 0) runtime::launch(chunk_tiles_kernel, grid, threads_per_block, 0, x, rows, depth, chunks, out.as<float>());
+  return out;
+}
+#endif
+
 // What the host needs of an operand's row descriptions: out[0] += the rows marked as holding inf
 // or NaN, out[1] = max(out[1], the largest high - low over the rows + plain_span_offset). An entry
 // (i, j) fits the tiled kernel's window exactly when span(i) + span(j) + 2 + depth_bits <=
@@ -130,17 +144,8 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(rw_shared_bytes)));
 #endif
-  const std::int64_t chunks = (k + plain_chunk - 1) / plain_chunk;
-  const auto chunk_tiles = [&](const float* x, std::int64_t rows) {
-    const std::int64_t total = (rows + plain_tile - 1) / plain_tile * chunks * plain_tile * plain_chunk;
-    scratch_buffer out(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
-    const dim3 grid(static_cast<unsigned>(chunks),
-                    static_cast<unsigned>(std::min<std::int64_t>((rows + plain_tile - 1) / plain_tile, 65535)));
-    if (total > 0) runtime::launch(chunk_tiles_kernel, grid, threads_per_block, 0, x, rows, k, chunks, out.as<float>());
-    return out;
-  };
-  const scratch_buffer a_tiles = chunk_tiles(a, m);
-  const scratch_buffer b_tiles = chunk_tiles(b, n);
+  const scratch_buffer a_tiles = chunk_tiles(a, m, k);
+  const scratch_buffer b_tiles = chunk_tiles(b, n, k);
   runtime::launch(scaling.scaled ? reference_warp_kernel<true> : reference_warp_kernel<false>, plain_grid(m, n),
                   rw_threads, rw_shared_bytes, a_tiles.as<const float>(), b_tiles.as<const float>(),
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
@@ -170,6 +175,64 @@ void reference_on_device(const float* a, const float* b, std::int64_t m, std::in
                          float* out32) {
   reference_on_device_counting(a, b, m, n, k, out64, out32, nullptr);
 }
+
+namespace {
+
+std::atomic<plain_block_kernel> chosen_plain_block_kernel{plain_block_kernel::automatic};
+std::atomic<plain_block_kernel> last_run_plain_block_kernel{plain_block_kernel::automatic};
+
+// The fp32-block product on block_warp_kernel unless the tile kernel is selected (or the build has
+// none); false when it did not run.
+bool launch_block_warp(const float* a, const float* b, const plain_rows_data& a_rows, const plain_rows_data& b_rows,
+                       std::int64_t m, std::int64_t n, std::int64_t depth, int depth_bits, output_rounding output,
+                       float* out) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  if (chosen_plain_block_kernel.load() == plain_block_kernel::tile || !tensor_cores_present()) return false;
+  const scratch_buffer a_tiles = chunk_tiles(a, m, depth);
+  const scratch_buffer b_tiles = chunk_tiles(b, n, depth);
+  runtime::launch(block_warp_kernel, plain_grid(m, n), rw_threads, bw_shared_bytes, a_tiles.as<const float>(),
+                  b_tiles.as<const float>(), a_rows.spreads.as<const std::int8_t>(),
+                  b_rows.spreads.as<const std::int8_t>(), a_rows.view(), b_rows.view(), m, n, depth, depth_bits, output,
+                  out);
+  synchronize();  // the chunk tiles must outlive the kernel
+  return true;
+#else
+  (void)a, (void)b, (void)a_rows, (void)b_rows, (void)m, (void)n, (void)depth, (void)depth_bits, (void)output, (void)out;
+  return false;
+#endif
+}
+
+}  // namespace
+
+std::string_view plain_block_kernel_name(plain_block_kernel kernel) {
+  switch (kernel) {
+    case plain_block_kernel::automatic:
+      return "automatic";
+    case plain_block_kernel::tile:
+      return "tile";
+    case plain_block_kernel::warp:
+      return "warp";
+  }
+  return "?";
+}
+
+bool plain_block_kernel_available(plain_block_kernel kernel) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  return kernel != plain_block_kernel::warp || tensor_cores_present();
+#else
+  return kernel != plain_block_kernel::warp;
+#endif
+}
+
+void select_plain_block_kernel(plain_block_kernel kernel) {
+  if (!plain_block_kernel_available(kernel)) {
+    throw input_error("gpu gemm: the plain-operand kernel " + std::string(plain_block_kernel_name(kernel)) +
+                      " is not available in this build on this device");
+  }
+  chosen_plain_block_kernel.store(kernel);
+}
+
+plain_block_kernel last_plain_block_kernel() { return last_run_plain_block_kernel.load(); }
 
 void plain_product_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t depth,
                              int block, const accumulation_model& model, output_rounding output, float* out) {
@@ -209,7 +272,10 @@ void plain_product_on_device(const float* a, const float* b, std::int64_t m, std
     const auto* a_spreads = a_rows.spreads.as<const std::int8_t>();
     const auto* b_spreads = b_rows.spreads.as<const std::int8_t>();
     const std::int8_t* const no_spreads = nullptr;  // super-chunks: exact mode only
-    if (chunks_per_group == 1) {
+    if (chunks_per_group == 1 && launch_block_warp(a, b, a_rows, b_rows, m, n, depth, depth_bits, output, out)) {
+      last_run_plain_block_kernel.store(plain_block_kernel::warp);
+    } else if (chunks_per_group == 1) {
+      last_run_plain_block_kernel.store(plain_block_kernel::tile);
       runtime::launch(plain_tile_kernel<plain_mode::block>, plain_grid(m, n), 256, 0, a, b, a_spreads, b_spreads,
                       no_spreads, no_spreads,
                       a_rows.view(), b_rows.view(), m, n, depth, depth_bits, chunks_per_group, output, out,

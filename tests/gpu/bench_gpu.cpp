@@ -406,20 +406,36 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
 }
 
 // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block
-// product (K-block 32), whose chunks of 32 products are summed in fp64 where that is exact.
-void bench_plain_products() {
+// product (K-block 32), whose chunks of 32 products are summed in fp64 where that is exact. Two
+// operand sets: bf16 values over 10 binades, and the Llama-shaped capture's (Gaussian values
+// times a log-normal scale per token, k), whose wider chunks make every entry step per chunk.
+// fp32-block runs on both kernels of plain_block_kernel, alternating, and is checked equal.
+void bench_plain_products(bool per_token) {
   const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
+  const char* const set = per_token ? "per-token scale" : "bf16 values";
   std::uint64_t state = 0x0123456789ABCDEFULL;
+  std::mt19937_64 gaussian_source(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> token_scale(static_cast<std::size_t>(k));
+  for (double& t : token_scale) t = std::exp(normal(gaussian_source));
   const auto make_values = [&](std::int64_t operand_rows) {
-    // bf16 values of random sign and mantissa, exponents in [2^-8, 2^2): weights / activations.
     mxscope::matrix values(operand_rows, k);
-    for (float& v : values.values) {
-      const std::uint64_t r = xorshift(state);
-      const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(r % 10U);
-      const std::uint32_t bits = (static_cast<std::uint32_t>((r >> 8) & 0x8000U) | (exponent << 7) |
-                                  static_cast<std::uint32_t>((r >> 20) & 0x7FU))
-                                 << 16;
-      std::memcpy(&v, &bits, 4);
+    for (std::int64_t r = 0; r < operand_rows; ++r) {
+      for (std::int64_t c = 0; c < k; ++c) {
+        float& v = values(r, c);
+        if (per_token) {
+          const auto x = static_cast<float>(normal(gaussian_source) * token_scale[static_cast<std::size_t>(c)]);
+          v = test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(x));
+          continue;
+        }
+        // bf16 values of random sign and mantissa, exponents in [2^-8, 2^2): weights / activations.
+        const std::uint64_t bits_source = xorshift(state);
+        const std::uint32_t exponent = 119U + static_cast<std::uint32_t>(bits_source % 10U);
+        const std::uint32_t bits = (static_cast<std::uint32_t>((bits_source >> 8) & 0x8000U) | (exponent << 7) |
+                                    static_cast<std::uint32_t>((bits_source >> 20) & 0x7FU))
+                                   << 16;
+        std::memcpy(&v, &bits, 4);
+      }
     }
     return values;
   };
@@ -442,8 +458,7 @@ void bench_plain_products() {
       gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
                                out32.as<float>());
     });
-    std::printf("reference exact bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                ": %.3f ms, %.2f TFLOP/s\n",
+    std::printf("reference exact, %s, n_out %" PRId64 " n_in %" PRId64 " K %" PRId64 ": %.3f ms, %.2f TFLOP/s\n", set,
                 n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
     std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
     std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
@@ -455,30 +470,51 @@ void bench_plain_products() {
       const auto at = static_cast<std::size_t>(i * n_in + j);
       if (std::memcmp(&want.fp64, &got64[at], 8) != 0 || std::memcmp(&want.fp32, &got32[at], 4) != 0) ++bad;
     }
-    verdict(bad == 0, "bench reference: 32 sampled entries == host definition",
+    verdict(bad == 0, std::string("bench reference, ") + set + ": 32 sampled entries == host definition",
             bad == 0 ? "" : std::to_string(bad) + " differ");
   }
-  {
-    mxscope::accumulation_model model;
-    model.kind = mxscope::accumulation_kind::fp32_block;
-    out32.fill_bytes(0xFF);
-    const double ms = quick_median_ms([&] {
-      gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, 32, model,
-                                   mxscope::output_rounding::fp32, out32.as<float>());
-    });
-    std::printf("gemm fp32-block bf16 values n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
-                ": %.3f ms, %.2f TFLOP/s\n",
-                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
-    std::vector<float> got(static_cast<std::size_t>(n_out * n_in));
-    out32.download(got.data(), out32.bytes());
-    int bad = 0;
-    for (const auto& [i, j] : samples) {
-      const float want = host_reference::plain_product_entry(a, b, i, j, 32, model, mxscope::output_rounding::fp32);
+  mxscope::accumulation_model model;
+  model.kind = mxscope::accumulation_kind::fp32_block;
+  std::vector<std::vector<float>> results;
+  std::vector<gpu::plain_block_kernel> kernels;
+  for (const gpu::plain_block_kernel kernel : {gpu::plain_block_kernel::tile, gpu::plain_block_kernel::warp}) {
+    if (gpu::plain_block_kernel_available(kernel)) kernels.push_back(kernel);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (const gpu::plain_block_kernel kernel : kernels) {
+      gpu::select_plain_block_kernel(kernel);
+      out32.fill_bytes(0xFF);
+      const double ms = quick_median_ms([&] {
+        gpu::plain_product_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, 32, model,
+                                     mxscope::output_rounding::fp32, out32.as<float>());
+      });
+      std::printf("gemm fp32-block, %s, %s kernel (round %d), n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                  ": %.3f ms, %.2f TFLOP/s\n",
+                  set, std::string(gpu::plain_block_kernel_name(kernel)).c_str(), round + 1, n_out, n_in, k, ms,
+                  flops / (ms * 1e-3) / 1e12);
+      if (round == 0) {
+        results.emplace_back(static_cast<std::size_t>(n_out * n_in));
+        out32.download(results.back().data(), out32.bytes());
+      }
+    }
+  }
+  gpu::select_plain_block_kernel(gpu::plain_block_kernel::automatic);
+  for (std::size_t v = 1; v < results.size(); ++v) {
+    const bool equal = std::memcmp(results[v].data(), results[0].data(), results[0].size() * 4) == 0;
+    verdict(equal, std::string("bench plain fp32-block, ") + set + ": " +
+                       std::string(gpu::plain_block_kernel_name(kernels[v])) + " == " +
+                       std::string(gpu::plain_block_kernel_name(kernels[0])) + " in every entry",
+            "");
+  }
+  int bad = 0;
+  for (const auto& [i, j] : samples) {
+    const float want = host_reference::plain_product_entry(a, b, i, j, 32, model, mxscope::output_rounding::fp32);
+    for (const std::vector<float>& got : results) {
       if (std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0) ++bad;
     }
-    verdict(bad == 0, "bench plain fp32-block: 32 sampled entries == host definition",
-            bad == 0 ? "" : std::to_string(bad) + " differ");
   }
+  verdict(bad == 0, std::string("bench plain fp32-block, ") + set + ": 32 sampled entries == host definition",
+          bad == 0 ? "" : std::to_string(bad) + " differ");
 }
 
 }  // namespace
@@ -503,7 +539,10 @@ int main(int argc, char** argv) {
   if (!gemm_only && !reference_only) bench_quantizer(copy_bandwidth);
   if (quantize_only) return failures == 0 ? 0 : 1;
   if (!reference_only) bench_mxfp8_gemm(bench_mxfp4_gemm());
-  if (!gemm_only) bench_plain_products();
+  if (!gemm_only) {
+    bench_plain_products(false);
+    bench_plain_products(true);
+  }
   std::printf("bench: %s\n", failures == 0 ? "all checks passed" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -150,6 +150,33 @@ std::vector<plain_input> plain_inputs(std::int64_t m, std::int64_t n, std::int64
                  test_inputs::make_bf16_matrix(n, k, 24, seed + 3)});
   out.push_back({"fp32 banded", test_inputs::make_matrix(m, k, value_kind::banded, seed + 4),
                  test_inputs::make_matrix(n, k, value_kind::banded, seed + 5)});
+  // As the Llama-shaped capture: Gaussian values times a log-normal scale per token (per k).
+  {
+    std::mt19937_64 random(seed + 10);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::vector<double> token_scale(static_cast<std::size_t>(k));
+    for (double& t : token_scale) t = std::exp(normal(random));
+    plain_input tokens{"bf16 per-token scale", matrix(m, k), matrix(n, k)};
+    for (matrix* x : {&tokens.a, &tokens.b}) {
+      for (std::int64_t r = 0; r < x->rows; ++r) {
+        for (std::int64_t c = 0; c < k; ++c) {
+          (*x)(r, c) = test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(
+              static_cast<float>(normal(random) * token_scale[static_cast<std::size_t>(c)])));
+        }
+      }
+    }
+    out.push_back(std::move(tokens));
+  }
+  // fp32 ties: positive n 2^e (n < 256, e < 11) times m / 2 (m < 256): the accumulators pass 2^24
+  // within a chunk or two and their exact sums are multiples of 1/2, so that about one step in
+  // eight lands exactly between two fp32 values.
+  {
+    std::mt19937_64 random(seed + 11);
+    plain_input ties{"bf16 ties", matrix(m, k), matrix(n, k)};
+    for (float& v : ties.a.values) v = std::ldexp(static_cast<float>(1 + random() % 255), static_cast<int>(random() % 11));
+    for (float& v : ties.b.values) v = static_cast<float>(1 + random() % 255) * 0.5f;
+    out.push_back(std::move(ties));
+  }
   plain_input mixed{"bf16 mixed rows", test_inputs::make_bf16_matrix(m, k, 3, seed + 6),
                     test_inputs::make_bf16_matrix(n, k, 3, seed + 7)};
   if (k >= 2) {
@@ -255,9 +282,26 @@ void plain_sweep(bool small) {
       for (const model_case& mc : models) {
         ++index;
         const auto output = index % 4 == 0 ? mxscope::output_rounding::bf16 : mxscope::output_rounding::fp32;
-        run_case("plain " + std::string(mc.name) + dims + " " + in.name +
-                     (output == mxscope::output_rounding::bf16 ? " bf16 out" : ""),
-                 [&] { return check_plain_product(in, mc.block, mc.model, output, "seed " + hex64(seed)); });
+        const std::string name = "plain " + std::string(mc.name) + dims + " " + in.name +
+                                 (output == mxscope::output_rounding::bf16 ? " bf16 out" : "");
+        if (std::string(mc.name) != "fp32-block") {
+          run_case(name, [&] { return check_plain_product(in, mc.block, mc.model, output, "seed " + hex64(seed)); });
+          continue;
+        }
+        // Blocks of 32 under fp32-block: each kernel of plain_block_kernel this build has.
+        for (const gpu::plain_block_kernel kernel : {gpu::plain_block_kernel::tile, gpu::plain_block_kernel::warp}) {
+          if (!gpu::plain_block_kernel_available(kernel)) continue;
+          run_case(name + " " + std::string(gpu::plain_block_kernel_name(kernel)), [&]() -> std::string {
+            gpu::select_plain_block_kernel(kernel);
+            const std::string result = check_plain_product(in, mc.block, mc.model, output, "seed " + hex64(seed));
+            gpu::select_plain_block_kernel(gpu::plain_block_kernel::automatic);
+            if (gpu::last_plain_block_kernel() != kernel) {
+              return std::string("ran ") + std::string(gpu::plain_block_kernel_name(gpu::last_plain_block_kernel())) +
+                     ", expected " + std::string(gpu::plain_block_kernel_name(kernel));
+            }
+            return result;
+          });
+        }
       }
     }
   }
@@ -458,9 +502,52 @@ void plain_host_functions() {
 
 }  // namespace
 
+// fp32-block's chunk budget: a chunk whose two rows' spreads add up to one past plain_chunk_budget
+// (47) whose exact dot needs 54 bits, and the fp32 step it feeds sits on a tie that only the
+// lowest bit breaks. Row 0 of A: 1024 at k 0 (so the accumulator is 1024 after chunk 0), then in
+// chunk 1 thirty-one 255/128 and 2^-40 last (spread 40); row 0 of B: 1 at k 0, then thirty-one
+// 255/128 and -2^-7 last (spread 7). The chunk's dot is M - 2^-47 with 1024 + M an fp32 midpoint
+// (M = 31 (255/128)^2, 25 bits with 1024) whose even neighbour is the upper one, so the exact sum
+// rounds down, while an fp64 dot of the chunk (M - 2^-47 needs 54 bits) ties to M and the step up. Row 1 of A
+// is row 0 negated, row 2 has 2^-41 (spread 48, two past the budget) in place of 2^-40.
+void plain_block_budget() {
+  run_case("plain fp32-block chunk budget M3 N1 K64", []() -> std::string {
+    const std::int64_t m = 3, n = 1, k = 64;
+    constexpr float full = 255.0f / 128.0f;
+    plain_input in{"budget", matrix(m, k), matrix(n, k)};
+    for (std::int64_t r = 0; r < m; ++r) {
+      const float sign = r == 1 ? -1.0f : 1.0f;
+      in.a(r, 0) = sign * 1024.0f;
+      for (std::int64_t c = 32; c < 63; ++c) in.a(r, c) = sign * full;
+      in.a(r, 63) = sign * (r == 2 ? 0x1p-41f : 0x1p-40f);
+    }
+    in.b(0, 0) = 1.0f;
+    for (std::int64_t c = 32; c < 63; ++c) in.b(0, c) = full;
+    in.b(0, 63) = -0x1p-7f;
+    if (row_exponents(in.a, 0, 32, 32).spread() + row_exponents(in.b, 0, 32, 32).spread() != 47) {
+      return std::string("row 0 is not one past the chunk budget");
+    }
+    // The case is what it claims: rounding the chunk's dot to fp64 first changes the result.
+    const mxscope::accumulation_model model = model_of(mxscope::accumulation_kind::fp32_block);
+    const double main_part = 31.0 * static_cast<double>(full) * static_cast<double>(full);
+    const float rounded_first = static_cast<float>(1024.0 + main_part);
+    const float want = host_reference::plain_product_entry(in.a, in.b, 0, 0, 32, model, mxscope::output_rounding::fp32);
+    if (same(want, rounded_first)) return std::string("the fp64 dot of chunk 1 would not change the result");
+    for (const gpu::plain_block_kernel kernel : {gpu::plain_block_kernel::tile, gpu::plain_block_kernel::warp}) {
+      if (!gpu::plain_block_kernel_available(kernel)) continue;
+      gpu::select_plain_block_kernel(kernel);
+      const std::string result = check_plain_product(in, 32, model, mxscope::output_rounding::fp32, "budget case");
+      gpu::select_plain_block_kernel(gpu::plain_block_kernel::automatic);
+      if (!result.empty()) return std::string(gpu::plain_block_kernel_name(kernel)) + ": " + result;
+    }
+    return std::string();
+  });
+}
+
 void plain_checks(bool small) {
   plain_sweep(small);
   plain_reference_edges();
+  plain_block_budget();
   plain_host_functions();
 }
 
