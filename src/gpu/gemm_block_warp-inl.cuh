@@ -117,12 +117,12 @@ __global__ void __launch_bounds__(rw_threads, 2)
     for (int r = 0; r < rw_rows; ++r) {
 #pragma unroll
       for (int c = 0; c < rw_cols; ++c) {
-        const unsigned bit = 1U << (r * rw_cols + c);
-        if (a_spread[r] + b_spread[c] > plain_chunk_budget) {
-          per_product |= bit;
-        } else {
-          accumulators[r][c] = round_to_odd_step(accumulators[r][c], dots[r][c], 1.0);
-        }
+        // Both branches' work without a branch (the step is a few instructions; a wide chunk's
+        // dot is not used).
+        const bool wide = a_spread[r] + b_spread[c] > plain_chunk_budget;
+        const float stepped = round_to_odd_step(accumulators[r][c], dots[r][c], 1.0);
+        accumulators[r][c] = wide ? accumulators[r][c] : stepped;
+        per_product |= wide ? 1U << (r * rw_cols + c) : 0U;
       }
     }
     per_product &= active;
