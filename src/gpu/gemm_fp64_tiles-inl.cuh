@@ -359,16 +359,17 @@ __global__ void plain_chunks_kernel(const float* values, std::int64_t rows, std:
   }
 }
 
-// Per (super-chunk, row): the spread over plain_super_chunks consecutive chunks, from their lo and
-// hi (as plain_chunks_kernel: 127 with inf or NaN, plain_empty_spread without nonzero values).
+// Per (group, row): the spread over `group` consecutive chunks (plain_super_chunks or
+// plain_half_chunks), from their lo and hi (as plain_chunks_kernel: 127 with inf or NaN,
+// plain_empty_spread without nonzero values).
 __global__ void plain_supers_kernel(const std::int32_t* chunk_lows, const std::int32_t* chunk_highs,
-                                    std::int64_t rows, std::int64_t chunks, std::int8_t* spreads) {
-  const std::int64_t supers = (chunks + plain_super_chunks - 1) / plain_super_chunks;
+                                    std::int64_t rows, std::int64_t chunks, int group, std::int8_t* spreads) {
+  const std::int64_t supers = (chunks + group - 1) / group;
   MXSCOPE_GRID_LOOP(t, supers * rows) {
     const std::int64_t super = t / rows;
     const std::int64_t row = t % rows;
-    const std::int64_t first = super * plain_super_chunks;
-    const std::int64_t end = chunks - first < plain_super_chunks ? chunks : first + plain_super_chunks;
+    const std::int64_t first = super * group;
+    const std::int64_t end = chunks - first < group ? chunks : first + group;
     int low = std::numeric_limits<int>::max();
     int high = plain_empty_high;
     for (std::int64_t c = first; c < end; ++c) {
@@ -746,8 +747,8 @@ template <bool Scaled>
 __global__ void __launch_bounds__(rw_threads, 2)
     reference_warp_kernel(const float* a_tiles, const float* b_tiles, const std::int8_t* a_spreads,
                           const std::int8_t* b_spreads, const std::int8_t* a_super_spreads,
-                          const std::int8_t* b_super_spreads,
-                          plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
+                          const std::int8_t* b_super_spreads, const std::int8_t* a_half_spreads,
+                          const std::int8_t* b_half_spreads, plain_rows_view a_rows, plain_rows_view b_rows, std::int64_t m, std::int64_t n,
                           std::int64_t depth, int depth_bits, float* out32, double* out64,
                           core_ns::tensor_scale_product scale) {
   MXSCOPE_DYNAMIC_SHARED(double, rw_shared);
@@ -758,6 +759,8 @@ __global__ void __launch_bounds__(rw_threads, 2)
   __shared__ int b_spread_tile[plain_tile];
   __shared__ int a_super_tile[plain_tile];
   __shared__ int b_super_tile[plain_tile];
+  __shared__ int a_half_tile[plain_tile];
+  __shared__ int b_half_tile[plain_tile];
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * plain_tile;
   const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * plain_tile;
   const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
@@ -807,12 +810,14 @@ __global__ void __launch_bounds__(rw_threads, 2)
   // threadIdx.x % 8). A's go by cp.async to this thread's own slots of the stage, which only this
   // thread reads back (so no barrier, and no registers held across the chunk's mmas); B's go to
   // registers. Its spreads: threads 0-63 fetch those of the tile's A rows, 64-127 those of its B
-  // rows, the chunk's, and at the first chunk of a super-chunk also the super-chunk's.
+  // rows, the chunk's, and at the first chunk of a super-chunk (of a half) also the super-chunk's
+  // (the half's).
   float4 next_b[rw_loads];
   float4* const a_stage =
       reinterpret_cast<float4*>(rw_shared + (rw_tiles_bytes + rw_sums_bytes) / sizeof(double)) + threadIdx.x;
   int spread_next = plain_empty_spread;
   int super_next = plain_empty_spread;
+  int half_next = plain_empty_spread;
   const float4* const a_source =
       reinterpret_cast<const float4*>(a_tiles) + blockIdx.y * chunks * rw_tile_slots + threadIdx.x;
   const float4* const b_source =
@@ -832,6 +837,10 @@ __global__ void __launch_bounds__(rw_threads, 2)
       const std::int64_t super = chunk / plain_super_chunks;
       super_next = i < rows ? (a_role ? a_super_spreads : b_super_spreads)[super * rows + i] : plain_empty_spread;
     }
+    if (chunk % plain_half_chunks == 0) {
+      const std::int64_t half = chunk / plain_half_chunks;
+      half_next = i < rows ? (a_role ? a_half_spreads : b_half_spreads)[half * rows + i] : plain_empty_spread;
+    }
   };
   if (chunks > 0) fetch(0);
 
@@ -843,6 +852,9 @@ __global__ void __launch_bounds__(rw_threads, 2)
 #pragma unroll
     for (int c = 0; c < rw_cols; ++c) dots[r][c] = 0.0;
   }
+  // Entries that keep their dot across the super-chunk (fused_super) or the half (the rest of
+  // fused); the others step per chunk.
+  unsigned fused_super = 0;
   unsigned fused = 0;
 
   for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
@@ -855,26 +867,41 @@ __global__ void __launch_bounds__(rw_threads, 2)
     }
     rw_store(next_b, b_tile);
     const bool super_start = chunk % plain_super_chunks == 0;
+    const bool half_start = chunk % plain_half_chunks == 0;
     (threadIdx.x < plain_tile ? a_spread_tile : b_spread_tile)[threadIdx.x % plain_tile] = spread_next;
     if (super_start) (threadIdx.x < plain_tile ? a_super_tile : b_super_tile)[threadIdx.x % plain_tile] = super_next;
+    if (half_start) (threadIdx.x < plain_tile ? a_half_tile : b_half_tile)[threadIdx.x % plain_tile] = half_next;
     __syncthreads();
     if (chunk + 1 < chunks) fetch(chunk + 1);
     if (super_start) {
-      fused = 0;
+      fused_super = 0;
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
 #pragma unroll
         for (int c = 0; c < rw_cols; ++c) {
-          if (a_super_tile[rw_row(r)] + b_super_tile[rw_col(c)] <= plain_super_budget) fused |= 1U << (r * rw_cols + c);
+          if (a_super_tile[rw_row(r)] + b_super_tile[rw_col(c)] <= plain_super_budget) fused_super |= 1U << (r * rw_cols + c);
+        }
+      }
+      fused_super &= active;
+    }
+    if (half_start) {
+      fused = fused_super;
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          if (a_half_tile[rw_row(r)] + b_half_tile[rw_col(c)] <= plain_half_budget) fused |= 1U << (r * rw_cols + c);
         }
       }
       fused &= active;
     }
     const bool super_end = (chunk + 1) % plain_super_chunks == 0 || chunk + 1 == chunks;
+    const bool half_end = (chunk + 1) % plain_half_chunks == 0 || chunk + 1 == chunks;
     rw_tile_dots(a_tile, b_tile, dots);
 
-    // The steps (as plain_tile_kernel's exact mode), on the sums in shared memory.
-    if (super_end || (active & ~fused) != 0) {
+    // The steps (as plain_tile_kernel's exact mode), on the sums in shared memory: a fused entry at
+    // the end of its super-chunk or half, the others per chunk.
+    if (half_end || (active & ~fused) != 0) {
       unsigned per_product = 0;
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
@@ -883,7 +910,7 @@ __global__ void __launch_bounds__(rw_threads, 2)
           const unsigned bit = 1U << (r * rw_cols + c);
           if ((active & bit) == 0) continue;
           if ((fused & bit) != 0) {
-            if (super_end) {
+            if ((fused_super & bit) != 0 ? super_end : half_end) {
               add_in_units_by_halves(sum_at(r, c), dots[r][c], base_of(r, c));
               dots[r][c] = 0.0;
             }
@@ -938,6 +965,7 @@ __global__ void __launch_bounds__(rw_threads, 2)
 struct plain_rows_data {
   scratch_buffer spreads;        // int8 [chunks, rows]
   scratch_buffer super_spreads;  // int8 [super-chunks, rows]
+  scratch_buffer half_spreads;   // int8 [half super-chunks, rows]
   scratch_buffer lows;     // int32 [rows]
   scratch_buffer highs;    // int32 [rows]
   plain_rows_view view() const { return {lows.as<const std::int32_t>(), highs.as<const std::int32_t>()}; }
@@ -946,8 +974,10 @@ struct plain_rows_data {
 plain_rows_data describe_plain_rows(const float* values, std::int64_t rows, std::int64_t depth) {
   const std::int64_t chunks = (depth + plain_chunk - 1) / plain_chunk;
   const std::int64_t supers = (chunks + plain_super_chunks - 1) / plain_super_chunks;
+  const std::int64_t halves = (chunks + plain_half_chunks - 1) / plain_half_chunks;
   plain_rows_data out{scratch_buffer(static_cast<std::size_t>(std::max<std::int64_t>(chunks * rows, 1))),
                       scratch_buffer(static_cast<std::size_t>(std::max<std::int64_t>(supers * rows, 1))),
+                      scratch_buffer(static_cast<std::size_t>(std::max<std::int64_t>(halves * rows, 1))),
                       scratch_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t)),
                       scratch_buffer(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1)) * sizeof(std::int32_t))};
   if (rows == 0) return out;
@@ -959,7 +989,10 @@ plain_rows_data describe_plain_rows(const float* values, std::int64_t rows, std:
                     out.spreads.as<std::int8_t>(), chunk_lows.as<std::int32_t>(), chunk_highs.as<std::int32_t>());
     runtime::launch(plain_supers_kernel, grid_for(supers * rows), threads_per_block, 0,
                     chunk_lows.as<const std::int32_t>(), chunk_highs.as<const std::int32_t>(), rows, chunks,
-                    out.super_spreads.as<std::int8_t>());
+                    plain_super_chunks, out.super_spreads.as<std::int8_t>());
+    runtime::launch(plain_supers_kernel, grid_for(halves * rows), threads_per_block, 0,
+                    chunk_lows.as<const std::int32_t>(), chunk_highs.as<const std::int32_t>(), rows, chunks,
+                    plain_half_chunks, out.half_spreads.as<std::int8_t>());
   }
   runtime::launch(plain_rows_kernel, grid_for(rows), threads_per_block, 0, chunk_lows.as<const std::int32_t>(),
                   chunk_highs.as<const std::int32_t>(), rows, chunks, out.lows.as<std::int32_t>(),

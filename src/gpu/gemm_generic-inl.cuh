@@ -209,6 +209,10 @@ constexpr std::int8_t plain_empty_spread = -128;  // a chunk without nonzero fin
 // 128-bit step per super-chunk instead of one per chunk.
 constexpr int plain_super_chunks = 8;
 constexpr int plain_super_budget = plain_spread_budget(plain_super_chunks * plain_chunk);  // 43
+// reference_warp_kernel's half super-chunks: an entry that does not fit its super-chunk keeps its
+// dot across each half (4 chunks) whose two rows' spreads fit plain_half_budget.
+constexpr int plain_half_chunks = plain_super_chunks / 2;
+constexpr int plain_half_budget = plain_spread_budget(plain_half_chunks * plain_chunk);  // 44
 
 enum class plain_mode : int { exact = 0, block = 1, group = 2 };
 

@@ -149,7 +149,8 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   runtime::launch(scaling.scaled ? reference_warp_kernel<true> : reference_warp_kernel<false>, plain_grid(m, n),
                   rw_threads, rw_shared_bytes, a_tiles.as<const float>(), b_tiles.as<const float>(),
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
-                  a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
+                  a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(),
+                  a_rows.half_spreads.as<const std::int8_t>(), b_rows.half_spreads.as<const std::int8_t>(), a_rows.view(),
                   b_rows.view(), m, n, k, depth_bits, out32, out64, scaling.scale);
 #else
   runtime::launch(scaling.scaled ? plain_tile_kernel<plain_mode::exact, true> : plain_tile_kernel<plain_mode::exact, false>,

@@ -309,9 +309,9 @@ void plain_sweep(bool small) {
 
 // The exact reference's super-chunks and the edges of its 128-bit window.
 void plain_reference_edges() {
-  // The exact mode's super-chunks (8 chunks of 32): rows whose spread over a super-chunk is too wide
-  // for one fp64 dot of 256 products but whose chunks are not, beside rows that fit, several
-  // super-chunks and a partial last one.
+  // The exact mode's super-chunks (8 chunks of 32) and their halves (4 chunks, CUDA): rows whose
+  // spread over a super-chunk or a half is too wide for one fp64 dot of 256 or 128 products but
+  // whose chunks are not, beside rows that fit, several super-chunks and a partial last one.
   run_case("plain reference super-chunks M70 N67 K600", []() -> std::string {
     const std::uint64_t seed = next_seed();
     const std::int64_t m = 70, n = 67, k = 600;
@@ -324,13 +324,14 @@ void plain_reference_edges() {
       for (std::int64_t j = 5; j < n && chunk % 8 == 5 && 32 * chunk + 9 < k; j += 2) in.b(j, 32 * chunk + 9) *= 0x1p-12f;
     }
     // Rows 2 and 3 reach each path whatever the draw: 1.5 throughout (spread 1), so entry (2, 2)
-    // is fused in every super-chunk; row 3 of A has one value 2^-30 smaller in chunk 8 s + 1 and
-    // row 3 of B in chunk 8 s + 5 (spreads 31), so entry (3, 3) steps per chunk in super-chunks 0
-    // and 1 (31 + 31 > 43 over each, at most 31 + 1 in any chunk).
+    // is fused in every super-chunk; row 3 of A has one value 2^-30 smaller in chunk 8 s + 1
+    // (spread 31) and row 3 of B one 2^-14 smaller in chunk 8 s + 2 (spread 15), so that in
+    // super-chunks 0 and 1 entry (3, 3) steps per chunk in the first half (31 + 15 > 44 over it,
+    // at most 31 + 1 in any chunk) and keeps its dot across the second (1 + 1).
     for (std::int64_t c = 0; c < k; ++c) in.a(2, c) = in.b(2, c) = in.a(3, c) = in.b(3, c) = 1.5f;
     for (std::int64_t chunk = 0; 32 * chunk < k; ++chunk) {
       if (chunk % 8 == 1) in.a(3, 32 * chunk + 7) = 0x1.8p-30f;
-      if (chunk % 8 == 5 && 32 * chunk + 11 < k) in.b(3, 32 * chunk + 11) = 0x1.8p-30f;
+      if (chunk % 8 == 2 && 32 * chunk + 11 < k) in.b(3, 32 * chunk + 11) = 0x1.8p-14f;
     }
     // Rows where a budget one bit too large would round: B row 0 is 255/128 (8 significant bits,
     // spread 7) throughout. A row 0 holds 255/128 in super-chunk 1 (k 256-511) but one value 2^-30
@@ -349,22 +350,32 @@ void plain_reference_edges() {
     in.a(0, 300 - 256) = 0.0f;
     in.a(1, 70) = full * 0x1p-33f;
     in.a(1, 70 - 64) = 0.0f;
-    // Rows 2 and 3 must reach both paths: fused (spreads over 256 products within 51 - 8) and per
-    // chunk (not, but every chunk within 51 - 5).
+    // And for the halves: A row 4 holds 255/128 in the second half of super-chunk 0 (k 128-255)
+    // but one value 2^-31 smaller (k 172: spreads 38 + 7 = 45, one past 51 - 7; 127 products of
+    // 3.97 and one of 2^-31 3.97 need 54 bits), the first half negated without the small one.
+    for (std::int64_t c = 0; c < k; ++c) in.a(4, c) = c < 128 ? -full : c < 256 ? full : 0.0f;
+    in.a(4, 172) = full * 0x1p-31f;
+    in.a(4, 172 - 128) = 0.0f;
+    // Rows 2 and 3 must reach the three paths: fused (spreads over 256 products within 51 - 8), per
+    // chunk (not, nor over the half's 128 within 51 - 7, but every chunk within 51 - 5) and fused
+    // over the half.
     const auto spread = [](const matrix& x, std::int64_t row, std::int64_t first, std::int64_t length) {
       return row_exponents(x, row, first, length).spread();
     };
-    bool fused = true, per_chunk = true;
+    bool fused = true, per_chunk = true, half_fused = true;
     for (std::int64_t super = 0; 256 * super < k; ++super) {
       fused = fused && spread(in.a, 2, 256 * super, 256) + spread(in.b, 2, 256 * super, 256) <= 43;
       if (super >= 2) continue;
-      per_chunk = per_chunk && spread(in.a, 3, 256 * super, 256) + spread(in.b, 3, 256 * super, 256) > 43;
-      for (std::int64_t c = 256 * super; c < 256 * super + 256; c += 32) {
+      per_chunk = per_chunk && spread(in.a, 3, 256 * super, 256) + spread(in.b, 3, 256 * super, 256) > 43 &&
+                  spread(in.a, 3, 256 * super, 128) + spread(in.b, 3, 256 * super, 128) > 44;
+      for (std::int64_t c = 256 * super; c < 256 * super + 128; c += 32) {
         per_chunk = per_chunk && spread(in.a, 3, c, 32) + spread(in.b, 3, c, 32) <= 46;
       }
+      half_fused = half_fused && spread(in.a, 3, 256 * super + 128, 128) + spread(in.b, 3, 256 * super + 128, 128) <= 44;
     }
-    if (!fused || !per_chunk) return std::string("the input does not reach both super-chunk paths");
-    if (spread(in.a, 0, 256, 256) + spread(in.b, 0, 256, 256) != 44 || spread(in.a, 1, 64, 32) + spread(in.b, 0, 64, 32) != 47) {
+    if (!fused || !per_chunk || !half_fused) return std::string("the input does not reach the three super-chunk paths");
+    if (spread(in.a, 0, 256, 256) + spread(in.b, 0, 256, 256) != 44 || spread(in.a, 1, 64, 32) + spread(in.b, 0, 64, 32) != 47 ||
+        spread(in.a, 4, 128, 128) + spread(in.b, 0, 128, 128) != 45) {
       return std::string("the budget rows do not have the spreads they are built for");
     }
     return check_reference(in.a, in.b, "seed " + hex64(seed));
