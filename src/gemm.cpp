@@ -873,9 +873,13 @@ void check_product(const quantized_tensor& a, const quantized_tensor& b, const a
   }
 }
 
+// With exact_too, a model product that runs on the CPU's int16 kernels under fp32-block also
+// leaves the exact model's fp64 product of the same operands there, from the same block dots
+// (exact_too stays empty on every other path).
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
-                             std::string_view a_name, std::string_view b_name) {
+                             std::string_view a_name, std::string_view b_name,
+                             std::optional<matrix64>* exact_too = nullptr) {
   check_product(a, b, model, what, a_name, b_name);
   const int block = common_block(a, b, what, a_name, b_name);
   if (auto on_gpu = backend::product(a, b, model, output, options, block)) return std::move(*on_gpu);
@@ -884,7 +888,8 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     std::optional<quantized_tensor> a_host, b_host;
     if (backend::values_only_on_device(a)) a_host = backend::with_host_values(a);
     if (backend::values_only_on_device(b)) b_host = backend::with_host_values(b);
-    return emulate_named(a_host ? *a_host : a, b_host ? *b_host : b, model, output, options, what, a_name, b_name);
+    return emulate_named(a_host ? *a_host : a, b_host ? *b_host : b, model, output, options, what, a_name, b_name,
+                         exact_too);
   }
   // Per-tensor exact beyond fp64 (an e5m2 operand): the CPU's MX exact products of the binade
   // parts, whose integers stay small enough for its fast path, instead of the per-entry definition.
@@ -948,7 +953,11 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                            {},
                            options.vector_kernels};
       if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) {
-        done = int16_kernel_product(context, result.out, exact, result.fallback_entries);
+        const bool fuse = exact_too != nullptr && (model.kind == accumulation_kind::fp32_block ||
+                                                   (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1));
+        if (fuse) exact_too->emplace(left.rows, right.rows);
+        done = int16_kernel_product(context, result.out, exact, result.fallback_entries, fuse ? &**exact_too : nullptr);
+        if (!done && fuse) exact_too->reset();
       }
       // trunc-align has no portable fast path: its products are aligned one by one.
       if (!done && model.kind != accumulation_kind::trunc_align) {
@@ -1105,11 +1114,16 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
   const quantized_tensor b = prepare(*b_tensor, chosen.b, layout.b_axis, layout.b_role, layout.b_name, result.b);
   const double quantize_seconds = seconds_since(mark);
   mark = clock::now();
-  static_cast<product_result&>(result) =
-      emulate_named(a, b, chosen.accumulation, chosen.output, options, what, layout.a_name, layout.b_name);
+  const bool exact_too = options.exact_too && chosen.accumulation.kind != accumulation_kind::exact;
+  std::optional<matrix64> fused_exact;
+  static_cast<product_result&>(result) = emulate_named(a, b, chosen.accumulation, chosen.output, options, what,
+                                                       layout.a_name, layout.b_name, exact_too ? &fused_exact : nullptr);
   result.quantize_seconds = quantize_seconds;
   result.product_seconds = seconds_since(mark);
-  if (options.exact_too && chosen.accumulation.kind != accumulation_kind::exact) {
+  if (fused_exact) {
+    // Computed with the product (its time is in product_seconds).
+    result.exact_of_quantized = std::move(*fused_exact);
+  } else if (exact_too) {
     mark = clock::now();
     accumulation_model exact_model;
     exact_model.kind = accumulation_kind::exact;

@@ -356,39 +356,47 @@ __attribute__((target("avx2"), always_inline)) inline void micro_tile_block_dots
   }
 }
 
+// One fp32-block step of a micro-tile row's 8 lanes, acc = fl32(acc + D 2^k) with k = a_exponent +
+// the lanes' B exponents - fraction_total: one fp32 multiply-add where every 2^k is a normal fp32
+// and k <= highest_k (then D 2^k and the sum are exact or rounded once: D < 2^bound_bits), else
+// lane by lane through add_exact_value. Returns the lanes taken the slow way.
+__attribute__((target("avx2"), always_inline)) inline std::int64_t fp32_block_row_step(
+    __m256& accumulator, __m256i dot, std::int32_t a_exponent, __m256i b_exponent, const std::int32_t* b_exponents,
+    int fraction_total, int highest_k) {
+  const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+  const __m256i outside =
+      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(-126), k), _mm256_cmpgt_epi32(k, _mm256_set1_epi32(highest_k)));
+  if (_mm256_testz_si256(outside, outside)) {
+    const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+    accumulator = _mm256_add_ps(accumulator, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), power));
+    return 0;
+  }
+  alignas(32) float values[panel_width];
+  alignas(32) std::int32_t block_dots[panel_width];
+  _mm256_store_ps(values, accumulator);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(block_dots), dot);
+  for (int j = 0; j < panel_width; ++j) {
+    values[j] = add_exact_value(values[j], scaled_block_dot(block_dots[j], a_exponent, 1, b_exponents[j], 1, fraction_total));
+  }
+  accumulator = _mm256_load_ps(values);
+  return panel_width;
+}
+
 __attribute__((target("avx2"))) std::int64_t fp32_block_micro_tile_avx2(
     const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
     const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int highest_k, float* out) {
   __m256 accumulators[micro_rows];
   for (int r = 0; r < micro_rows; ++r) accumulators[r] = _mm256_setzero_ps();
-  const __m256i lowest = _mm256_set1_epi32(-126);
-  const __m256i highest = _mm256_set1_epi32(highest_k);
-  const __m256i bias = _mm256_set1_epi32(127);
   std::int64_t fallbacks = 0;
   for (std::int64_t index = 0; index < blocks; ++index) {
     __m256i dots[micro_rows];
     micro_tile_block_dots(a_rows + index * block, padded_depth, b_panel + index * block * panel_width, block / 2, dots);
-    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_exponents + index * panel_width));
+    const std::int32_t* block_b_exponents = b_exponents + index * panel_width;
+    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_b_exponents));
 #pragma GCC unroll 4
     for (int r = 0; r < micro_rows; ++r) {
-      const std::int32_t a_exponent = a_exponents[r * blocks + index];
-      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
-      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(lowest, k), _mm256_cmpgt_epi32(k, highest));
-      if (_mm256_testz_si256(outside, outside)) {
-        const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, bias), 23));
-        accumulators[r] = _mm256_add_ps(accumulators[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), power));
-      } else {
-        alignas(32) float values[panel_width];
-        alignas(32) std::int32_t block_dots[panel_width];
-        _mm256_store_ps(values, accumulators[r]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(block_dots), dots[r]);
-        for (int j = 0; j < panel_width; ++j) {
-          values[j] = add_exact_value(values[j], scaled_block_dot(block_dots[j], a_exponent, 1,
-                                                                  b_exponents[index * panel_width + j], 1, fraction_total));
-        }
-        accumulators[r] = _mm256_load_ps(values);
-        fallbacks += panel_width;
-      }
+      fallbacks += fp32_block_row_step(accumulators[r], dots[r], a_exponents[r * blocks + index], b_exponent,
+                                       block_b_exponents, fraction_total, highest_k);
     }
   }
   for (int r = 0; r < micro_rows; ++r) _mm256_storeu_ps(out + r * panel_width, accumulators[r]);
@@ -509,6 +517,66 @@ __attribute__((target("avx2"))) void grouped_micro_tile_avx2(
       out32[e] = nan ? std::numeric_limits<float>::quiet_NaN() : state.accumulators[e];
     }
   }
+}
+
+// fp32-block and, from the same block dots, exact (gemm_options::exact_too: the replay's exact
+// product of the strategy's quantized operands): fp32_block_micro_tile_avx2's steps into out32 and
+// grouped_micro_tile_avx2's exact running sums (two_sum, inexact lanes marked in redo, NaN blocks
+// as NaN) into out64, the block dots formed once.
+__attribute__((target("avx2"))) std::int64_t block_and_exact_micro_tile_avx2(
+    const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
+    const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int highest_k, float* out32,
+    double* out64, std::uint8_t* redo) {
+  __m256 accumulators[micro_rows];
+  for (int r = 0; r < micro_rows; ++r) accumulators[r] = _mm256_setzero_ps();
+  alignas(32) double sums[tile_entries] = {};
+  alignas(32) double inexact[tile_entries] = {};
+  alignas(32) std::int32_t nan_lanes[tile_entries] = {};
+  const __m256i far = _mm256_set1_epi32(1000);
+  const __m256i near = _mm256_set1_epi32(-1000);
+  const __m256i exponent_bias = _mm256_set1_epi64x(1023);
+  const __m256d zero = _mm256_setzero_pd();
+  std::int64_t fallbacks = 0;
+  for (std::int64_t index = 0; index < blocks; ++index) {
+    __m256i dots[micro_rows];
+    micro_tile_block_dots(a_rows + index * block, padded_depth, b_panel + index * block * panel_width, block / 2, dots);
+    const std::int32_t* block_b_exponents = b_exponents + index * panel_width;
+    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_b_exponents));
+    for (int r = 0; r < micro_rows; ++r) {
+      const std::int32_t a_exponent = a_exponents[r * blocks + index];
+      fallbacks += fp32_block_row_step(accumulators[r], dots[r], a_exponent, b_exponent, block_b_exponents,
+                                       fraction_total, highest_k);
+      // The exact sum's step, as grouped_micro_tile_avx2's.
+      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, far), _mm256_cmpgt_epi32(near, k));
+      __m256i* nan_row = reinterpret_cast<__m256i*>(nan_lanes + r * panel_width);
+      _mm256_store_si256(nan_row, _mm256_or_si256(_mm256_load_si256(nan_row), outside));
+      const __m256i safe_k = _mm256_andnot_si256(outside, k);
+      for (int half = 0; half < 2; ++half) {
+        const __m128i k4 = half == 0 ? _mm256_castsi256_si128(safe_k) : _mm256_extracti128_si256(safe_k, 1);
+        const __m128i d4 = half == 0 ? _mm256_castsi256_si128(dots[r]) : _mm256_extracti128_si256(dots[r], 1);
+        const __m256d power =
+            _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), exponent_bias), 52));
+        const __m256d contribution = _mm256_mul_pd(_mm256_cvtepi32_pd(d4), power);
+        const int at = r * panel_width + half * 4;
+        const __m256d sum = _mm256_load_pd(sums + at);
+        const __m256d total = _mm256_add_pd(sum, contribution);
+        const __m256d contribution_part = _mm256_sub_pd(total, sum);
+        const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, contribution_part)),
+                                            _mm256_sub_pd(contribution, contribution_part));
+        _mm256_store_pd(sums + at, total);
+        _mm256_store_pd(inexact + at, _mm256_or_pd(_mm256_load_pd(inexact + at), _mm256_cmp_pd(error, zero, _CMP_NEQ_UQ)));
+      }
+    }
+  }
+  for (int r = 0; r < micro_rows; ++r) _mm256_storeu_ps(out32 + r * panel_width, accumulators[r]);
+  for (int e = 0; e < tile_entries; ++e) {
+    std::uint64_t inexact_bits = 0;
+    std::memcpy(&inexact_bits, &inexact[e], sizeof inexact_bits);
+    redo[e] = nan_lanes[e] == 0 && inexact_bits != 0;
+    out64[e] = nan_lanes[e] != 0 ? std::numeric_limits<double>::quiet_NaN() : sums[e];
+  }
+  return fallbacks;
 }
 
 // Truncates 8 int32 products toward zero by per-lane shifts (right, then left: one of them is 0)
@@ -678,8 +746,11 @@ bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b
          b.integer_max <= 32767 && plan.bound_bits <= 24 && a.tensor_scale == 1.0f && b.tensor_scale == 1.0f;
 }
 
-// Runs the int16 kernels over all micro tiles; false when this CPU has no AVX2.
-bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks) {
+// Runs the int16 kernels over all micro tiles; false when this CPU has no AVX2. With exact_too
+// (fp32-block, or fp32-group of one block) also the exact model's fp64 product of the same
+// operands, from the same block dots.
+bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
+                          matrix64* exact_too) {
 #if MXSCOPE_GEMM_X86
   if (!cpu_has_avx2()) return false;
   const canonical_operand& a = *context.a;
@@ -691,6 +762,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
                             (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
   const bool trunc_align = model.kind == accumulation_kind::trunc_align;
   const int group = is_exact ? 0 : model.blocks_per_group;
+  const bool fused = exact_too != nullptr && float_kernel;
   // A task: 64 rows of A (16 micro tiles, 512 KiB of int16 at K = 4096, kept in L2) against 8
   // panels of B; each panel is streamed once per micro tile.
   constexpr std::int64_t task_rows = 64;
@@ -714,7 +786,11 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
         const std::int16_t* b_panel = packed.b.data() + panel * packed.padded_depth * panel_width;
         const std::int32_t* a_exponents = packed.a_exponents.data() + row * a.blocks;
         const std::int32_t* b_exponents = packed.b_exponents.data() + panel * a.blocks * panel_width;
-        if (float_kernel) {
+        if (fused) {
+          total += block_and_exact_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents,
+                                                   a.blocks, a.block, context.plan.fraction_total, highest_k, tile32,
+                                                   tile64, redo);
+        } else if (float_kernel) {
           total += fp32_block_micro_tile_avx2(a_rows, packed.padded_depth, b_panel, a_exponents, b_exponents, a.blocks,
                                               a.block, context.plan.fraction_total, highest_k, tile32);
         } else if (trunc_align) {
@@ -731,7 +807,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
             const std::int64_t column = panel * panel_width + j;
             if (!is_exact) {
               out(row + r, column) = epilogue(tile32[e], context.alpha);
-              continue;
+              if (!fused) continue;
             }
             if (redo[e] != 0) {
               // The fp64 sum was not exact for this entry: sum the scaled block dots exactly.
@@ -741,9 +817,13 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
                                                  a_exponents[r * a.blocks + index], 1,
                                                  b_exponents[index * panel_width + j], 1, context.plan.fraction_total));
               }
-              tile32[e] = exact_total.round_to_float();
+              if (!fused) tile32[e] = exact_total.round_to_float();
               tile64[e] = exact_total.round_to_double();
-              ++total;
+              if (!fused) ++total;  // the model's fallbacks only
+            }
+            if (fused) {
+              (*exact_too)(row + r, column) = tile64[e];
+              continue;
             }
             out(row + r, column) = tile32[e];
             if (exact != nullptr) (*exact)(row + r, column) = tile64[e];
@@ -759,6 +839,7 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
   (void)out;
   (void)exact;
   (void)fallbacks;
+  (void)exact_too;
   return false;
 #endif
 }

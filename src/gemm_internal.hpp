@@ -196,7 +196,10 @@ std::int64_t integer_product(fast_context& context, matrix& out, matrix64* exact
 // and the product over all micro tiles (false when this CPU has no AVX2).
 bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
                           const accumulation_model& model);
-bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks);
+// With exact_too (fp32-block products only) also the exact model's fp64 product from the same block
+// dots.
+bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
+                          matrix64* exact_too = nullptr);
 
 }  // namespace mxscope::gemm_internal
 

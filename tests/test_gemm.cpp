@@ -1125,6 +1125,62 @@ TEST(FastPath, NanBlocksPropagate) {
   }
 }
 
+// gemm_options::exact_too: run_gemm's exact product of the quantized operands, which the int16
+// kernels compute in the same pass as an fp32-block product (fp32-group of one block too), and a
+// second product everywhere else. Both results against the per-entry definition bit for bit, on
+// ordinary data, data over many binades (slow steps), data with a NaN block and data whose fp64
+// running sum is inexact (dw entry (0, 0) = 1 + 2^-60 - 1 over three blocks, which only the exact
+// recomputation gets right); and the fused pass must have run where it applies (no separate exact
+// product time).
+TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
+  struct pairing {
+    std::string_view a, b;
+    bool int16;  // the int16 kernels apply (element integers below 2^15, block dots below 2^24)
+  };
+  const pairing pairings[] = {{"mxfp4", "mxfp4", true},
+                              {"mxfp6_e2m3", "mxfp6_e3m2", true},
+                              {"mxint8", "mxfp4", true},
+                              {"mxfp8_e4m3", "mxfp8_e4m3", false}};
+  const mxscope::gemm_options generic = gemm_options_of(mxscope::accumulation_path::generic);
+  for (const int data : {0, 1, 2, 3}) {
+    layer_tensors layer = random_layer(100, 36, 28, 160 + data, data == 1);
+    if (data == 2) layer.dy(40, 5) = NAN;  // wgrad: a NaN block in dy's column 5; fprop: in A's row
+    if (data == 3) {
+      for (std::int64_t k = 0; k < 100; ++k) layer.dy(k, 0) = layer.x(k, 0) = 0.0f;
+      layer.dy(0, 0) = layer.x(0, 0) = 1.0f;
+      layer.dy(32, 0) = layer.x(32, 0) = 0x1p-30f;
+      layer.dy(64, 0) = -1.0f;
+      layer.x(64, 0) = 1.0f;
+    }
+    for (const auto& [format_a, format_b, int16] : pairings) {
+      for (const std::string_view model : {"fp32-block", "fp32-group:1", "fp32-group:3"}) {
+        for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
+          const std::string what = fmt::format("{} x {} {} {} data {}", format_a, format_b, model,
+                                               mxscope::gemm_kind_name(kind), data);
+          mxscope::gemm_options options;
+          options.exact_too = true;
+          const auto both = mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, options);
+          const auto definition =
+              mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, generic);
+          const auto exact_definition =
+              mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, "exact"), context, generic);
+          expect_same_bits(definition.out, both.out, what);
+          ASSERT_EQ(both.exact_of_quantized.size(), exact_definition.exact.size()) << what;
+          for (std::int64_t i = 0; i < both.exact_of_quantized.size(); ++i) {
+            ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], both.exact_of_quantized.values[i]))
+                << what << " fp64 entry " << i;
+          }
+          if (data == 3 && kind == gemm_kind::wgrad) {
+            ASSERT_EQ(exact_definition.exact(0, 0), 0x1p-60) << what;
+          }
+          const bool fused = int16 && model != "fp32-group:3" && __builtin_cpu_supports("avx2");
+          EXPECT_EQ(both.exact_product_seconds == 0.0, fused) << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(Threads, ResultsDoNotDependOnTheThreadCount) {
   // 260 x 130 x 132 = 4.46M products: above the size from which the GEMM runs on several threads
   // (2^22 products; smaller problems stay on one thread).

@@ -200,7 +200,8 @@ struct gemm_result : product_result {
   operand_summary a;
   operand_summary b;
   // Wall seconds of run_gemm's parts: rotating, quantizing and summarizing both operands; the
-  // strategy's product; the exact_too product (0 without it).
+  // strategy's product; the exact_too product (0 without it, and where the CPU's int16 kernels
+  // compute it with an fp32-block product of MX operands: then it is in product_seconds).
   double quantize_seconds = 0.0;
   double product_seconds = 0.0;
   double exact_product_seconds = 0.0;

@@ -5,8 +5,9 @@
 //   bench_gemm --benchmark_filter=Emulated/fp32-block
 //
 // The emulation cases time emulate_product on operands quantized once beforehand (the
-// accumulation model is what is measured; BM_RunGemm adds quantization of both operands). The
-// ratio to BM_EigenFp32 is the number to watch.
+// accumulation model is what is measured; BM_RunGemm adds quantization of both operands,
+// BM_RunGemmExactToo the exact product the replay also takes). The ratio to BM_EigenFp32 is the
+// number to watch.
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -97,6 +98,27 @@ void BM_RunGemm(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_RunGemm)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The same with gemm_options::exact_too, as the replay runs it (the exact product of the same
+// quantized operands beside the model's; one pass over the block dots on the int16 kernels). It
+// cost BM_RunGemm + BM_Emulated/exact while the exact product was a second pass.
+void BM_RunGemmExactToo(benchmark::State& state) {
+  const auto& data = operands();
+  mxscope::strategy chosen;
+  chosen.a.quantize.format = *mxscope::parse_format("mxfp4");
+  chosen.b.quantize.format = *mxscope::parse_format("mxfp4");
+  chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
+  const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
+  mxscope::gemm_options options;
+  options.exact_too = true;
+  for (auto _ : state) {
+    const auto result =
+        mxscope::run_gemm(mxscope::gemm_kind::wgrad, tensors, chosen, {"layers.0.mlp.down_proj", 1}, options);
+    benchmark::DoNotOptimize(result.out.data());
+    benchmark::DoNotOptimize(result.exact_of_quantized.data());
+  }
+}
+BENCHMARK(BM_RunGemmExactToo)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
