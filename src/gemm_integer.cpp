@@ -414,6 +414,40 @@ __attribute__((target("avx2"))) std::int64_t fp32_block_micro_tile_avx2(
 // Lanes whose block is a NaN block (its exponent is the far-away marker) end as NaN.
 constexpr int tile_entries = micro_rows * panel_width;
 
+// One exact-sum step of a micro-tile row's 8 lanes (row r of the tile's arrays): the scaled block
+// dots c = D 2^k (k = a_exponent + the lanes' B exponents - fraction_total) added to the fp64
+// sums by two_sum, lanes whose step was inexact marked, lanes of a NaN block (k beyond +-1000)
+// marked in nan_lanes; with terms, each c stored there too (fp32-group's redo).
+__attribute__((target("avx2"), always_inline)) inline void exact_row_step(__m256i dot, __m256i b_exponent,
+                                                                          std::int32_t a_exponent, int fraction_total,
+                                                                          int r, double* sums, double* inexact,
+                                                                          std::int32_t* nan_lanes, double* terms) {
+  const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+  const __m256i outside =
+      _mm256_or_si256(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(1000)), _mm256_cmpgt_epi32(_mm256_set1_epi32(-1000), k));
+  __m256i* nan_row = reinterpret_cast<__m256i*>(nan_lanes + r * panel_width);
+  _mm256_store_si256(nan_row, _mm256_or_si256(_mm256_load_si256(nan_row), outside));
+  const __m256i safe_k = _mm256_andnot_si256(outside, k);
+  for (int half = 0; half < 2; ++half) {
+    const __m128i k4 = half == 0 ? _mm256_castsi256_si128(safe_k) : _mm256_extracti128_si256(safe_k, 1);
+    const __m128i d4 = half == 0 ? _mm256_castsi256_si128(dot) : _mm256_extracti128_si256(dot, 1);
+    const __m256d power = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), _mm256_set1_epi64x(1023)), 52));
+    const __m256d contribution = _mm256_mul_pd(_mm256_cvtepi32_pd(d4), power);
+    const int at = r * panel_width + half * 4;
+    if (terms != nullptr) _mm256_store_pd(terms + at, contribution);
+    // two_sum(sum, contribution): the error term is zero exactly when the sum is exact.
+    const __m256d sum = _mm256_load_pd(sums + at);
+    const __m256d total = _mm256_add_pd(sum, contribution);
+    const __m256d contribution_part = _mm256_sub_pd(total, sum);
+    const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, contribution_part)),
+                                        _mm256_sub_pd(contribution, contribution_part));
+    _mm256_store_pd(sums + at, total);
+    _mm256_store_pd(inexact + at, _mm256_or_pd(_mm256_load_pd(inexact + at),
+                                               _mm256_cmp_pd(error, _mm256_setzero_pd(), _CMP_NEQ_UQ)));
+  }
+}
+
 struct grouped_tile_state {
   alignas(32) float accumulators[tile_entries];
   alignas(32) double sums[tile_entries];
@@ -434,9 +468,6 @@ __attribute__((target("avx2"))) void grouped_micro_tile_avx2(
     state.nan_lanes[e] = 0;
   }
   const bool is_exact = group == 0;
-  const __m256i far = _mm256_set1_epi32(1000);
-  const __m256i near = _mm256_set1_epi32(-1000);
-  const __m256i exponent_bias = _mm256_set1_epi64x(1023);
   const __m256d zero = _mm256_setzero_pd();
   int in_group = 0;
   for (std::int64_t index = 0; index < blocks; ++index) {
@@ -445,29 +476,8 @@ __attribute__((target("avx2"))) void grouped_micro_tile_avx2(
     const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_exponents + index * panel_width));
     double* terms = state.terms[is_exact ? 0 : in_group];
     for (int r = 0; r < micro_rows; ++r) {
-      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponents[r * blocks + index] - fraction_total));
-      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, far), _mm256_cmpgt_epi32(near, k));
-      __m256i* nan_lanes = reinterpret_cast<__m256i*>(state.nan_lanes + r * panel_width);
-      _mm256_store_si256(nan_lanes, _mm256_or_si256(_mm256_load_si256(nan_lanes), outside));
-      const __m256i safe_k = _mm256_andnot_si256(outside, k);
-      for (int half = 0; half < 2; ++half) {
-        const __m128i k4 = half == 0 ? _mm256_castsi256_si128(safe_k) : _mm256_extracti128_si256(safe_k, 1);
-        const __m128i d4 = half == 0 ? _mm256_castsi256_si128(dots[r]) : _mm256_extracti128_si256(dots[r], 1);
-        const __m256d power =
-            _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), exponent_bias), 52));
-        const __m256d contribution = _mm256_mul_pd(_mm256_cvtepi32_pd(d4), power);
-        const int at = r * panel_width + half * 4;
-        _mm256_store_pd(terms + at, contribution);
-        // two_sum(sum, contribution): the error term is zero exactly when the sum is exact.
-        const __m256d sum = _mm256_load_pd(state.sums + at);
-        const __m256d total = _mm256_add_pd(sum, contribution);
-        const __m256d contribution_part = _mm256_sub_pd(total, sum);
-        const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, contribution_part)),
-                                            _mm256_sub_pd(contribution, contribution_part));
-        _mm256_store_pd(state.sums + at, total);
-        _mm256_store_pd(state.inexact + at,
-                        _mm256_or_pd(_mm256_load_pd(state.inexact + at), _mm256_cmp_pd(error, zero, _CMP_NEQ_UQ)));
-      }
+      exact_row_step(dots[r], b_exponent, a_exponents[r * blocks + index], fraction_total, r, state.sums, state.inexact,
+                     state.nan_lanes, terms);
     }
     if (is_exact) continue;
     ++in_group;
@@ -520,9 +530,8 @@ __attribute__((target("avx2"))) void grouped_micro_tile_avx2(
 }
 
 // fp32-block and, from the same block dots, exact (gemm_options::exact_too: the replay's exact
-// product of the strategy's quantized operands): fp32_block_micro_tile_avx2's steps into out32 and
-// grouped_micro_tile_avx2's exact running sums (two_sum, inexact lanes marked in redo, NaN blocks
-// as NaN) into out64, the block dots formed once.
+// product of the strategy's quantized operands): fp32_block_row_step into out32 and exact_row_step
+// (inexact lanes marked in redo, NaN blocks as NaN) into out64, the block dots formed once.
 __attribute__((target("avx2"))) std::int64_t block_and_exact_micro_tile_avx2(
     const std::int16_t* a_rows, std::int64_t padded_depth, const std::int16_t* b_panel, const std::int32_t* a_exponents,
     const std::int32_t* b_exponents, std::int64_t blocks, int block, int fraction_total, int highest_k, float* out32,
@@ -532,10 +541,6 @@ __attribute__((target("avx2"))) std::int64_t block_and_exact_micro_tile_avx2(
   alignas(32) double sums[tile_entries] = {};
   alignas(32) double inexact[tile_entries] = {};
   alignas(32) std::int32_t nan_lanes[tile_entries] = {};
-  const __m256i far = _mm256_set1_epi32(1000);
-  const __m256i near = _mm256_set1_epi32(-1000);
-  const __m256i exponent_bias = _mm256_set1_epi64x(1023);
-  const __m256d zero = _mm256_setzero_pd();
   std::int64_t fallbacks = 0;
   for (std::int64_t index = 0; index < blocks; ++index) {
     __m256i dots[micro_rows];
@@ -546,27 +551,7 @@ __attribute__((target("avx2"))) std::int64_t block_and_exact_micro_tile_avx2(
       const std::int32_t a_exponent = a_exponents[r * blocks + index];
       fallbacks += fp32_block_row_step(accumulators[r], dots[r], a_exponent, b_exponent, block_b_exponents,
                                        fraction_total, highest_k);
-      // The exact sum's step, as grouped_micro_tile_avx2's.
-      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
-      const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, far), _mm256_cmpgt_epi32(near, k));
-      __m256i* nan_row = reinterpret_cast<__m256i*>(nan_lanes + r * panel_width);
-      _mm256_store_si256(nan_row, _mm256_or_si256(_mm256_load_si256(nan_row), outside));
-      const __m256i safe_k = _mm256_andnot_si256(outside, k);
-      for (int half = 0; half < 2; ++half) {
-        const __m128i k4 = half == 0 ? _mm256_castsi256_si128(safe_k) : _mm256_extracti128_si256(safe_k, 1);
-        const __m128i d4 = half == 0 ? _mm256_castsi256_si128(dots[r]) : _mm256_extracti128_si256(dots[r], 1);
-        const __m256d power =
-            _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), exponent_bias), 52));
-        const __m256d contribution = _mm256_mul_pd(_mm256_cvtepi32_pd(d4), power);
-        const int at = r * panel_width + half * 4;
-        const __m256d sum = _mm256_load_pd(sums + at);
-        const __m256d total = _mm256_add_pd(sum, contribution);
-        const __m256d contribution_part = _mm256_sub_pd(total, sum);
-        const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, contribution_part)),
-                                            _mm256_sub_pd(contribution, contribution_part));
-        _mm256_store_pd(sums + at, total);
-        _mm256_store_pd(inexact + at, _mm256_or_pd(_mm256_load_pd(inexact + at), _mm256_cmp_pd(error, zero, _CMP_NEQ_UQ)));
-      }
+      exact_row_step(dots[r], b_exponent, a_exponent, fraction_total, r, sums, inexact, nan_lanes, nullptr);
     }
   }
   for (int r = 0; r < micro_rows; ++r) _mm256_storeu_ps(out32 + r * panel_width, accumulators[r]);
