@@ -873,8 +873,8 @@ void check_product(const quantized_tensor& a, const quantized_tensor& b, const a
   }
 }
 
-// With exact_too, a model product that runs on the CPU's int16 kernels under fp32-block also
-// leaves the exact model's fp64 product of the same operands there, from the same block dots
+// With exact_too, a model product that runs on the CPU's int16 or wide kernels under fp32-block
+// also leaves the exact model's fp64 product of the same operands there, from the same block dots
 // (exact_too stays empty on every other path).
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
@@ -952,13 +952,15 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                            {},
                            {},
                            options.vector_kernels};
-      if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) {
-        const bool fuse = exact_too != nullptr && (model.kind == accumulation_kind::fp32_block ||
-                                                   (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1));
+      const bool fuse = exact_too != nullptr && (model.kind == accumulation_kind::fp32_block ||
+                                                 (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1));
+      const auto run_kernel = [&](auto&& kernel) {
         if (fuse) exact_too->emplace(left.rows, right.rows);
-        done = int16_kernel_product(context, result.out, exact, result.fallback_entries, fuse ? &**exact_too : nullptr);
+        done = kernel(context, result.out, exact, result.fallback_entries, fuse ? &**exact_too : nullptr);
         if (!done && fuse) exact_too->reset();
-      }
+      };
+      if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) run_kernel(int16_kernel_product);
+      if (!done && options.vector_kernels && wide_kernel_applies(left, right, *plan, model)) run_kernel(wide_kernel_product);
       // trunc-align has no portable fast path: its products are aligned one by one.
       if (!done && model.kind != accumulation_kind::trunc_align) {
         result.fallback_entries = integer_product(context, result.out, exact);

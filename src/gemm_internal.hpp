@@ -1,5 +1,5 @@
 // The CPU GEMM's internal types and per-entry steps shared by its translation units (src/gemm.cpp,
-// src/gemm_integer.cpp): not part of the library's interface.
+// src/gemm_integer.cpp, src/gemm_wide.cpp): not part of the library's interface.
 #pragma once
 
 #include <cmath>
@@ -200,6 +200,14 @@ bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b
 // dots.
 bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
                           matrix64* exact_too = nullptr);
+
+// The AVX2 + FMA fp64 kernel for wider integer elements (src/gemm_wide.cpp: fp8 e4m3 pairs, MX or
+// per-tensor) under fp32-block and exact; with exact_too (fp32-block) both from the same block dots.
+// False when this CPU has no AVX2 and FMA.
+bool wide_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
+                         const accumulation_model& model);
+bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
+                         matrix64* exact_too = nullptr);
 
 }  // namespace mxscope::gemm_internal
 

@@ -1135,12 +1135,15 @@ TEST(FastPath, NanBlocksPropagate) {
 TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
   struct pairing {
     std::string_view a, b;
-    bool int16;  // the int16 kernels apply (element integers below 2^15, block dots below 2^24)
+    bool kernel;  // a fused kernel applies: int16 (element integers below 2^15, block dots below
+                  // 2^24) or wide (e4m3 pairs: block dots below 2^53 in fp64, power-of-two scales)
   };
   const pairing pairings[] = {{"mxfp4", "mxfp4", true},
                               {"mxfp6_e2m3", "mxfp6_e3m2", true},
                               {"mxint8", "mxfp4", true},
-                              {"mxfp8_e4m3", "mxfp8_e4m3", false}};
+                              {"mxfp8_e4m3", "mxfp8_e4m3", true},
+                              {"fp8_e4m3", "fp8_e4m3", true},
+                              {"mxfp8_e5m2", "mxfp8_e4m3", false}};
   const mxscope::gemm_options generic = gemm_options_of(mxscope::accumulation_path::generic);
   for (const int data : {0, 1, 2, 3}) {
     layer_tensors layer = random_layer(100, 36, 28, 160 + data, data == 1);
@@ -1152,7 +1155,7 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
       layer.dy(64, 0) = -1.0f;
       layer.x(64, 0) = 1.0f;
     }
-    for (const auto& [format_a, format_b, int16] : pairings) {
+    for (const auto& [format_a, format_b, kernel] : pairings) {
       for (const std::string_view model : {"fp32-block", "fp32-group:1", "fp32-group:3"}) {
         for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
           const std::string what = fmt::format("{} x {} {} {} data {}", format_a, format_b, model,
@@ -1170,14 +1173,61 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
             ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], both.exact_of_quantized.values[i]))
                 << what << " fp64 entry " << i;
           }
-          if (data == 3 && kind == gemm_kind::wgrad) {
+          const bool per_tensor = !format_a.starts_with("mx");
+          // (Per-tensor scaling flushes 2^-30 next to 1.)
+          if (data == 3 && kind == gemm_kind::wgrad && !per_tensor) {
             ASSERT_EQ(exact_definition.exact(0, 0), 0x1p-60) << what;
           }
-          const bool fused = int16 && model != "fp32-group:3" && __builtin_cpu_supports("avx2");
+          // A per-tensor operand with a NaN element (dy in wgrad) takes the generic path.
+          const bool nan_element = per_tensor && data == 2 && kind == gemm_kind::wgrad;
+          const bool fused = kernel && model != "fp32-group:3" && !nan_element &&
+                             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
           EXPECT_EQ(both.exact_product_seconds == 0.0, fused) << what;
         }
       }
     }
+  }
+}
+
+// The wide kernel's fp32-block step adds a block dot of up to 42 bits to the fp32 accumulator in
+// fp64, where the sum can need more than 53 bits: rounded to nearest in fp64 it can land on an fp32
+// midpoint that the exact sum is not on, and round again the wrong way. MXFP8 dw entries built for
+// it: (0, 0) = 1 + (2^-24 + 2^-58), exactly above the midpoint 1 + 2^-24 (fl32: 1 + 2^-23; rounding
+// twice gives 1); (1, 1) = (1 + 2^-23) + (2^-24 - 2^-58), exactly below the midpoint 1 + 3 2^-24
+// (fl32: 1 + 2^-23; rounding twice gives 1 + 2^-22). Each block dot is an exact e4m3 dot: the
+// block of 2^-12 and 2^-29 has the scale 2^-20 and the elements 2^8 and 2^-9.
+TEST(FastPath, WideKernelRoundsEachBlockStepOnce) {
+  layer_tensors layer = random_layer(96, 4, 4, 170);
+  for (std::int64_t k = 0; k < 96; ++k) {
+    for (std::int64_t c = 0; c < 2; ++c) layer.dy(k, c) = layer.x(k, c) = 0.0f;
+  }
+  layer.dy(0, 0) = layer.x(0, 0) = 1.0f;
+  layer.dy(32, 0) = layer.x(32, 0) = 0x1p-12f;
+  layer.dy(33, 0) = layer.x(33, 0) = 0x1p-29f;
+  layer.dy(0, 1) = layer.x(0, 1) = 1.0f;
+  layer.dy(32, 1) = 0x1p-11f;
+  layer.x(32, 1) = 0x1p-12f;
+  layer.dy(64, 1) = layer.x(64, 1) = 0x1p-12f;
+  layer.dy(65, 1) = -0x1p-29f;
+  layer.x(65, 1) = 0x1p-29f;
+  mxscope::gemm_options options;
+  options.exact_too = true;
+  const mxscope::strategy chosen = make_strategy("mxfp8_e4m3", "mxfp8_e4m3", "fp32-block");
+  const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, options);
+  const auto definition =
+      mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
+  EXPECT_EQ(definition.out(0, 0), 1.0f + 0x1p-23f);
+  EXPECT_EQ(definition.out(1, 1), 1.0f + 0x1p-23f);
+  expect_same_bits(definition.out, fast.out, "mxfp8 fp32-block, wide kernel");
+  const auto exact_definition = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(),
+                                                  make_strategy("mxfp8_e4m3", "mxfp8_e4m3", "exact"), context,
+                                                  gemm_options_of(mxscope::accumulation_path::generic));
+  ASSERT_EQ(fast.exact_of_quantized.size(), exact_definition.exact.size());
+  for (std::int64_t i = 0; i < fast.exact_of_quantized.size(); ++i) {
+    ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], fast.exact_of_quantized.values[i])) << "fp64 entry " << i;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_EQ(fast.exact_product_seconds, 0.0);  // the wide kernel's fused pass ran
   }
 }
 

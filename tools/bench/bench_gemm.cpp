@@ -99,14 +99,15 @@ void BM_RunGemm(benchmark::State& state) {
 }
 BENCHMARK(BM_RunGemm)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-// The same with gemm_options::exact_too, as the replay runs it (the exact product of the same
-// quantized operands beside the model's; one pass over the block dots on the int16 kernels). It
-// cost BM_RunGemm + BM_Emulated/exact while the exact product was a second pass.
-void BM_RunGemmExactToo(benchmark::State& state) {
+// A strategy's product with gemm_options::exact_too, as the replay runs it (the exact product of
+// the same quantized operands beside the model's; one pass over the block dots on the int16 kernels
+// for mxfp4 and the wide fp64 kernel for the e4m3 formats, per-tensor fp8_e4m3 and mxfp8_e4m3). For
+// mxfp4 it cost BM_RunGemm + BM_Emulated/exact while the exact product was a second pass.
+void BM_RunGemmExactToo(benchmark::State& state, const char* format) {
   const auto& data = operands();
   mxscope::strategy chosen;
-  chosen.a.quantize.format = *mxscope::parse_format("mxfp4");
-  chosen.b.quantize.format = *mxscope::parse_format("mxfp4");
+  chosen.a.quantize.format = *mxscope::parse_format(format);
+  chosen.b.quantize.format = *mxscope::parse_format(format);
   chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
   const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
   mxscope::gemm_options options;
@@ -118,7 +119,9 @@ void BM_RunGemmExactToo(benchmark::State& state) {
     benchmark::DoNotOptimize(result.exact_of_quantized.data());
   }
 }
-BENCHMARK(BM_RunGemmExactToo)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmExactToo, mxfp4, "mxfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmExactToo, fp8_e4m3, "fp8_e4m3")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmExactToo, mxfp8_e4m3, "mxfp8_e4m3")->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -1,0 +1,361 @@
+// The CPU GEMM's wide integer kernel: operands whose integer element values are too wide for the
+// int16 kernels (src/gemm_integer.cpp) but whose block dots are exact in fp64, with power-of-two
+// block scales: fp8 e4m3 pairs, MX (mxfp8) and per-tensor (the tensor scales applied as in the
+// definition). AVX2 + FMA, chosen at run time; the fp32-block and exact models, and both at once
+// for the replay's exact_too.
+//
+// Exactness. An element's integer value IA = qa 2^fa is below 2^18 for e4m3 (448 * 2^9), so a
+// product is an integer below 2^36 and every partial sum of a block dot D = sum IA IB is an integer
+// below 2^bound_bits <= 2^53 (the plan's bound): fp64 FMAs compute D exactly in any order. The
+// scaled block dot c = D 2^k (k = ea + eb - fa - fb, |k| < 300 for e8m0 scales) is an exact double.
+// - fp32-block, acc = fl32(acc + c): s = acc + c in fp64 with TwoSum's error e; s rounded to odd
+//   (where e != 0 and s is even, the neighbour of s towards acc + c) keeps 53 >= 24 + 2 bits, so
+//   converting it to fp32 rounds acc + c once, to nearest even, as the definition does.
+// - exact: the running fp64 sum with TwoSum; where no step was inexact it IS the exact sum (always
+//   so for per-tensor e4m3 at K below 2^17), which core::round_scaled_exact rounds once with the
+//   tensor scales; other entries are summed again in a long accumulator.
+// A block whose scale is the NaN marker (k beyond +-1000) makes its entries NaN, as in the
+// definition; its fp32-block step goes through the scalar add_exact_value.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "gemm_internal.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MXSCOPE_WIDE_X86 1
+#endif
+
+namespace mxscope::gemm_internal {
+
+namespace {
+
+constexpr int wide_rows = 4;    // rows of a micro tile
+constexpr int wide_width = 8;   // columns of a micro tile: a panel of B, two vectors of 4 doubles
+constexpr int wide_entries = wide_rows * wide_width;
+constexpr std::int32_t marker_beyond = 1000;  // |k| past this: a NaN block (nan_block_exponent)
+
+struct wide_packed {
+  std::int64_t padded_rows = 0;   // A rows rounded up to wide_rows
+  std::int64_t panels = 0;        // B rows (output columns) in groups of wide_width
+  std::int64_t padded_depth = 0;  // blocks * block, zeros past the depth
+  std::int64_t blocks = 0;
+  std::vector<double> a;                  // [padded_rows, padded_depth] integer values
+  std::vector<double> b;                  // [panels, padded_depth, wide_width]
+  std::vector<std::int32_t> a_exponents;  // [padded_rows, blocks]
+  std::vector<std::int32_t> b_exponents;  // [panels, blocks, wide_width]
+};
+
+wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
+  wide_packed packed;
+  packed.padded_rows = (a.rows + wide_rows - 1) / wide_rows * wide_rows;
+  packed.panels = (b.rows + wide_width - 1) / wide_width;
+  packed.blocks = a.blocks;
+  packed.padded_depth = a.blocks * a.block;
+  const std::int64_t depth = packed.padded_depth;
+  packed.a.assign(static_cast<std::size_t>(packed.padded_rows * depth), 0.0);
+  packed.b.assign(static_cast<std::size_t>(packed.panels * depth * wide_width), 0.0);
+  packed.a_exponents.assign(static_cast<std::size_t>(packed.padded_rows * a.blocks), 0);
+  packed.b_exponents.assign(static_cast<std::size_t>(packed.panels * a.blocks * wide_width), 0);
+  // Exact: a power-of-two scaling of a short significand; + 0.0 makes -0 elements +0.
+  const double a_scale = core_ns::pow2(a.fraction_bits);
+  const double b_scale = core_ns::pow2(b.fraction_bits);
+#pragma omp parallel for schedule(static) if (a.rows * a.depth >= parallel_elements)
+  for (std::int64_t row = 0; row < a.rows; ++row) {
+    const float* from = a.elements.data() + row * a.depth;
+    double* to = packed.a.data() + row * depth;
+    for (std::int64_t k = 0; k < a.depth; ++k) to[k] = static_cast<double>(from[k]) * a_scale + 0.0;
+    std::copy_n(a.scale_exponents.data() + row * a.blocks, a.blocks, packed.a_exponents.data() + row * a.blocks);
+  }
+#pragma omp parallel for schedule(static) if (b.rows * b.depth >= parallel_elements)
+  for (std::int64_t panel = 0; panel < packed.panels; ++panel) {
+    double* to = packed.b.data() + panel * depth * wide_width;
+    std::int32_t* exponents = packed.b_exponents.data() + panel * a.blocks * wide_width;
+    for (int lane = 0; lane < wide_width; ++lane) {
+      const std::int64_t column = panel * wide_width + lane;
+      if (column >= b.rows) continue;
+      const float* from = b.elements.data() + column * b.depth;
+      for (std::int64_t k = 0; k < b.depth; ++k) to[k * wide_width + lane] = static_cast<double>(from[k]) * b_scale + 0.0;
+      for (std::int64_t block = 0; block < a.blocks; ++block) {
+        exponents[block * wide_width + lane] = b.scale_exponents[static_cast<std::size_t>(column * b.blocks + block)];
+      }
+    }
+  }
+  return packed;
+}
+
+// The exact block dot of one packed entry (scalar): the recomputation of inexact exact sums.
+double packed_wide_dot(const wide_packed& packed, std::int64_t row, std::int64_t column, std::int64_t block,
+                       int block_length) {
+  const double* a_row = packed.a.data() + row * packed.padded_depth;
+  const double* b_panel = packed.b.data() + (column / wide_width) * packed.padded_depth * wide_width;
+  const std::int64_t lane = column % wide_width;
+  double dot = 0.0;  // exact: integers below 2^53 (the plan's bound)
+  for (std::int64_t k = block * block_length; k < (block + 1) * block_length; ++k) {
+    dot += a_row[k] * b_panel[k * wide_width + lane];
+  }
+  return dot;
+}
+
+// What a micro tile carries from one K chunk to the next.
+struct wide_tile_state {
+  alignas(32) float accumulators[wide_entries];  // fp32-block
+  alignas(32) double sums[wide_entries];         // exact: the running fp64 sums
+  alignas(32) double inexact[wide_entries];      // nonzero bits: some step of the sum was inexact
+  alignas(32) std::int64_t nan_lanes[wide_entries];
+
+  void clear() {
+    std::fill(std::begin(accumulators), std::end(accumulators), 0.0f);
+    std::fill(std::begin(sums), std::end(sums), 0.0);
+    std::fill(std::begin(inexact), std::end(inexact), 0.0);
+    std::fill(std::begin(nan_lanes), std::end(nan_lanes), 0);
+  }
+};
+
+#if MXSCOPE_WIDE_X86
+bool cpu_has_avx2_and_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// 2^k for 4 lanes of int64 k (each within fp64's normal range).
+__attribute__((target("avx2"), always_inline)) inline __m256d power_of_two(__m128i k4) {
+  return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(k4), _mm256_set1_epi64x(1023)), 52));
+}
+
+// fl32(acc + c) for 4 lanes: acc + c rounded to odd in fp64, then to fp32 (see the top of the file).
+// Lanes whose sum is not finite keep fp64's sum: inf or NaN, as the definition gives them.
+__attribute__((target("avx2"), always_inline)) inline __m128 fp32_step(__m128 accumulator, __m256d contribution) {
+  const __m256d acc = _mm256_cvtps_pd(accumulator);
+  const __m256d sum = _mm256_add_pd(acc, contribution);
+  const __m256d contribution_part = _mm256_sub_pd(sum, acc);
+  const __m256d error = _mm256_add_pd(_mm256_sub_pd(acc, _mm256_sub_pd(sum, contribution_part)),
+                                      _mm256_sub_pd(contribution, contribution_part));
+  const __m256d magnitude = _mm256_andnot_pd(_mm256_set1_pd(-0.0), sum);
+  const __m256d inexact = _mm256_and_pd(_mm256_cmp_pd(error, _mm256_setzero_pd(), _CMP_NEQ_OQ),
+                                        _mm256_cmp_pd(magnitude, _mm256_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ));
+  const __m256i bits = _mm256_castpd_si256(sum);
+  const __m256i one = _mm256_set1_epi64x(1);
+  const __m256i even = _mm256_cmpeq_epi64(_mm256_and_si256(bits, one), _mm256_setzero_si256());
+  // +1 (away from zero) where the error has the sign of the sum, else -1: the odd neighbour.
+  const __m256i opposite = _mm256_cmpgt_epi64(_mm256_setzero_si256(), _mm256_xor_si256(bits, _mm256_castpd_si256(error)));
+  const __m256i step = _mm256_and_si256(_mm256_or_si256(opposite, one),
+                                        _mm256_and_si256(even, _mm256_castpd_si256(inexact)));
+  return _mm256_cvtpd_ps(_mm256_castsi256_pd(_mm256_add_epi64(bits, step)));
+}
+
+// One block's steps for a micro-tile row: dots[2] are the row's 8 block dots (exact doubles),
+// k its 8 lanes' scale exponents minus the fraction bits. Returns the lanes taken the scalar way.
+template <bool Block, bool Exact>
+__attribute__((target("avx2,fma"), always_inline)) inline std::int64_t wide_row_step(
+    const __m256d* dots, __m256i k, std::int32_t a_exponent, const std::int32_t* b_exponents, int fraction_total, int r,
+    wide_tile_state& state) {
+  const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(marker_beyond)),
+                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(-marker_beyond), k));
+  const bool any_outside = !_mm256_testz_si256(outside, outside);
+  const __m256i safe_k = _mm256_andnot_si256(outside, k);
+  __m256d contributions[2];
+  contributions[0] = _mm256_mul_pd(dots[0], power_of_two(_mm256_castsi256_si128(safe_k)));
+  contributions[1] = _mm256_mul_pd(dots[1], power_of_two(_mm256_extracti128_si256(safe_k, 1)));
+  float* accumulators = state.accumulators + r * wide_width;
+  std::int64_t slow = 0;
+  if constexpr (Block) {
+    if (!any_outside) {
+      _mm_store_ps(accumulators, fp32_step(_mm_load_ps(accumulators), contributions[0]));
+      _mm_store_ps(accumulators + 4, fp32_step(_mm_load_ps(accumulators + 4), contributions[1]));
+    } else {
+      alignas(32) double block_dots[wide_width];
+      _mm256_store_pd(block_dots, dots[0]);
+      _mm256_store_pd(block_dots + 4, dots[1]);
+      for (int j = 0; j < wide_width; ++j) {
+        accumulators[j] = add_exact_value(accumulators[j],
+                                          scaled_block_dot(block_dots[j], a_exponent, 1, b_exponents[j], 1, fraction_total));
+      }
+      slow = wide_width;
+    }
+  }
+  if constexpr (Exact) {
+    const int at = r * wide_width;
+    if (any_outside) {
+      __m256i* nan_row = reinterpret_cast<__m256i*>(state.nan_lanes + at);
+      nan_row[0] = _mm256_or_si256(nan_row[0], _mm256_cvtepi32_epi64(_mm256_castsi256_si128(outside)));
+      nan_row[1] = _mm256_or_si256(nan_row[1], _mm256_cvtepi32_epi64(_mm256_extracti128_si256(outside, 1)));
+    }
+    for (int half = 0; half < 2; ++half) {
+      // two_sum(sum, contribution): the error is zero exactly when the fp64 sum is exact.
+      const __m256d sum = _mm256_load_pd(state.sums + at + 4 * half);
+      const __m256d total = _mm256_add_pd(sum, contributions[half]);
+      const __m256d part = _mm256_sub_pd(total, sum);
+      const __m256d error = _mm256_add_pd(_mm256_sub_pd(sum, _mm256_sub_pd(total, part)),
+                                          _mm256_sub_pd(contributions[half], part));
+      _mm256_store_pd(state.sums + at + 4 * half, total);
+      _mm256_store_pd(state.inexact + at + 4 * half,
+                      _mm256_or_pd(_mm256_load_pd(state.inexact + at + 4 * half),
+                                   _mm256_cmp_pd(error, _mm256_setzero_pd(), _CMP_NEQ_UQ)));
+    }
+  }
+  return slow;
+}
+
+// Blocks [first, last) of a micro tile: the block dots by fp64 FMAs (4 rows x 8 columns in eight
+// registers, ascending K), then the models' steps.
+template <bool Block, bool Exact>
+__attribute__((target("avx2,fma"))) std::int64_t wide_micro_tile(const wide_packed& packed, std::int64_t row,
+                                                                  std::int64_t panel, std::int64_t first,
+                                                                  std::int64_t last, int block, int fraction_total,
+                                                                  wide_tile_state& state) {
+  const std::int64_t depth = packed.padded_depth;
+  const double* a_rows = packed.a.data() + row * depth;
+  const double* b_panel = packed.b.data() + panel * depth * wide_width;
+  const std::int32_t* a_exponents = packed.a_exponents.data() + row * packed.blocks;
+  const std::int32_t* b_exponents = packed.b_exponents.data() + panel * packed.blocks * wide_width;
+  std::int64_t slow = 0;
+  for (std::int64_t index = first; index < last; ++index) {
+    __m256d dots[wide_rows][2];
+    for (auto& row_dots : dots) row_dots[0] = row_dots[1] = _mm256_setzero_pd();
+    const double* a_block = a_rows + index * block;
+    const double* b_block = b_panel + index * block * wide_width;
+    for (int k = 0; k < block; ++k) {
+      const __m256d low = _mm256_loadu_pd(b_block + k * wide_width);
+      const __m256d high = _mm256_loadu_pd(b_block + k * wide_width + 4);
+#pragma GCC unroll 4
+      for (int r = 0; r < wide_rows; ++r) {
+        const __m256d value = _mm256_broadcast_sd(a_block + r * depth + k);
+        dots[r][0] = _mm256_fmadd_pd(value, low, dots[r][0]);
+        dots[r][1] = _mm256_fmadd_pd(value, high, dots[r][1]);
+      }
+    }
+    const std::int32_t* block_b_exponents = b_exponents + index * wide_width;
+    const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_b_exponents));
+#pragma GCC unroll 4
+    for (int r = 0; r < wide_rows; ++r) {
+      const std::int32_t a_exponent = a_exponents[r * packed.blocks + index];
+      const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+      slow += wide_row_step<Block, Exact>(dots[r], k, a_exponent, block_b_exponents, fraction_total, r, state);
+    }
+  }
+  return slow;
+}
+#endif
+
+}  // namespace
+
+bool wide_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
+                         const accumulation_model& model) {
+  const bool model_fits = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact ||
+                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
+  return model_fits && !plan.use_float && plan.bound_bits <= 53 && a.scale_mantissa_max <= 1 &&
+         b.scale_mantissa_max <= 1 && a.block == b.block;
+}
+
+bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
+                         matrix64* exact_too) {
+#if MXSCOPE_WIDE_X86
+  if (!cpu_has_avx2_and_fma()) return false;
+  const canonical_operand& a = *context.a;
+  const canonical_operand& b = *context.b;
+  const wide_packed packed = pack_wide(a, b);
+  const bool is_exact = context.model.kind == accumulation_kind::exact;
+  const bool fused = exact_too != nullptr && !is_exact;
+  const bool want_exact = is_exact || fused;
+  const int fraction_total = context.plan.fraction_total;
+  // A task: 256 rows of A against 32 panels (256 columns) of B, K in chunks of 8 blocks: a chunk of
+  // the task's A (512 KiB at block 32) stays in L2 and a panel's (16 KiB) in L1 while the task's
+  // 2048 tile states (1.8 MiB) carry the sums from chunk to chunk. A and B are each read from memory
+  // once per 256 columns or rows of the other.
+  constexpr std::int64_t task_rows = 256;
+  constexpr std::int64_t task_panels = 32;
+  constexpr std::int64_t chunk_blocks = 8;
+  const std::int64_t row_tasks = (packed.padded_rows + task_rows - 1) / task_rows;
+  const std::int64_t panel_tasks = (packed.panels + task_panels - 1) / task_panels;
+  std::int64_t total = 0;
+#pragma omp parallel reduction(+ : total) if (a.rows * b.rows * a.depth >= parallel_products)
+  {
+    std::vector<wide_tile_state> states(static_cast<std::size_t>(task_rows / wide_rows * task_panels));
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
+      const std::int64_t row_begin = (task / panel_tasks) * task_rows;
+      const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
+      const std::int64_t row_end = std::min(packed.padded_rows, row_begin + task_rows);
+      const std::int64_t panel_end = std::min(packed.panels, panel_begin + task_panels);
+      const std::int64_t tile_rows = (row_end - row_begin) / wide_rows;
+      const auto state_of = [&](std::int64_t panel, std::int64_t row) -> wide_tile_state& {
+        return states[static_cast<std::size_t>((panel - panel_begin) * tile_rows + (row - row_begin) / wide_rows)];
+      };
+      for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+        for (std::int64_t row = row_begin; row < row_end; row += wide_rows) state_of(panel, row).clear();
+      }
+      for (std::int64_t first = 0; first < packed.blocks; first += chunk_blocks) {
+        const std::int64_t last = std::min(packed.blocks, first + chunk_blocks);
+        for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+          for (std::int64_t row = row_begin; row < row_end; row += wide_rows) {
+            wide_tile_state& state = state_of(panel, row);
+            if (fused) {
+              total += wide_micro_tile<true, true>(packed, row, panel, first, last, a.block, fraction_total, state);
+            } else if (is_exact) {
+              wide_micro_tile<false, true>(packed, row, panel, first, last, a.block, fraction_total, state);
+            } else {
+              total += wide_micro_tile<true, false>(packed, row, panel, first, last, a.block, fraction_total, state);
+            }
+          }
+        }
+      }
+      for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+        for (std::int64_t row = row_begin; row < row_end; row += wide_rows) {
+          const wide_tile_state& state = state_of(panel, row);
+          for (int r = 0; r < wide_rows && row + r < a.rows; ++r) {
+            for (int j = 0; j < wide_width && panel * wide_width + j < b.rows; ++j) {
+              const int e = r * wide_width + j;
+              const std::int64_t column = panel * wide_width + j;
+              if (!is_exact) out(row + r, column) = epilogue(state.accumulators[e], context.alpha);
+              if (!want_exact) continue;
+              core_ns::scaled_exact_value value{};
+              std::uint64_t inexact_bits = 0;
+              std::memcpy(&inexact_bits, &state.inexact[e], sizeof inexact_bits);
+              if (state.nan_lanes[e] != 0) {
+                value = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+              } else if (inexact_bits != 0) {
+                // The fp64 sum was not exact for this entry: sum the scaled block dots exactly.
+                core_ns::long_accumulator exact_total;
+                for (std::int64_t index = 0; index < packed.blocks; ++index) {
+                  const double dot = packed_wide_dot(packed, row + r, column, index, a.block);
+                  core_ns::add_scaled_exactly(
+                      exact_total,
+                      scaled_block_dot(dot, packed.a_exponents[static_cast<std::size_t>((row + r) * packed.blocks + index)], 1,
+                                       packed.b_exponents[static_cast<std::size_t>((panel * packed.blocks + index) * wide_width + j)],
+                                       1, fraction_total),
+                      context.scale);
+                }
+                value = {exact_total.round_to_float(), exact_total.round_to_double()};
+                if (is_exact) ++total;  // the model's fallbacks only
+              } else {
+                value = core_ns::round_scaled_exact(state.sums[e], a.tensor_scale, b.tensor_scale);
+              }
+              if (fused) {
+                (*exact_too)(row + r, column) = value.fp64;
+                continue;
+              }
+              out(row + r, column) = value.fp32;
+              if (exact != nullptr) (*exact)(row + r, column) = value.fp64;
+            }
+          }
+        }
+      }
+    }
+  }
+  fallbacks += total;
+  return true;
+#else
+  (void)context;
+  (void)out;
+  (void)exact;
+  (void)fallbacks;
+  (void)exact_too;
+  return false;
+#endif
+}
+
+}  // namespace mxscope::gemm_internal
