@@ -884,7 +884,8 @@ __global__ void __launch_bounds__(rw_threads, 2)
       }
       fused_super &= active;
     }
-    if (half_start) {
+    // Where every entry keeps its dot across the super-chunk, the halves change nothing.
+    if (half_start && fused_super != active) {
       fused = fused_super;
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
@@ -894,6 +895,8 @@ __global__ void __launch_bounds__(rw_threads, 2)
         }
       }
       fused &= active;
+    } else if (half_start) {
+      fused = fused_super;
     }
     const bool super_end = (chunk + 1) % plain_super_chunks == 0 || chunk + 1 == chunks;
     const bool half_end = (chunk + 1) % plain_half_chunks == 0 || chunk + 1 == chunks;
@@ -901,7 +904,7 @@ __global__ void __launch_bounds__(rw_threads, 2)
 
     // The steps (as plain_tile_kernel's exact mode), on the sums in shared memory: a fused entry at
     // the end of its super-chunk or half, the others per chunk.
-    if (half_end || (active & ~fused) != 0) {
+    if (super_end || (half_end && fused != fused_super) || (active & ~fused) != 0) {
       unsigned per_product = 0;
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
