@@ -371,6 +371,14 @@ void quantize_per_tensor(const matrix& input, quantized_tensor& out) {
   const float scale = amax > 0.0f ? amax / static_cast<float>(core_ns::max_normal(kind)) : 1.0f;
   out.tensor_scale = scale;
   const bool stochastic = options.rounding == core_ns::rounding_mode::sr;
+  // Round to nearest even (the default) by the encoder with its constants hoisted, the same
+  // function as core::encode; the dequantized values from a table of the codes' fp32 values.
+  const bool nearest_even = options.rounding == core_ns::rounding_mode::rne && core_ns::nearest_even_encoder::covers(kind);
+  const core_ns::nearest_even_encoder encode_nearest_even(nearest_even ? kind : element_kind::fp8_e4m3);
+  float decoded[256] = {};
+  for (std::uint32_t code = 0; code < (1U << core_ns::spec(kind).bits); ++code) {
+    decoded[code] = static_cast<float>(core_ns::decode(kind, code));
+  }
   counters total;
 #pragma omp parallel
   {
@@ -388,11 +396,12 @@ void quantize_per_tensor(const matrix& input, quantized_tensor& out) {
           out.dequantized(r, c) = std::numeric_limits<float>::quiet_NaN();
           continue;
         }
+        const double quotient = static_cast<double>(v) / static_cast<double>(scale);
         const std::uint32_t word = stochastic ? words.word(r * input.cols + c) : 0U;
-        const auto encoded = core_ns::encode(kind, static_cast<double>(v) / static_cast<double>(scale),
-                                             options.rounding, word, options.sr_bits);
+        const auto encoded = nearest_even ? encode_nearest_even(quotient)
+                                          : core_ns::encode(kind, quotient, options.rounding, word, options.sr_bits);
         out.codes[static_cast<std::size_t>(r * input.cols + c)] = encoded.code;
-        out.dequantized(r, c) = static_cast<float>(core_ns::decode(kind, encoded.code)) * scale;
+        out.dequantized(r, c) = decoded[encoded.code] * scale;
         local.flushed += encoded.flushed;
         local.saturated += encoded.saturated;
       }

@@ -197,6 +197,14 @@ TEST(Encode, EveryValueMidpointAndNeighbourMatchesTheBruteForceSearch) {
           const auto actual = core::encode(format.kind, x, library_mode(mode));
           const bool match = actual.code == expected.code && actual.saturated == expected.saturated &&
                              actual.flushed == expected.flushed;
+          // The per-tensor quantizer's encoder with hoisted constants: the same function under rne.
+          if (mode == reference::rounding::rne && core::nearest_even_encoder::covers(format.kind)) {
+            const auto hoisted = core::nearest_even_encoder(format.kind)(x);
+            EXPECT_TRUE(hoisted.code == expected.code && hoisted.saturated == expected.saturated &&
+                        hoisted.flushed == expected.flushed)
+                << format.name << " nearest_even_encoder: input " << show(x) << " got code "
+                << fmt::format("{:#04x}", hoisted.code) << ", expected " << fmt::format("{:#04x}", expected.code);
+          }
           if (!match && ++failures <= 20) {
             ADD_FAILURE() << format.name << " " << reference::rounding_label(mode) << ": input " << show(x)
                           << " expected code " << fmt::format("{:#04x}", expected.code) << " ("
@@ -482,6 +490,14 @@ bool exhaustive_requested() {
 std::optional<std::string> sweep_mismatch(const sweep_format& entry, std::uint32_t bits) {
   const float input = reference::float_from_bits(bits);
   const auto actual = core::encode(entry.format.kind, static_cast<double>(input), core::rounding_mode::rne);
+  if (core::nearest_even_encoder::covers(entry.format.kind)) {
+    // The per-tensor quantizer's encoder with hoisted constants must be the same function.
+    const auto hoisted = core::nearest_even_encoder(entry.format.kind)(static_cast<double>(input));
+    if (hoisted.code != actual.code || hoisted.saturated != actual.saturated || hoisted.flushed != actual.flushed) {
+      return fmt::format("{} rne: input {}: nearest_even_encoder gave {:#04x} (saturated {}, flushed {}), encode {:#04x}",
+                         entry.format.name, show(input), hoisted.code, hoisted.saturated, hoisted.flushed, actual.code);
+    }
+  }
   if (std::isnan(input)) {
     const bool ok = entry.format.specials == reference::special_codes::none
                         ? actual.code == 0

@@ -265,6 +265,51 @@ MXSCOPE_HD constexpr encoded encode(element_kind kind, double value, rounding_mo
   return {static_cast<std::uint8_t>(code), saturated, flushed};
 }
 
+// encode(kind, value, rne) for the signed float element formats (fp4, fp6, fp8), with the format's
+// constants taken once rather than per call: the per-tensor quantizer's element loop. Same steps
+// as encode; the code of a rounded magnitude steps * 2^u (u >= the subnormal spacing's exponent s)
+// is (u - s) 2^m + steps, which also names the next binade's first code when steps reaches
+// 2^(m + 1) and exceeds the largest finite code exactly when the rounded value exceeds the maximum.
+struct nearest_even_encoder {
+  std::uint32_t max_code = 0;
+  std::uint32_t nan = 0;
+  std::uint32_t sign = 0;
+  int mantissa_bits = 0;
+  int subnormal_exponent = 0;
+  double maximum = 0.0;
+  double smallest_normal = 0.0;
+
+  MXSCOPE_HD static constexpr bool covers(element_kind kind) {
+    const auto& f = spec(kind);
+    return !f.is_integer && f.allows_negative && f.has_sign_bit && f.specials != special_encoding::nan_ff;
+  }
+  MXSCOPE_HD constexpr explicit nearest_even_encoder(element_kind kind)
+      : max_code(max_finite_code(kind)),
+        nan(nan_code(kind)),
+        sign(sign_bit(kind)),
+        mantissa_bits(spec(kind).mantissa_bits),
+        subnormal_exponent(subnormal_ulp_exponent(kind)),
+        maximum(max_normal(kind)),
+        smallest_normal(min_normal(kind)) {}
+
+  MXSCOPE_HD constexpr encoded operator()(double value) const {
+    if (is_nan(value)) return {static_cast<std::uint8_t>(nan), false, false};
+    const bool negative = double_bits(value) >> 63 != 0;
+    const double magnitude = negative ? -value : value;
+    std::uint32_t code = max_code;
+    if (!(magnitude >= 2.0 * maximum)) {
+      const int ulp_exponent =
+          magnitude < smallest_normal ? subnormal_exponent : floor_log2(magnitude) - mantissa_bits;
+      const std::uint64_t steps = round_to_integer(magnitude * pow2(-ulp_exponent), rounding_mode::rne, 0, 32);
+      const std::uint64_t rounded_code =
+          (static_cast<std::uint64_t>(ulp_exponent - subnormal_exponent) << mantissa_bits) + steps;
+      code = rounded_code > max_code ? max_code : static_cast<std::uint32_t>(rounded_code);
+    }
+    const bool flushed = code == 0 && magnitude != 0.0;
+    return {static_cast<std::uint8_t>(negative ? code | sign : code), magnitude > maximum, flushed};
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // IEEE half-width formats for I/O: bf16 and fp16 widen exactly to fp32; narrowing rounds.
 
