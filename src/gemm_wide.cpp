@@ -17,9 +17,12 @@
 // A block whose scale is the NaN marker (k beyond +-1000) makes its entries NaN, as in the
 // definition; its fp32-block step goes through the scalar add_exact_value.
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "gemm_internal.hpp"
@@ -43,8 +46,10 @@ struct wide_packed {
   std::int64_t panels = 0;        // B rows (output columns) in groups of wide_width
   std::int64_t padded_depth = 0;  // blocks * block, zeros past the depth
   std::int64_t blocks = 0;
-  std::vector<double> a;                  // [padded_rows, padded_depth] integer values
-  std::vector<double> b;                  // [panels, padded_depth, wide_width]
+  // Left uninitialized by the allocation and written once by the packing threads (a zero fill
+  // first would write the 1.2 GB of a Llama-shaped product twice, on one thread).
+  std::unique_ptr<double[]> a;            // [padded_rows, padded_depth] integer values
+  std::unique_ptr<double[]> b;            // [panels, padded_depth, wide_width]
   std::vector<std::int32_t> a_exponents;  // [padded_rows, blocks]
   std::vector<std::int32_t> b_exponents;  // [panels, blocks, wide_width]
 };
@@ -56,31 +61,43 @@ wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
   packed.blocks = a.blocks;
   packed.padded_depth = a.blocks * a.block;
   const std::int64_t depth = packed.padded_depth;
-  packed.a.assign(static_cast<std::size_t>(packed.padded_rows * depth), 0.0);
-  packed.b.assign(static_cast<std::size_t>(packed.panels * depth * wide_width), 0.0);
+  packed.a.reset(new double[static_cast<std::size_t>(packed.padded_rows * depth)]);
+  packed.b.reset(new double[static_cast<std::size_t>(packed.panels * depth * wide_width)]);
   packed.a_exponents.assign(static_cast<std::size_t>(packed.padded_rows * a.blocks), 0);
   packed.b_exponents.assign(static_cast<std::size_t>(packed.panels * a.blocks * wide_width), 0);
   // Exact: a power-of-two scaling of a short significand; + 0.0 makes -0 elements +0.
   const double a_scale = core_ns::pow2(a.fraction_bits);
   const double b_scale = core_ns::pow2(b.fraction_bits);
 #pragma omp parallel for schedule(static) if (a.rows * a.depth >= parallel_elements)
-  for (std::int64_t row = 0; row < a.rows; ++row) {
+  for (std::int64_t row = 0; row < packed.padded_rows; ++row) {
+    double* to = packed.a.get() + row * depth;
+    if (row >= a.rows) {
+      std::fill_n(to, depth, 0.0);
+      continue;
+    }
     const float* from = a.elements.data() + row * a.depth;
-    double* to = packed.a.data() + row * depth;
     for (std::int64_t k = 0; k < a.depth; ++k) to[k] = static_cast<double>(from[k]) * a_scale + 0.0;
+    std::fill(to + a.depth, to + depth, 0.0);
     std::copy_n(a.scale_exponents.data() + row * a.blocks, a.blocks, packed.a_exponents.data() + row * a.blocks);
   }
 #pragma omp parallel for schedule(static) if (b.rows * b.depth >= parallel_elements)
   for (std::int64_t panel = 0; panel < packed.panels; ++panel) {
-    double* to = packed.b.data() + panel * depth * wide_width;
-    std::int32_t* exponents = packed.b_exponents.data() + panel * a.blocks * wide_width;
+    double* to = packed.b.get() + panel * depth * wide_width;
+    const float* from[wide_width];
     for (int lane = 0; lane < wide_width; ++lane) {
       const std::int64_t column = panel * wide_width + lane;
-      if (column >= b.rows) continue;
-      const float* from = b.elements.data() + column * b.depth;
-      for (std::int64_t k = 0; k < b.depth; ++k) to[k * wide_width + lane] = static_cast<double>(from[k]) * b_scale + 0.0;
+      from[lane] = column < b.rows ? b.elements.data() + column * b.depth : nullptr;
+      if (from[lane] == nullptr) continue;
+      std::int32_t* exponents = packed.b_exponents.data() + panel * a.blocks * wide_width;
       for (std::int64_t block = 0; block < a.blocks; ++block) {
         exponents[block * wide_width + lane] = b.scale_exponents[static_cast<std::size_t>(column * b.blocks + block)];
+      }
+    }
+    // K outer, the panel's eight columns inner: the writes run in order.
+    for (std::int64_t k = 0; k < depth; ++k) {
+      for (int lane = 0; lane < wide_width; ++lane) {
+        to[k * wide_width + lane] =
+            from[lane] != nullptr && k < b.depth ? static_cast<double>(from[lane][k]) * b_scale + 0.0 : 0.0;
       }
     }
   }
@@ -90,8 +107,8 @@ wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
 // The exact block dot of one packed entry (scalar): the recomputation of inexact exact sums.
 double packed_wide_dot(const wide_packed& packed, std::int64_t row, std::int64_t column, std::int64_t block,
                        int block_length) {
-  const double* a_row = packed.a.data() + row * packed.padded_depth;
-  const double* b_panel = packed.b.data() + (column / wide_width) * packed.padded_depth * wide_width;
+  const double* a_row = packed.a.get() + row * packed.padded_depth;
+  const double* b_panel = packed.b.get() + (column / wide_width) * packed.padded_depth * wide_width;
   const std::int64_t lane = column % wide_width;
   double dot = 0.0;  // exact: integers below 2^53 (the plan's bound)
   for (std::int64_t k = block * block_length; k < (block + 1) * block_length; ++k) {
@@ -115,10 +132,32 @@ struct wide_tile_state {
   }
 };
 
+// The fp32-block steps of a row's 8 lanes one by one (a NaN block among them): the exact
+// add_exact_value of each scaled block dot. Returns the lanes so taken.
+inline std::int64_t scalar_block_steps(float* accumulators, const double* block_dots, std::int32_t a_exponent,
+                                       const std::int32_t* b_exponents, int fraction_total) {
+  for (int j = 0; j < wide_width; ++j) {
+    accumulators[j] =
+        add_exact_value(accumulators[j], scaled_block_dot(block_dots[j], a_exponent, 1, b_exponents[j], 1, fraction_total));
+  }
+  return wide_width;
+}
+
 #if MXSCOPE_WIDE_X86
 bool cpu_has_avx2_and_fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+// Lanes of k beyond the exponent range: NaN blocks (the marker), as 8 int32 masks.
+__attribute__((target("avx2"), always_inline)) inline __m256i outside_lanes(__m256i k) {
+  return _mm256_or_si256(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(marker_beyond)),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(-marker_beyond), k));
 }
 
 // 2^k for 4 lanes of int64 k (each within fp64's normal range).
@@ -153,8 +192,7 @@ template <bool Block, bool Exact>
 __attribute__((target("avx2,fma"), always_inline)) inline std::int64_t wide_row_step(
     const __m256d* dots, __m256i k, std::int32_t a_exponent, const std::int32_t* b_exponents, int fraction_total, int r,
     wide_tile_state& state) {
-  const __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(k, _mm256_set1_epi32(marker_beyond)),
-                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(-marker_beyond), k));
+  const __m256i outside = outside_lanes(k);
   const bool any_outside = !_mm256_testz_si256(outside, outside);
   const __m256i safe_k = _mm256_andnot_si256(outside, k);
   __m256d contributions[2];
@@ -170,11 +208,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline std::int64_t wide_row_
       alignas(32) double block_dots[wide_width];
       _mm256_store_pd(block_dots, dots[0]);
       _mm256_store_pd(block_dots + 4, dots[1]);
-      for (int j = 0; j < wide_width; ++j) {
-        accumulators[j] = add_exact_value(accumulators[j],
-                                          scaled_block_dot(block_dots[j], a_exponent, 1, b_exponents[j], 1, fraction_total));
-      }
-      slow = wide_width;
+      slow = scalar_block_steps(accumulators, block_dots, a_exponent, b_exponents, fraction_total);
     }
   }
   if constexpr (Exact) {
@@ -208,8 +242,8 @@ __attribute__((target("avx2,fma"))) std::int64_t wide_micro_tile(const wide_pack
                                                                   std::int64_t last, int block, int fraction_total,
                                                                   wide_tile_state& state) {
   const std::int64_t depth = packed.padded_depth;
-  const double* a_rows = packed.a.data() + row * depth;
-  const double* b_panel = packed.b.data() + panel * depth * wide_width;
+  const double* a_rows = packed.a.get() + row * depth;
+  const double* b_panel = packed.b.get() + panel * depth * wide_width;
   const std::int32_t* a_exponents = packed.a_exponents.data() + row * packed.blocks;
   const std::int32_t* b_exponents = packed.b_exponents.data() + panel * packed.blocks * wide_width;
   std::int64_t slow = 0;
@@ -239,6 +273,119 @@ __attribute__((target("avx2,fma"))) std::int64_t wide_micro_tile(const wide_pack
   }
   return slow;
 }
+
+// ------------------------------------------------------------------------------------------------
+// AVX-512: the same steps on 8 lanes at once, and a micro tile of 4 rows x 2 panels (16 columns:
+// two B loads and four broadcasts feed eight 8-lane FMAs), each panel keeping its own tile state.
+
+// 2^k for 8 lanes of int32 k (each within fp64's normal range).
+__attribute__((target("avx512f"), always_inline)) inline __m512d power_of_two8(__m256i k8) {
+  return _mm512_castsi512_pd(
+      _mm512_maskz_slli_epi64(0xFF, _mm512_add_epi64(_mm512_maskz_cvtepi32_epi64(0xFF, k8), _mm512_set1_epi64(1023)), 52));
+}
+
+// fp32_step on 8 lanes.
+__attribute__((target("avx512f,avx512dq"), always_inline)) inline __m256 fp32_step8(__m256 accumulator,
+                                                                                   __m512d contribution) {
+  const __m512d acc = _mm512_maskz_cvtps_pd(0xFF, accumulator);
+  const __m512d sum = _mm512_add_pd(acc, contribution);
+  const __m512d contribution_part = _mm512_sub_pd(sum, acc);
+  const __m512d error = _mm512_add_pd(_mm512_sub_pd(acc, _mm512_sub_pd(sum, contribution_part)),
+                                      _mm512_sub_pd(contribution, contribution_part));
+  const __mmask8 inexact =
+      _mm512_cmp_pd_mask(error, _mm512_setzero_pd(), _CMP_NEQ_OQ) &
+      _mm512_cmp_pd_mask(_mm512_abs_pd(sum), _mm512_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ);
+  const __m512i bits = _mm512_castpd_si512(sum);
+  const __m512i one = _mm512_set1_epi64(1);
+  const __mmask8 even = _mm512_testn_epi64_mask(bits, one);
+  // +1 (away from zero) where the error has the sign of the sum, else -1: the odd neighbour.
+  const __mmask8 opposite =
+      _mm512_cmplt_epi64_mask(_mm512_xor_si512(bits, _mm512_castpd_si512(error)), _mm512_setzero_si512());
+  const __m512i step = _mm512_mask_blend_epi64(opposite, one, _mm512_set1_epi64(-1));
+  return _mm512_maskz_cvtpd_ps(0xFF, _mm512_castsi512_pd(_mm512_mask_add_epi64(bits, inexact & even, bits, step)));
+}
+
+// wide_row_step on one zmm of block dots.
+template <bool Block, bool Exact>
+__attribute__((target("avx2,avx512f,avx512dq"), always_inline)) inline std::int64_t wide_row_step8(
+    __m512d dot, __m256i k, std::int32_t a_exponent, const std::int32_t* b_exponents, int fraction_total, int r,
+    wide_tile_state& state) {
+  const __m256i outside = outside_lanes(k);
+  const bool any_outside = !_mm256_testz_si256(outside, outside);
+  const __m512d contribution = _mm512_mul_pd(dot, power_of_two8(_mm256_andnot_si256(outside, k)));
+  float* accumulators = state.accumulators + r * wide_width;
+  std::int64_t slow = 0;
+  if constexpr (Block) {
+    if (!any_outside) {
+      _mm256_store_ps(accumulators, fp32_step8(_mm256_load_ps(accumulators), contribution));
+    } else {
+      alignas(64) double block_dots[wide_width];
+      _mm512_store_pd(block_dots, dot);
+      slow = scalar_block_steps(accumulators, block_dots, a_exponent, b_exponents, fraction_total);
+    }
+  }
+  if constexpr (Exact) {
+    const int at = r * wide_width;
+    if (any_outside) {
+      __m512i* nan_row = reinterpret_cast<__m512i*>(state.nan_lanes + at);
+      _mm512_storeu_si512(nan_row, _mm512_or_si512(_mm512_loadu_si512(nan_row), _mm512_maskz_cvtepi32_epi64(0xFF, outside)));
+    }
+    // two_sum(sum, contribution): the error is zero exactly when the fp64 sum is exact.
+    const __m512d sum = _mm512_loadu_pd(state.sums + at);
+    const __m512d total = _mm512_add_pd(sum, contribution);
+    const __m512d part = _mm512_sub_pd(total, sum);
+    const __m512d error =
+        _mm512_add_pd(_mm512_sub_pd(sum, _mm512_sub_pd(total, part)), _mm512_sub_pd(contribution, part));
+    _mm512_storeu_pd(state.sums + at, total);
+    const __mmask8 inexact = _mm512_cmp_pd_mask(error, _mm512_setzero_pd(), _CMP_NEQ_UQ);
+    __m512i* inexact_row = reinterpret_cast<__m512i*>(state.inexact + at);
+    _mm512_storeu_si512(inexact_row, _mm512_mask_mov_epi64(_mm512_loadu_si512(inexact_row), inexact,
+                                                           _mm512_set1_epi64(-1)));
+  }
+  return slow;
+}
+
+// wide_micro_tile on panels `panel` and `panel + 1` at once (states[0] and states[1]).
+template <bool Block, bool Exact>
+__attribute__((target("avx2,fma,avx512f,avx512dq"))) std::int64_t wide_micro_tile_avx512(
+    const wide_packed& packed, std::int64_t row, std::int64_t panel, std::int64_t first, std::int64_t last, int block,
+    int fraction_total, wide_tile_state* const states[2]) {
+  const std::int64_t depth = packed.padded_depth;
+  const double* a_rows = packed.a.get() + row * depth;
+  const double* b_panels[2] = {packed.b.get() + panel * depth * wide_width,
+                               packed.b.get() + (panel + 1) * depth * wide_width};
+  const std::int32_t* a_exponents = packed.a_exponents.data() + row * packed.blocks;
+  std::int64_t slow = 0;
+  for (std::int64_t index = first; index < last; ++index) {
+    __m512d dots[wide_rows][2];
+    for (auto& row_dots : dots) row_dots[0] = row_dots[1] = _mm512_setzero_pd();
+    const double* a_block = a_rows + index * block;
+    const double* b_blocks[2] = {b_panels[0] + index * block * wide_width, b_panels[1] + index * block * wide_width};
+    for (int k = 0; k < block; ++k) {
+      const __m512d left = _mm512_loadu_pd(b_blocks[0] + k * wide_width);
+      const __m512d right = _mm512_loadu_pd(b_blocks[1] + k * wide_width);
+#pragma GCC unroll 4
+      for (int r = 0; r < wide_rows; ++r) {
+        const __m512d value = _mm512_set1_pd(a_block[r * depth + k]);
+        dots[r][0] = _mm512_fmadd_pd(value, left, dots[r][0]);
+        dots[r][1] = _mm512_fmadd_pd(value, right, dots[r][1]);
+      }
+    }
+    for (int side = 0; side < 2; ++side) {
+      const std::int32_t* block_b_exponents =
+          packed.b_exponents.data() + ((panel + side) * packed.blocks + index) * wide_width;
+      const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_b_exponents));
+#pragma GCC unroll 4
+      for (int r = 0; r < wide_rows; ++r) {
+        const std::int32_t a_exponent = a_exponents[r * packed.blocks + index];
+        const __m256i k = _mm256_add_epi32(b_exponent, _mm256_set1_epi32(a_exponent - fraction_total));
+        slow += wide_row_step8<Block, Exact>(dots[r][side], k, a_exponent, block_b_exponents, fraction_total, r,
+                                             *states[side]);
+      }
+    }
+  }
+  return slow;
+}
 #endif
 
 }  // namespace
@@ -255,6 +402,9 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
                          matrix64* exact_too) {
 #if MXSCOPE_WIDE_X86
   if (!cpu_has_avx2_and_fma()) return false;
+  // MXSCOPE_WIDE_KERNEL=avx2 keeps it on AVX2 where AVX-512 is there too (the tests run both).
+  const char* requested = std::getenv("MXSCOPE_WIDE_KERNEL");
+  const bool avx512 = cpu_has_avx512() && (requested == nullptr || std::string_view(requested) != "avx2");
   const canonical_operand& a = *context.a;
   const canonical_operand& b = *context.b;
   const wide_packed packed = pack_wide(a, b);
@@ -290,8 +440,22 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
       }
       for (std::int64_t first = 0; first < packed.blocks; first += chunk_blocks) {
         const std::int64_t last = std::min(packed.blocks, first + chunk_blocks);
-        for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
+        // Pairs of panels on AVX-512, the rest (or all) one panel at a time on AVX2.
+        const int step = avx512 ? 2 : 1;
+        for (std::int64_t panel = panel_begin; panel < panel_end; panel += step) {
+          const bool pair = avx512 && panel + 1 < panel_end;
           for (std::int64_t row = row_begin; row < row_end; row += wide_rows) {
+            if (pair) {
+              wide_tile_state* const states[2] = {&state_of(panel, row), &state_of(panel + 1, row)};
+              if (fused) {
+                total += wide_micro_tile_avx512<true, true>(packed, row, panel, first, last, a.block, fraction_total, states);
+              } else if (is_exact) {
+                wide_micro_tile_avx512<false, true>(packed, row, panel, first, last, a.block, fraction_total, states);
+              } else {
+                total += wide_micro_tile_avx512<true, false>(packed, row, panel, first, last, a.block, fraction_total, states);
+              }
+              continue;
+            }
             wide_tile_state& state = state_of(panel, row);
             if (fused) {
               total += wide_micro_tile<true, true>(packed, row, panel, first, last, a.block, fraction_total, state);
@@ -359,3 +523,4 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
 }
 
 }  // namespace mxscope::gemm_internal
+

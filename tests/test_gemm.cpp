@@ -31,6 +31,16 @@ mxscope::gemm_options gemm_options_of(mxscope::accumulation_path path, bool vect
   return options;
 }
 
+// Runs the CPU's wide kernel (e4m3 products) on AVX2 while in scope (MXSCOPE_WIDE_KERNEL), so that
+// a test covers both kernels on a machine with AVX-512.
+struct wide_kernel_on {
+  explicit wide_kernel_on(const char* isa) {
+    if (isa != nullptr) setenv("MXSCOPE_WIDE_KERNEL", isa, 1);
+  }
+  ~wide_kernel_on() { unsetenv("MXSCOPE_WIDE_KERNEL"); }
+};
+constexpr const char* wide_kernels[] = {nullptr, "avx2"};  // the widest the CPU has, then AVX2
+
 using mxscope::gemm_kind;
 using mxscope::matrix;
 using mxscope::quantized_tensor;
@@ -835,16 +845,24 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
         for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
           const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
           const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+          // The e4m3 pairs' wide kernel also on AVX2 (where the first run took AVX-512).
+          const bool e4m3 = format_a.ends_with("fp8_e4m3") && format_b.ends_with("fp8_e4m3");
+          const auto fast_avx2 = [&] {
+            const wide_kernel_on scope(e4m3 ? "avx2" : nullptr);
+            return mxscope::run_gemm(kind, layer.operands(), chosen, context);
+          }();
           const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context,
                                                   gemm_options_of(mxscope::accumulation_path::automatic, false));
           const auto generic = mxscope::run_gemm(kind, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
           const std::string what = fmt::format("{} x {} {} {}{}", format_a, format_b, model, mxscope::gemm_kind_name(kind),
                                                extreme ? " extreme" : "");
           expect_same_bits(generic.out, fast.out, what);
+          expect_same_bits(generic.out, fast_avx2.out, what + " (the wide kernel on AVX2)");
           expect_same_bits(generic.out, portable.out, what + " (portable kernels)");
           if (model == "exact") {
             for (std::int64_t i = 0; i < fast.exact.size(); ++i) {
               ASSERT_TRUE(oracle::same(generic.exact.values[i], fast.exact.values[i])) << what << " fp64 entry " << i;
+              ASSERT_TRUE(oracle::same(generic.exact.values[i], fast_avx2.exact.values[i])) << what << " fp64 entry " << i;
             }
           }
         }
@@ -1156,33 +1174,38 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
       layer.x(64, 0) = 1.0f;
     }
     for (const auto& [format_a, format_b, kernel] : pairings) {
-      for (const std::string_view model : {"fp32-block", "fp32-group:1", "fp32-group:3"}) {
-        for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
-          const std::string what = fmt::format("{} x {} {} {} data {}", format_a, format_b, model,
-                                               mxscope::gemm_kind_name(kind), data);
-          mxscope::gemm_options options;
-          options.exact_too = true;
-          const auto both = mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, options);
-          const auto definition =
-              mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, generic);
-          const auto exact_definition =
-              mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, "exact"), context, generic);
-          expect_same_bits(definition.out, both.out, what);
-          ASSERT_EQ(both.exact_of_quantized.size(), exact_definition.exact.size()) << what;
-          for (std::int64_t i = 0; i < both.exact_of_quantized.size(); ++i) {
-            ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], both.exact_of_quantized.values[i]))
-                << what << " fp64 entry " << i;
+      const bool e4m3 = format_a.ends_with("fp8_e4m3") && format_b.ends_with("fp8_e4m3");
+      for (const char* isa : wide_kernels) {
+        if (isa != nullptr && !e4m3) continue;  // the AVX2 pass is for the wide kernel
+        const wide_kernel_on scope(isa);
+        for (const std::string_view model : {"fp32-block", "fp32-group:1", "fp32-group:3"}) {
+          for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
+            const std::string what = fmt::format("{} x {} {} {} data {}{}", format_a, format_b, model,
+                                                 mxscope::gemm_kind_name(kind), data, isa == nullptr ? "" : " avx2");
+            mxscope::gemm_options options;
+            options.exact_too = true;
+            const auto both = mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, options);
+            const auto definition =
+                mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, model), context, generic);
+            const auto exact_definition =
+                mxscope::run_gemm(kind, layer.operands(), make_strategy(format_a, format_b, "exact"), context, generic);
+            expect_same_bits(definition.out, both.out, what);
+            ASSERT_EQ(both.exact_of_quantized.size(), exact_definition.exact.size()) << what;
+            for (std::int64_t i = 0; i < both.exact_of_quantized.size(); ++i) {
+              ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], both.exact_of_quantized.values[i]))
+                  << what << " fp64 entry " << i;
+            }
+            const bool per_tensor = !format_a.starts_with("mx");
+            // (Per-tensor scaling flushes 2^-30 next to 1.)
+            if (data == 3 && kind == gemm_kind::wgrad && !per_tensor) {
+              ASSERT_EQ(exact_definition.exact(0, 0), 0x1p-60) << what;
+            }
+            // A per-tensor operand with a NaN element (dy in wgrad) takes the generic path.
+            const bool nan_element = per_tensor && data == 2 && kind == gemm_kind::wgrad;
+            const bool fused = kernel && model != "fp32-group:3" && !nan_element &&
+                               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+            EXPECT_EQ(both.exact_product_seconds == 0.0, fused) << what;
           }
-          const bool per_tensor = !format_a.starts_with("mx");
-          // (Per-tensor scaling flushes 2^-30 next to 1.)
-          if (data == 3 && kind == gemm_kind::wgrad && !per_tensor) {
-            ASSERT_EQ(exact_definition.exact(0, 0), 0x1p-60) << what;
-          }
-          // A per-tensor operand with a NaN element (dy in wgrad) takes the generic path.
-          const bool nan_element = per_tensor && data == 2 && kind == gemm_kind::wgrad;
-          const bool fused = kernel && model != "fp32-group:3" && !nan_element &&
-                             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-          EXPECT_EQ(both.exact_product_seconds == 0.0, fused) << what;
         }
       }
     }
@@ -1192,42 +1215,52 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
 // The wide kernel's fp32-block step adds a block dot of up to 42 bits to the fp32 accumulator in
 // fp64, where the sum can need more than 53 bits: rounded to nearest in fp64 it can land on an fp32
 // midpoint that the exact sum is not on, and round again the wrong way. MXFP8 dw entries built for
-// it: (0, 0) = 1 + (2^-24 + 2^-58), exactly above the midpoint 1 + 2^-24 (fl32: 1 + 2^-23; rounding
-// twice gives 1); (1, 1) = (1 + 2^-23) + (2^-24 - 2^-58), exactly below the midpoint 1 + 3 2^-24
-// (fl32: 1 + 2^-23; rounding twice gives 1 + 2^-22). Each block dot is an exact e4m3 dot: the
-// block of 2^-12 and 2^-29 has the scale 2^-20 and the elements 2^8 and 2^-9.
+// it, at c = 0 and c = 17 (20 columns: AVX-512 takes panels 0 and 1 together, panel 2 alone):
+// (c, c) = 1 + (2^-24 + 2^-58), exactly above the midpoint 1 + 2^-24 (fl32: 1 + 2^-23; rounding
+// twice gives 1); (c + 1, c + 1) = (1 + 2^-23) + (2^-24 - 2^-58), exactly below the midpoint
+// 1 + 3 2^-24 (fl32: 1 + 2^-23; rounding twice gives 1 + 2^-22). Each block dot is an exact e4m3
+// dot: the block of 2^-12 and 2^-29 has the scale 2^-20 and the elements 2^8 and 2^-9.
 TEST(FastPath, WideKernelRoundsEachBlockStepOnce) {
-  layer_tensors layer = random_layer(96, 4, 4, 170);
-  for (std::int64_t k = 0; k < 96; ++k) {
-    for (std::int64_t c = 0; c < 2; ++c) layer.dy(k, c) = layer.x(k, c) = 0.0f;
+  layer_tensors layer = random_layer(96, 20, 20, 170);
+  for (const std::int64_t c : {0, 17}) {
+    for (std::int64_t k = 0; k < 96; ++k) {
+      for (std::int64_t d = c; d < c + 2; ++d) layer.dy(k, d) = layer.x(k, d) = 0.0f;
+    }
+    layer.dy(0, c) = layer.x(0, c) = 1.0f;
+    layer.dy(32, c) = layer.x(32, c) = 0x1p-12f;
+    layer.dy(33, c) = layer.x(33, c) = 0x1p-29f;
+    layer.dy(0, c + 1) = layer.x(0, c + 1) = 1.0f;
+    layer.dy(32, c + 1) = 0x1p-11f;
+    layer.x(32, c + 1) = 0x1p-12f;
+    layer.dy(64, c + 1) = layer.x(64, c + 1) = 0x1p-12f;
+    layer.dy(65, c + 1) = -0x1p-29f;
+    layer.x(65, c + 1) = 0x1p-29f;
   }
-  layer.dy(0, 0) = layer.x(0, 0) = 1.0f;
-  layer.dy(32, 0) = layer.x(32, 0) = 0x1p-12f;
-  layer.dy(33, 0) = layer.x(33, 0) = 0x1p-29f;
-  layer.dy(0, 1) = layer.x(0, 1) = 1.0f;
-  layer.dy(32, 1) = 0x1p-11f;
-  layer.x(32, 1) = 0x1p-12f;
-  layer.dy(64, 1) = layer.x(64, 1) = 0x1p-12f;
-  layer.dy(65, 1) = -0x1p-29f;
-  layer.x(65, 1) = 0x1p-29f;
-  mxscope::gemm_options options;
-  options.exact_too = true;
   const mxscope::strategy chosen = make_strategy("mxfp8_e4m3", "mxfp8_e4m3", "fp32-block");
-  const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, options);
   const auto definition =
       mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
-  EXPECT_EQ(definition.out(0, 0), 1.0f + 0x1p-23f);
-  EXPECT_EQ(definition.out(1, 1), 1.0f + 0x1p-23f);
-  expect_same_bits(definition.out, fast.out, "mxfp8 fp32-block, wide kernel");
   const auto exact_definition = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(),
                                                   make_strategy("mxfp8_e4m3", "mxfp8_e4m3", "exact"), context,
                                                   gemm_options_of(mxscope::accumulation_path::generic));
-  ASSERT_EQ(fast.exact_of_quantized.size(), exact_definition.exact.size());
-  for (std::int64_t i = 0; i < fast.exact_of_quantized.size(); ++i) {
-    ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], fast.exact_of_quantized.values[i])) << "fp64 entry " << i;
+  for (const std::int64_t c : {0, 17}) {
+    EXPECT_EQ(definition.out(c, c), 1.0f + 0x1p-23f);
+    EXPECT_EQ(definition.out(c + 1, c + 1), 1.0f + 0x1p-23f);
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    EXPECT_EQ(fast.exact_product_seconds, 0.0);  // the wide kernel's fused pass ran
+  for (const char* isa : wide_kernels) {
+    const wide_kernel_on scope(isa);
+    const std::string what = fmt::format("mxfp8 fp32-block, wide kernel {}", isa == nullptr ? "automatic" : isa);
+    mxscope::gemm_options options;
+    options.exact_too = true;
+    const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, options);
+    expect_same_bits(definition.out, fast.out, what);
+    ASSERT_EQ(fast.exact_of_quantized.size(), exact_definition.exact.size());
+    for (std::int64_t i = 0; i < fast.exact_of_quantized.size(); ++i) {
+      ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], fast.exact_of_quantized.values[i]))
+          << what << " fp64 entry " << i;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      EXPECT_EQ(fast.exact_product_seconds, 0.0) << what;  // the wide kernel's fused pass ran
+    }
   }
 }
 
