@@ -42,16 +42,15 @@ std::string fragment_stem(std::size_t index, const std::string& layer) {
 
 // Relative cost of one operand's format in the CPU emulator, in quarters of an MXFP4 fp32-block
 // product (measured on the sample Wgrad ablation, one thread: docs/scaling.md). Formats with an
-// integer block kernel are cheap; e5m2 elements and per-tensor scales go through slower paths.
+// integer block kernel are cheap (fp4, fp6 and int8 on the int16 kernels, e4m3 on the wide fp64
+// kernel); NVFP4's non-power-of-two block scales, bf16 / fp32 and e5m2 take slower paths.
 std::uint64_t operand_weight(const quantize_options& options) {
   const bool e5m2 = options.format.element == core::element_kind::fp8_e5m2;
   switch (options.format.scheme) {
-    case quant_scheme::mx:
-      if (e5m2) return 400;
-      return core::spec(options.format.element).bits <= 6 ? 4 : 20;
-    case quant_scheme::nvfp4: return 32;
-    case quant_scheme::per_tensor: return e5m2 ? 76 : 32;  // e5m2: 19x (binade parts, short-float blocks)
-    default: return 10;  // bf16 and fp32
+    case quant_scheme::mx: return e5m2 ? 400 : (options.format.element == core::element_kind::fp8_e4m3 ? 5 : 4);
+    case quant_scheme::nvfp4: return 57;
+    case quant_scheme::per_tensor: return e5m2 ? 23 : 10;  // e5m2: binade parts, short-float blocks
+    default: return 15;  // bf16 and fp32
   }
 }
 
