@@ -1,8 +1,8 @@
 // The CPU GEMM's wide integer kernel: operands whose integer element values are too wide for the
 // int16 kernels (src/gemm_integer.cpp) but whose block dots are exact in fp64, with power-of-two
 // block scales: fp8 e4m3 pairs, MX (mxfp8) and per-tensor (the tensor scales applied as in the
-// definition). AVX2 + FMA, chosen at run time; the fp32-block and exact models, and both at once
-// for the replay's exact_too.
+// definition). AVX-512 or AVX2 + FMA, chosen at run time; the fp32-block and exact models, and both
+// at once for the replay's exact_too.
 //
 // Exactness. An element's integer value IA = qa 2^fa is below 2^18 for e4m3 (448 * 2^9), so a
 // product is an integer below 2^36 and every partial sum of a block dot D = sum IA IB is an integer
@@ -17,12 +17,12 @@
 // A block whose scale is the NaN marker (k beyond +-1000) makes its entries NaN, as in the
 // definition; its fp32-block step goes through the scalar add_exact_value.
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "gemm_internal.hpp"
@@ -386,6 +386,120 @@ __attribute__((target("avx2,fma,avx512f,avx512dq"))) std::int64_t wide_micro_til
   }
   return slow;
 }
+
+// A task: 256 rows of A against 32 panels (256 columns) of B, K in chunks of 8 blocks: a chunk of
+// the task's A (512 KiB at block 32) stays in L2 and a panel's (16 KiB) in L1 while the task's
+// 2048 tile states (1.8 MiB) carry the sums from chunk to chunk. A and B are each read from memory
+// once per 256 columns or rows of the other.
+constexpr std::int64_t task_rows = 256;
+constexpr std::int64_t task_panels = 32;
+constexpr std::int64_t chunk_blocks = 8;
+
+// What every task of one product shares.
+struct wide_job {
+  const fast_context* context;
+  const wide_packed* packed;
+  bool avx512;    // pairs of panels on the AVX-512 tile
+  bool is_exact;  // the exact model (else fp32-block)
+  bool fused;     // fp32-block with exact_too
+};
+
+// The tiles of one task and their states.
+struct wide_task {
+  std::int64_t row_begin, row_end, panel_begin, panel_end;
+  wide_tile_state* states;
+  wide_tile_state& state(std::int64_t panel, std::int64_t row) const {
+    const std::int64_t tile_rows = (row_end - row_begin) / wide_rows;
+    return states[(panel - panel_begin) * tile_rows + (row - row_begin) / wide_rows];
+  }
+};
+
+// Blocks [first, last) of every tile of a task: pairs of panels on AVX-512, the rest (or all) one
+// panel at a time on AVX2. Returns the entries' scalar fp32-block steps.
+std::int64_t run_chunk(const wide_job& job, const wide_task& tiles, std::int64_t first, std::int64_t last) {
+  const wide_packed& packed = *job.packed;
+  const int block = job.context->a->block;
+  const int fraction_total = job.context->plan.fraction_total;
+  std::int64_t slow = 0;
+  for (std::int64_t panel = tiles.panel_begin; panel < tiles.panel_end; panel += job.avx512 ? 2 : 1) {
+    const bool pair = job.avx512 && panel + 1 < tiles.panel_end;
+    for (std::int64_t row = tiles.row_begin; row < tiles.row_end; row += wide_rows) {
+      if (pair) {
+        wide_tile_state* const states[2] = {&tiles.state(panel, row), &tiles.state(panel + 1, row)};
+        if (job.fused) {
+          slow += wide_micro_tile_avx512<true, true>(packed, row, panel, first, last, block, fraction_total, states);
+        } else if (job.is_exact) {
+          wide_micro_tile_avx512<false, true>(packed, row, panel, first, last, block, fraction_total, states);
+        } else {
+          slow += wide_micro_tile_avx512<true, false>(packed, row, panel, first, last, block, fraction_total, states);
+        }
+        continue;
+      }
+      wide_tile_state& state = tiles.state(panel, row);
+      if (job.fused) {
+        slow += wide_micro_tile<true, true>(packed, row, panel, first, last, block, fraction_total, state);
+      } else if (job.is_exact) {
+        wide_micro_tile<false, true>(packed, row, panel, first, last, block, fraction_total, state);
+      } else {
+        slow += wide_micro_tile<true, false>(packed, row, panel, first, last, block, fraction_total, state);
+      }
+    }
+  }
+  return slow;
+}
+
+// The exact model's value of entry (row, column) from its tile's state: NaN for a NaN block, the
+// fp64 sum rounded once with the tensor scales where every step was exact, else the scaled block
+// dots summed again in a long accumulator (`recomputed` set).
+core_ns::scaled_exact_value exact_value(const wide_job& job, const wide_tile_state& state, int e, std::int64_t row,
+                                        std::int64_t column, bool& recomputed) {
+  const canonical_operand& a = *job.context->a;
+  const canonical_operand& b = *job.context->b;
+  const wide_packed& packed = *job.packed;
+  std::uint64_t inexact_bits = 0;
+  std::memcpy(&inexact_bits, &state.inexact[e], sizeof inexact_bits);
+  recomputed = false;
+  if (state.nan_lanes[e] != 0) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+  if (inexact_bits == 0) return core_ns::round_scaled_exact(state.sums[e], a.tensor_scale, b.tensor_scale);
+  recomputed = true;
+  core_ns::long_accumulator total;
+  const std::int64_t lane = column % wide_width;
+  for (std::int64_t index = 0; index < packed.blocks; ++index) {
+    const std::int32_t a_exponent = packed.a_exponents[static_cast<std::size_t>(row * packed.blocks + index)];
+    const std::int32_t b_exponent =
+        packed.b_exponents[static_cast<std::size_t>(((column / wide_width) * packed.blocks + index) * wide_width + lane)];
+    const double dot = packed_wide_dot(packed, row, column, index, a.block);
+    core_ns::add_scaled_exactly(total, scaled_block_dot(dot, a_exponent, 1, b_exponent, 1, job.context->plan.fraction_total),
+                                job.context->scale);
+  }
+  return {total.round_to_float(), total.round_to_double()};
+}
+
+// A tile's entries into the outputs: fp32-block's accumulators through the epilogue, the exact
+// model's values into out and exact, or (fused) the exact values into exact_too. Returns the exact
+// model's recomputed entries.
+std::int64_t write_tile(const wide_job& job, const wide_tile_state& state, std::int64_t row, std::int64_t panel,
+                        matrix& out, matrix64* exact, matrix64* exact_too) {
+  std::int64_t recomputed_entries = 0;
+  for (int r = 0; r < wide_rows && row + r < job.context->a->rows; ++r) {
+    for (int j = 0; j < wide_width && panel * wide_width + j < job.context->b->rows; ++j) {
+      const int e = r * wide_width + j;
+      const std::int64_t column = panel * wide_width + j;
+      if (!job.is_exact) out(row + r, column) = epilogue(state.accumulators[e], job.context->alpha);
+      if (!job.is_exact && !job.fused) continue;
+      bool recomputed = false;
+      const core_ns::scaled_exact_value value = exact_value(job, state, e, row + r, column, recomputed);
+      if (job.fused) {
+        (*exact_too)(row + r, column) = value.fp64;
+        continue;
+      }
+      recomputed_entries += recomputed ? 1 : 0;
+      out(row + r, column) = value.fp32;
+      if (exact != nullptr) (*exact)(row + r, column) = value.fp64;
+    }
+  }
+  return recomputed_entries;
+}
 #endif
 
 }  // namespace
@@ -404,108 +518,33 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
   if (!cpu_has_avx2_and_fma()) return false;
   // MXSCOPE_WIDE_KERNEL=avx2 keeps it on AVX2 where AVX-512 is there too (the tests run both).
   const char* requested = std::getenv("MXSCOPE_WIDE_KERNEL");
-  const bool avx512 = cpu_has_avx512() && (requested == nullptr || std::string_view(requested) != "avx2");
-  const canonical_operand& a = *context.a;
-  const canonical_operand& b = *context.b;
-  const wide_packed packed = pack_wide(a, b);
-  const bool is_exact = context.model.kind == accumulation_kind::exact;
-  const bool fused = exact_too != nullptr && !is_exact;
-  const bool want_exact = is_exact || fused;
-  const int fraction_total = context.plan.fraction_total;
-  // A task: 256 rows of A against 32 panels (256 columns) of B, K in chunks of 8 blocks: a chunk of
-  // the task's A (512 KiB at block 32) stays in L2 and a panel's (16 KiB) in L1 while the task's
-  // 2048 tile states (1.8 MiB) carry the sums from chunk to chunk. A and B are each read from memory
-  // once per 256 columns or rows of the other.
-  constexpr std::int64_t task_rows = 256;
-  constexpr std::int64_t task_panels = 32;
-  constexpr std::int64_t chunk_blocks = 8;
+  const wide_packed packed = pack_wide(*context.a, *context.b);
+  const wide_job job{&context,
+                     &packed,
+                     cpu_has_avx512() && (requested == nullptr || std::string_view(requested) != "avx2"),
+                     context.model.kind == accumulation_kind::exact,
+                     exact_too != nullptr && context.model.kind != accumulation_kind::exact};
   const std::int64_t row_tasks = (packed.padded_rows + task_rows - 1) / task_rows;
   const std::int64_t panel_tasks = (packed.panels + task_panels - 1) / task_panels;
   std::int64_t total = 0;
-#pragma omp parallel reduction(+ : total) if (a.rows * b.rows * a.depth >= parallel_products)
+#pragma omp parallel reduction(+ : total) if (context.a->rows * context.b->rows * context.a->depth >= parallel_products)
   {
     std::vector<wide_tile_state> states(static_cast<std::size_t>(task_rows / wide_rows * task_panels));
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < row_tasks * panel_tasks; ++task) {
       const std::int64_t row_begin = (task / panel_tasks) * task_rows;
       const std::int64_t panel_begin = (task % panel_tasks) * task_panels;
-      const std::int64_t row_end = std::min(packed.padded_rows, row_begin + task_rows);
-      const std::int64_t panel_end = std::min(packed.panels, panel_begin + task_panels);
-      const std::int64_t tile_rows = (row_end - row_begin) / wide_rows;
-      const auto state_of = [&](std::int64_t panel, std::int64_t row) -> wide_tile_state& {
-        return states[static_cast<std::size_t>((panel - panel_begin) * tile_rows + (row - row_begin) / wide_rows)];
-      };
-      for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
-        for (std::int64_t row = row_begin; row < row_end; row += wide_rows) state_of(panel, row).clear();
+      const wide_task tiles{row_begin, std::min(packed.padded_rows, row_begin + task_rows), panel_begin,
+                            std::min(packed.panels, panel_begin + task_panels), states.data()};
+      for (std::int64_t panel = tiles.panel_begin; panel < tiles.panel_end; ++panel) {
+        for (std::int64_t row = tiles.row_begin; row < tiles.row_end; row += wide_rows) tiles.state(panel, row).clear();
       }
       for (std::int64_t first = 0; first < packed.blocks; first += chunk_blocks) {
-        const std::int64_t last = std::min(packed.blocks, first + chunk_blocks);
-        // Pairs of panels on AVX-512, the rest (or all) one panel at a time on AVX2.
-        const int step = avx512 ? 2 : 1;
-        for (std::int64_t panel = panel_begin; panel < panel_end; panel += step) {
-          const bool pair = avx512 && panel + 1 < panel_end;
-          for (std::int64_t row = row_begin; row < row_end; row += wide_rows) {
-            if (pair) {
-              wide_tile_state* const states[2] = {&state_of(panel, row), &state_of(panel + 1, row)};
-              if (fused) {
-                total += wide_micro_tile_avx512<true, true>(packed, row, panel, first, last, a.block, fraction_total, states);
-              } else if (is_exact) {
-                wide_micro_tile_avx512<false, true>(packed, row, panel, first, last, a.block, fraction_total, states);
-              } else {
-                total += wide_micro_tile_avx512<true, false>(packed, row, panel, first, last, a.block, fraction_total, states);
-              }
-              continue;
-            }
-            wide_tile_state& state = state_of(panel, row);
-            if (fused) {
-              total += wide_micro_tile<true, true>(packed, row, panel, first, last, a.block, fraction_total, state);
-            } else if (is_exact) {
-              wide_micro_tile<false, true>(packed, row, panel, first, last, a.block, fraction_total, state);
-            } else {
-              total += wide_micro_tile<true, false>(packed, row, panel, first, last, a.block, fraction_total, state);
-            }
-          }
-        }
+        total += run_chunk(job, tiles, first, std::min(packed.blocks, first + chunk_blocks));
       }
-      for (std::int64_t panel = panel_begin; panel < panel_end; ++panel) {
-        for (std::int64_t row = row_begin; row < row_end; row += wide_rows) {
-          const wide_tile_state& state = state_of(panel, row);
-          for (int r = 0; r < wide_rows && row + r < a.rows; ++r) {
-            for (int j = 0; j < wide_width && panel * wide_width + j < b.rows; ++j) {
-              const int e = r * wide_width + j;
-              const std::int64_t column = panel * wide_width + j;
-              if (!is_exact) out(row + r, column) = epilogue(state.accumulators[e], context.alpha);
-              if (!want_exact) continue;
-              core_ns::scaled_exact_value value{};
-              std::uint64_t inexact_bits = 0;
-              std::memcpy(&inexact_bits, &state.inexact[e], sizeof inexact_bits);
-              if (state.nan_lanes[e] != 0) {
-                value = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
-              } else if (inexact_bits != 0) {
-                // The fp64 sum was not exact for this entry: sum the scaled block dots exactly.
-                core_ns::long_accumulator exact_total;
-                for (std::int64_t index = 0; index < packed.blocks; ++index) {
-                  const double dot = packed_wide_dot(packed, row + r, column, index, a.block);
-                  core_ns::add_scaled_exactly(
-                      exact_total,
-                      scaled_block_dot(dot, packed.a_exponents[static_cast<std::size_t>((row + r) * packed.blocks + index)], 1,
-                                       packed.b_exponents[static_cast<std::size_t>((panel * packed.blocks + index) * wide_width + j)],
-                                       1, fraction_total),
-                      context.scale);
-                }
-                value = {exact_total.round_to_float(), exact_total.round_to_double()};
-                if (is_exact) ++total;  // the model's fallbacks only
-              } else {
-                value = core_ns::round_scaled_exact(state.sums[e], a.tensor_scale, b.tensor_scale);
-              }
-              if (fused) {
-                (*exact_too)(row + r, column) = value.fp64;
-                continue;
-              }
-              out(row + r, column) = value.fp32;
-              if (exact != nullptr) (*exact)(row + r, column) = value.fp64;
-            }
-          }
+      for (std::int64_t panel = tiles.panel_begin; panel < tiles.panel_end; ++panel) {
+        for (std::int64_t row = tiles.row_begin; row < tiles.row_end; row += wide_rows) {
+          total += write_tile(job, tiles.state(panel, row), row, panel, out, exact, exact_too);
         }
       }
     }
