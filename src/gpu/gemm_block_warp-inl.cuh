@@ -54,23 +54,12 @@ __global__ void __launch_bounds__(rw_threads, 2)
     }
   }
 
-  // The next chunk, as reference_warp_kernel fetches it (A's values by cp.async into this thread's
-  // own slots of the stage, B's into registers; threads 0-63 the A rows' chunk spreads, 64-127 the
-  // B rows').
-  float4 next_b[rw_loads];
-  float4* const a_stage = reinterpret_cast<float4*>(bw_shared + rw_tiles_bytes / sizeof(double)) + threadIdx.x;
+  // The next chunk, as reference_warp_kernel fetches it (rw_chunk_loader; threads 0-63 the A rows'
+  // chunk spreads, 64-127 the B rows').
+  rw_chunk_loader loader(bw_shared + rw_tiles_bytes / sizeof(double), a_tiles, b_tiles, chunks);
   int spread_next = plain_empty_spread;
-  const float4* const a_source =
-      reinterpret_cast<const float4*>(a_tiles) + blockIdx.y * chunks * rw_tile_slots + threadIdx.x;
-  const float4* const b_source =
-      reinterpret_cast<const float4*>(b_tiles) + blockIdx.x * chunks * rw_tile_slots + threadIdx.x;
   const auto fetch = [&](std::int64_t chunk) {
-#pragma unroll
-    for (int e = 0; e < rw_loads; ++e) {
-      copy_async_16(a_stage + rw_threads * e, a_source + chunk * rw_tile_slots + rw_threads * e, true);
-      next_b[e] = b_source[chunk * rw_tile_slots + rw_threads * e];
-    }
-    copy_async_commit();
+    loader.fetch(chunk);
     const bool a_role = threadIdx.x < plain_tile;
     const std::int64_t i = (a_role ? i0 : j0) + static_cast<int>(threadIdx.x) % plain_tile;
     spread_next = i < (a_role ? m : n) ? (a_role ? a_spreads : b_spreads)[chunk * (a_role ? m : n) + i]
@@ -86,14 +75,7 @@ __global__ void __launch_bounds__(rw_threads, 2)
   }
 
   for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
-    copy_async_wait<0>();
-    {
-      float4 staged[rw_loads];
-#pragma unroll
-      for (int e = 0; e < rw_loads; ++e) staged[e] = a_stage[rw_threads * e];
-      rw_store(staged, a_tile);
-    }
-    rw_store(next_b, b_tile);
+    loader.store(a_tile, b_tile);
     (threadIdx.x < plain_tile ? a_spread_tile : b_spread_tile)[threadIdx.x % plain_tile] = spread_next;
     __syncthreads();
     if (chunk + 1 < chunks) fetch(chunk + 1);

@@ -687,6 +687,42 @@ __device__ inline void rw_store(const float4 (&values)[rw_loads], double* tile) 
   }
 }
 
+// The next chunk's values for the warp-tile kernels (reference_warp_kernel, block_warp_kernel):
+// four float4 of each operand's chunk tile (chunk_tiles_kernel), elements threadIdx.x + 128 e of
+// the tile's 512 (row threadIdx.x / 8 + 16 e, slot threadIdx.x % 8). A's go by cp.async to this
+// thread's own slots of the stage, which only this thread reads back (so no barrier, and no
+// registers held across the chunk's mmas); B's go to registers.
+struct rw_chunk_loader {
+  float4 next_b[rw_loads];
+  float4* a_stage;
+  const float4* a_source;
+  const float4* b_source;
+
+  __device__ rw_chunk_loader(double* stage, const float* a_tiles, const float* b_tiles, std::int64_t chunks)
+      : a_stage(reinterpret_cast<float4*>(stage) + threadIdx.x),
+        a_source(reinterpret_cast<const float4*>(a_tiles) + blockIdx.y * chunks * rw_tile_slots + threadIdx.x),
+        b_source(reinterpret_cast<const float4*>(b_tiles) + blockIdx.x * chunks * rw_tile_slots + threadIdx.x) {}
+
+  __device__ void fetch(std::int64_t chunk) {
+#pragma unroll
+    for (int e = 0; e < rw_loads; ++e) {
+      copy_async_16(a_stage + rw_threads * e, a_source + chunk * rw_tile_slots + rw_threads * e, true);
+      next_b[e] = b_source[chunk * rw_tile_slots + rw_threads * e];
+    }
+    copy_async_commit();
+  }
+
+  // The fetched chunk into the shared tiles (the caller's barrier follows).
+  __device__ void store(double* a_tile, double* b_tile) {
+    copy_async_wait<0>();
+    float4 staged[rw_loads];
+#pragma unroll
+    for (int e = 0; e < rw_loads; ++e) staged[e] = a_stage[rw_threads * e];
+    rw_store(staged, a_tile);
+    rw_store(next_b, b_tile);
+  }
+};
+
 // The operand x [rows, depth] as chunk tiles: tile t (rows 64 t .. 64 t + 63) and chunk c (columns
 // 32 c .. 32 c + 31) are 2048 consecutive values from (t chunks + c) 2048, row by row, with the
 // slots of each row ordered as rw_store reads them, and zeros past the last row and column.
@@ -805,30 +841,15 @@ __global__ void __launch_bounds__(rw_threads, 2)
   }
   __syncthreads();  // the low tiles
 
-  // The next chunk. Its values: four float4 of each operand's chunk tile (chunk_tiles_kernel),
-  // elements threadIdx.x + 128 e of the tile's 512 (row threadIdx.x / 8 + 16 e, slot
-  // threadIdx.x % 8). A's go by cp.async to this thread's own slots of the stage, which only this
-  // thread reads back (so no barrier, and no registers held across the chunk's mmas); B's go to
-  // registers. Its spreads: threads 0-63 fetch those of the tile's A rows, 64-127 those of its B
-  // rows, the chunk's, and at the first chunk of a super-chunk (of a half) also the super-chunk's
-  // (the half's).
-  float4 next_b[rw_loads];
-  float4* const a_stage =
-      reinterpret_cast<float4*>(rw_shared + (rw_tiles_bytes + rw_sums_bytes) / sizeof(double)) + threadIdx.x;
+  // The next chunk: its values (rw_chunk_loader) and its spreads: threads 0-63 fetch those of the
+  // tile's A rows, 64-127 those of its B rows, the chunk's, and at the first chunk of a
+  // super-chunk (of a half) also the super-chunk's (the half's).
+  rw_chunk_loader loader(rw_shared + (rw_tiles_bytes + rw_sums_bytes) / sizeof(double), a_tiles, b_tiles, chunks);
   int spread_next = plain_empty_spread;
   int super_next = plain_empty_spread;
   int half_next = plain_empty_spread;
-  const float4* const a_source =
-      reinterpret_cast<const float4*>(a_tiles) + blockIdx.y * chunks * rw_tile_slots + threadIdx.x;
-  const float4* const b_source =
-      reinterpret_cast<const float4*>(b_tiles) + blockIdx.x * chunks * rw_tile_slots + threadIdx.x;
   const auto fetch = [&](std::int64_t chunk) {
-#pragma unroll
-    for (int e = 0; e < rw_loads; ++e) {
-      copy_async_16(a_stage + rw_threads * e, a_source + chunk * rw_tile_slots + rw_threads * e, true);
-      next_b[e] = b_source[chunk * rw_tile_slots + rw_threads * e];
-    }
-    copy_async_commit();
+    loader.fetch(chunk);
     const bool a_role = threadIdx.x < plain_tile;
     const std::int64_t i = (a_role ? i0 : j0) + static_cast<int>(threadIdx.x) % plain_tile;
     const std::int64_t rows = a_role ? m : n;
@@ -858,14 +879,7 @@ __global__ void __launch_bounds__(rw_threads, 2)
   unsigned fused = 0;
 
   for (std::int64_t chunk = 0; chunk < chunks; ++chunk) {
-    copy_async_wait<0>();
-    {
-      float4 staged[rw_loads];
-#pragma unroll
-      for (int e = 0; e < rw_loads; ++e) staged[e] = a_stage[rw_threads * e];
-      rw_store(staged, a_tile);
-    }
-    rw_store(next_b, b_tile);
+    loader.store(a_tile, b_tile);
     const bool super_start = chunk % plain_super_chunks == 0;
     const bool half_start = chunk % plain_half_chunks == 0;
     (threadIdx.x < plain_tile ? a_spread_tile : b_spread_tile)[threadIdx.x % plain_tile] = spread_next;
