@@ -20,6 +20,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -933,6 +934,18 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
     // block dots exact in fp64 wherever the two rows' exponent spreads leave room, per entry
     // elsewhere; then alpha, as generic_product's epilogue.
     const bool scaled_floats = !unquantized && !plan && unit_scaled_floats(a) && unit_scaled_floats(b);
+    // Under fp32-block (and fp32-group:1) they take the certified fp64 kernel where this CPU has it,
+    // whatever their significands (the bound, not the spread, decides each step).
+    const bool one_block_steps = model.kind == accumulation_kind::fp32_block ||
+                                 (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
+    if (!done && automatic && (unquantized || scaled_floats) && one_block_steps && options.vector_kernels &&
+        certified_wide_applies(left, right) && left.rows > 0 && right.rows > 0 &&
+        certified_wide_product(left, right, result.out, result.fallback_entries)) {
+      if (scaled_floats) {
+        for (float& value : result.out.values) value = epilogue(value, alpha);
+      }
+      done = true;
+    }
     if (!done && automatic && (unquantized || scaled_floats) && left.finite && right.finite &&
         short_float_budget >= 0 &&
         (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group)) {
@@ -1060,6 +1073,40 @@ matrix rotated_operand(const matrix& tensor, int axis, const strategy& chosen, c
   return rotated;
 }
 
+namespace {
+
+// Whether q holds the values of `tensor` bit for bit (an unscaled operand: bf16 or fp32 elements).
+bool holds_values_of(const quantized_tensor& q, const matrix& tensor) {
+  const auto scheme = q.options.format.scheme;
+  if ((scheme != quant_scheme::bf16 && scheme != quant_scheme::none) || q.rows != tensor.rows || q.cols != tensor.cols) {
+    return false;
+  }
+  const std::size_t count = tensor.values.size();
+  if (scheme == quant_scheme::none) {
+    return q.dequantized.values.size() == count &&
+           std::memcmp(q.dequantized.values.data(), tensor.values.data(), count * sizeof(float)) == 0;
+  }
+  if (q.codes.size() != 2 * count) return false;
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto code = static_cast<std::uint16_t>(q.codes[2 * i] | (q.codes[2 * i + 1] << 8));
+    if ((static_cast<std::uint32_t>(code) << 16) != core_ns::float_bits(tensor.values[i])) return false;
+  }
+  return true;
+}
+
+// The known exact product (gemm_options::known_exact_host) is this one's: the same tensors, and
+// quantized operands with their values.
+bool known_exact_applies(const gemm_options& options, const matrix* a_tensor, const matrix* b_tensor,
+                         const quantized_tensor& a, const quantized_tensor& b) {
+  const auto& known = options.known_exact_host;
+  return known && known->fp64 != nullptr && known->a == a_tensor && known->b == b_tensor &&
+         known->fp64->rows == (a.options.axis == 1 ? a.rows : a.cols) &&
+         known->fp64->cols == (b.options.axis == 1 ? b.rows : b.cols) && holds_values_of(a, *a_tensor) &&
+         holds_values_of(b, *b_tensor);
+}
+
+}  // namespace
+
 gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strategy& chosen, const gemm_context& context,
                      const gemm_options& options) {
   const gemm_layout layout = layout_of(kind);
@@ -1125,6 +1172,10 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
   if (fused_exact) {
     // Computed with the product (its time is in product_seconds).
     result.exact_of_quantized = std::move(*fused_exact);
+  } else if (exact_too && known_exact_applies(options, a_tensor, b_tensor, a, b)) {
+    mark = clock::now();
+    result.exact_of_quantized = *options.known_exact_host->fp64;
+    result.exact_product_seconds = seconds_since(mark);
   } else if (exact_too) {
     mark = clock::now();
     accumulation_model exact_model;

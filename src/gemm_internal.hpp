@@ -209,6 +209,14 @@ bool wide_kernel_applies(const canonical_operand& a, const canonical_operand& b,
 bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
                          matrix64* exact_too = nullptr);
 
+// fp32-block (or fp32-group:1) of finite float operands without block scales (bf16, fp32, or the
+// elements of per-tensor and unit-scaled operands) on the same tiles (src/gemm_wide.cpp): block
+// dots by fp64 FMAs, each step certified by their error bound, the uncertain entry-blocks summed
+// exactly. No alpha. Counts those in `fallbacks`; false when this CPU has no AVX2 and FMA.
+bool certified_wide_applies(const canonical_operand& a, const canonical_operand& b);
+bool certified_wide_product(const canonical_operand& a, const canonical_operand& b, matrix& out,
+                            std::int64_t& fallbacks);
+
 }  // namespace mxscope::gemm_internal
 
 namespace mxscope::detail {

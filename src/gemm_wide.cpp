@@ -16,6 +16,11 @@
 //   tensor scales; other entries are summed again in a long accumulator.
 // A block whose scale is the NaN marker (k beyond +-1000) makes its entries NaN, as in the
 // definition; its fp32-block step goes through the scalar add_exact_value.
+//
+// The certified kernel (certified_wide_product) runs fp32-block on finite float operands without
+// block scales (bf16, fp32, per-tensor elements beyond the integer path) on the same tiles, where
+// the fp64 FMA dots need not be exact: each step is kept where the dot's error bound cannot move
+// the fp32 rounding (see certified_fp32_step), and taken exactly from its products elsewhere.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -52,9 +57,18 @@ struct wide_packed {
   std::unique_ptr<double[]> b;            // [panels, padded_depth, wide_width]
   std::vector<std::int32_t> a_exponents;  // [padded_rows, blocks]
   std::vector<std::int32_t> b_exponents;  // [panels, blocks, wide_width]
+  // Float dots only (certified_wide_product): gamma ||A block|| of each (row, block) and ||B block||
+  // of each (column, block), whose product bounds the fp64 FMA error of that entry's block dot.
+  std::vector<double> a_bounds;  // [padded_rows, blocks]
+  std::vector<double> b_bounds;  // [panels, blocks, wide_width]
+  // The same norms in units of each block's lowest set bit: where their product stays below 2^53
+  // every partial sum of the dot is an fp64 number, so the dot is exact and the bound is 0.
+  std::vector<double> a_grid_norms;  // [padded_rows, blocks]
+  std::vector<double> b_grid_norms;  // [panels, blocks, wide_width]
 };
 
-wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
+// integer_view: the elements times 2^fraction_bits (the integer kernels); else the values as they are.
+wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b, bool integer_view = true) {
   wide_packed packed;
   packed.padded_rows = (a.rows + wide_rows - 1) / wide_rows * wide_rows;
   packed.panels = (b.rows + wide_width - 1) / wide_width;
@@ -66,8 +80,8 @@ wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
   packed.a_exponents.assign(static_cast<std::size_t>(packed.padded_rows * a.blocks), 0);
   packed.b_exponents.assign(static_cast<std::size_t>(packed.panels * a.blocks * wide_width), 0);
   // Exact: a power-of-two scaling of a short significand; + 0.0 makes -0 elements +0.
-  const double a_scale = core_ns::pow2(a.fraction_bits);
-  const double b_scale = core_ns::pow2(b.fraction_bits);
+  const double a_scale = integer_view ? core_ns::pow2(a.fraction_bits) : 1.0;
+  const double b_scale = integer_view ? core_ns::pow2(b.fraction_bits) : 1.0;
 #pragma omp parallel for schedule(static) if (a.rows * a.depth >= parallel_elements)
   for (std::int64_t row = 0; row < packed.padded_rows; ++row) {
     double* to = packed.a.get() + row * depth;
@@ -102,6 +116,80 @@ wide_packed pack_wide(const canonical_operand& a, const canonical_operand& b) {
     }
   }
   return packed;
+}
+
+// The exponent of the lowest set bit of a nonzero finite float.
+int lowest_bit_exponent(float value) {
+  const std::uint32_t bits = core_ns::float_bits(value) & 0x7FFFFFFFU;
+  const int field = static_cast<int>(bits >> 23);
+  const std::uint32_t significand = (bits & 0x7FFFFFU) | (field != 0 ? 0x800000U : 0U);
+  return (field != 0 ? field - 150 : -149) + __builtin_ctz(significand);
+}
+
+// Upper bounds of the 2-norm of each (row, block) of an operand, times `factor` (a power of two),
+// and in units of the block's lowest set bit: the fp64 sum of the exact squares (at most 64 of
+// them: relative error below 2^-46) and its square root, enlarged by 2^-40.
+void block_norms(const canonical_operand& operand, double factor, std::vector<double>& norms,
+                 std::vector<double>& grid_norms) {
+  norms.assign(static_cast<std::size_t>(operand.rows * operand.blocks), 0.0);
+  grid_norms.assign(norms.size(), 0.0);
+#pragma omp parallel for schedule(static) if (operand.rows * operand.depth >= parallel_elements)
+  for (std::int64_t row = 0; row < operand.rows; ++row) {
+    for (std::int64_t block = 0; block < operand.blocks; ++block) {
+      double squares = 0.0;
+      int lowest = std::numeric_limits<int>::max();
+      const std::int64_t end = std::min(operand.depth, (block + 1) * operand.block);
+      for (std::int64_t k = block * operand.block; k < end; ++k) {
+        const float value = operand.elements[static_cast<std::size_t>(row * operand.depth + k)];
+        if (value == 0.0f) continue;
+        squares += static_cast<double>(value) * value;
+        lowest = std::min(lowest, lowest_bit_exponent(value));
+      }
+      const double norm = std::sqrt(squares) * (1.0 + 0x1p-40);
+      const auto at = static_cast<std::size_t>(row * operand.blocks + block);
+      norms[at] = norm * factor;
+      grid_norms[at] = squares == 0.0 ? 0.0 : norm * core_ns::pow2(-lowest);
+    }
+  }
+}
+
+// The bounds of certified_wide_product. A block dot of n products by fp64 FMAs in ascending K
+// (the first product exact, each later step rounded once) is within (n - 1) u (1 + u)^n sum |p|
+// of the exact dot (u = 2^-53), and sum |p| <= ||A block|| ||B block|| (Cauchy-Schwarz). gamma is
+// 2 (n - 1) u rounded up to a power of two: the factor 2 covers (1 + u)^n and the rounding of the
+// bound's own product.
+void pack_bounds(const canonical_operand& a, const canonical_operand& b, wide_packed& packed) {
+  const auto steps = static_cast<core_ns::uint128>(std::max(1, 2 * (a.block - 1)));
+  const double gamma = core_ns::pow2(core_ns::bit_length(steps) - 53);
+  std::vector<double> a_norms, a_grid, b_norms, b_grid;
+  block_norms(a, gamma, a_norms, a_grid);
+  block_norms(b, 1.0, b_norms, b_grid);
+  packed.a_bounds.assign(static_cast<std::size_t>(packed.padded_rows * a.blocks), 0.0);
+  packed.a_grid_norms.assign(packed.a_bounds.size(), 0.0);
+  std::copy(a_norms.begin(), a_norms.end(), packed.a_bounds.begin());
+  std::copy(a_grid.begin(), a_grid.end(), packed.a_grid_norms.begin());
+  packed.b_bounds.assign(static_cast<std::size_t>(packed.panels * a.blocks * wide_width), 0.0);
+  packed.b_grid_norms.assign(packed.b_bounds.size(), 0.0);
+  for (std::int64_t column = 0; column < b.rows; ++column) {
+    const std::int64_t panel = column / wide_width;
+    const std::int64_t lane = column % wide_width;
+    for (std::int64_t block = 0; block < a.blocks; ++block) {
+      const auto from = static_cast<std::size_t>(column * b.blocks + block);
+      const auto to = static_cast<std::size_t>((panel * a.blocks + block) * wide_width + lane);
+      packed.b_bounds[to] = b_norms[from];
+      packed.b_grid_norms[to] = b_grid[from];
+    }
+  }
+}
+
+// fl32(accumulator + the exact block dot) of one lane from its products (each exact in fp64): the
+// certified step's fallback.
+float exact_lane_step(float accumulator, const double* a_block, std::int64_t depth, int r, const double* b_block,
+                      int lane, int block) {
+  if (!std::isfinite(accumulator)) return nonfinite_step(accumulator, 0.0);  // the operands are finite
+  double products[64];
+  for (int k = 0; k < block; ++k) products[k] = a_block[r * depth + k] * b_block[k * wide_width + lane];
+  return core_ns::add_exactly_to_float(accumulator, products, block);
 }
 
 // The exact block dot of one packed entry (scalar): the recomputation of inexact exact sums.
@@ -234,9 +322,71 @@ __attribute__((target("avx2,fma"), always_inline)) inline std::int64_t wide_row_
   return slow;
 }
 
+// Certified fp32-block steps (float dots: the fp64 dot d is within `bound` of the block dot D).
+// With s + e = acc + d exactly (TwoSum) and f its fp32 rounding (round to odd, then to fp32),
+// every fp32 rounding boundary is at least half of f's spacing from f, a quarter where f is a power
+// of two (its lower neighbour is closer), 2^-151 where f is 0 or subnormal (less than the
+// boundaries' 2^-150). A bound of 0 means d = D: f is the definition's value, ties and overflow
+// included. Else, when |s + e - f| + bound stays below that gap, acc + D rounds to f as well,
+// except where f is 0 (its sign depends on D's) or not finite. Other lanes take exact_lane_step;
+// `uncertain` gets their mask.
+__attribute__((target("avx2"), always_inline)) inline __m128 certified_fp32_step(__m128 accumulator, __m256d dot,
+                                                                                __m256d bound, int& uncertain) {
+  const __m256d acc = _mm256_cvtps_pd(accumulator);
+  const __m256d sum = _mm256_add_pd(acc, dot);
+  const __m256d dot_part = _mm256_sub_pd(sum, acc);
+  const __m256d error =
+      _mm256_add_pd(_mm256_sub_pd(acc, _mm256_sub_pd(sum, dot_part)), _mm256_sub_pd(dot, dot_part));
+  const __m128 rounded = fp32_step(accumulator, dot);
+  const __m256d back = _mm256_cvtps_pd(rounded);
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  const __m256d distance = _mm256_andnot_pd(sign, _mm256_add_pd(_mm256_sub_pd(sum, back), error));
+  const __m256i bits = _mm256_castpd_si256(back);
+  const __m256i exponent = _mm256_and_si256(bits, _mm256_set1_epi64x(0x7FF0000000000000LL));
+  const __m256i power_of_two =
+      _mm256_cmpeq_epi64(_mm256_and_si256(bits, _mm256_set1_epi64x(0x000FFFFFFFFFFFFFLL)), _mm256_setzero_si256());
+  const __m256i below = _mm256_sub_epi64(exponent, _mm256_blendv_epi8(_mm256_set1_epi64x(std::int64_t{24} << 52),
+                                                                      _mm256_set1_epi64x(std::int64_t{25} << 52),
+                                                                      power_of_two));
+  const __m256i smallest = _mm256_set1_epi64x(std::int64_t{1023 - 151} << 52);
+  const __m256d gap = _mm256_castsi256_pd(_mm256_blendv_epi8(smallest, below, _mm256_cmpgt_epi64(below, smallest)));
+  const __m256d magnitude = _mm256_andnot_pd(sign, back);
+  const __m256d zero = _mm256_setzero_pd();
+  const __m256d certain = _mm256_or_pd(
+      _mm256_cmp_pd(bound, zero, _CMP_EQ_OQ),
+      _mm256_and_pd(_mm256_and_pd(_mm256_cmp_pd(_mm256_add_pd(distance, bound), gap, _CMP_LT_OQ),
+                                  _mm256_cmp_pd(magnitude, _mm256_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ)),
+                    _mm256_cmp_pd(magnitude, zero, _CMP_GT_OQ)));
+  uncertain = ~_mm256_movemask_pd(certain) & 0xF;
+  return rounded;
+}
+
+// The certified steps of a micro-tile row's 8 lanes (bounds: gamma ||A block|| ||B block|| per lane).
+__attribute__((target("avx2,fma"), always_inline)) inline std::int64_t certified_row_step(
+    const __m256d* dots, const __m256d* bounds, const double* a_block, std::int64_t depth, int r,
+    const double* b_block, int block, float* accumulators) {
+  int uncertain[2];
+  const __m128 old_low = _mm_load_ps(accumulators);
+  const __m128 old_high = _mm_load_ps(accumulators + 4);
+  _mm_store_ps(accumulators, certified_fp32_step(old_low, dots[0], bounds[0], uncertain[0]));
+  _mm_store_ps(accumulators + 4, certified_fp32_step(old_high, dots[1], bounds[1], uncertain[1]));
+  const int lanes = uncertain[0] | (uncertain[1] << 4);
+  if (lanes == 0) return 0;
+  alignas(16) float old[wide_width];
+  _mm_store_ps(old, old_low);
+  _mm_store_ps(old + 4, old_high);
+  std::int64_t slow = 0;
+  for (int j = 0; j < wide_width; ++j) {
+    if ((lanes >> j & 1) == 0) continue;
+    accumulators[j] = exact_lane_step(old[j], a_block, depth, r, b_block, j, block);
+    ++slow;
+  }
+  return slow;
+}
+
 // Blocks [first, last) of a micro tile: the block dots by fp64 FMAs (4 rows x 8 columns in eight
 // registers, ascending K), then the models' steps.
-template <bool Block, bool Exact>
+template <bool Block, bool Exact, bool Certified = false>
 __attribute__((target("avx2,fma"))) std::int64_t wide_micro_tile(const wide_packed& packed, std::int64_t row,
                                                                   std::int64_t panel, std::int64_t first,
                                                                   std::int64_t last, int block, int fraction_total,
@@ -261,6 +411,26 @@ __attribute__((target("avx2,fma"))) std::int64_t wide_micro_tile(const wide_pack
         dots[r][0] = _mm256_fmadd_pd(value, low, dots[r][0]);
         dots[r][1] = _mm256_fmadd_pd(value, high, dots[r][1]);
       }
+    }
+    if constexpr (Certified) {
+      const auto b_at = static_cast<std::size_t>((panel * packed.blocks + index) * wide_width);
+      const __m256d b_bounds[2] = {_mm256_loadu_pd(&packed.b_bounds[b_at]), _mm256_loadu_pd(&packed.b_bounds[b_at + 4])};
+      const __m256d b_grid[2] = {_mm256_loadu_pd(&packed.b_grid_norms[b_at]),
+                                 _mm256_loadu_pd(&packed.b_grid_norms[b_at + 4])};
+#pragma GCC unroll 4
+      for (int r = 0; r < wide_rows; ++r) {
+        const auto a_at = static_cast<std::size_t>((row + r) * packed.blocks + index);
+        const __m256d a_bound = _mm256_set1_pd(packed.a_bounds[a_at]);
+        const __m256d a_grid = _mm256_set1_pd(packed.a_grid_norms[a_at]);
+        __m256d bounds[2];
+        for (int half = 0; half < 2; ++half) {
+          const __m256d exact = _mm256_cmp_pd(_mm256_mul_pd(a_grid, b_grid[half]), _mm256_set1_pd(0x1p53), _CMP_LT_OQ);
+          bounds[half] = _mm256_andnot_pd(exact, _mm256_mul_pd(a_bound, b_bounds[half]));
+        }
+        slow += certified_row_step(dots[r], bounds, a_block, depth, r, b_block, block,
+                                   state.accumulators + r * wide_width);
+      }
+      continue;
     }
     const std::int32_t* block_b_exponents = b_exponents + index * wide_width;
     const __m256i b_exponent = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_b_exponents));
@@ -345,8 +515,56 @@ __attribute__((target("avx2,avx512f,avx512dq"), always_inline)) inline std::int6
   return slow;
 }
 
+// certified_fp32_step on 8 lanes; returns the uncertain lanes' mask.
+__attribute__((target("avx512f,avx512dq"), always_inline)) inline __m256 certified_fp32_step8(
+    __m256 accumulator, __m512d dot, __m512d bound, __mmask8& uncertain) {
+  const __m512d acc = _mm512_maskz_cvtps_pd(0xFF, accumulator);
+  const __m512d sum = _mm512_add_pd(acc, dot);
+  const __m512d dot_part = _mm512_sub_pd(sum, acc);
+  const __m512d error = _mm512_add_pd(_mm512_sub_pd(acc, _mm512_sub_pd(sum, dot_part)), _mm512_sub_pd(dot, dot_part));
+  const __m256 rounded = fp32_step8(accumulator, dot);
+  const __m512d back = _mm512_maskz_cvtps_pd(0xFF, rounded);
+  const __m512d distance = _mm512_abs_pd(_mm512_add_pd(_mm512_sub_pd(sum, back), error));
+  const __m512i bits = _mm512_castpd_si512(back);
+  const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi64(0x7FF0000000000000LL));
+  const __mmask8 power_of_two = _mm512_testn_epi64_mask(bits, _mm512_set1_epi64(0x000FFFFFFFFFFFFFLL));
+  const __m512i below = _mm512_sub_epi64(
+      exponent, _mm512_mask_blend_epi64(power_of_two, _mm512_set1_epi64(std::int64_t{24} << 52),
+                                        _mm512_set1_epi64(std::int64_t{25} << 52)));
+  const __m512d gap =
+      _mm512_castsi512_pd(_mm512_maskz_max_epi64(0xFF, below, _mm512_set1_epi64(std::int64_t{1023 - 151} << 52)));
+  const __m512d magnitude = _mm512_abs_pd(back);
+  const __m512d zero = _mm512_setzero_pd();
+  const __mmask8 certain =
+      _mm512_cmp_pd_mask(bound, zero, _CMP_EQ_OQ) |
+      (_mm512_cmp_pd_mask(_mm512_add_pd(distance, bound), gap, _CMP_LT_OQ) &
+       _mm512_cmp_pd_mask(magnitude, _mm512_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ) &
+       _mm512_cmp_pd_mask(magnitude, zero, _CMP_GT_OQ));
+  uncertain = static_cast<__mmask8>(~certain);
+  return rounded;
+}
+
+// certified_row_step on one zmm of block dots (a micro-tile row's panel `b_block`).
+__attribute__((target("avx2,avx512f,avx512dq"), always_inline)) inline std::int64_t certified_row_step8(
+    __m512d dot, __m512d bound, const double* a_block, std::int64_t depth, int r, const double* b_block, int block,
+    float* accumulators) {
+  __mmask8 uncertain = 0;
+  const __m256 old = _mm256_load_ps(accumulators);
+  _mm256_store_ps(accumulators, certified_fp32_step8(old, dot, bound, uncertain));
+  if (uncertain == 0) return 0;
+  alignas(32) float before[wide_width];
+  _mm256_store_ps(before, old);
+  std::int64_t slow = 0;
+  for (int j = 0; j < wide_width; ++j) {
+    if ((uncertain >> j & 1) == 0) continue;
+    accumulators[j] = exact_lane_step(before[j], a_block, depth, r, b_block, j, block);
+    ++slow;
+  }
+  return slow;
+}
+
 // wide_micro_tile on panels `panel` and `panel + 1` at once (states[0] and states[1]).
-template <bool Block, bool Exact>
+template <bool Block, bool Exact, bool Certified = false>
 __attribute__((target("avx2,fma,avx512f,avx512dq"))) std::int64_t wide_micro_tile_avx512(
     const wide_packed& packed, std::int64_t row, std::int64_t panel, std::int64_t first, std::int64_t last, int block,
     int fraction_total, wide_tile_state* const states[2]) {
@@ -370,6 +588,24 @@ __attribute__((target("avx2,fma,avx512f,avx512dq"))) std::int64_t wide_micro_til
         dots[r][0] = _mm512_fmadd_pd(value, left, dots[r][0]);
         dots[r][1] = _mm512_fmadd_pd(value, right, dots[r][1]);
       }
+    }
+    if constexpr (Certified) {
+      for (int side = 0; side < 2; ++side) {
+        const auto b_at = static_cast<std::size_t>(((panel + side) * packed.blocks + index) * wide_width);
+        const __m512d b_bound = _mm512_loadu_pd(&packed.b_bounds[b_at]);
+        const __m512d b_grid = _mm512_loadu_pd(&packed.b_grid_norms[b_at]);
+#pragma GCC unroll 4
+        for (int r = 0; r < wide_rows; ++r) {
+          const auto a_at = static_cast<std::size_t>((row + r) * packed.blocks + index);
+          const __mmask8 exact = _mm512_cmp_pd_mask(_mm512_mul_pd(_mm512_set1_pd(packed.a_grid_norms[a_at]), b_grid),
+                                                    _mm512_set1_pd(0x1p53), _CMP_LT_OQ);
+          const __m512d bound =
+              _mm512_maskz_mul_pd(static_cast<__mmask8>(~exact), _mm512_set1_pd(packed.a_bounds[a_at]), b_bound);
+          slow += certified_row_step8(dots[r][side], bound, a_block, depth, r, b_blocks[side], block,
+                                      states[side]->accumulators + r * wide_width);
+        }
+      }
+      continue;
     }
     for (int side = 0; side < 2; ++side) {
       const std::int32_t* block_b_exponents =
@@ -402,6 +638,7 @@ struct wide_job {
   bool avx512;    // pairs of panels on the AVX-512 tile
   bool is_exact;  // the exact model (else fp32-block)
   bool fused;     // fp32-block with exact_too
+  bool certified;  // fp32-block of float dots (certified_wide_product)
 };
 
 // The tiles of one task and their states.
@@ -426,7 +663,9 @@ std::int64_t run_chunk(const wide_job& job, const wide_task& tiles, std::int64_t
     for (std::int64_t row = tiles.row_begin; row < tiles.row_end; row += wide_rows) {
       if (pair) {
         wide_tile_state* const states[2] = {&tiles.state(panel, row), &tiles.state(panel + 1, row)};
-        if (job.fused) {
+        if (job.certified) {
+          slow += wide_micro_tile_avx512<true, false, true>(packed, row, panel, first, last, block, fraction_total, states);
+        } else if (job.fused) {
           slow += wide_micro_tile_avx512<true, true>(packed, row, panel, first, last, block, fraction_total, states);
         } else if (job.is_exact) {
           wide_micro_tile_avx512<false, true>(packed, row, panel, first, last, block, fraction_total, states);
@@ -436,7 +675,9 @@ std::int64_t run_chunk(const wide_job& job, const wide_task& tiles, std::int64_t
         continue;
       }
       wide_tile_state& state = tiles.state(panel, row);
-      if (job.fused) {
+      if (job.certified) {
+        slow += wide_micro_tile<true, false, true>(packed, row, panel, first, last, block, fraction_total, state);
+      } else if (job.fused) {
         slow += wide_micro_tile<true, true>(packed, row, panel, first, last, block, fraction_total, state);
       } else if (job.is_exact) {
         wide_micro_tile<false, true>(packed, row, panel, first, last, block, fraction_total, state);
@@ -500,32 +741,19 @@ std::int64_t write_tile(const wide_job& job, const wide_tile_state& state, std::
   }
   return recomputed_entries;
 }
-#endif
-
-}  // namespace
-
-bool wide_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
-                         const accumulation_model& model) {
-  const bool model_fits = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact ||
-                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
-  return model_fits && !plan.use_float && plan.bound_bits <= 53 && a.scale_mantissa_max <= 1 &&
-         b.scale_mantissa_max <= 1 && a.block == b.block;
+// MXSCOPE_WIDE_KERNEL=avx2 keeps the kernels on AVX2 where AVX-512 is there too (the tests run both).
+bool avx512_requested() {
+  const char* requested = std::getenv("MXSCOPE_WIDE_KERNEL");
+  return cpu_has_avx512() && (requested == nullptr || std::string_view(requested) != "avx2");
 }
 
-bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
-                         matrix64* exact_too) {
-#if MXSCOPE_WIDE_X86
-  if (!cpu_has_avx2_and_fma()) return false;
-  // MXSCOPE_WIDE_KERNEL=avx2 keeps it on AVX2 where AVX-512 is there too (the tests run both).
-  const char* requested = std::getenv("MXSCOPE_WIDE_KERNEL");
-  const wide_packed packed = pack_wide(*context.a, *context.b);
-  const wide_job job{&context,
-                     &packed,
-                     cpu_has_avx512() && (requested == nullptr || std::string_view(requested) != "avx2"),
-                     context.model.kind == accumulation_kind::exact,
-                     exact_too != nullptr && context.model.kind != accumulation_kind::exact};
+// Every task of a job: its tiles' states cleared, K chunk by chunk, then its outputs. Returns the
+// entries' (or entry-blocks') slow steps.
+std::int64_t run_job(const wide_job& job, matrix& out, matrix64* exact, matrix64* exact_too) {
+  const wide_packed& packed = *job.packed;
   const std::int64_t row_tasks = (packed.padded_rows + task_rows - 1) / task_rows;
   const std::int64_t panel_tasks = (packed.panels + task_panels - 1) / task_panels;
+  const fast_context& context = *job.context;
   std::int64_t total = 0;
 #pragma omp parallel reduction(+ : total) if (context.a->rows * context.b->rows * context.a->depth >= parallel_products)
   {
@@ -549,7 +777,32 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
       }
     }
   }
-  fallbacks += total;
+  return total;
+}
+#endif
+
+}  // namespace
+
+bool wide_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
+                         const accumulation_model& model) {
+  const bool model_fits = model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::exact ||
+                          (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
+  return model_fits && !plan.use_float && plan.bound_bits <= 53 && a.scale_mantissa_max <= 1 &&
+         b.scale_mantissa_max <= 1 && a.block == b.block;
+}
+
+bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
+                         matrix64* exact_too) {
+#if MXSCOPE_WIDE_X86
+  if (!cpu_has_avx2_and_fma()) return false;
+  const wide_packed packed = pack_wide(*context.a, *context.b);
+  const wide_job job{&context,
+                     &packed,
+                     avx512_requested(),
+                     context.model.kind == accumulation_kind::exact,
+                     exact_too != nullptr && context.model.kind != accumulation_kind::exact,
+                     false};
+  fallbacks += run_job(job, out, exact, exact_too);
   return true;
 #else
   (void)context;
@@ -557,6 +810,31 @@ bool wide_kernel_product(const fast_context& context, matrix& out, matrix64* exa
   (void)exact;
   (void)fallbacks;
   (void)exact_too;
+  return false;
+#endif
+}
+
+bool certified_wide_applies(const canonical_operand& a, const canonical_operand& b) {
+  return a.block == b.block && a.block >= 1 && a.block <= 64 && a.finite && b.finite;
+}
+
+bool certified_wide_product(const canonical_operand& a, const canonical_operand& b, matrix& out,
+                            std::int64_t& fallbacks) {
+#if MXSCOPE_WIDE_X86
+  if (!cpu_has_avx2_and_fma()) return false;
+  accumulation_model model;
+  model.kind = accumulation_kind::fp32_block;
+  const fast_context context{&a, &b, fast_plan{}, model, 1.0f, core_ns::make_scale_product(1.0f, 1.0f), {}, {}, true};
+  wide_packed packed = pack_wide(a, b, false);
+  pack_bounds(a, b, packed);
+  const wide_job job{&context, &packed, avx512_requested(), false, false, true};
+  fallbacks += run_job(job, out, nullptr, nullptr);
+  return true;
+#else
+  (void)a;
+  (void)b;
+  (void)out;
+  (void)fallbacks;
   return false;
 #endif
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "exact_oracle.hpp"
+#include "mxscope/core/formats.hpp"
 #include "mxscope/errors.hpp"
 #include "mxscope/gemm.hpp"
 #include "mxscope/quantize.hpp"
@@ -832,7 +833,7 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
   const pairing pairings[] = {{"mxfp4", "mxfp4"},         {"mxfp6_e2m3", "mxfp6_e3m2"}, {"mxint8", "mxfp4"},
                               {"mxfp8_e4m3", "mxfp8_e4m3"}, {"mxfp8_e5m2", "mxfp4"},     {"nvfp4", "nvfp4"},
                               {"fp8_e4m3", "fp8_e4m3"},     {"fp8_e4m3", "mxfp4"},      {"bf16", "bf16"},
-                              {"fp32", "bf16"}};
+                              {"fp32", "bf16"},             {"fp8_e5m2", "fp8_e4m3"}};
   for (const bool extreme : {false, true}) {
     const layer_tensors layer = random_layer(100, 36, 28, extreme ? 120 : 121, extreme);
     for (const auto& [format_a, format_b] : pairings) {
@@ -845,10 +846,12 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
         for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
           const mxscope::strategy chosen = make_strategy(format_a, format_b, model);
           const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
-          // The e4m3 pairs' wide kernel also on AVX2 (where the first run took AVX-512).
+          // The wide kernels (the e4m3 pairs; the certified float dots of unscaled and per-tensor
+          // operands) also on AVX2 (where the first run took AVX-512).
           const bool e4m3 = format_a.ends_with("fp8_e4m3") && format_b.ends_with("fp8_e4m3");
+          const bool wide = e4m3 || format_b == "bf16" || format_a == "fp8_e5m2";
           const auto fast_avx2 = [&] {
-            const wide_kernel_on scope(e4m3 ? "avx2" : nullptr);
+            const wide_kernel_on scope(wide ? "avx2" : nullptr);
             return mxscope::run_gemm(kind, layer.operands(), chosen, context);
           }();
           const auto portable = mxscope::run_gemm(kind, layer.operands(), chosen, context,
@@ -877,8 +880,9 @@ TEST(FastPath, IsBitIdenticalToTheGenericPath) {
                                         context, gemm_options_of(mxscope::accumulation_path::automatic, vector_kernels));
     EXPECT_GT(fast.fallback_entries, 0) << "vector kernels " << vector_kernels;
   }
-  // bf16 blocks whose exponents spread beyond the fp64 budget are recomputed by the definition:
-  // all of them in the extreme data (binades from -140 to 115 in one block), few in ordinary data.
+  // bf16 block steps that the certified kernel cannot decide from its bound are taken by the
+  // definition: all of them in the extreme data (binades from -140 to 115 in one block, overflow),
+  // few (here none) in ordinary data.
   const auto extreme_bf16 = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy("bf16", "bf16", "fp32-block"), context);
   EXPECT_GT(extreme_bf16.fallback_entries, 0);
   const layer_tensors ordinary = random_layer(100, 36, 28, 121);
@@ -1262,6 +1266,100 @@ TEST(FastPath, WideKernelRoundsEachBlockStepOnce) {
       EXPECT_EQ(fast.exact_product_seconds, 0.0) << what;  // the wide kernel's fused pass ran
     }
   }
+}
+
+// The certified kernel of float operands (bf16 here) on entries built for each of its rules, with
+// their values computed by hand. Each designed entry (c, c) has its products in blocks of its own
+// (K = 7 blocks of 32), so every other entry's block dots are exact zeros with a zero bound:
+//   0 (block 0): 2^30 + 1 - 2^-25 - 2^-40 - 2^30; the FMAs lose the small products (d = 1) and
+//      only the bound sends the step to the exact sum, which is below 1 - 2^-25: 1 - 2^-24.
+//   6 (block 1): 1 - 2^-25 - 2^-80; d is the tie 1 - 2^-25, which rounds up to the power of two
+//      1, whose lower rounding boundary is a quarter of its spacing away: 1 - 2^-24.
+//   9 (blocks 2, 3): 1.5, then 3 2^-24 - 2^-80 whose d is 3 2^-24: 1.5 + 3 2^-24 is a tie (to
+//      1.5 + 2^-22), the exact sum is below it: 1.5 + 2^-23.
+//  12 (blocks 4, 5): 1.5, then exactly 3 2^-24 (its grid makes the bound 0): the tie goes to
+//      even, 1.5 + 2^-22, without the exact step.
+//   3 (block 6, the last): 2^-110 - 2^-200 - 2^-110 = -2^-200: d = +0 with a bound below 2^-151;
+//      +0 + D rounds to -0.
+TEST(FastPath, CertifiedFloatStepsAreTheDefinition) {
+  layer_tensors layer{matrix(224, 15), matrix(224, 15), matrix(15, 15)};
+  const auto pair = [&](std::int64_t c, std::int64_t k, float dy, float x) {
+    layer.dy(k, c) = dy;
+    layer.x(k, c) = x;
+  };
+  const float p15 = 0x1p15f;
+  pair(0, 0, p15, p15);
+  pair(0, 1, 1.0f, 1.0f);
+  pair(0, 2, -0x1p-13f, 0x1p-12f);
+  pair(0, 3, -0x1p-20f, 0x1p-20f);
+  pair(0, 4, -p15, p15);
+  pair(6, 32, 1.0f, 1.0f);
+  pair(6, 33, -0x1p-13f, 0x1p-12f);
+  pair(6, 34, -0x1p-40f, 0x1p-40f);
+  pair(9, 64, 1.5f, 1.0f);
+  pair(9, 96, 0x1.8p-23f, 1.0f);
+  pair(9, 97, 0x1p-40f, -0x1p-40f);
+  pair(12, 128, 1.5f, 1.0f);
+  pair(12, 160, 0x1.8p-23f, 1.0f);
+  pair(3, 192, 0x1p-55f, 0x1p-55f);
+  pair(3, 193, 0x1p-100f, -0x1p-100f);
+  pair(3, 194, -0x1p-55f, 0x1p-55f);
+  const mxscope::strategy chosen = make_strategy("bf16", "bf16", "fp32-block");
+  const auto definition =
+      mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
+  matrix expected(15, 15);
+  expected(0, 0) = 1.0f - 0x1p-24f;
+  expected(3, 3) = -0.0f;
+  expected(6, 6) = 1.0f - 0x1p-24f;
+  expected(9, 9) = 1.5f + 0x1p-23f;
+  expected(12, 12) = 1.5f + 0x1p-22f;
+  expect_same_bits(expected, definition.out, "bf16 designed entries, the definition");
+  for (const char* isa : wide_kernels) {
+    const wide_kernel_on scope(isa);
+    const std::string what = fmt::format("bf16 designed entries, wide kernel {}", isa == nullptr ? "automatic" : isa);
+    const auto fast = mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), chosen, context);
+    expect_same_bits(expected, fast.out, what);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      EXPECT_EQ(fast.fallback_entries, 4) << what << ": entries 0, 6, 9 and 3 take one exact step each";
+    }
+  }
+}
+
+// gemm_options::known_exact_host (the replay's exact reference of the captured tensors) stands in
+// for exact_too's product only where both quantized operands are those tensors' values: a poisoned
+// known product shows whether it was taken.
+TEST(FastPath, KnownExactProductIsTakenOnlyForTheSameValues) {
+  layer_tensors captured = random_layer(96, 12, 10, 175);
+  for (matrix* m : {&captured.x, &captured.dy}) {
+    for (float& v : m->values) v = mxscope::core::bf16_to_float(mxscope::core::float_to_bf16(v, mxscope::core::rounding_mode::rne));
+  }
+  const layer_tensors unrounded = random_layer(96, 12, 10, 175);
+  mxscope::matrix64 poison(10, 12);
+  std::fill(poison.values.begin(), poison.values.end(), 42.0);
+  const auto run = [&](const layer_tensors& layer, std::string_view format, const matrix* known_a) {
+    mxscope::gemm_options options;
+    options.exact_too = true;
+    options.known_exact_host = mxscope::gemm_options::known_exact_on_host{known_a, &layer.x, &poison};
+    return mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy(format, format, "fp32-block"), context,
+                             options);
+  };
+  const auto computed = [&](const layer_tensors& layer, std::string_view format) {
+    return mxscope::run_gemm(gemm_kind::wgrad, layer.operands(), make_strategy(format, format, "exact"), context).exact;
+  };
+  const auto same = [](const mxscope::matrix64& x, const mxscope::matrix64& y) {
+    return x.values.size() == y.values.size() &&
+           std::equal(x.values.begin(), x.values.end(), y.values.begin(),
+                      [](double p, double q) { return std::bit_cast<std::uint64_t>(p) == std::bit_cast<std::uint64_t>(q); });
+  };
+  // bf16 of a bf16-valued capture: the same values, the known product taken.
+  EXPECT_TRUE(same(run(captured, "bf16", &captured.dy).exact_of_quantized, poison));
+  // fp32 operands are the captured values too.
+  EXPECT_TRUE(same(run(captured, "fp32", &captured.dy).exact_of_quantized, poison));
+  // bf16 of fp32 values that bf16 rounds: other operands, the product computed.
+  EXPECT_TRUE(same(run(unrounded, "bf16", &unrounded.dy).exact_of_quantized, computed(unrounded, "bf16")));
+  // A quantized format, and a known product of other tensors: computed.
+  EXPECT_TRUE(same(run(captured, "mxfp8_e4m3", &captured.dy).exact_of_quantized, computed(captured, "mxfp8_e4m3")));
+  EXPECT_TRUE(same(run(captured, "bf16", &unrounded.dy).exact_of_quantized, computed(captured, "bf16")));
 }
 
 TEST(Threads, ResultsDoNotDependOnTheThreadCount) {

@@ -180,6 +180,16 @@ struct gemm_options {
     device_matrix_ptr fp32;
   };
   std::optional<known_exact_product> known_exact;
+  // On the CPU: the exact product of the tensors `a` and `b` as run_gemm's operands of this GEMM
+  // kind (the replay's exact reference of the captured tensors, rounded once to fp64). exact_too
+  // takes it, instead of multiplying again, where both quantized operands have the values of those
+  // tensors bit for bit (a bf16 strategy on a bf16 capture): the exact sum is the same number.
+  struct known_exact_on_host {
+    const matrix* a = nullptr;
+    const matrix* b = nullptr;
+    const matrix64* fp64 = nullptr;
+  };
+  std::optional<known_exact_on_host> known_exact_host;
 };
 
 struct product_result {

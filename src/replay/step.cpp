@@ -257,6 +257,16 @@ void replay_gemm_step(gemm_state& state, const std::vector<std::string>& unit_te
 
   mark = clock_type::now();
   const gemm_context context{entry.info.layer, static_cast<std::uint32_t>(entry.info.step)};
+  // On the CPU the exact reference is also the exact product of a strategy whose quantized
+  // operands are the captured values (bf16 on a bf16 capture): run_gemm's exact_too takes it.
+  if (in.device == compute_device::cpu && in.parsed.reference == reference_kind::exact) {
+    in.compute.known_exact_host = gemm_options::known_exact_on_host{&captured(entry, layout.a_name),
+                                                                   &captured(entry, layout.b_name), &g.host()};
+  }
+  struct forget_known {
+    gemm_options& options;
+    ~forget_known() { options.known_exact_host.reset(); }
+  } forget{in.compute};
   for (std::size_t u = 0; u < state.units.size(); ++u) {
     auto& unit = state.units[u];
     const auto unit_started = clock_type::now();
