@@ -973,6 +973,20 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
         if (!done && fuse) exact_too->reset();
       };
       if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) run_kernel(int16_kernel_product);
+      if (!done && options.vector_kernels && !plan->power_of_two_scales) {
+        // NVFP4: the block scales' mantissas moved into the elements, for the int16 kernels.
+        if (const auto folded = folded_for_int16(left, right)) {
+          if (const auto folded_plan = plan_fast_path(folded->first, folded->second, model);
+              folded_plan && int16_kernel_applies(folded->first, folded->second, *folded_plan, model)) {
+            const fast_context folded_context{&folded->first, &folded->second, *folded_plan, model,          alpha,
+                                              context.scale,  {},             {},           options.vector_kernels};
+            if (fuse) exact_too->emplace(left.rows, right.rows);
+            done = int16_kernel_product(folded_context, result.out, exact, result.fallback_entries,
+                                        fuse ? &**exact_too : nullptr);
+            if (!done && fuse) exact_too->reset();
+          }
+        }
+      }
       if (!done && options.vector_kernels && wide_kernel_applies(left, right, *plan, model)) run_kernel(wide_kernel_product);
       // trunc-align has no portable fast path: its products are aligned one by one.
       if (!done && model.kind != accumulation_kind::trunc_align) {

@@ -728,7 +728,43 @@ bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b
                           (model.kind == accumulation_kind::trunc_align &&
                            model.fraction_bits + 1 + trunc_align_terms_bits <= 62);
   return model_fits && plan.power_of_two_scales && a.block % 2 == 0 && a.integer_max <= 32767 &&
-         b.integer_max <= 32767 && plan.bound_bits <= 24 && a.tensor_scale == 1.0f && b.tensor_scale == 1.0f;
+         b.integer_max <= 32767 && plan.bound_bits <= 24;
+}
+
+// A copy of the operand with each block scale's odd mantissa moved into its elements: the same
+// values (element * mantissa * 2^exponent), power-of-two block scales, and integer elements up to
+// integer_max * scale_mantissa_max.
+canonical_operand with_folded_mantissas(const canonical_operand& operand) {
+  canonical_operand folded = operand;
+  folded.integer_max = operand.integer_max * operand.scale_mantissa_max;
+  folded.scale_mantissa_max = 1;
+#pragma omp parallel for schedule(static) if (operand.rows * operand.depth >= parallel_elements)
+  for (std::int64_t row = 0; row < operand.rows; ++row) {
+    for (std::int64_t block = 0; block < operand.blocks; ++block) {
+      const auto at = static_cast<std::size_t>(row * operand.blocks + block);
+      const std::int32_t mantissa = operand.scale_mantissas[at];
+      if (mantissa == 1) continue;
+      const float factor = static_cast<float>(mantissa);  // 0 for a zero scale
+      const std::int64_t end = std::min(operand.depth, (block + 1) * operand.block);
+      for (std::int64_t k = block * operand.block; k < end; ++k) {
+        folded.elements[static_cast<std::size_t>(row * operand.depth + k)] *= factor;  // exact: a short integer product
+      }
+      folded.scale_mantissas[at] = 1;
+      if (operand.scale_exponents[at] != nan_block_exponent) {
+        folded.block_scales[at] = core_ns::pow2(operand.scale_exponents[at]);
+      }
+    }
+  }
+  return folded;
+}
+
+std::optional<std::pair<canonical_operand, canonical_operand>> folded_for_int16(const canonical_operand& a,
+                                                                                const canonical_operand& b) {
+  const auto fits = [](const canonical_operand& x) {
+    return x.integer_elements && x.integer_max * x.scale_mantissa_max <= 32767;
+  };
+  if (!fits(a) || !fits(b) || (a.scale_mantissa_max <= 1 && b.scale_mantissa_max <= 1)) return std::nullopt;
+  return std::pair{with_folded_mantissas(a), with_folded_mantissas(b)};
 }
 
 // Runs the int16 kernels over all micro tiles; false when this CPU has no AVX2. With exact_too
@@ -795,16 +831,25 @@ bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* ex
               if (!fused) continue;
             }
             if (redo[e] != 0) {
-              // The fp64 sum was not exact for this entry: sum the scaled block dots exactly.
+              // The fp64 sum was not exact for this entry: sum the scaled block dots exactly (times
+              // the tensor scales).
               core_ns::long_accumulator exact_total;
               for (std::int64_t index = 0; index < a.blocks; ++index) {
-                exact_total.add(scaled_block_dot(static_cast<double>(packed_block_dot(packed, row + r, column, index, a.block)),
-                                                 a_exponents[r * a.blocks + index], 1,
-                                                 b_exponents[index * panel_width + j], 1, context.plan.fraction_total));
+                core_ns::add_scaled_exactly(
+                    exact_total,
+                    scaled_block_dot(static_cast<double>(packed_block_dot(packed, row + r, column, index, a.block)),
+                                     a_exponents[r * a.blocks + index], 1, b_exponents[index * panel_width + j], 1,
+                                     context.plan.fraction_total),
+                    context.scale);
               }
               if (!fused) tile32[e] = exact_total.round_to_float();
               tile64[e] = exact_total.round_to_double();
               if (!fused) ++total;  // the model's fallbacks only
+            } else if (!context.scale.is_one && !std::isnan(tile64[e])) {
+              // The exact fp64 sum times the tensor scales (NVFP4), rounded once.
+              const core_ns::scaled_exact_value value = core_ns::round_scaled_exact(tile64[e], a.tensor_scale, b.tensor_scale);
+              if (!fused) tile32[e] = value.fp32;
+              tile64[e] = value.fp64;
             }
             if (fused) {
               (*exact_too)(row + r, column) = tile64[e];

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <optional>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -196,8 +197,13 @@ std::int64_t integer_product(fast_context& context, matrix& out, matrix64* exact
 // and the product over all micro tiles (false when this CPU has no AVX2).
 bool int16_kernel_applies(const canonical_operand& a, const canonical_operand& b, const fast_plan& plan,
                           const accumulation_model& model);
+// NVFP4 operands (ue4m3 block scales) for the int16 kernels: copies with each scale's mantissa
+// folded into the elements (e2m1 x 2 times an odd mantissa up to 15: below 2^8), leaving power-of-
+// two scales; nullopt where the elements would not fit int16 or no scale has a mantissa.
+std::optional<std::pair<canonical_operand, canonical_operand>> folded_for_int16(const canonical_operand& a,
+                                                                                const canonical_operand& b);
 // With exact_too (fp32-block products only) also the exact model's fp64 product from the same block
-// dots.
+// dots. Tensor scales (NVFP4) go into the epilogue and the exact values' single rounding.
 bool int16_kernel_product(const fast_context& context, matrix& out, matrix64* exact, std::int64_t& fallbacks,
                           matrix64* exact_too = nullptr);
 

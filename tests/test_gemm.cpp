@@ -1158,13 +1158,15 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
   struct pairing {
     std::string_view a, b;
     bool kernel;  // a fused kernel applies: int16 (element integers below 2^15, block dots below
-                  // 2^24) or wide (e4m3 pairs: block dots below 2^53 in fp64, power-of-two scales)
+                  // 2^24; NVFP4 with its scales' mantissas folded into the elements) or wide (e4m3
+                  // pairs: block dots below 2^53 in fp64, power-of-two scales)
   };
   const pairing pairings[] = {{"mxfp4", "mxfp4", true},
                               {"mxfp6_e2m3", "mxfp6_e3m2", true},
                               {"mxint8", "mxfp4", true},
                               {"mxfp8_e4m3", "mxfp8_e4m3", true},
                               {"fp8_e4m3", "fp8_e4m3", true},
+                              {"nvfp4", "nvfp4", true},
                               {"mxfp8_e5m2", "mxfp8_e4m3", false}};
   const mxscope::gemm_options generic = gemm_options_of(mxscope::accumulation_path::generic);
   for (const int data : {0, 1, 2, 3}) {
@@ -1199,9 +1201,9 @@ TEST(FastPath, ExactTooIsTheDefinitionOfBothModels) {
               ASSERT_TRUE(oracle::same(exact_definition.exact.values[i], both.exact_of_quantized.values[i]))
                   << what << " fp64 entry " << i;
             }
-            const bool per_tensor = !format_a.starts_with("mx");
-            // (Per-tensor scaling flushes 2^-30 next to 1.)
-            if (data == 3 && kind == gemm_kind::wgrad && !per_tensor) {
+            const bool per_tensor = format_a.starts_with("fp8");
+            // (Per-tensor scaling flushes 2^-30 next to 1, and so do NVFP4's ue4m3 block scales.)
+            if (data == 3 && kind == gemm_kind::wgrad && format_a.starts_with("mx")) {
               ASSERT_EQ(exact_definition.exact(0, 0), 0x1p-60) << what;
             }
             // A per-tensor operand with a NaN element (dy in wgrad) takes the generic path.
