@@ -290,6 +290,15 @@ void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
 
   // A tile is [tile_rows x tile_cols] elements sharing one scale: 1x16 (axis 1), 16x1 (axis 0)
   // or 16x16 (2-D).
+  // Under rne the elements take the nearest-even encoder (the same codes as core::encode, with the
+  // format's constants hoisted) and a decode table: core::nvfp4_encode's steps, unchanged.
+  const bool nearest_even = !stochastic && options.rounding == core_ns::rounding_mode::rne;
+  const core_ns::nearest_even_encoder encode_nearest_even(core_ns::element_kind::fp4_e2m1);
+  float decoded[16] = {};
+  for (std::uint32_t code = 0; code < 16; ++code) {
+    decoded[code] = static_cast<float>(core_ns::decode(core_ns::element_kind::fp4_e2m1, code));
+  }
+
   const core_ns::nvfp4_tile tile = core_ns::nvfp4_tile_of(options.axis, options.nvfp4_2d);
   const std::int64_t tile_rows = tile.rows;
   const std::int64_t tile_cols = tile.cols;
@@ -335,6 +344,16 @@ void quantize_nvfp4(const matrix& input, quantized_tensor& out) {
         out.scales[scale_index] = block.scale;
         for (std::int64_t r = r0; r < r1; ++r) {
           for (std::int64_t c = c0; c < c1; ++c) {
+            if (nearest_even) {
+              const float value = input(r, c);
+              const core_ns::encoded code = encode_nearest_even(static_cast<double>(value * block.encode));
+              const float dequantized = (decoded[code.code] * block.decode) * global_decode;
+              store_code(out, r, c, code.code);
+              out.dequantized(r, c) = dequantized;
+              local.flushed += code.flushed || (value != 0.0f && dequantized == 0.0f);
+              local.saturated += code.saturated;
+              continue;
+            }
             const std::uint32_t word = stochastic ? words.word(r * input.cols + c) : 0U;
             const core_ns::nvfp4_element element =
                 core_ns::nvfp4_encode(input(r, c), block, global_decode, options.rounding, word, options.sr_bits);
