@@ -43,14 +43,16 @@ std::string fragment_stem(std::size_t index, const std::string& layer) {
 // Relative cost of one operand's format in the CPU emulator, in quarters of an MXFP4 fp32-block
 // product (measured on the sample Wgrad ablation, one thread: docs/scaling.md). Formats with an
 // integer block kernel are cheap (fp4, fp6 and int8 on the int16 kernels, e4m3 on the wide fp64
-// kernel); NVFP4's non-power-of-two block scales, bf16 / fp32 and e5m2 take slower paths.
+// kernel, NVFP4 on the int16 ones with its scales' mantissas in the elements); bf16 / fp32 (the
+// certified fp64 kernel and the exact reference's product shared or recomputed) and e5m2 (binade
+// parts) cost more.
 std::uint64_t operand_weight(const quantize_options& options) {
   const bool e5m2 = options.format.element == core::element_kind::fp8_e5m2;
   switch (options.format.scheme) {
     case quant_scheme::mx: return e5m2 ? 400 : (options.format.element == core::element_kind::fp8_e4m3 ? 5 : 4);
-    case quant_scheme::nvfp4: return 57;
-    case quant_scheme::per_tensor: return e5m2 ? 23 : 10;  // e5m2: binade parts, short-float blocks
-    default: return 15;  // bf16 and fp32
+    case quant_scheme::nvfp4: return 13;
+    case quant_scheme::per_tensor: return e5m2 ? 20 : 10;  // e5m2: binade parts, certified blocks
+    default: return 6;  // bf16 and fp32
   }
 }
 

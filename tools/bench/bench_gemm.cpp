@@ -99,6 +99,23 @@ void BM_RunGemm(benchmark::State& state) {
 }
 BENCHMARK(BM_RunGemm)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// The same for other formats without exact_too: bf16 (the certified float kernel) and NVFP4 (the
+// int16 kernels with the ue4m3 scales' mantissas in the elements).
+void BM_RunGemmOf(benchmark::State& state, const char* format) {
+  const auto& data = operands();
+  mxscope::strategy chosen;
+  chosen.a.quantize.format = *mxscope::parse_format(format);
+  chosen.b.quantize.format = *mxscope::parse_format(format);
+  chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
+  const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
+  for (auto _ : state) {
+    const auto result = mxscope::run_gemm(mxscope::gemm_kind::wgrad, tensors, chosen, {"layers.0.mlp.down_proj", 1});
+    benchmark::DoNotOptimize(result.out.data());
+  }
+}
+BENCHMARK_CAPTURE(BM_RunGemmOf, bf16, "bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmOf, nvfp4, "nvfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
+
 // A strategy's product with gemm_options::exact_too, as the replay runs it (the exact product of
 // the same quantized operands beside the model's; one pass over the block dots on the int16 kernels
 // for mxfp4 and the wide fp64 kernel for the e4m3 formats, per-tensor fp8_e4m3 and mxfp8_e4m3). For
@@ -122,6 +139,7 @@ void BM_RunGemmExactToo(benchmark::State& state, const char* format) {
 BENCHMARK_CAPTURE(BM_RunGemmExactToo, mxfp4, "mxfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_RunGemmExactToo, fp8_e4m3, "fp8_e4m3")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_RunGemmExactToo, mxfp8_e4m3, "mxfp8_e4m3")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmExactToo, nvfp4, "nvfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -143,6 +143,15 @@ signs = "none"
 [[strategy]]
 name = "fp8-e4m3-tensor"
 format = "fp8_e4m3"
+[[strategy]]
+name = "mxfp8-e4m3"
+format = "mxfp8_e4m3"
+[[strategy]]
+name = "bf16"
+format = "bf16"
+[[strategy]]
+name = "nvfp4"
+format = "nvfp4"
 )";
 
 // The dump on disk and what the stages hand on to each other.
@@ -362,6 +371,9 @@ void BM_Strategy(benchmark::State& state, const char* name) {
     mark = clock_type::now();
     mxscope::gemm_options gemm_options;
     gemm_options.exact_too = true;
+    // As replay passes it: the exact reference of the captured tensors (taken where the strategy's
+    // quantized operands are those values, as bf16 of this bf16 capture).
+    gemm_options.known_exact_host = mxscope::gemm_options::known_exact_on_host{&entry.dy, &entry.x, &g};
     const mxscope::gemm_result result = mxscope::run_gemm(kind, operands, chosen, context, gemm_options);
     const double run_gemm_s = seconds_since(mark);
     const mxscope::matrix64& exact_result = result.exact_of_quantized;
@@ -405,6 +417,9 @@ BENCHMARK_CAPTURE(BM_Strategy, fp8-e4m3-tensor, "fp8-e4m3-tensor")
     ->Unit(benchmark::kSecond)
     ->UseManualTime()
     ->Iterations(1);
+BENCHMARK_CAPTURE(BM_Strategy, mxfp8-e4m3, "mxfp8-e4m3")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
+BENCHMARK_CAPTURE(BM_Strategy, bf16, "bf16")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
+BENCHMARK_CAPTURE(BM_Strategy, nvfp4, "nvfp4")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
 
 // ---------------------------------------------------------------------------------------------
 // The cross-step state alone ("metrics" stage), on synthetic outputs of one shape.
