@@ -152,6 +152,16 @@ format = "bf16"
 [[strategy]]
 name = "nvfp4"
 format = "nvfp4"
+[[strategy]]
+name = "mxfp4-sr"
+format = "mxfp4"
+rounding = "sr"
+seed_policy = "per-step"
+[[strategy]]
+name = "mxfp4-rht16"
+format = "mxfp4"
+rotation = "hadamard:16"
+signs = "per-step"
 )";
 
 // The dump on disk and what the stages hand on to each other.
@@ -420,6 +430,8 @@ BENCHMARK_CAPTURE(BM_Strategy, fp8-e4m3-tensor, "fp8-e4m3-tensor")
 BENCHMARK_CAPTURE(BM_Strategy, mxfp8-e4m3, "mxfp8-e4m3")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
 BENCHMARK_CAPTURE(BM_Strategy, bf16, "bf16")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
 BENCHMARK_CAPTURE(BM_Strategy, nvfp4, "nvfp4")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
+BENCHMARK_CAPTURE(BM_Strategy, mxfp4-sr, "mxfp4-sr")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
+BENCHMARK_CAPTURE(BM_Strategy, mxfp4-rht16, "mxfp4-rht16")->Unit(benchmark::kSecond)->UseManualTime()->Iterations(1);
 
 // ---------------------------------------------------------------------------------------------
 // The cross-step state alone ("metrics" stage), on synthetic outputs of one shape.
