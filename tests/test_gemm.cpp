@@ -1327,6 +1327,47 @@ TEST(FastPath, CertifiedFloatStepsAreTheDefinition) {
   }
 }
 
+// The certified kernel against the definition on bf16 data built to stress it: small-integer
+// significands over four binades 10 apart (exact dots, fp32 ties), and in every other block a pair
+// of 2^40-sized products that cancel exactly around the small ones (the FMAs lose those, so the
+// bound decides, or the exact step). Both tiles, wgrad and fprop.
+TEST(FastPath, CertifiedFloatStepsOnTiesAndCancellations) {
+  std::mt19937_64 random(181);
+  std::uniform_int_distribution<int> significand(1, 255);
+  std::uniform_int_distribution<int> binade(0, 3);
+  std::uniform_int_distribution<int> coin(0, 1);
+  const auto value = [&] {
+    const float magnitude = std::ldexp(static_cast<float>(significand(random)), 10 * binade(random) - 40);
+    return coin(random) != 0 ? -magnitude : magnitude;
+  };
+  layer_tensors layer{matrix(256, 24), matrix(256, 20), matrix(20, 24)};
+  for (matrix* m : {&layer.x, &layer.dy}) {
+    for (float& v : m->values) v = value();
+  }
+  for (std::int64_t block = 0; block < 8; block += 2) {
+    const std::int64_t k = block * 32 + 4;
+    for (std::int64_t c = 0; c < 24; ++c) {
+      layer.x(k, c) = std::ldexp(static_cast<float>(significand(random)), 32);
+      layer.x(k + 2, c) = -layer.x(k, c);
+    }
+    for (std::int64_t c = 0; c < 20; ++c) layer.dy(k, c) = layer.dy(k + 2, c) = std::ldexp(static_cast<float>(significand(random)), 8);
+  }
+  for (const gemm_kind kind : {gemm_kind::wgrad, gemm_kind::fprop}) {
+    const mxscope::strategy chosen = make_strategy("bf16", "bf16", "fp32-block");
+    const auto definition =
+        mxscope::run_gemm(kind, layer.operands(), chosen, context, gemm_options_of(mxscope::accumulation_path::generic));
+    for (const char* isa : wide_kernels) {
+      const wide_kernel_on scope(isa);
+      const std::string what = fmt::format("bf16 stress {} {}", mxscope::gemm_kind_name(kind), isa == nullptr ? "automatic" : isa);
+      const auto fast = mxscope::run_gemm(kind, layer.operands(), chosen, context);
+      expect_same_bits(definition.out, fast.out, what);
+      if (kind == gemm_kind::wgrad && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        EXPECT_GT(fast.fallback_entries, 0) << what << ": the cancelling blocks must take the exact step";
+      }
+    }
+  }
+}
+
 // gemm_options::known_exact_host (the replay's exact reference of the captured tensors) stands in
 // for exact_too's product only where both quantized operands are those tensors' values: a poisoned
 // known product shows whether it was taken.
