@@ -929,13 +929,13 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
       done = true;
     }
     const int short_float_budget = 53 - bits_of(block) - significand_bits(a) - significand_bits(b);
-    // Per-tensor and unit-scaled MX operands that the integer fast path does not cover (fp8 e5m2 x
-    // e4m3: block dots of up to 55 bits) take the short-float product too: the same definition, the
-    // block dots exact in fp64 wherever the two rows' exponent spreads leave room, per entry
-    // elsewhere; then alpha, as generic_product's epilogue.
+    // Unquantized operands, and per-tensor and unit-scaled MX operands that the integer fast path
+    // does not cover (fp8 e5m2 x e4m3: block dots of up to 55 bits), are short floats: under
+    // fp32-block and fp32-group:1 they take the certified fp64 kernel where this CPU has it (the
+    // bound, not the spread, decides each step); otherwise the short-float product, the block dots
+    // exact in fp64 wherever the two rows' exponent spreads leave room, per entry elsewhere. Then
+    // alpha, as generic_product's epilogue.
     const bool scaled_floats = !unquantized && !plan && unit_scaled_floats(a) && unit_scaled_floats(b);
-    // Under fp32-block (and fp32-group:1) they take the certified fp64 kernel where this CPU has it,
-    // whatever their significands (the bound, not the spread, decides each step).
     const bool one_block_steps = model.kind == accumulation_kind::fp32_block ||
                                  (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1);
     if (!done && automatic && (unquantized || scaled_floats) && one_block_steps && options.vector_kernels &&
@@ -967,27 +967,30 @@ product_result emulate_named(const quantized_tensor& a, const quantized_tensor& 
                            options.vector_kernels};
       const bool fuse = exact_too != nullptr && (model.kind == accumulation_kind::fp32_block ||
                                                  (model.kind == accumulation_kind::fp32_group && model.blocks_per_group == 1));
-      const auto run_kernel = [&](auto&& kernel) {
+      const auto run_kernel = [&](auto&& kernel, const fast_context& on) {
         if (fuse) exact_too->emplace(left.rows, right.rows);
-        done = kernel(context, result.out, exact, result.fallback_entries, fuse ? &**exact_too : nullptr);
+        done = kernel(on, result.out, exact, result.fallback_entries, fuse ? &**exact_too : nullptr);
         if (!done && fuse) exact_too->reset();
       };
-      if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) run_kernel(int16_kernel_product);
+      if (options.vector_kernels && int16_kernel_applies(left, right, *plan, model)) {
+        run_kernel(int16_kernel_product, context);
+      }
       if (!done && options.vector_kernels && !plan->power_of_two_scales) {
         // NVFP4: the block scales' mantissas moved into the elements, for the int16 kernels.
         if (const auto folded = folded_for_int16(left, right)) {
-          if (const auto folded_plan = plan_fast_path(folded->first, folded->second, model);
-              folded_plan && int16_kernel_applies(folded->first, folded->second, *folded_plan, model)) {
-            const fast_context folded_context{&folded->first, &folded->second, *folded_plan, model,          alpha,
-                                              context.scale,  {},             {},           options.vector_kernels};
-            if (fuse) exact_too->emplace(left.rows, right.rows);
-            done = int16_kernel_product(folded_context, result.out, exact, result.fallback_entries,
-                                        fuse ? &**exact_too : nullptr);
-            if (!done && fuse) exact_too->reset();
+          const auto folded_plan = plan_fast_path(folded->first, folded->second, model);
+          if (folded_plan && int16_kernel_applies(folded->first, folded->second, *folded_plan, model)) {
+            fast_context on_folded = context;
+            on_folded.a = &folded->first;
+            on_folded.b = &folded->second;
+            on_folded.plan = *folded_plan;
+            run_kernel(int16_kernel_product, on_folded);
           }
         }
       }
-      if (!done && options.vector_kernels && wide_kernel_applies(left, right, *plan, model)) run_kernel(wide_kernel_product);
+      if (!done && options.vector_kernels && wide_kernel_applies(left, right, *plan, model)) {
+        run_kernel(wide_kernel_product, context);
+      }
       // trunc-align has no portable fast path: its products are aligned one by one.
       if (!done && model.kind != accumulation_kind::trunc_align) {
         result.fallback_entries = integer_product(context, result.out, exact);
