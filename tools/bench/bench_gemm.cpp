@@ -84,57 +84,42 @@ BENCHMARK_CAPTURE(BM_Emulated, fp32-seq, "fp32-seq")->Unit(benchmark::kMilliseco
 BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14:1, "trunc-align:14,1")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Emulated, trunc-align:14:4:rne, "trunc-align:14,4,rne")->Unit(benchmark::kMillisecond)->UseRealTime();
 
-// Rotation-free MXFP4 strategy end to end: quantize both operands, then fp32-block.
-void BM_RunGemm(benchmark::State& state) {
-  const auto& data = operands();
-  mxscope::strategy chosen;
-  chosen.a.quantize.format = *mxscope::parse_format("mxfp4");
-  chosen.b.quantize.format = *mxscope::parse_format("mxfp4");
-  chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
-  const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
-  for (auto _ : state) {
-    const auto result = mxscope::run_gemm(mxscope::gemm_kind::wgrad, tensors, chosen, {"layers.0.mlp.down_proj", 1});
-    benchmark::DoNotOptimize(result.out.data());
-  }
-}
-BENCHMARK(BM_RunGemm)->Unit(benchmark::kMillisecond)->UseRealTime();
-
-// The same for other formats without exact_too: bf16 (the certified float kernel) and NVFP4 (the
-// int16 kernels with the ue4m3 scales' mantissas in the elements).
-void BM_RunGemmOf(benchmark::State& state, const char* format) {
+// run_gemm of a rotation-free strategy with `format` on both operands under fp32-block, on the
+// Wgrad operands: quantize both, then the product (and, with options.exact_too, its exact product).
+void time_run_gemm(benchmark::State& state, const char* format, const mxscope::gemm_options& options) {
   const auto& data = operands();
   mxscope::strategy chosen;
   chosen.a.quantize.format = *mxscope::parse_format(format);
   chosen.b.quantize.format = *mxscope::parse_format(format);
   chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
   const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
-  for (auto _ : state) {
-    const auto result = mxscope::run_gemm(mxscope::gemm_kind::wgrad, tensors, chosen, {"layers.0.mlp.down_proj", 1});
-    benchmark::DoNotOptimize(result.out.data());
-  }
-}
-BENCHMARK_CAPTURE(BM_RunGemmOf, bf16, "bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_RunGemmOf, nvfp4, "nvfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
-
-// A strategy's product with gemm_options::exact_too, as the replay runs it (the exact product of
-// the same quantized operands beside the model's; one pass over the block dots on the int16 kernels
-// for mxfp4 and the wide fp64 kernel for the e4m3 formats, per-tensor fp8_e4m3 and mxfp8_e4m3). For
-// mxfp4 it cost BM_RunGemm + BM_Emulated/exact while the exact product was a second pass.
-void BM_RunGemmExactToo(benchmark::State& state, const char* format) {
-  const auto& data = operands();
-  mxscope::strategy chosen;
-  chosen.a.quantize.format = *mxscope::parse_format(format);
-  chosen.b.quantize.format = *mxscope::parse_format(format);
-  chosen.accumulation = mxscope::parse_accumulation_model("fp32-block");
-  const mxscope::gemm_operands tensors{&data.x, &data.dy, nullptr};
-  mxscope::gemm_options options;
-  options.exact_too = true;
   for (auto _ : state) {
     const auto result =
         mxscope::run_gemm(mxscope::gemm_kind::wgrad, tensors, chosen, {"layers.0.mlp.down_proj", 1}, options);
     benchmark::DoNotOptimize(result.out.data());
     benchmark::DoNotOptimize(result.exact_of_quantized.data());
   }
+}
+
+// The MXFP4 strategy end to end.
+void BM_RunGemm(benchmark::State& state) { time_run_gemm(state, "mxfp4", {}); }
+BENCHMARK(BM_RunGemm)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The same for other formats without exact_too: bf16 (the certified float kernel) and NVFP4 (the
+// int16 kernels with the ue4m3 scales' mantissas in the elements).
+void BM_RunGemmOf(benchmark::State& state, const char* format) { time_run_gemm(state, format, {}); }
+BENCHMARK_CAPTURE(BM_RunGemmOf, bf16, "bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_RunGemmOf, nvfp4, "nvfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// A strategy's product with gemm_options::exact_too, as the replay runs it (the exact product of
+// the same quantized operands beside the model's; one pass over the block dots on the int16 kernels
+// for mxfp4 and nvfp4 and the wide fp64 kernel for the e4m3 formats, per-tensor fp8_e4m3 and
+// mxfp8_e4m3). For mxfp4 it cost BM_RunGemm + BM_Emulated/exact while the exact product was a
+// second pass.
+void BM_RunGemmExactToo(benchmark::State& state, const char* format) {
+  mxscope::gemm_options options;
+  options.exact_too = true;
+  time_run_gemm(state, format, options);
 }
 BENCHMARK_CAPTURE(BM_RunGemmExactToo, mxfp4, "mxfp4")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_RunGemmExactToo, fp8_e4m3, "fp8_e4m3")->Unit(benchmark::kMillisecond)->UseRealTime();
