@@ -237,18 +237,54 @@ TEST(SafetensorsReader, CountingReadMatchesAnIndependentCountAcrossChunks) {
   const fs::path path = directory.path() / "big.safetensors";
   writer.write(path);
   const safetensors_reader reader(path);
-  for (const char* name : {"b", "f"}) {
-    mxscope::io::nonfinite_count counted;
-    const mxscope::matrix values = reader.read_matrix(name, counted);
-    std::uint64_t nans = 0, infs = 0;
-    for (const float v : values.values) {
-      nans += std::isnan(v);
-      infs += std::isinf(v);
+  // The default split (one piece of bf16, two of f32) and pieces read by several threads: piece
+  // sizes that are not a whole number of elements, more threads than pieces, one thread, and reads
+  // into the memory of an earlier matrix (larger, and too small).
+  using pieces = safetensors_reader::pieces;
+  const std::vector<pieces> splits = {pieces{}, {65'538, 3}, {1'000'003, 8}, {4'000'000, 1}, {333'333, 0}};
+  mxscope::matrix recycled;
+  for (const pieces& split : splits) {
+    for (const char* name : {"b", "f"}) {
+      const std::string what = fmt::format("{} piece_bytes {} threads {}", name, split.piece_bytes, split.threads);
+      mxscope::io::nonfinite_count counted;
+      const mxscope::matrix values = reader.read_matrix(name, counted, std::move(recycled), split);
+      ASSERT_EQ(values.values.size(), n) << what;
+      std::uint64_t nans = 0, infs = 0, differ = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const float v = values.values[i];
+        nans += std::isnan(v);
+        infs += std::isinf(v);
+        // The stored bits, widened independently (bf16: the upper half of an fp32 pattern).
+        const std::uint32_t expected = name[0] == 'b' ? std::uint32_t{bf16[i]} << 16 : f32[i];
+        differ += float_bits(v) != expected;
+      }
+      EXPECT_EQ(differ, 0U) << what;
+      EXPECT_EQ(nans, 4U) << what;  // the test's own construction
+      EXPECT_EQ(infs, 2U) << what;
+      EXPECT_EQ(counted.nan, nans) << what;
+      EXPECT_EQ(counted.inf, infs) << what;
+      recycled = values;
+      if (name[0] == 'f') recycled.values.resize(10);  // too small: the read allocates again
     }
-    EXPECT_EQ(nans, 4U) << name;  // the test's own construction
-    EXPECT_EQ(infs, 2U) << name;
-    EXPECT_EQ(counted.nan, nans) << name;
-    EXPECT_EQ(counted.inf, infs) << name;
+  }
+}
+
+// A piece read that fails (the file cut after the reader opened it) is an input_error naming the
+// file, whichever thread met it, and the other threads stop.
+TEST(SafetensorsReader, PieceReadOfAShrunkFileGivesAClearError) {
+  constexpr std::size_t n = 200'000;
+  std::vector<std::uint8_t> bytes(n * 2, 0x3F);
+  safetensors_writer writer;
+  writer.add("b", mxscope::io::dtype::bf16, {static_cast<std::int64_t>(n)}, bytes);
+  temporary_directory directory;
+  const fs::path path = directory.path() / "shrinking.safetensors";
+  writer.write(path);
+  const safetensors_reader reader(path);
+  fs::resize_file(path, fs::file_size(path) - 100'000);
+  for (const int threads : {1, 4}) {
+    mxscope::io::nonfinite_count counted;
+    expect_input_error([&] { (void)reader.read_matrix("b", counted, mxscope::matrix{}, {16'384, threads}); },
+                       {path.string(), "short read"}, "file cut after opening");
   }
 }
 

@@ -566,6 +566,7 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     throw input_error(fmt::format("{}: changed since the dump was opened (x/dy shapes differ)", info.file.string()));
   }
   const safetensors_reader reader(info.file);
+  reader.start_reading({"x", "dy"});  // the disk reads ahead while the destinations are allocated
   dump_entry entry;
   entry.info = current;
 

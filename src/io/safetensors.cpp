@@ -7,14 +7,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <system_error>
+#include <thread>
 
 #include "mxscope/core/formats.hpp"
 #include "mxscope/errors.hpp"
@@ -422,6 +425,16 @@ void safetensors_reader::read_at(std::uint64_t file_offset, std::uint64_t size, 
   }
 }
 
+void safetensors_reader::start_reading(std::initializer_list<std::string_view> names) const {
+  if (!file_) return;
+  for (const std::string_view name : names) {
+    if (const tensor_info* tensor = find(name)) {
+      (void)::posix_fadvise(file_->descriptor, static_cast<off_t>(data_start_ + tensor->begin),
+                            static_cast<off_t>(tensor->byte_size()), POSIX_FADV_WILLNEED);
+    }
+  }
+}
+
 const tensor_info* safetensors_reader::find(std::string_view name) const {
   const auto found = std::lower_bound(tensors_.begin(), tensors_.end(), name,
                                       [](const tensor_info& tensor, std::string_view key) { return tensor.name < key; });
@@ -573,35 +586,6 @@ void convert_to_float(dtype type, const std::uint8_t* bytes, std::uint64_t eleme
 
 namespace {
 
-// BF16 -> fp32 with the NaN and Inf counts of the stored bits (exponent field all ones), one pass.
-void widen_bf16_counting(const std::uint8_t* bytes, std::int64_t count, float* destination, nonfinite_count& counts) {
-  std::uint64_t nan = 0, inf = 0;
-#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (count >= (std::int64_t{1} << 20))
-  for (std::int64_t i = 0; i < count; ++i) {
-    const std::uint16_t bits = load<std::uint16_t>(bytes + 2 * i);
-    destination[i] = core::bf16_to_float(bits);
-    const unsigned magnitude = bits & 0x7FFFU;
-    nan += magnitude > 0x7F80U;
-    inf += magnitude == 0x7F80U;
-  }
-  counts.nan += nan;
-  counts.inf += inf;
-}
-
-// F32 copied with the NaN and Inf counts of its bits.
-void copy_f32_counting(const std::uint8_t* bytes, std::int64_t count, float* destination, nonfinite_count& counts) {
-  std::memcpy(destination, bytes, static_cast<std::size_t>(count) * 4);
-  std::uint64_t nan = 0, inf = 0;
-#pragma omp parallel for reduction(+ : nan, inf) schedule(static) if (count >= (std::int64_t{1} << 20))
-  for (std::int64_t i = 0; i < count; ++i) {
-    const std::uint32_t magnitude = load<std::uint32_t>(bytes + 4 * i) & 0x7FFFFFFFU;
-    nan += magnitude > 0x7F800000U;
-    inf += magnitude == 0x7F800000U;
-  }
-  counts.nan += nan;
-  counts.inf += inf;
-}
-
 // Room for `count` values in `values`. A large fresh destination is backed by transparent huge
 // pages where the kernel offers them on request (madvise; nothing changes where it does not): the
 // zero-fill of resize() then faults the memory in 2 MiB pages instead of 4 KiB ones, which was
@@ -620,13 +604,99 @@ void reserve_for_read(std::vector<float>& values, std::size_t count) {
 #endif
 }
 
+
+// BF16 or F32 elements [first, first + count) of a tensor into destination + first, counting NaN
+// and Inf from the stored bits; one thread.
+void convert_counting(dtype type, const std::uint8_t* bytes, std::uint64_t count, float* destination,
+                      nonfinite_count& counts) {
+  std::uint64_t nan = 0, inf = 0;
+  if (type == dtype::bf16) {
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint16_t bits = load<std::uint16_t>(bytes + 2 * i);
+      destination[i] = core::bf16_to_float(bits);
+      const unsigned magnitude = bits & 0x7FFFU;
+      nan += magnitude > 0x7F80U;
+      inf += magnitude == 0x7F80U;
+    }
+  } else {
+    std::memcpy(destination, bytes, static_cast<std::size_t>(count) * 4);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint32_t magnitude = load<std::uint32_t>(bytes + 4 * i) & 0x7FFFFFFFU;
+      nan += magnitude > 0x7F800000U;
+      inf += magnitude == 0x7F800000U;
+    }
+  }
+  counts.nan += nan;
+  counts.inf += inf;
+}
+
+int piece_threads(const safetensors_reader::pieces& split, std::uint64_t piece_count) {
+  int threads = split.threads;
+  if (threads <= 0) threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 2, 8);
+  return static_cast<int>(std::min<std::uint64_t>(piece_count, static_cast<std::uint64_t>(threads)));
+}
+
 }  // namespace
 
 matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count) const {
   return read_matrix(name, count, matrix{});
 }
 
+// The pieces are taken in file order from a shared counter, so the requests in flight stay close
+// together on the disk. A failed read stops the others from taking more pieces; the error of the
+// lowest failed piece is rethrown (the same message a one-thread read would give first).
+void safetensors_reader::read_pieces(const tensor_info& tensor, const pieces& split, float* destination,
+                                     nonfinite_count& count) const {
+  const auto element_size = static_cast<std::uint64_t>(dtype_size(tensor.type));
+  const std::uint64_t total = tensor.byte_size() / element_size;
+  const std::uint64_t per_piece = std::max<std::uint64_t>(1, split.piece_bytes / element_size);
+  const std::uint64_t piece_count = (total + per_piece - 1) / per_piece;
+  const int threads = piece_threads(split, piece_count);
+  std::atomic<std::uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::vector<nonfinite_count> counts(static_cast<std::size_t>(threads));
+  std::vector<std::pair<std::uint64_t, std::exception_ptr>> errors(static_cast<std::size_t>(threads));
+  const auto work = [&](int t) {
+    std::vector<std::uint8_t> buffer(static_cast<std::size_t>(std::min(per_piece, total) * element_size));
+    for (std::uint64_t piece = next++; piece < piece_count && !failed; piece = next++) {
+      const std::uint64_t first = piece * per_piece;
+      const std::uint64_t n = std::min(per_piece, total - first);
+      try {
+        read_tensor_bytes(tensor, first * element_size, n * element_size, buffer.data());
+      } catch (...) {
+        errors[static_cast<std::size_t>(t)] = {piece, std::current_exception()};
+        failed = true;
+        return;
+      }
+      convert_counting(tensor.type, buffer.data(), n, destination + first, counts[static_cast<std::size_t>(t)]);
+    }
+  };
+  std::vector<std::thread> helpers;
+  helpers.reserve(static_cast<std::size_t>(threads - 1));
+  for (int t = 1; t < threads; ++t) helpers.emplace_back(work, t);
+  work(0);
+  for (auto& helper : helpers) helper.join();
+  const std::exception_ptr* first_error = nullptr;
+  std::uint64_t first_piece = piece_count;
+  for (const auto& [piece, error] : errors) {
+    if (error && piece < first_piece) {
+      first_piece = piece;
+      first_error = &error;
+    }
+  }
+  if (first_error != nullptr) std::rethrow_exception(*first_error);
+  for (const auto& part : counts) {
+    count.nan += part.nan;
+    count.inf += part.inf;
+  }
+}
+
 matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count, matrix storage) const {
+  return read_matrix(name, count, std::move(storage), pieces{});
+}
+
+matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& count, matrix storage,
+                                       const pieces& split) const {
   const tensor_info& tensor = at(name);
   const std::string what = fmt::format("{}: tensor '{}'", label_, printable_name(tensor.name));
   if (!converts_to_matrix(tensor.type)) convert_to_float(tensor.type, nullptr, 0, nullptr, what);
@@ -637,14 +707,16 @@ matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& c
   reserve_for_read(result.values, static_cast<std::size_t>(rows * cols));
   result.values.resize(static_cast<std::size_t>(rows * cols));  // every element is written below
   count = {};
+  if ((tensor.type == dtype::bf16 || tensor.type == dtype::f32) && tensor.byte_size() > split.piece_bytes) {
+    read_pieces(tensor, split, result.data(), count);
+    return result;
+  }
   std::uint64_t filled = 0;
   for_each_chunk(tensor, std::uint64_t{4} << 20, [&](const std::uint8_t* bytes, std::uint64_t elements) {
     float* destination = result.data() + filled;
     const auto n = static_cast<std::int64_t>(elements);
-    if (tensor.type == dtype::bf16) {
-      widen_bf16_counting(bytes, n, destination, count);
-    } else if (tensor.type == dtype::f32) {
-      copy_f32_counting(bytes, n, destination, count);
+    if (tensor.type == dtype::bf16 || tensor.type == dtype::f32) {
+      convert_counting(tensor.type, bytes, elements, destination, count);
     } else {
       convert_to_float(tensor.type, bytes, elements, destination, what);
       for (std::int64_t i = 0; i < n; ++i) {

@@ -37,6 +37,7 @@
 // normal (log-normal, heavy-tailed: sigma 1 for x, 1.5 for dy), dy further scaled by 2^-20 like a
 // gradient; rounded to bf16, the precision a capture stores.
 #include <benchmark/benchmark.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <Eigen/Core>
@@ -47,6 +48,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -283,6 +285,72 @@ void BM_Read(benchmark::State& state) {
   set_shape_counters(state);
 }
 BENCHMARK(BM_Read)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(1);
+
+// The disk's sequential bandwidth, the baseline of the cold reads below: the entry file read
+// once with O_DIRECT (no page cache) in 64 MiB requests into an aligned buffer.
+void BM_DiskDirect(benchmark::State& state) {
+  const fs::path file = data().dump->entries().front().file;
+  constexpr std::size_t request = std::size_t{64} << 20;
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, 4096, request) != 0) {
+    state.SkipWithError("posix_memalign failed");
+    return;
+  }
+  std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
+  for (auto _ : state) {
+    const int descriptor = ::open(file.c_str(), O_RDONLY | O_DIRECT);
+    if (descriptor < 0) {
+      state.SkipWithError("open with O_DIRECT failed (the file system may not support it)");
+      return;
+    }
+    off_t offset = 0;
+    for (;;) {
+      const ssize_t got = ::pread(descriptor, raw, request, offset);
+      if (got <= 0) break;
+      offset += got;
+    }
+    ::close(descriptor);
+    benchmark::DoNotOptimize(raw);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(fs::file_size(file)));
+}
+BENCHMARK(BM_DiskDirect)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(3);
+
+// Drops the entry file's clean pages from the page cache (no privileges needed), so that the next
+// read comes from the disk.
+void drop_cached_pages(const fs::path& file) {
+  const int descriptor = ::open(file.c_str(), O_RDONLY);
+  if (descriptor < 0) return;
+  (void)::posix_fadvise(descriptor, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(descriptor);
+}
+
+// The read of a first step from a cold file, into fresh memory (Arg 0) or, as the replay reads
+// from the third step of a layer on, into the memory of an earlier entry (Arg 1).
+void BM_ReadCold(benchmark::State& state) {
+  fixture& f = data();
+  mxscope::io::dump_read_options options;
+  options.read_weight = false;
+  options.read_weight_gradient = false;
+  options.read_quantized = false;
+  const auto& info = f.dump->entries().front();
+  mxscope::io::dump_entry spare;
+  if (state.range(0) == 1) spare = f.dump->read(info, options);
+  for (auto _ : state) {
+    state.PauseTiming();
+    drop_cached_pages(info.file);
+    state.ResumeTiming();
+    mxscope::io::dump_entry entry = f.dump->read(info, options, std::move(spare));
+    if (!entry.all_finite()) state.SkipWithError("non-finite synthetic values");
+    benchmark::DoNotOptimize(entry.x.data());
+    if (state.range(0) == 1) spare = std::move(entry);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(fs::file_size(info.file)));
+  set_shape_counters(state);
+}
+BENCHMARK(BM_ReadCold)->Arg(0)->Arg(1)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(3);
 
 // The read as the replay does it from the third step of a layer on: into the memory of an earlier
 // entry of the same shape (dump_reader::read with a recycled entry), after one warm-up read.

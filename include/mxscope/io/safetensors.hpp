@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -118,12 +119,25 @@ class safetensors_reader {
   matrix read_matrix(std::string_view name, nonfinite_count& count) const;
   // The same into `storage`'s memory where it is large enough (a matrix of an earlier read: a
   // replay reads tensors of one shape step after step, and fresh memory costs page faults).
+  // BF16 and F32 tensors of more than one piece are read by several threads at once, each piece
+  // one pread of its own followed by its conversion, so that the disk sees several requests at a
+  // time and the conversion runs beside the reads (docs/architecture.md, "Reading a capture").
+  struct pieces {
+    std::uint64_t piece_bytes = std::uint64_t{8} << 20;
+    int threads = 0;  // 0: min(8, hardware threads), at least 2
+  };
   matrix read_matrix(std::string_view name, nonfinite_count& count, matrix storage) const;
+  matrix read_matrix(std::string_view name, nonfinite_count& count, matrix storage, const pieces& split) const;
+  // Asks the kernel to start reading the named tensors' bytes into the page cache now (readahead
+  // without waiting; a hint, nothing changes where it is not honoured or the reader has no file),
+  // so that the disk works while the caller allocates and converts.
+  void start_reading(std::initializer_list<std::string_view> names) const;
 
  private:
   safetensors_reader() = default;
   void parse_header(const std::string& header_text);
   void read_at(std::uint64_t file_offset, std::uint64_t size, std::uint8_t* destination) const;
+  void read_pieces(const tensor_info& tensor, const pieces& split, float* destination, nonfinite_count& count) const;
 
   std::string label_;
   std::uint64_t file_size_ = 0;
