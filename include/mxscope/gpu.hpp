@@ -143,6 +143,12 @@ class stream_scope {
   bool previous_ordered_;
 };
 
+// Uploads `values` on a stream of the calling thread's own that runs beside the default stream
+// (no implicit synchronization with it: the default stream's kernels keep running), complete on
+// return. The buffer is allocated and freed as device_matrix::upload's (cudaMalloc, cudaFree), so
+// any thread may use and free it afterwards. The HIP build uploads on the default stream.
+device_matrix upload_beside(const matrix& values);
+
 // Queues a device-to-device copy of `bytes` bytes on the default stream.
 void copy_on_device(void* destination, const void* source, std::size_t bytes);
 

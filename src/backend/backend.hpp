@@ -34,6 +34,9 @@ bool is_device_error(const std::exception& error);
 
 device_matrix_ptr upload(const matrix& values);
 device_matrix_ptr upload(const matrix64& values);
+// The same on a stream of the calling thread's own, beside the default stream's work (a
+// background thread uploads the next step while this one computes); complete on return.
+device_matrix_ptr upload_beside(const matrix& values);
 void download(const device_matrix& values, matrix& out);
 void download(const device_matrix& values, matrix64& out);
 

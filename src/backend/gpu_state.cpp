@@ -17,6 +17,9 @@ device_matrix_ptr upload(const matrix& values) {
 device_matrix_ptr upload(const matrix64& values) {
   return std::make_shared<const gpu::device_matrix>(gpu::device_matrix::upload(values));
 }
+device_matrix_ptr upload_beside(const matrix& values) {
+  return std::make_shared<const gpu::device_matrix>(gpu::upload_beside(values));
+}
 void download(const device_matrix& values, matrix& out) { out = values.download32(); }
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }
 

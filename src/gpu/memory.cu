@@ -233,6 +233,29 @@ device_matrix device_matrix::upload(const matrix& values) {
   return out;
 }
 
+namespace {
+// One stream per thread that uploads beside the default stream, made on its first use.
+class side_stream {
+ public:
+  side_stream() { MXSCOPE_GPU_CHECK(runtime::stream_create_beside(&stream_)); }
+  ~side_stream() {
+    if (stream_ != nullptr) (void)runtime::stream_destroy(stream_);
+  }
+  side_stream(const side_stream&) = delete;
+  side_stream& operator=(const side_stream&) = delete;
+  void* get() const { return stream_; }
+
+ private:
+  void* stream_ = nullptr;
+};
+}  // namespace
+
+device_matrix upload_beside(const matrix& values) {
+  static thread_local const side_stream stream;
+  const stream_scope scope(stream.get(), false);  // plain allocation: freed by cudaFree, on any thread
+  return device_matrix::upload(values);
+}
+
 device_matrix device_matrix::upload(const matrix64& values) {
   device_matrix out(values.rows, values.cols, element::fp64);
   out.buffer_.upload(values.data(), out.buffer_.bytes());

@@ -61,6 +61,8 @@ inline void* simulation_shared_memory() { return simulation::dynamic_shared_memo
 inline error_t malloc_ordered(void** pointer, std::size_t bytes) { return simulation::malloc(pointer, bytes); }
 inline error_t free_ordered(void* pointer, void*) { return simulation::free(pointer); }
 inline constexpr bool has_ordered_allocation = false;
+inline error_t stream_create_beside(void** stream) { return *stream = nullptr, success; }
+inline error_t stream_destroy(void*) { return success; }
 #elif defined(__HIP__)
 using error_t = hipError_t;
 using event_t = hipEvent_t;
@@ -86,7 +88,10 @@ inline error_t copy_on_device_async(void* to, const void* from, std::size_t byte
 }
 inline error_t memset(void* pointer, int value, std::size_t bytes) { return hipMemset(pointer, value, bytes); }
 inline error_t synchronize() { return hipDeviceSynchronize(); }
-// Streams are not used by the HIP build: stream-ordered allocation is the plain one.
+// Streams are not used by the HIP build: stream-ordered allocation is the plain one, and work
+// "beside" the default stream goes to the default stream.
+inline error_t stream_create_beside(void** stream) { return *stream = nullptr, hipSuccess; }
+inline error_t stream_destroy(void*) { return hipSuccess; }
 inline error_t malloc_ordered(void** pointer, std::size_t bytes) { return hipMalloc(pointer, bytes); }
 inline error_t free_ordered(void* pointer, void*) { return hipFree(pointer); }
 inline constexpr bool has_ordered_allocation = false;
@@ -144,6 +149,14 @@ inline error_t free_ordered(void* pointer, void* on_stream) {
   return cudaFreeAsync(pointer, static_cast<cudaStream_t>(on_stream));
 }
 inline constexpr bool has_ordered_allocation = true;
+// A stream that does not synchronize implicitly with the default (legacy) stream.
+inline error_t stream_create_beside(void** stream) {
+  cudaStream_t created = nullptr;
+  const error_t status = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+  *stream = created;
+  return status;
+}
+inline error_t stream_destroy(void* stream) { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
 inline error_t synchronize() { return cudaDeviceSynchronize(); }
 inline error_t last_error() { return cudaGetLastError(); }
 inline error_t device_count(int* count) { return cudaGetDeviceCount(count); }

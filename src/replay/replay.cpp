@@ -325,7 +325,10 @@ std::vector<gemm_state> replay_run::layer_states(const std::vector<std::size_t>&
 // thread while this one is worked on (its errors surface when its turn comes, as they would
 // without the overlap); `read` then times only the wait for it. The entry before the current one
 // is handed to that read, which fills its memory again (same shapes step after step: no fresh
-// pages to fault in).
+// pages to fault in). On the GPU the same thread then uploads the next step's operands on a
+// stream of its own, beside the kernels of this step; `upload` times what was not hidden. Should
+// that upload fail (device memory held by this step, say), the step uploads its operands itself
+// when its turn comes, where any error is reported.
 void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& gemms,
                               const std::vector<std::vector<std::string>>& unit_texts, std::string& doing) {
   io::dump_read_options read_options;
@@ -334,14 +337,29 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
   read_options.read_weight_gradient = false;
   read_options.read_quantized = false;
   const io::dump_reader& dump = *dump_;
-  std::future<io::dump_entry> next_entry;
+  struct read_ahead {
+    io::dump_entry entry;
+    device_matrix_ptr x, dy, w;  // uploaded beside this step's work (GPU; null where not)
+  };
+  std::future<read_ahead> next_entry;
   io::dump_entry spare;
+  const bool on_gpu = device_ == compute_device::gpu;
   const auto read_in_background = [&](std::size_t e) {
     if (e >= layer.entries.size()) return;
-    next_entry = std::async(std::launch::async,
-                            [&dump, &read_options, info = layer.entries[e], recycled = std::move(spare)]() mutable {
-                              return dump.read(*info, read_options, std::move(recycled));
-                            });
+    next_entry = std::async(std::launch::async, [&dump, &read_options, on_gpu, device = device_, index = gpu_index_,
+                                                 info = layer.entries[e], recycled = std::move(spare)]() mutable {
+      read_ahead next{dump.read(*info, read_options, std::move(recycled)), nullptr, nullptr, nullptr};
+      if (!on_gpu || !next.entry.all_finite()) return next;
+      try {
+        select_gpu(device, index);
+        next.x = backend::upload_beside(next.entry.x);
+        next.dy = backend::upload_beside(next.entry.dy);
+        if (next.entry.w) next.w = backend::upload_beside(*next.entry.w);
+      } catch (const std::exception&) {
+        next.x = next.dy = next.w = nullptr;  // the step uploads them itself, reporting any error
+      }
+      return next;
+    });
     spare = io::dump_entry{};
   };
   for (std::size_t e = 0; e < layer.entries.size(); ++e) {
@@ -353,7 +371,8 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
     auto mark = clock_type::now();
     if (seconds_setup_ < 0.0) seconds_setup_ = seconds_since(started_);
-    io::dump_entry entry = next_entry.valid() ? next_entry.get() : dump.read(*info, read_options);
+    read_ahead ahead = next_entry.valid() ? next_entry.get() : read_ahead{dump.read(*info, read_options), {}, {}, {}};
+    io::dump_entry entry = std::move(ahead.entry);
     read_in_background(e + 1);
     if (!entry.all_finite()) {
       throw input_error(fmt::format("{}: non-finite values in the captured tensors ({}); replay refuses to use them",
@@ -363,11 +382,14 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     const gemm_operands operands{&entry.x, &entry.dy, entry.w ? &*entry.w : nullptr};
     // The step's operands go to the GPU once, for every strategy's quantizer.
     compute_.resident_operands.clear();
-    if (device_ == compute_device::gpu) {
+    if (on_gpu) {
       mark = clock_type::now();
       ready_gpu();
-      for (const matrix* operand : {operands.x, operands.dy, operands.w}) {
-        if (operand != nullptr) compute_.resident_operands.emplace_back(operand, backend::upload(*operand));
+      const device_matrix_ptr uploaded[] = {ahead.x, ahead.dy, ahead.w};
+      const matrix* const hosts[] = {operands.x, operands.dy, operands.w};
+      for (int i = 0; i < 3; ++i) {
+        if (hosts[i] == nullptr) continue;
+        compute_.resident_operands.emplace_back(hosts[i], uploaded[i] ? uploaded[i] : backend::upload(*hosts[i]));
       }
       seconds_upload_ += seconds_since(mark);
     }
