@@ -44,7 +44,7 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
   device_buffer partials(static_cast<std::size_t>(compare_sum_count * chunk_count) * sizeof(double));
   device_buffer counters(sizeof(compare_counters));
   counters.fill_bytes(0);
-  runtime::launch(compare_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat, g,
+  runtime::launch(compare_chunks_kernel, grid_for(chunk_count, 1), ordered_sum_lanes, 0, hat, g,
                   g32, count, chunk_count, partials.as<double>(), counters.as<compare_counters>());
   std::vector<double> host_partials(static_cast<std::size_t>(compare_sum_count * chunk_count));
   partials.download(host_partials.data(), partials.bytes());
@@ -58,7 +58,7 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
   // The ratios as on the CPU (compare.hpp: finish_from_sums, finish_orthogonal).
   if (finish_from_sums(out, sums)) {
     device_buffer orthogonal(static_cast<std::size_t>(chunk_count) * sizeof(double));
-    runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 64), 64, 0, hat,
+    runtime::launch(orthogonal_chunks_kernel, grid_for(chunk_count, 1), ordered_sum_lanes, 0, hat,
                     g, count, chunk_count, out.bias, orthogonal.as<double>());
     std::vector<double> orthogonal_partials(static_cast<std::size_t>(chunk_count));
     orthogonal.download(orthogonal_partials.data(), orthogonal.bytes());
@@ -76,7 +76,7 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
 
   const std::int64_t chunks_per_row = (cols + canonical_chunk - 1) / canonical_chunk;
   device_buffer row_partials(static_cast<std::size_t>(rows * chunks_per_row) * sizeof(double));
-  runtime::launch(row_chunks_kernel, grid_for(rows * chunks_per_row), threads_per_block, 0, hat,
+  runtime::launch(row_chunks_kernel, grid_for(rows * chunks_per_row, 1), ordered_sum_lanes, 0, hat,
                   g, rows, cols, chunks_per_row, row_partials.as<double>());
   std::vector<double> host_rows(static_cast<std::size_t>(rows * chunks_per_row));
   row_partials.download(host_rows.data(), row_partials.bytes());

@@ -11,38 +11,17 @@ namespace {
 
 constexpr int cross_step_matrices = 7;  // fp64 state matrices per reference or unit state
 
-// One thread block of cross_step_lanes threads per canonical chunk. Every accumulator slot of the
-// per-element functions is updated as acc = acc + t with t = fl(x y) (no contraction); thread l
-// runs element begin + 32 j + l (consecutive threads, consecutive elements: coalesced) with its
-// own slots set to +0, which leaves it t (0 + t = t; a -0 term becomes +0, which adds like -0 to a
-// partial that is never -0 itself). The terms go through shared memory, and thread k < Sums adds
-// slot k's terms of the 32 elements in index order: the same additions in the same order as one
-// thread walking the chunk, hence the same partial sums.
-constexpr int cross_step_lanes = 32;
+// One thread block of ordered_sum_lanes threads per canonical chunk (ordered_chunk_sums,
+// common.cuh). Every accumulator slot of the per-element functions is updated as acc = acc + t with
+// t = fl(x y) (no contraction); each element starts from slots set to +0, which leaves it t
+// (0 + t = t; a -0 term becomes +0, which adds like -0 to a partial that is never -0 itself).
+constexpr int cross_step_lanes = ordered_sum_lanes;
 
 template <int Sums, class Element>
 __device__ inline void cross_step_chunks(std::int64_t count, std::int64_t chunk_count, double* partials,
                                          const Element& element) {
-  __shared__ double terms[cross_step_lanes][Sums + 1];
-  const int lane = static_cast<int>(threadIdx.x);
-  for (std::int64_t chunk = blockIdx.x; chunk < chunk_count; chunk += gridDim.x) {
-    double partial = 0.0;  // thread k < Sums: slot k
-    const std::int64_t begin = chunk * canonical_chunk;
-    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
-    for (std::int64_t base = begin; base < end; base += cross_step_lanes) {
-      double local[Sums] = {};
-      if (base + lane < end) element(base + lane, local);
-#pragma unroll
-      for (int k = 0; k < Sums; ++k) terms[lane][k] = local[k];
-      __syncthreads();
-      if (lane < Sums) {
-        const int present = end - base < cross_step_lanes ? static_cast<int>(end - base) : cross_step_lanes;
-        for (int l = 0; l < present; ++l) partial = partial + terms[l][lane];
-      }
-      __syncthreads();
-    }
-    if (lane < Sums) partials[lane * chunk_count + chunk] = partial;
-  }
+  ordered_chunk_sums<Sums>(chunk_count, canonical_chunks{count}, [&](std::int64_t i, double* t) { element(i, t); },
+                           partials);
 }
 
 __global__ void reference_cross_step_kernel(core_ns::reference_state_view state, const double* g, double beta,

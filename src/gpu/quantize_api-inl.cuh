@@ -172,7 +172,7 @@ quantized_tensor quantize_with_energies(const matrix& input, const quantize_opti
   }
   const std::int64_t chunk_count = (count + canonical_chunk - 1) / canonical_chunk;
   device_buffer partials(static_cast<std::size_t>(2 * chunk_count) * sizeof(double));
-  runtime::launch(energy_chunks_kernel, grid_for(chunk_count), threads_per_block, 0, operand,
+  runtime::launch(energy_chunks_kernel, grid_for(chunk_count, 1), ordered_sum_lanes, 0, operand,
                   dequantized, count, chunk_count, partials.as<double>());
   std::vector<double> host_partials(static_cast<std::size_t>(2 * chunk_count));
   partials.download(host_partials.data(), partials.bytes());

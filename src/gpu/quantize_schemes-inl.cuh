@@ -184,28 +184,19 @@ float quantize_nvfp4_on_device(const float* input, std::int64_t rows, std::int64
   return global_decode;
 }
 
-// The operand energies of quantize_with_energies: one thread per canonical chunk, in fp64.
+// The operand energies of quantize_with_energies, per canonical chunk in fp64 (ordered_chunk_sums).
 __global__ void energy_chunks_kernel(const float* input, const float* dequantized, std::int64_t count,
                                      std::int64_t chunk_count, double* partials) {
-  MXSCOPE_GRID_LOOP(chunk, chunk_count) {
-    double signal = 0.0;
-    double error = 0.0;
-    const std::int64_t begin = chunk * canonical_chunk;
-    const std::int64_t end = begin + canonical_chunk < count ? begin + canonical_chunk : count;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const double value = static_cast<double>(input[i]);
-      const double rounded = static_cast<double>(dequantized[i]);
-      if (!is_finite(value) || !is_finite(rounded)) {
-        signal = signal + 0.0;
-        error = error + 0.0;
-        continue;
-      }
-      signal = signal + value * value;
-      error = error + (value - rounded) * (value - rounded);
-    }
-    partials[chunk] = signal;
-    partials[chunk_count + chunk] = error;
-  }
+  ordered_chunk_sums<2>(
+      chunk_count, canonical_chunks{count},
+      [&](std::int64_t i, double* t) {
+        const double value = static_cast<double>(input[i]);
+        const double rounded = static_cast<double>(dequantized[i]);
+        if (!is_finite(value) || !is_finite(rounded)) return;  // the terms stay +0
+        t[0] = value * value;
+        t[1] = (value - rounded) * (value - rounded);
+      },
+      partials);
 }
 
 }  // namespace
