@@ -38,12 +38,30 @@ __device__ inline std::uint32_t load_code(const mx_operand_view& operand, bool p
   return operand.codes[r * operand.cols + c];
 }
 
-// Elements of the canonical operand: decoded values (float, exact), integers (int32) and signed
-// bytes padded to `stride` (a multiple of 32) for the tensor cores; each output may be null.
+// One element of the canonical operand from its code: the decoded value (float, exact), the integer
+// (int32) and the signed byte; `at` = row * depth + k, `t` = row * stride + k.
+__device__ inline void store_canonical_element(core_ns::element_kind element, std::uint32_t code, std::int64_t at,
+                                               std::int64_t t, int fraction_bits, float* elements,
+                                               std::int32_t* integers, std::int8_t* bytes, int* nonfinite_flag) {
+  const double value = core_ns::decode(element, code);
+  if (elements != nullptr) elements[at] = static_cast<float>(value);
+  if (!is_finite(value)) {
+    *nonfinite_flag = 1;
+    if (integers != nullptr) integers[at] = 0;
+    if (bytes != nullptr) bytes[t] = 0;
+    return;
+  }
+  const double scaled = value * core_ns::pow2(fraction_bits);  // an integer, exactly
+  if (integers != nullptr) integers[at] = static_cast<std::int32_t>(scaled);
+  if (bytes != nullptr) bytes[t] = static_cast<std::int8_t>(static_cast<int>(scaled));
+}
+
+// Elements of the canonical operand of an operand blocked along its rows (axis 1): the canonical
+// rows are the stored ones. Decoded values, integers and signed bytes padded to `stride` (a
+// multiple of 32) for the tensor cores; each output may be null.
 __global__ void prepare_elements_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t depth,
                                         std::int64_t stride, int fraction_bits, float* elements, std::int32_t* integers,
                                         std::int8_t* bytes, int* nonfinite_flag) {
-  const bool along_rows = operand.axis == 1;
   const bool packed = core_ns::spec(operand.element).bits == 4;
   const std::int64_t row_bytes = packed ? (operand.cols + 1) / 2 : operand.cols;
   MXSCOPE_GRID_LOOP(t, rows * stride) {
@@ -53,20 +71,52 @@ __global__ void prepare_elements_kernel(mx_operand_view operand, std::int64_t ro
       if (bytes != nullptr) bytes[t] = 0;
       continue;
     }
-    const std::int64_t r = along_rows ? row : k;
-    const std::int64_t c = along_rows ? k : row;
-    const double value = core_ns::decode(operand.element, load_code(operand, packed, row_bytes, r, c));
-    const std::int64_t at = row * depth + k;
-    if (elements != nullptr) elements[at] = static_cast<float>(value);
-    if (!is_finite(value)) {
-      *nonfinite_flag = 1;
-      if (integers != nullptr) integers[at] = 0;
-      if (bytes != nullptr) bytes[t] = 0;
-      continue;
+    store_canonical_element(operand.element, load_code(operand, packed, row_bytes, row, k), row * depth + k, t,
+                            fraction_bits, elements, integers, bytes, nonfinite_flag);
+  }
+}
+
+// The same for an operand blocked along its columns (axis 0), whose canonical rows are the stored
+// columns: a tile of 32 stored rows x 32 stored columns goes through shared memory, read along the
+// stored rows and written along the canonical ones, so that both sides are coalesced (reading
+// each canonical row's codes straight from the stored layout touches a stored row per element).
+// Blocks of prepare_tile x prepare_tile_rows threads.
+constexpr int prepare_tile = 32;
+constexpr int prepare_tile_rows = 8;
+
+__global__ void prepare_elements_columns_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t depth,
+                                                std::int64_t stride, int fraction_bits, float* elements,
+                                                std::int32_t* integers, std::int8_t* bytes, int* nonfinite_flag) {
+  __shared__ std::uint8_t codes[prepare_tile][prepare_tile + 1];
+  const bool packed = core_ns::spec(operand.element).bits == 4;
+  const std::int64_t row_bytes = packed ? (operand.cols + 1) / 2 : operand.cols;
+  const int x = static_cast<int>(threadIdx.x);
+  const int y = static_cast<int>(threadIdx.y);
+  const std::int64_t tiles_k = (stride + prepare_tile - 1) / prepare_tile;
+  const std::int64_t tiles = tiles_k * ((rows + prepare_tile - 1) / prepare_tile);
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t k0 = (tile % tiles_k) * prepare_tile;
+    const std::int64_t row0 = (tile / tiles_k) * prepare_tile;
+    for (int i = y; i < prepare_tile; i += prepare_tile_rows) {  // stored row k0 + i, column row0 + x
+      const std::int64_t k = k0 + i;
+      const std::int64_t row = row0 + x;
+      const bool inside = k < depth && row < rows;
+      codes[i][x] = inside ? static_cast<std::uint8_t>(load_code(operand, packed, row_bytes, k, row)) : 0;
     }
-    const double scaled = value * core_ns::pow2(fraction_bits);  // an integer, exactly
-    if (integers != nullptr) integers[at] = static_cast<std::int32_t>(scaled);
-    if (bytes != nullptr) bytes[t] = static_cast<std::int8_t>(static_cast<int>(scaled));
+    __syncthreads();
+    for (int i = y; i < prepare_tile; i += prepare_tile_rows) {  // canonical row row0 + i, k0 + x
+      const std::int64_t row = row0 + i;
+      const std::int64_t k = k0 + x;
+      if (row >= rows || k >= stride) continue;
+      const std::int64_t t = row * stride + k;
+      if (k >= depth) {
+        if (bytes != nullptr) bytes[t] = 0;
+        continue;
+      }
+      store_canonical_element(operand.element, codes[x][i], row * depth + k, t, fraction_bits, elements, integers,
+                              bytes, nonfinite_flag);
+    }
+    __syncthreads();
   }
 }
 
@@ -480,9 +530,15 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   device_buffer flag(5 * sizeof(unsigned));
   flag.fill_bytes(0);
   const std::int64_t stride = path == gemm_path::tensor_core ? s.byte_stride : s.depth;
-  if (s.rows > 0 && stride > 0) {
+  if (s.rows > 0 && stride > 0 && operand.axis == 1) {
     runtime::launch(prepare_elements_kernel, grid_for(s.rows * stride), threads_per_block, 0, operand, s.rows, s.depth,
                     stride, fraction_bits_of(operand.element), elements, integers, bytes, flag.as<int>());
+  } else if (s.rows > 0 && stride > 0) {
+    const std::int64_t tiles =
+        ((stride + prepare_tile - 1) / prepare_tile) * ((s.rows + prepare_tile - 1) / prepare_tile);
+    runtime::launch(prepare_elements_columns_kernel, grid_for(tiles, 1), dim3(prepare_tile, prepare_tile_rows), 0,
+                    operand, s.rows, s.depth, stride, fraction_bits_of(operand.element), elements, integers, bytes,
+                    flag.as<int>());
   }
   if (s.rows > 0 && s.blocks > 0) {
     runtime::launch(prepare_exponents_kernel, grid_for(s.blocks * s.rows), threads_per_block, 0, operand, s.rows,
