@@ -201,12 +201,13 @@ inline std::string to_text(std::int64_t value) { return std::to_string(value); }
 
 // Canonical chunk sums (compare.hpp: each chunk's terms added in index order to a partial that
 // starts at +0) by the ordered_sum_lanes threads of a block, on consecutive elements. Work item w
-// of `items` is the elements first, ..., first + length - 1 of `item(w)` = {first, length}; lane l
-// computes the terms of elements 32 j + l of it (`terms(i, t)` fills t[0..Sums); consecutive lanes,
-// consecutive elements: coalesced loads, and a whole grid of them), they pass through shared
-// memory, and lane k < Sums adds term k of those 32 elements in index order: the additions of one
-// thread walking the item, in the same order, hence the same partials. partials[k * items + w]
-// receives sum k of item w. Launch with ordered_sum_lanes threads per block.
+// of `items` is the elements first, ..., first + length - 1 of `item(w)` = {first, length}. Per
+// round, lane l computes the terms of elements base + 32 d + l, d < Depth (`terms(i, t)` fills
+// t[0..Sums); consecutive lanes, consecutive elements: coalesced loads, Depth of them in flight
+// per lane), they pass through shared memory, and lane k < Sums adds term k of the round's
+// 32 Depth elements in index order: the additions of one thread walking the item, in the same
+// order, hence the same partials. partials[k * items + w] receives sum k of item w. Launch with
+// ordered_sum_lanes threads per block.
 constexpr int ordered_sum_lanes = 32;
 
 struct element_range {
@@ -214,24 +215,30 @@ struct element_range {
   std::int64_t length;
 };
 
-template <int Sums, class Item, class Terms>
+template <int Sums, int Depth = 1, class Item, class Terms>
 __device__ inline void ordered_chunk_sums(std::int64_t items, const Item& item, const Terms& terms, double* partials) {
-  __shared__ double shared_terms[ordered_sum_lanes][Sums + 1];
+  constexpr int round = ordered_sum_lanes * Depth;
+  __shared__ double shared_terms[round][Sums + 1];
   const int lane = static_cast<int>(threadIdx.x);
   for (std::int64_t w = blockIdx.x; w < items; w += gridDim.x) {
     const element_range range = item(w);
     double partial = 0.0;  // lane k < Sums: sum k
-    for (std::int64_t base = 0; base < range.length; base += ordered_sum_lanes) {
-      double t[Sums];
+    for (std::int64_t base = 0; base < range.length; base += round) {
+      double t[Depth][Sums] = {};  // +0 where an element is past the end
 #pragma unroll
-      for (int k = 0; k < Sums; ++k) t[k] = 0.0;
-      if (base + lane < range.length) terms(range.first + base + lane, t);
+      for (int d = 0; d < Depth; ++d) {
+        const std::int64_t at = base + ordered_sum_lanes * d + lane;
+        if (at < range.length) terms(range.first + at, t[d]);
+      }
 #pragma unroll
-      for (int k = 0; k < Sums; ++k) shared_terms[lane][k] = t[k];
+      for (int d = 0; d < Depth; ++d) {
+#pragma unroll
+        for (int k = 0; k < Sums; ++k) shared_terms[ordered_sum_lanes * d + lane][k] = t[d][k];
+      }
       __syncthreads();
       if (lane < Sums) {
         const std::int64_t left = range.length - base;
-        const int present = left < ordered_sum_lanes ? static_cast<int>(left) : ordered_sum_lanes;
+        const int present = left < round ? static_cast<int>(left) : round;
         for (int l = 0; l < present; ++l) partial = partial + shared_terms[l][lane];
       }
       __syncthreads();

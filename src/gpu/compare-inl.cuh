@@ -10,6 +10,7 @@
 namespace {
 
 constexpr int compare_sum_count = 6;  // ||E||^2 ||G||^2 ||Ghat||^2 <E,G> <Ghat,G> sum of ulp distances
+constexpr int compare_depth = 4;      // elements per lane and round of ordered_chunk_sums
 
 struct compare_counters {
   unsigned long long histogram[ulp_bucket_count];
@@ -29,7 +30,7 @@ __global__ void compare_chunks_kernel(const float* estimate, const double* refer
                                       compare_counters* counters) {
   unsigned long long histogram[ulp_bucket_count] = {};
   unsigned long long max_ulp = 0, compared = 0, nan_pairs = 0, nonfinite = 0, max_abs_bits = 0, saw_nan = 0;
-  ordered_chunk_sums<compare_sum_count>(
+  ordered_chunk_sums<compare_sum_count, compare_depth>(
       chunk_count, canonical_chunks{count},
       [&](std::int64_t i, double* t) {
         const float hat32 = estimate[i];
@@ -93,7 +94,7 @@ __global__ void compare_chunks_kernel(const float* estimate, const double* refer
 
 __global__ void orthogonal_chunks_kernel(const float* estimate, const double* reference, std::int64_t count,
                                          std::int64_t chunk_count, double bias, double* partials) {
-  ordered_chunk_sums<1>(
+  ordered_chunk_sums<1, compare_depth>(
       chunk_count, canonical_chunks{count},
       [&](std::int64_t i, double* t) {
         const double g = reference[i];
@@ -112,7 +113,7 @@ __global__ void row_chunks_kernel(const float* estimate, const double* reference
     const std::int64_t begin = (w % chunks_per_row) * canonical_chunk;
     return element_range{r * cols + begin, cols - begin < canonical_chunk ? cols - begin : canonical_chunk};
   };
-  ordered_chunk_sums<1>(
+  ordered_chunk_sums<1, compare_depth>(
       rows * chunks_per_row, item,
       [&](std::int64_t i, double* t) {
         const double e = static_cast<double>(estimate[i]) - reference[i];

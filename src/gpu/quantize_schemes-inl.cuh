@@ -187,7 +187,7 @@ float quantize_nvfp4_on_device(const float* input, std::int64_t rows, std::int64
 // The operand energies of quantize_with_energies, per canonical chunk in fp64 (ordered_chunk_sums).
 __global__ void energy_chunks_kernel(const float* input, const float* dequantized, std::int64_t count,
                                      std::int64_t chunk_count, double* partials) {
-  ordered_chunk_sums<2>(
+  ordered_chunk_sums<2, 4>(
       chunk_count, canonical_chunks{count},
       [&](std::int64_t i, double* t) {
         const double value = static_cast<double>(input[i]);
