@@ -38,22 +38,42 @@ __device__ inline std::uint32_t load_code(const mx_operand_view& operand, bool p
   return operand.codes[r * operand.cols + c];
 }
 
-// One element of the canonical operand from its code: the decoded value (float, exact), the integer
+// The decoded forms of every code of the operand's element format (at most 8 bits), made once per
+// thread block so that each element is a table lookup (decoding each element from its bits kept
+// the issue slots busy, BENCHMARKS.md): the value (float, exact), the integer value * 2^fraction_bits
+// (exact; 0 where the code is not finite), and whether it is finite.
+struct code_table {
+  float value[256];
+  std::int32_t integer[256];
+  std::uint8_t finite[256];
+};
+
+__device__ inline void fill_code_table(code_table& table, core_ns::element_kind element, int fraction_bits) {
+  const int threads = static_cast<int>(blockDim.x * blockDim.y);
+  for (int c = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x); c < 256; c += threads) {
+    const double value = core_ns::decode(element, static_cast<std::uint32_t>(c));
+    const bool finite = is_finite(value);
+    table.value[c] = static_cast<float>(value);
+    table.integer[c] = finite ? static_cast<std::int32_t>(value * core_ns::pow2(fraction_bits)) : 0;
+    table.finite[c] = finite ? 1 : 0;
+  }
+  __syncthreads();
+}
+
+// One element of the canonical operand from its code: the decoded value (float), the integer
 // (int32) and the signed byte; `at` = row * depth + k, `t` = row * stride + k.
-__device__ inline void store_canonical_element(core_ns::element_kind element, std::uint32_t code, std::int64_t at,
-                                               std::int64_t t, int fraction_bits, float* elements,
-                                               std::int32_t* integers, std::int8_t* bytes, int* nonfinite_flag) {
-  const double value = core_ns::decode(element, code);
-  if (elements != nullptr) elements[at] = static_cast<float>(value);
-  if (!is_finite(value)) {
+__device__ inline void store_canonical_element(const code_table& table, std::uint32_t code, std::int64_t at,
+                                               std::int64_t t, float* elements, std::int32_t* integers,
+                                               std::int8_t* bytes, int* nonfinite_flag) {
+  if (elements != nullptr) elements[at] = table.value[code];
+  if (table.finite[code] == 0) {
     *nonfinite_flag = 1;
     if (integers != nullptr) integers[at] = 0;
     if (bytes != nullptr) bytes[t] = 0;
     return;
   }
-  const double scaled = value * core_ns::pow2(fraction_bits);  // an integer, exactly
-  if (integers != nullptr) integers[at] = static_cast<std::int32_t>(scaled);
-  if (bytes != nullptr) bytes[t] = static_cast<std::int8_t>(static_cast<int>(scaled));
+  if (integers != nullptr) integers[at] = table.integer[code];
+  if (bytes != nullptr) bytes[t] = static_cast<std::int8_t>(table.integer[code]);
 }
 
 // Elements of the canonical operand of an operand blocked along its rows (axis 1): the canonical
@@ -62,6 +82,8 @@ __device__ inline void store_canonical_element(core_ns::element_kind element, st
 __global__ void prepare_elements_kernel(mx_operand_view operand, std::int64_t rows, std::int64_t depth,
                                         std::int64_t stride, int fraction_bits, float* elements, std::int32_t* integers,
                                         std::int8_t* bytes, int* nonfinite_flag) {
+  __shared__ code_table table;
+  fill_code_table(table, operand.element, fraction_bits);
   const bool packed = core_ns::spec(operand.element).bits == 4;
   const std::int64_t row_bytes = packed ? (operand.cols + 1) / 2 : operand.cols;
   MXSCOPE_GRID_LOOP(t, rows * stride) {
@@ -71,8 +93,8 @@ __global__ void prepare_elements_kernel(mx_operand_view operand, std::int64_t ro
       if (bytes != nullptr) bytes[t] = 0;
       continue;
     }
-    store_canonical_element(operand.element, load_code(operand, packed, row_bytes, row, k), row * depth + k, t,
-                            fraction_bits, elements, integers, bytes, nonfinite_flag);
+    store_canonical_element(table, load_code(operand, packed, row_bytes, row, k), row * depth + k, t, elements,
+                            integers, bytes, nonfinite_flag);
   }
 }
 
@@ -88,6 +110,8 @@ __global__ void prepare_elements_columns_kernel(mx_operand_view operand, std::in
                                                 std::int64_t stride, int fraction_bits, float* elements,
                                                 std::int32_t* integers, std::int8_t* bytes, int* nonfinite_flag) {
   __shared__ std::uint8_t codes[prepare_tile][prepare_tile + 1];
+  __shared__ code_table table;
+  fill_code_table(table, operand.element, fraction_bits);
   const bool packed = core_ns::spec(operand.element).bits == 4;
   const std::int64_t row_bytes = packed ? (operand.cols + 1) / 2 : operand.cols;
   const int x = static_cast<int>(threadIdx.x);
@@ -113,8 +137,7 @@ __global__ void prepare_elements_columns_kernel(mx_operand_view operand, std::in
         if (bytes != nullptr) bytes[t] = 0;
         continue;
       }
-      store_canonical_element(operand.element, codes[x][i], row * depth + k, t, fraction_bits, elements, integers,
-                              bytes, nonfinite_flag);
+      store_canonical_element(table, codes[x][i], row * depth + k, t, elements, integers, bytes, nonfinite_flag);
     }
     __syncthreads();
   }
@@ -531,12 +554,15 @@ prepared_operand prepare_operand(const mx_operand_view& operand, gemm_path path)
   flag.fill_bytes(0);
   const std::int64_t stride = path == gemm_path::tensor_core ? s.byte_stride : s.depth;
   if (s.rows > 0 && stride > 0 && operand.axis == 1) {
-    runtime::launch(prepare_elements_kernel, grid_for(s.rows * stride), threads_per_block, 0, operand, s.rows, s.depth,
-                    stride, fraction_bits_of(operand.element), elements, integers, bytes, flag.as<int>());
+    // A few waves of resident blocks, each filling its code table once.
+    const unsigned grid = std::min<unsigned>(grid_for(s.rows * stride), 16U * multiprocessor_count());
+    runtime::launch(prepare_elements_kernel, grid, threads_per_block, 0, operand, s.rows, s.depth, stride,
+                    fraction_bits_of(operand.element), elements, integers, bytes, flag.as<int>());
   } else if (s.rows > 0 && stride > 0) {
     const std::int64_t tiles =
         ((stride + prepare_tile - 1) / prepare_tile) * ((s.rows + prepare_tile - 1) / prepare_tile);
-    runtime::launch(prepare_elements_columns_kernel, grid_for(tiles, 1), dim3(prepare_tile, prepare_tile_rows), 0,
+    const unsigned grid = std::min<unsigned>(grid_for(tiles, 1), 16U * multiprocessor_count());
+    runtime::launch(prepare_elements_columns_kernel, grid, dim3(prepare_tile, prepare_tile_rows), 0,
                     operand, s.rows, s.depth, stride, fraction_bits_of(operand.element), elements, integers, bytes,
                     flag.as<int>());
   }

@@ -10,7 +10,10 @@
 namespace {
 
 constexpr int compare_sum_count = 6;  // ||E||^2 ||G||^2 ||Ghat||^2 <E,G> <Ghat,G> sum of ulp distances
-constexpr int compare_depth = 4;      // elements per lane and round of ordered_chunk_sums
+// Elements per lane and round of ordered_chunk_sums for the one-sum kernels; the six sums of
+// compare_chunks_kernel keep 1 (at 4 its shared memory and registers cut the resident blocks and
+// it ran slower, BENCHMARKS.md).
+constexpr int compare_depth = 4;
 
 struct compare_counters {
   unsigned long long histogram[ulp_bucket_count];
@@ -30,7 +33,7 @@ __global__ void compare_chunks_kernel(const float* estimate, const double* refer
                                       compare_counters* counters) {
   unsigned long long histogram[ulp_bucket_count] = {};
   unsigned long long max_ulp = 0, compared = 0, nan_pairs = 0, nonfinite = 0, max_abs_bits = 0, saw_nan = 0;
-  ordered_chunk_sums<compare_sum_count, compare_depth>(
+  ordered_chunk_sums<compare_sum_count>(
       chunk_count, canonical_chunks{count},
       [&](std::int64_t i, double* t) {
         const float hat32 = estimate[i];
