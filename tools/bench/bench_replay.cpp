@@ -166,6 +166,15 @@ rotation = "hadamard:16"
 signs = "per-step"
 )";
 
+// What the replay reads of a Wgrad entry: x and dy only.
+mxscope::io::dump_read_options operands_only() {
+  mxscope::io::dump_read_options options;
+  options.read_weight = false;
+  options.read_weight_gradient = false;
+  options.read_quantized = false;
+  return options;
+}
+
 // The dump on disk and what the stages hand on to each other.
 struct fixture {
   shape dims = bench_shape();
@@ -211,10 +220,7 @@ struct fixture {
     return *entry;
   }
   mxscope::io::dump_entry read() const {
-    mxscope::io::dump_read_options options;
-    options.read_weight = false;
-    options.read_weight_gradient = false;
-    options.read_quantized = false;
+    const mxscope::io::dump_read_options options = operands_only();
     return dump->read(dump->entries().front(), options);
   }
 };
@@ -330,10 +336,7 @@ void drop_cached_pages(const fs::path& file) {
 // from the third step of a layer on, into the memory of an earlier entry (Arg 1).
 void BM_ReadCold(benchmark::State& state) {
   fixture& f = data();
-  mxscope::io::dump_read_options options;
-  options.read_weight = false;
-  options.read_weight_gradient = false;
-  options.read_quantized = false;
+  const mxscope::io::dump_read_options options = operands_only();
   const auto& info = f.dump->entries().front();
   mxscope::io::dump_entry spare;
   if (state.range(0) == 1) spare = f.dump->read(info, options);
@@ -356,10 +359,7 @@ BENCHMARK(BM_ReadCold)->Arg(0)->Arg(1)->Unit(benchmark::kSecond)->UseRealTime()-
 // entry of the same shape (dump_reader::read with a recycled entry), after one warm-up read.
 void BM_ReadRecycled(benchmark::State& state) {
   fixture& f = data();
-  mxscope::io::dump_read_options options;
-  options.read_weight = false;
-  options.read_weight_gradient = false;
-  options.read_quantized = false;
+  const mxscope::io::dump_read_options options = operands_only();
   const auto& info = f.dump->entries().front();
   mxscope::io::dump_entry spare = f.dump->read(info, options);
   for (auto _ : state) {
