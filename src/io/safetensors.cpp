@@ -605,8 +605,8 @@ void reserve_for_read(std::vector<float>& values, std::size_t count) {
 }
 
 
-// BF16 or F32 elements [first, first + count) of a tensor into destination + first, counting NaN
-// and Inf from the stored bits; one thread.
+// `count` BF16 or F32 elements from `bytes` into `destination` as fp32, counting NaN and Inf from
+// the stored bits; one thread.
 void convert_counting(dtype type, const std::uint8_t* bytes, std::uint64_t count, float* destination,
                       nonfinite_count& counts) {
   std::uint64_t nan = 0, inf = 0;
@@ -656,24 +656,29 @@ void safetensors_reader::read_pieces(const tensor_info& tensor, const pieces& sp
   std::atomic<bool> failed{false};
   std::vector<nonfinite_count> counts(static_cast<std::size_t>(threads));
   std::vector<std::pair<std::uint64_t, std::exception_ptr>> errors(static_cast<std::size_t>(threads));
+  // Nothing escapes a thread: a failure (the read, or the buffer's allocation) is kept with its piece.
   const auto work = [&](int t) {
-    std::vector<std::uint8_t> buffer(static_cast<std::size_t>(std::min(per_piece, total) * element_size));
-    for (std::uint64_t piece = next++; piece < piece_count && !failed; piece = next++) {
-      const std::uint64_t first = piece * per_piece;
-      const std::uint64_t n = std::min(per_piece, total - first);
-      try {
+    std::uint64_t piece = piece_count;
+    try {
+      std::vector<std::uint8_t> buffer(static_cast<std::size_t>(std::min(per_piece, total) * element_size));
+      for (piece = next++; piece < piece_count && !failed; piece = next++) {
+        const std::uint64_t first = piece * per_piece;
+        const std::uint64_t n = std::min(per_piece, total - first);
         read_tensor_bytes(tensor, first * element_size, n * element_size, buffer.data());
-      } catch (...) {
-        errors[static_cast<std::size_t>(t)] = {piece, std::current_exception()};
-        failed = true;
-        return;
+        convert_counting(tensor.type, buffer.data(), n, destination + first, counts[static_cast<std::size_t>(t)]);
       }
-      convert_counting(tensor.type, buffer.data(), n, destination + first, counts[static_cast<std::size_t>(t)]);
+    } catch (...) {
+      errors[static_cast<std::size_t>(t)] = {piece, std::current_exception()};
+      failed = true;
     }
   };
   std::vector<std::thread> helpers;
   helpers.reserve(static_cast<std::size_t>(threads - 1));
-  for (int t = 1; t < threads; ++t) helpers.emplace_back(work, t);
+  try {
+    for (int t = 1; t < threads; ++t) helpers.emplace_back(work, t);
+  } catch (const std::system_error&) {
+    // No more threads to be had: the ones running (and this one) take the remaining pieces.
+  }
   work(0);
   for (auto& helper : helpers) helper.join();
   const std::exception_ptr* first_error = nullptr;
