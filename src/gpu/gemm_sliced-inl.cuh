@@ -3,32 +3,35 @@
 // wide for one int8 (fp8 e4m3, fp6 e3m2, and pairs of them with the narrower formats).
 // -------------------------------------------------------------------------------------------
 // Sliced block dots. Every element integer Q of the integer path (the element times 2^fraction
-// bits, |Q| < 2^21 here: 229376 for e4m3) is cut into three signed 7-bit slices,
-//   Q = P0 + 2^7 P1 + 2^14 P2,  Pi = sign(Q) * (bits 7i .. 7i + 6 of |Q|),  |Pi| <= 127 (int8),
+// bits, |Q| < 2^18 here: 229376 for e4m3) is cut into three signed slices of 7, 7 and 4 bits,
+//   Q = P0 + 2^7 P1 + 2^14 P2,  Pi = sign(Q) * (bits 7i .. 7i + 6 of |Q|),  |P0|, |P1| <= 127, |P2| <= 15,
 // so that the block dot of a K-block of 32 is
 //   D = sum_k Qa Qb = S0 + 2^7 S1 + 2^14 S2 + 2^21 S3 + 2^28 S4,  S_l = sum_{i + j = l} Pa_i . Pb_j:
-// nine mma.sync m16n8k32 s8 per K-block, the pairs of one level chained in one accumulator. Each
-// slice dot is below 32 * 127^2 < 2^19 in magnitude and a level holds at most three, so every S_l
-// is exact in int32, and so are lo = S0 + 2^7 S1 and hi = S3 + 2^7 S4 (below 2^28).
+// nine mma.sync m16n8k32 s8 per K-block, the pairs of one level chained in one accumulator. With
+// the slices' bounds, |S0| <= 32 127^2, |S1| <= 2 32 127^2, |S2| <= 32 (127^2 + 2 127 15),
+// |S3| <= 2 32 127 15 and |S4| <= 32 15^2, so lo = S0 + 2^7 S1 < 2^27 and
+// hi = S2 + 2^7 S3 + 2^14 S4 < 2^27 are exact in int32, and D = lo + 2^14 hi.
 //
-// The three integers become doubles from their bits alone: the double with high word 0x43300000
+// The two integers become doubles from their bits alone: the double with high word 0x43300000
 // and low word x ^ 2^31 is 2^52 + 2^31 + x for every int32 x. With c = 2^52 + 2^31,
-//   D = (v(lo) - c) + fma(v(S2), 2^14, -c 2^14) + fma(v(hi), 2^21, -c 2^21),
-// where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^47): none
+//   D = (v(lo) - c) + fma(v(hi), 2^14, -c 2^14),
+// where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^42): none
 // rounds, and the double is D itself. The model's step fl32(acc + D 2^k) (2^k = the row's
 // 2^(ea - fa - fb) times the column's 2^eb, exact) then goes through fp64 in round-to-odd
-// (round_to_odd_step), without a branch: ties, which quantized operands make common, cost nothing extra.
-// Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits. The
-// exact model adds the scaled dots D 2^k to a running fp64 sum checked by TwoSum, as the integer
-// kernel's exact mode does, and leaves the entries where an addition rounded to its fix-up kernel.
+// (round_to_odd_step), without a branch: ties, which quantized operands make common, cost nothing
+// extra. Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits.
+// The exact model adds the scaled dots D 2^k to a running fp64 sum, as the integer kernel's exact
+// mode does, a sum being exact where its round-down and round-up agree (add_product_rounds), and
+// leaves the entries where an addition rounded to its fix-up kernel.
 //
 // Conditions (launch_sliced, on the host and in prepare_sliced_kernel): fp32-block or exact, blocks
-// of 32, both formats' integers below 2^21, no NaN block and every block exponent within [-400, 400]
-// (the scales and every D 2^k normal, finite doubles; E8M0 exponents are within [-127, 127]).
+// of 32, both formats' integers below 2^18 (fp8 e4m3, fp6, fp4, int8), no NaN block and every block
+// exponent within [-400, 400] (the scales and every D 2^k normal, finite doubles; E8M0 exponents
+// are within [-127, 127]).
 //
 // Tiling: 64 x 64 entries per thread block of 8 warps (2 x 4), 32 x 16 per warp (2 x 2 mma tiles,
-// 16 accumulators per thread: 128 registers (4 bytes spilled in fp32-block), two thread blocks per
-// multiprocessor). A stage holds one K-block: the three slices of 64 rows of A and 64 of B, 32
+// 16 accumulators per thread: 124 registers in fp32-block, 128 with 8 bytes spilled in exact; two
+// thread blocks per multiprocessor). A stage holds one K-block: the three slices of 64 rows of A and 64 of B, 32
 // bytes per row in tcb's swizzle, and the rows' scales; four stages (cp.async), thread blocks in
 // tcb's grouped order.
 
@@ -42,7 +45,7 @@ constexpr int slc_slices = 3;
 constexpr int slc_stages = 4;
 constexpr int slc_threads = 256;
 constexpr int slc_row_block_bytes = slc_slices * 32;  // one row's K-block in the prepared form
-constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 21;
+constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 18;
 constexpr int slc_exponent_limit = 400;
 
 struct alignas(16) slc_stage {
@@ -118,10 +121,21 @@ __device__ inline double sliced_word(int x) {
   return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
 }
 
-// D from the levels' integers (see above).
-__device__ inline double sliced_dot(int low, int middle, int high) {
-  return (sliced_word(low) - slc_offset) + fma_exact(sliced_word(middle), 16384.0, -slc_offset * 16384.0) +
-         fma_exact(sliced_word(high), 2097152.0, -slc_offset * 2097152.0);
+// D = low + 2^14 high from the levels' integers (see above).
+__device__ inline double sliced_dot(int low, int high) {
+  return (sliced_word(low) - slc_offset) + fma_exact(sliced_word(high), 16384.0, -slc_offset * 16384.0);
+}
+
+// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
+// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
+__device__ inline bool add_product_rounds(double& running, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return add_rounds(running, dot * scale);
+#else
+  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
+  running = __fma_rn(dot, scale, running);
+  return rounds;
+#endif
 }
 
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
@@ -276,10 +290,13 @@ __global__ void __launch_bounds__(slc_threads, 2)
         mma_s8(level[4], a_fragments[2], bf[2][ni]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const double dot = sliced_dot(level[0][e] + 128 * level[1][e], level[2][e], level[3][e] + 128 * level[4][e]);
+          const double dot = sliced_dot(level[0][e] + 128 * level[1][e],
+                                        level[2][e] + 128 * level[3][e] + 16384 * level[4][e]);
           const double scale = row_scales[e / 2] * col_scales[ni][e % 2];
           if constexpr (Exact) {
-            if (add_rounds(accumulators[mi][ni][e], dot * scale)) rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
+            if (add_product_rounds(accumulators[mi][ni][e], dot, scale)) {
+              rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
+            }
           } else {
             accumulators[mi][ni][e] = round_to_odd_step(accumulators[mi][ni][e], dot, scale);
           }
