@@ -110,7 +110,8 @@ void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared
                               output_rounding output, float* out, double* exact_out, int fraction_total) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  const dim3 grid(static_cast<unsigned>((n + tc_tile - 1) / tc_tile), static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
+  const dim3 grid(static_cast<unsigned>((n + tc_exact_tile_n - 1) / tc_exact_tile_n),
+                  static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
   device_buffer flagged(static_cast<std::size_t>(m * n));
   flagged.fill_bytes(0);
   const exponent_span_data a_spans = exponent_spans(a);

@@ -114,28 +114,10 @@ __device__ inline void mma_s8_add(int (&d)[4], const std::uint32_t (&a)[4], cons
 }
 #endif
 
-constexpr double slc_offset = 4503601774854144.0;  // c = 2^52 + 2^31
-
-// 2^52 + 2^31 + x, exactly, from its bits.
-__device__ inline double sliced_word(int x) {
-  return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
-}
-
 // D = low + 2^14 high from the levels' integers (see above).
 __device__ inline double sliced_dot(int low, int high) {
-  return (sliced_word(low) - slc_offset) + fma_exact(sliced_word(high), 16384.0, -slc_offset * 16384.0);
-}
-
-// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
-// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
-__device__ inline bool add_product_rounds(double& running, double dot, double scale) {
-#if defined(MXSCOPE_GPU_SIMULATE)
-  return add_rounds(running, dot * scale);
-#else
-  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
-  running = __fma_rn(dot, scale, running);
-  return rounds;
-#endif
+  return (biased_double(low) - biased_double_offset) +
+         fma_exact(biased_double(high), 16384.0, -biased_double_offset * 16384.0);
 }
 
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
@@ -192,7 +174,7 @@ struct slc_loader {
 // One body (about 130 lines): the copy pipeline, the nine mma of each tile and K-block and the
 // per-entry step share the stage indices and the accumulators held in registers.
 // Exact: the `exact` model instead, as the integer kernel's exact mode: a running fp64 sum of the
-// scaled block dots per entry, every addition checked by TwoSum; an entry whose sum rounded is
+// scaled block dots per entry, every addition checked (add_product_rounds); an entry whose sum rounded is
 // marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
 // one rounding to fp32).
 template <bool Exact>

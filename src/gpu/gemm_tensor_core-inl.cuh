@@ -12,13 +12,36 @@
 // one fp32 addition rounds the exact sum once: it IS fl32(acc + c). Elsewhere (and for NaN blocks)
 // the step goes through add_exact_value in fp64.
 //
-// tensor_core_exact_kernel's tiling: a 128 x 128 tile of C per thread block of 8 warps (2 x 4),
-// 64 x 32 per warp (4 x 4 mma tiles); each stage holds one 32-byte K-block of 128 rows of A and B
+// tensor_core_exact_kernel's tiling: a 128 x 64 tile of C per thread block of 8 warps (4 x 2),
+// 32 x 32 per warp (2 x 4 mma tiles, 32 fp64 sums per thread: at most 128 registers, two thread
+// blocks per multiprocessor); each stage holds one 32-byte K-block of 128 rows of A and 64 of B
 // plus their exponents, three stages deep (cp.async).
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
+constexpr double biased_double_offset = 4503601774854144.0;  // c = 2^52 + 2^31
+
+// c + x, exactly, for every int32 x, from its bits (high word 0x43300000, low word x ^ 2^31): an
+// integer's double by one logic operation instead of a conversion (a quarter of the fp64 rate);
+// biased_double(x) - c is x.
+__device__ inline double biased_double(int x) {
+  return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
+}
+
+// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
+// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
+__device__ inline bool add_product_rounds(double& running, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return add_rounds(running, dot * scale);
+#else
+  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
+  running = __fma_rn(dot, scale, running);
+  return rounds;
+#endif
+}
+
 constexpr int tc_tile = 128;
+constexpr int tc_exact_tile_n = 64;  // columns of tensor_core_exact_kernel's tile
 constexpr int tc_stages = 3;
 constexpr int tc_row_stride = 48;  // bytes per smem row: 32 data + 16 pad (conflict-free fragment loads)
 constexpr int tc_fast_k_low = -126;
@@ -29,9 +52,9 @@ constexpr int tc_exact_k_high = 900;
 
 struct alignas(16) tc_stage {
   std::uint8_t a[tc_tile * tc_row_stride];
-  std::uint8_t b[tc_tile * tc_row_stride];
+  std::uint8_t b[tc_exact_tile_n * tc_row_stride];
   std::int32_t a_exponents[tc_tile];
-  std::int32_t b_exponents[tc_tile];
+  std::int32_t b_exponents[tc_exact_tile_n];
 };
 
 #if defined(MXSCOPE_GPU_SIMULATE)
@@ -69,18 +92,20 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
                                      const std::int8_t* b, const std::int32_t* b_exponents, std::int64_t m,
                                      std::int64_t n, std::int64_t stride, std::int64_t block_index, std::int64_t i0,
                                      std::int64_t j0) {
-  const int t = threadIdx.x;  // 256 threads: one 16-byte chunk of A and one of B each
+  const int t = threadIdx.x;  // 256 threads: one 16-byte chunk of A each, the first 128 one of B
   const int row = t / 2;
   const int half = t % 2;
   const std::int64_t k_byte = block_index * 32 + half * 16;
   const bool a_inside = i0 + row < m;
-  const bool b_inside = j0 + row < n;
   copy_async_16(stage.a + row * tc_row_stride + half * 16, a_inside ? a + (i0 + row) * stride + k_byte : a, a_inside);
-  copy_async_16(stage.b + row * tc_row_stride + half * 16, b_inside ? b + (j0 + row) * stride + k_byte : b, b_inside);
+  if (row < tc_exact_tile_n) {
+    const bool b_inside = j0 + row < n;
+    copy_async_16(stage.b + row * tc_row_stride + half * 16, b_inside ? b + (j0 + row) * stride + k_byte : b, b_inside);
+  }
   if (t < tc_tile) {
     const bool inside = i0 + t < m;
     copy_async_4(&stage.a_exponents[t], inside ? a_exponents + block_index * m + i0 + t : a_exponents, inside);
-  } else {
+  } else if (t < tc_tile + tc_exact_tile_n) {
     const int r = t - tc_tile;
     const bool inside = j0 + r < n;
     copy_async_4(&stage.b_exponents[r], inside ? b_exponents + block_index * n + j0 + r : b_exponents, inside);
@@ -88,7 +113,7 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
 }
 
 // Each entry keeps a running fp64 sum of the scaled block dots D * 2^k (exact doubles: |D| < 2^20)
-// and checks every addition with TwoSum; an entry whose sum ever rounded (or that meets a NaN
+// and checks every addition (add_product_rounds); an entry whose sum ever rounded (or that meets a NaN
 // block or an extreme k) is flagged in `flagged` and left to tensor_core_exact_fixup_kernel.
 // Unflagged entries' running sums are the exact sums, written as the fp64 result and converted
 // once (RNE) to fp32.
@@ -100,7 +125,7 @@ __device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, cons
 // no addition rounds, and the step is one FMA, D * 2^k + running, with no check. A tile takes that
 // path when its largest row span and largest column span add up to at most the budget (NaN
 // blocks make a span of at least 2^20).
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
     tensor_core_exact_kernel(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
                              const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
                              std::int64_t blocks, int fraction_total, output_rounding output, float* out,
@@ -112,27 +137,28 @@ __global__ void __launch_bounds__(256)
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;         // row (A, C) or column (B, C) within an mma tile
   const int thread_in_group = lane % 4;  // k offset (A, B) or column pair (C)
-  const int warp_m = warp / 4;           // 0..1: 64 rows each
-  const int warp_n = warp % 4;           // 0..3: 32 columns each
+  const int warp_m = warp / 2;           // 0..3: 32 rows each
+  const int warp_n = warp % 2;           // 0..1: 32 columns each
   const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.y) * tc_tile;
-  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_tile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * tc_exact_tile_n;
 
-  double accumulators[4][4][4];
+  double accumulators[2][4][4];
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
+  for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
   std::uint64_t flags = 0;  // bit mi * 16 + ni * 4 + e for a flagged entry
 
-  // The tile's largest row and column spans (rows past the end count 0).
+  // The tile's largest row and column spans (rows past the end, and past the tile's 64 columns, count 0).
   if (threadIdx.x < tc_tile) {
     const std::int64_t i = i0 + threadIdx.x;
     tile_spans[0][threadIdx.x] = i < m ? a_spans[i] : 0;
   } else {
-    const std::int64_t j = j0 + threadIdx.x - tc_tile;
-    tile_spans[1][threadIdx.x - tc_tile] = j < n ? b_spans[j] : 0;
+    const int r = static_cast<int>(threadIdx.x) - tc_tile;
+    const std::int64_t j = j0 + r;
+    tile_spans[1][r] = r < tc_exact_tile_n && j < n ? b_spans[j] : 0;
   }
   __syncthreads();
   for (int width = tc_tile / 2; width > 0; width /= 2) {
@@ -163,13 +189,13 @@ __global__ void __launch_bounds__(256)
     copy_async_commit();
 
     const tc_stage& stage = stages[kb % tc_stages];
-    std::uint32_t a_fragments[4][4];
+    std::uint32_t a_fragments[2][4];
     std::uint32_t b_fragments[4][2];
-    std::int32_t row_exponents[4][2];
+    std::int32_t row_exponents[2][2];
     std::int32_t col_exponents[4][2];
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi) {
-      const int row = warp_m * 64 + mi * 16 + group_id;
+    for (int mi = 0; mi < 2; ++mi) {
+      const int row = warp_m * 32 + mi * 16 + group_id;
       const std::uint8_t* upper = stage.a + row * tc_row_stride + 4 * thread_in_group;
       const std::uint8_t* lower = upper + 8 * tc_row_stride;
       a_fragments[mi][0] = *reinterpret_cast<const std::uint32_t*>(upper);
@@ -190,7 +216,7 @@ __global__ void __launch_bounds__(256)
       col_exponents[ni][1] = stage.b_exponents[c_col + 1];
     }
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi) {
+    for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         int d[4];
@@ -201,7 +227,7 @@ __global__ void __launch_bounds__(256)
           for (int e = 0; e < 4; ++e) {
             const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
             const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
-            accumulators[mi][ni][e] = fma_exact(static_cast<double>(d[e]), power, accumulators[mi][ni][e]);
+            accumulators[mi][ni][e] = fma_exact(biased_double(d[e]) - biased_double_offset, power, accumulators[mi][ni][e]);
           }
           continue;
         }
@@ -214,14 +240,9 @@ __global__ void __launch_bounds__(256)
             continue;
           }
           const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
-          const double contribution = static_cast<double>(d[e]) * power;  // exact
-          double& running = accumulators[mi][ni][e];
-          const double sum = running + contribution;
-          const double virtual_contribution = sum - running;
-          const double virtual_running = sum - virtual_contribution;
-          const double error = (running - virtual_running) + (contribution - virtual_contribution);
-          running = sum;
-          if (error != 0.0) flags |= bit;
+          if (add_product_rounds(accumulators[mi][ni][e], biased_double(d[e]) - biased_double_offset, power)) {
+            flags |= bit;
+          }
         }
       }
     }
@@ -229,12 +250,12 @@ __global__ void __launch_bounds__(256)
   copy_async_wait<0>();
 
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
+  for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const std::int64_t i = i0 + warp_m * 64 + mi * 16 + group_id + (e / 2) * 8;
+        const std::int64_t i = i0 + warp_m * 32 + mi * 16 + group_id + (e / 2) * 8;
         const std::int64_t j = j0 + warp_n * 32 + ni * 8 + 2 * thread_in_group + e % 2;
         if (i >= m || j >= n) continue;
         if ((flags >> (mi * 16 + ni * 4 + e)) & 1U) {
