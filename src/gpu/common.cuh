@@ -89,6 +89,27 @@ inline unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(wor
   for (std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
        index += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
 
+// The fix-up kernels' scan of a flag byte per entry: 16 flags per thread and step, read as one
+// 16-byte word where the flags are 16-byte aligned (device buffers are), and body(entry) for each
+// set flag in ascending order, over flag_scan_grid(count) (one thread per entry took 1.15 ms on
+// the H200 to scan the 58.7 M flags of a 4096 x 14336 product in 229 K thread blocks).
+inline unsigned flag_scan_grid(std::int64_t count) { return grid_for((count + 15) / 16); }
+
+template <class Body>
+__device__ inline void for_each_flagged(const std::uint8_t* flagged, std::int64_t count, Body&& body) {
+  const bool aligned = reinterpret_cast<std::uintptr_t>(flagged) % 16 == 0;
+  MXSCOPE_GRID_LOOP(word, (count + 15) / 16) {
+    const std::int64_t first = word * 16;
+    if (aligned && first + 16 <= count) {
+      const uint4 bits = reinterpret_cast<const uint4*>(flagged)[word];
+      if ((bits.x | bits.y | bits.z | bits.w) == 0U) continue;
+    }
+    for (std::int64_t entry = first; entry < first + 16 && entry < count; ++entry) {
+      if (flagged[entry] != 0) body(entry);
+    }
+  }
+}
+
 // The NaN bit patterns every output uses (the CPU's std::numeric_limits<>::quiet_NaN()).
 constexpr std::uint32_t float_nan_bits = 0x7FC00000U;
 constexpr std::uint64_t double_nan_bits = 0x7FF8000000000000ULL;

@@ -250,8 +250,7 @@ __global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::in
                                      std::int64_t n, std::int64_t depth, int block, std::int64_t blocks,
                                      int blocks_per_group, int fraction_total, output_rounding output,
                                      const std::uint8_t* flagged, float* out, double* exact_out) {
-  MXSCOPE_GRID_LOOP(entry, m * n) {
-    if (flagged[entry] == 0) continue;
+  for_each_flagged(flagged, m * n, [&](std::int64_t entry) {
     const std::int64_t i = entry / n;
     const std::int64_t j = entry % n;
     const auto scaled_dot = [&](std::int64_t b) {
@@ -305,7 +304,7 @@ __global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::in
       }
       out[entry] = finish_output(accumulator * 1.0f, output);
     }
-  }
+  });
 }
 
 // Per row of an exponent array [blocks, rows]: the largest minus the smallest block exponent along
@@ -399,15 +398,15 @@ void launch_integer(const prepared_operand::storage& a, const prepared_operand::
   if (model.kind == accumulation_kind::fp32_group) {
     runtime::launch(integer_product_kernel<Dot, integer_mode::group>, grid, threads, 0, av, ae, bv, be, m, n, a.depth,
                     a.block, a.blocks, per_group, fraction_total, output, out, exact_out, flagged.as<std::uint8_t>());
-    runtime::launch(integer_fixup_kernel<Dot, integer_mode::group>, grid_for(m * n), threads_per_block, 0, av, ae, bv,
-                    be, m, n, a.depth, a.block, a.blocks, per_group, fraction_total, output,
+    runtime::launch(integer_fixup_kernel<Dot, integer_mode::group>, flag_scan_grid(m * n), threads_per_block, 0, av, ae,
+                    bv, be, m, n, a.depth, a.block, a.blocks, per_group, fraction_total, output,
                     flagged.as<const std::uint8_t>(), out, exact_out);
   } else {
     runtime::launch(integer_product_kernel<Dot, integer_mode::exact>, grid, threads, 0, av, ae, bv, be, m, n, a.depth,
                     a.block, a.blocks, 1, fraction_total, output, out, exact_out, flagged.as<std::uint8_t>());
-    runtime::launch(integer_fixup_kernel<Dot, integer_mode::exact>, grid_for(m * n), threads_per_block, 0, av, ae, bv,
-                    be, m, n, a.depth, a.block, a.blocks, 1, fraction_total, output, flagged.as<const std::uint8_t>(),
-                    out, exact_out);
+    runtime::launch(integer_fixup_kernel<Dot, integer_mode::exact>, flag_scan_grid(m * n), threads_per_block, 0, av, ae,
+                    bv, be, m, n, a.depth, a.block, a.blocks, 1, fraction_total, output,
+                    flagged.as<const std::uint8_t>(), out, exact_out);
   }
   synchronize();  // the flag buffer must outlive both kernels
 }

@@ -123,7 +123,7 @@ void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared
                   b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
                   out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
                   b_spans.spans.as<const std::int32_t>(), span_budget);
-  runtime::launch(tensor_core_exact_fixup_kernel, grid_for(m * n), threads_per_block, 0,
+  runtime::launch(tensor_core_exact_fixup_kernel, flag_scan_grid(m * n), threads_per_block, 0,
                   a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
                   b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
                   a.blocks, fraction_total, output, flagged.as<const std::uint8_t>(), out, exact_out);
@@ -256,7 +256,7 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
   if (exact) {
     // The entries whose running sum rounded, by the per-entry definition (block dots <= 53 bits:
     // gemm_path_covers, so the double chain is exact).
-    runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, grid_for(m * n), threads_per_block, 0,
+    runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, flag_scan_grid(m * n), threads_per_block, 0,
                     a.integers.as<const std::int32_t>(), a.exponents.as<const std::int32_t>(),
                     b.integers.as<const std::int32_t>(), b.exponents.as<const std::int32_t>(), m, n, a.depth, a.block,
                     a.blocks, 1, fraction_total, output, flags, out, exact_out);

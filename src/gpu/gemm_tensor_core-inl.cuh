@@ -227,7 +227,8 @@ __global__ void __launch_bounds__(256, 2)
           for (int e = 0; e < 4; ++e) {
             const int k = row_exponents[mi][e / 2] + col_exponents[ni][e % 2] - fraction_total;
             const double power = core_ns::bits_double(static_cast<std::uint64_t>(k + 1023) << 52);
-            accumulators[mi][ni][e] = fma_exact(biased_double(d[e]) - biased_double_offset, power, accumulators[mi][ni][e]);
+            const double dot = biased_double(d[e]) - biased_double_offset;
+            accumulators[mi][ni][e] = fma_exact(dot, power, accumulators[mi][ni][e]);
           }
           continue;
         }
@@ -278,8 +279,7 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
                                                std::int64_t n, std::int64_t stride, std::int64_t blocks,
                                                int fraction_total, output_rounding output,
                                                const std::uint8_t* flagged, float* out, double* exact_out) {
-  MXSCOPE_GRID_LOOP(entry, m * n) {
-    if (flagged[entry] == 0) continue;
+  for_each_flagged(flagged, m * n, [&](std::int64_t entry) {
     const std::int64_t i = entry / n;
     const std::int64_t j = entry % n;
     core_ns::long_accumulator total;
@@ -304,7 +304,7 @@ __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::
       out[entry] = finish_output(round_total_to_float(total), output);
       if (exact_out != nullptr) exact_out[entry] = round_total_to_double(total);
     }
-  }
+  });
 }
 
 // -------------------------------------------------------------------------------------------
