@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(dot_threads, dot_min_blocks)
   }
 }
 
-// The entries integer_product_kernel flagged (fp32-group:G, exact), one thread each, by the
+// The entries integer_product_kernel flagged (fp32-group:G, exact), found by for_each_flagged, by the
 // per-entry definitions: the block dots again from the operands; a group's scaled dots through
 // add_exactly_to_float (one of them through add_exact_value), every scaled dot of an exact entry
 // added to a long accumulator and rounded once (a NaN block gives the canonical NaN).

@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(256, 2)
   }
 }
 
-// The entries tensor_core_exact_kernel flagged, one thread each: the block dots again from
+// The entries tensor_core_exact_kernel flagged, found by for_each_flagged: the block dots again from
 // the same int8 operands, every scaled dot added to a long accumulator, rounded once (NaN blocks
 // give the canonical NaN, as the integer path does).
 __global__ void tensor_core_exact_fixup_kernel(const std::int8_t* a, const std::int32_t* a_exponents,
