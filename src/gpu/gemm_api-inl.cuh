@@ -121,10 +121,17 @@ __global__ void tensor_scales_kernel(float* out, double* exact, std::int64_t cou
 
 namespace {
 
+// Whether each of the 256 byte codes decodes to a non-finite value, made once per thread block:
+// each element is then one table lookup (decoding it from its bits made the kernel compute-bound).
 __global__ void nonfinite_codes_kernel(const std::uint8_t* codes, std::int64_t count, element_kind kind,
                                        unsigned long long* found) {
+  __shared__ std::uint8_t nonfinite[256];
+  for (int c = static_cast<int>(threadIdx.x); c < 256; c += static_cast<int>(blockDim.x)) {
+    nonfinite[c] = is_finite(core_ns::decode(kind, static_cast<std::uint32_t>(c))) ? 0 : 1;
+  }
+  __syncthreads();
   unsigned long long local = 0;
-  MXSCOPE_GRID_LOOP(i, count) { local += is_finite(core_ns::decode(kind, codes[i])) ? 0U : 1U; }
+  MXSCOPE_GRID_LOOP(i, count) { local += nonfinite[codes[i]]; }
   unsigned long long reduced[1] = {local};
   constexpr int index[1] = {0};
   block_reduce_to<false>(reduced, found, index);
