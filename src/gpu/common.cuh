@@ -89,11 +89,15 @@ inline unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(wor
   for (std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
        index += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
 
+// The grid of a grid-stride kernel that does little per element: one thread per 16 elements. One
+// thread per element of a 4096 x 14336 output is 229 K thread blocks, which took about 1.15 ms on
+// the H200 to start and run however little each did (BENCHMARKS.md).
+inline unsigned strided_grid(std::int64_t count) { return grid_for((count + 15) / 16); }
+
 // The fix-up kernels' scan of a flag byte per entry: 16 flags per thread and step, read as one
 // 16-byte word where the flags are 16-byte aligned (device buffers are), and body(entry) for each
-// set flag in ascending order, over flag_scan_grid(count) (one thread per entry took 1.15 ms on
-// the H200 to scan the 58.7 M flags of a 4096 x 14336 product in 229 K thread blocks).
-inline unsigned flag_scan_grid(std::int64_t count) { return grid_for((count + 15) / 16); }
+// set flag in ascending order, over flag_scan_grid(count).
+inline unsigned flag_scan_grid(std::int64_t count) { return strided_grid(count); }
 
 template <class Body>
 __device__ inline void for_each_flagged(const std::uint8_t* flagged, std::int64_t count, Body&& body) {

@@ -231,7 +231,7 @@ void apply_tensor_scales(const product_result& result, float sa, float sb, bool 
   }
   if (count == 0) return;
   const float alpha = sa * sb;  // as the CPU: fl32(sa sb)
-  runtime::launch(tensor_scales_kernel, grid_for(count), threads_per_block, 0, result.device_out->fp32(),
+  runtime::launch(tensor_scales_kernel, strided_grid(count), threads_per_block, 0, result.device_out->fp32(),
                   exact_model ? result.device_exact->fp64() : static_cast<double*>(nullptr), count, sa, sb, alpha,
                   output);
 }
