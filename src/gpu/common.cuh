@@ -89,9 +89,8 @@ inline unsigned reduction_grid(std::int64_t work) { return std::min(grid_for(wor
   for (std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
        index += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
 
-// The grid of a grid-stride kernel that does little per element: one thread per 16 elements. One
-// thread per element of a 4096 x 14336 output is 229 K thread blocks, which took about 1.15 ms on
-// the H200 to start and run however little each did (BENCHMARKS.md).
+// The grid of a grid-stride kernel that does little per element: one thread per 16 elements, since
+// thread blocks that each do little cost more to start than to run (BENCHMARKS.md has the figures).
 inline unsigned strided_grid(std::int64_t count) { return grid_for((count + 15) / 16); }
 
 // The fix-up kernels' scan of a flag byte per entry: 16 flags per thread and step, read as one
