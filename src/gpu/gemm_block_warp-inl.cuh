@@ -7,8 +7,10 @@
 // entry keeps its fp32 accumulator in registers (32 per thread) and takes one step per chunk:
 // - where the two rows' chunk spreads fit plain_chunk_budget, the chunk dot is exact in fp64 in any
 //   order (see gemm_fp64_tiles-inl.cuh) and the step is fl32(acc + dot) by round_to_odd_step;
-// - elsewhere (rare for bf16 values) the chunk's products are summed exactly in units of the rows'
-//   lowest exponents and added by add_units_to_float, as plain_tile_kernel does.
+// - elsewhere (rare for bf16 values) the chunk's products are summed in fp64 with every addition
+//   checked (chunk_products_exactly); where none rounded that sum is the exact dot and takes the
+//   same step, else they are summed exactly in units of the rows' lowest exponents and added by
+//   add_units_to_float, as plain_tile_kernel does.
 // Entries whose rows do not fit plain_fits are left to the per-product kernel, as for
 // plain_tile_kernel. Every computed entry is fl32(acc + exact chunk dot) in ascending chunks: the
 // canonical fp32-block model's bits with blocks of 32 and scale 1.
@@ -114,10 +116,16 @@ __global__ void __launch_bounds__(rw_threads, 2)
 #pragma unroll
         for (int c = 0; c < rw_cols; ++c) {
           if ((per_product & (1U << (r * rw_cols + c))) == 0) continue;
-          const int base = a_low_tile[rw_row(r)] + b_low_tile[rw_col(c)];
-          const core_ns::int128 products =
-              chunk_products_in_units(a_tile + rw_row(r) * dot_stride, b_tile + rw_col(c) * dot_stride, 1, base);
-          accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
+          const double* const a_column = a_tile + rw_row(r) * dot_stride;
+          const double* const b_column = b_tile + rw_col(c) * dot_stride;
+          double dot = 0.0;
+          if (chunk_products_exactly(a_column, b_column, dot)) {
+            accumulators[r][c] = round_to_odd_step(accumulators[r][c], dot, 1.0);
+          } else {
+            const int base = a_low_tile[rw_row(r)] + b_low_tile[rw_col(c)];
+            const core_ns::int128 products = chunk_products_by_halves(a_column, b_column, base);
+            accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
+          }
         }
       }
     }

@@ -203,9 +203,13 @@ __device__ inline void add_in_units_by_halves(core_ns::int128& sum, double value
   const double scaled = fabs(value) * core_ns::bits_double(static_cast<std::uint64_t>(1023 - base) << 52);
   const double high = trunc(scaled * 0x1p-64);
   const double low = fma(-high, 0x1p64, scaled);
-  const core_ns::uint128 magnitude = (static_cast<core_ns::uint128>(static_cast<std::uint64_t>(high)) << 64) |
-                                     static_cast<std::uint64_t>(low);
-  sum += value < 0.0 ? -static_cast<core_ns::int128>(magnitude) : static_cast<core_ns::int128>(magnitude);
+  // A negative value adds the magnitude's two's complement, (magnitude ^ all ones) + 1: the sign
+  // bit spread over a word (all ones or zero) in place of a negation and a select per word.
+  const std::uint64_t sign = static_cast<std::uint64_t>(static_cast<std::int64_t>(core_ns::double_bits(value)) >> 63);
+  const core_ns::uint128 flipped =
+      (static_cast<core_ns::uint128>(static_cast<std::uint64_t>(high) ^ sign) << 64) |
+      (static_cast<std::uint64_t>(low) ^ sign);
+  sum = static_cast<core_ns::int128>(static_cast<core_ns::uint128>(sum) + flipped + (sign & 1U));
 }
 
 // The exact sum of a chunk's products (column kk of both shared-memory tiles, `stride` apart), in
@@ -214,6 +218,17 @@ __device__ __noinline__ core_ns::int128 chunk_products_in_units(const double* a_
                                                                 int stride, int base) {
   core_ns::int128 sum = 0;
   for (int kk = 0; kk < plain_chunk; ++kk) add_in_units(sum, a_column[kk * stride] * b_column[kk * stride], base);
+  return sum;
+}
+
+// chunk_products_in_units by add_in_units_by_halves, for the warp-tile kernels (reference_warp_kernel,
+// block_warp_kernel), whose entries' windows it requires (plain_fits): no branches, no variable
+// 128-bit shifts.
+__device__ __noinline__ core_ns::int128 chunk_products_by_halves(const double* a_column, const double* b_column,
+                                                                 int base) {
+  core_ns::int128 sum = 0;
+#pragma unroll 4
+  for (int kk = 0; kk < plain_chunk; ++kk) add_in_units_by_halves(sum, a_column[kk] * b_column[kk], base);
   return sum;
 }
 
@@ -241,6 +256,32 @@ __device__ inline float add_exact_dot(float accumulator, double dot) {
 }
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
+// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
+// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
+__device__ inline bool add_product_rounds(double& running, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return add_rounds(running, dot * scale);
+#else
+  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
+  running = __fma_rn(dot, scale, running);
+  return rounds;
+#endif
+}
+
+// The sum of a chunk's 32 products (column kk of both shared-memory tiles) in fp64, in ascending
+// k, and whether it is exact: every addition is checked (add_product_rounds), so where none
+// rounded `dot` is the chunk's exact dot. The warp-tile kernels' per-product path tries this
+// first: a chunk over its spread budget may still sum exactly, and this costs a third of the
+// 128-bit walk (chunk_products_by_halves), which stays the fallback.
+__device__ __noinline__ bool chunk_products_exactly(const double* a_column, const double* b_column, double& dot) {
+  double sum = 0.0;
+  bool rounded = false;
+#pragma unroll 8
+  for (int kk = 0; kk < plain_chunk; ++kk) rounded |= add_product_rounds(sum, a_column[kk], b_column[kk]);
+  dot = sum + 0.0;  // an exactly zero sum is +0, as the tensor cores' dots
+  return !rounded;
+}
+
 // fl32(acc + dot scale) for a finite dot whose product with `scale` is exact, without a branch
 // (the sliced and block-warp kernels' step). The sum is taken to fp64 in round-to-odd: its
 // round-down and round-up (two fmas of the exact dot scale + acc) are equal when it is exact;
@@ -917,40 +958,62 @@ __global__ void __launch_bounds__(rw_threads, 2)
     rw_tile_dots(a_tile, b_tile, dots);
 
     // The steps (as plain_tile_kernel's exact mode), on the sums in shared memory: a fused entry at
-    // the end of its super-chunk or half, the others per chunk.
-    if (super_end || (half_end && fused != fused_super) || (active & ~fused) != 0) {
-      unsigned per_product = 0;
+    // the end of its super-chunk or half, the others per chunk (per product where the chunk's two
+    // spreads exceed its budget). The entries due are found as masks first, so that an entry with
+    // nothing to do costs one bit test.
+    const unsigned ends = (super_end ? fused_super : 0U) | (half_end ? fused & ~fused_super : 0U);
+    const unsigned per_chunk = active & ~fused;
+    unsigned per_product = 0;
+    if (per_chunk != 0) {
+      int a_spread[rw_rows], b_spread[rw_cols];
+      int a_widest = plain_empty_spread, b_widest = plain_empty_spread;
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
-#pragma unroll
-        for (int c = 0; c < rw_cols; ++c) {
-          const unsigned bit = 1U << (r * rw_cols + c);
-          if ((active & bit) == 0) continue;
-          if ((fused & bit) != 0) {
-            if ((fused_super & bit) != 0 ? super_end : half_end) {
-              add_in_units_by_halves(sum_at(r, c), dots[r][c], base_of(r, c));
-              dots[r][c] = 0.0;
-            }
-            continue;
-          }
-          const double dot = dots[r][c];
-          dots[r][c] = 0.0;
-          if (a_spread_tile[rw_row(r)] + b_spread_tile[rw_col(c)] > plain_chunk_budget) {
-            per_product |= bit;
-          } else {
-            add_in_units_by_halves(sum_at(r, c), dot, base_of(r, c));
-          }
-        }
+        a_spread[r] = a_spread_tile[rw_row(r)];
+        a_widest = max(a_widest, a_spread[r]);
       }
-      if (per_product != 0) {
+#pragma unroll
+      for (int c = 0; c < rw_cols; ++c) {
+        b_spread[c] = b_spread_tile[rw_col(c)];
+        b_widest = max(b_widest, b_spread[c]);
+      }
+      if (a_widest + b_widest > plain_chunk_budget) {
 #pragma unroll
         for (int r = 0; r < rw_rows; ++r) {
 #pragma unroll
           for (int c = 0; c < rw_cols; ++c) {
-            if ((per_product & (1U << (r * rw_cols + c))) == 0) continue;
-            const int base = base_of(r, c);
-            sum_at(r, c) +=
-                chunk_products_in_units(a_tile + rw_row(r) * dot_stride, b_tile + rw_col(c) * dot_stride, 1, base);
+            if (a_spread[r] + b_spread[c] > plain_chunk_budget) per_product |= 1U << (r * rw_cols + c);
+          }
+        }
+        per_product &= per_chunk;
+      }
+    }
+    const unsigned steps = ends | (per_chunk & ~per_product);
+    if (steps != 0) {
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          if ((steps & (1U << (r * rw_cols + c))) == 0) continue;
+          add_in_units_by_halves(sum_at(r, c), dots[r][c], base_of(r, c));
+          dots[r][c] = 0.0;
+        }
+      }
+    }
+    if (per_product != 0) {
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          if ((per_product & (1U << (r * rw_cols + c))) == 0) continue;
+          dots[r][c] = 0.0;
+          const double* const a_column = a_tile + rw_row(r) * dot_stride;
+          const double* const b_column = b_tile + rw_col(c) * dot_stride;
+          double dot = 0.0;
+          if (chunk_products_exactly(a_column, b_column, dot)) {
+            add_in_units_by_halves(sum_at(r, c), dot, base_of(r, c));
+          } else {
+            sum_at(r, c) += chunk_products_by_halves(a_column, b_column, base_of(r, c));
           }
         }
       }

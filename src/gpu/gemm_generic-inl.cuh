@@ -226,3 +226,13 @@ __device__ inline double fma_exact(double x, double y, double z) {
 #endif
 }
 
+// running += contribution; true when the addition rounded (TwoSum: sum + error == running +
+// contribution exactly for finite doubles, which these stay far below overflow).
+__device__ inline bool add_rounds(double& running, double contribution) {
+  const double sum = running + contribution;
+  const double virtual_contribution = sum - running;
+  const double virtual_running = sum - virtual_contribution;
+  const double error = (running - virtual_running) + (contribution - virtual_contribution);
+  running = sum;
+  return error != 0.0;
+}

@@ -58,17 +58,6 @@ __device__ inline float add_exact_value_inline(float accumulator, double value) 
   return core_ns::add_to_float(accumulator, value + 0.0);  // +0.0: an exactly zero sum is +0
 }
 
-// running += contribution; true when the addition rounded (TwoSum: sum + error == running +
-// contribution exactly for finite doubles, which these stay far below overflow).
-__device__ inline bool add_rounds(double& running, double contribution) {
-  const double sum = running + contribution;
-  const double virtual_contribution = sum - running;
-  const double virtual_running = sum - virtual_contribution;
-  const double error = (running - virtual_running) + (contribution - virtual_contribution);
-  running = sum;
-  return error != 0.0;
-}
-
 template <class Dot, integer_mode Mode>
 // One body (about 170 lines): the tile loads, the exact integer block dots and the model's step of
 // every entry share the tile's fragments and accumulators held in registers.

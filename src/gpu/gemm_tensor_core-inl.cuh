@@ -28,18 +28,6 @@ __device__ inline double biased_double(int x) {
   return core_ns::bits_double(0x4330000000000000ULL | (static_cast<std::uint32_t>(x) ^ 0x80000000U));
 }
 
-// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
-// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
-__device__ inline bool add_product_rounds(double& running, double dot, double scale) {
-#if defined(MXSCOPE_GPU_SIMULATE)
-  return add_rounds(running, dot * scale);
-#else
-  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
-  running = __fma_rn(dot, scale, running);
-  return rounds;
-#endif
-}
-
 constexpr int tc_tile = 128;
 constexpr int tc_exact_tile_n = 64;  // columns of tensor_core_exact_kernel's tile
 constexpr int tc_stages = 3;
