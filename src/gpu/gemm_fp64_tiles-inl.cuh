@@ -256,15 +256,21 @@ __device__ inline float add_exact_dot(float accumulator, double dot) {
 }
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-// running += dot scale (an exact product) rounded to nearest; true when the addition rounded: its
-// round-down and round-up differ exactly then (the simulation: TwoSum, add_rounds).
+// running += dot scale (an exact product); true when the addition rounded: its round-down and
+// round-up differ exactly then (the simulation: TwoSum, add_rounds). Where it did not round,
+// running is the exact sum (an exact zero may be -0: callers add +0.0 before using it); where it
+// did, a neighbour of it that the callers discard.
 __device__ inline bool add_product_rounds(double& running, double dot, double scale) {
 #if defined(MXSCOPE_GPU_SIMULATE)
   return add_rounds(running, dot * scale);
 #else
-  const bool rounds = __fma_rd(dot, scale, running) != __fma_ru(dot, scale, running);
-  running = __fma_rn(dot, scale, running);
-  return rounds;
+  // Where the two agree the addition is exact and either is the sum; where they differ the
+  // caller discards the sum (flagged entries, the per-product fallback), so the round-down serves
+  // as the running value and no third fma is needed.
+  const double down = __fma_rd(dot, scale, running);
+  const double up = __fma_ru(dot, scale, running);
+  running = down;
+  return down != up;
 #endif
 }
 

@@ -301,8 +301,9 @@ __global__ void __launch_bounds__(slc_threads, 2)
           if ((rounded >> ((mi * col_tiles + ni) * 4 + e) & 1U) != 0) {
             flagged[i * n + j] = 1;
           } else {
-            out[i * n + j] = finish_output(static_cast<float>(accumulators[mi][ni][e]), output);
-            if (exact_out != nullptr) exact_out[i * n + j] = accumulators[mi][ni][e];
+            const double sum = accumulators[mi][ni][e] + 0.0;  // an exactly zero sum is +0
+            out[i * n + j] = finish_output(static_cast<float>(sum), output);
+            if (exact_out != nullptr) exact_out[i * n + j] = sum;
           }
         } else {
           out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
