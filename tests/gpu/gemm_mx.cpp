@@ -289,6 +289,46 @@ void gemm_sliced_tiles(bool small) {
     });
     }
   }
+
+  // Exactly cancelling sums under `exact`: block 1 of every A row is its block 0 negated (the same
+  // block scale, sign-symmetric rounding) and B's first two blocks are equal, so each running sum
+  // returns to zero after block 1, where an fma rounded down gives -0; B's block 2 is zero in even
+  // rows, whose entries' exact sums are then zero and must be +0 in both results, as the host's.
+  // Run on the sliced kernel (mxfp8 e4m3) and on the tensor-core exact kernel (mxfp4).
+  for (const int format : {3, 0}) {
+    const std::string name = std::string("gemm exact cancelling sums ") + format_names[format] + " M70 N66 K96";
+    run_case(name, [&]() -> std::string {
+      const std::uint64_t seed = next_seed();
+      const std::int64_t m = 70, n = 66, k = 96;
+      matrix a = test_inputs::make_matrix(m, k, value_kind::banded, seed);
+      matrix b = test_inputs::make_matrix(n, k, value_kind::banded, seed + 1);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t c = 0; c < 32; ++c) a(i, 32 + c) = -a(i, c);
+      }
+      for (std::int64_t j = 0; j < n; ++j) {
+        for (std::int64_t c = 0; c < 32; ++c) {
+          b(j, 32 + c) = b(j, c);
+          if (j % 2 == 0) b(j, 64 + c) = 0.0f;
+        }
+      }
+      const auto qa = host_reference::quantize_mx(a, mx_options(format, 32, 1, core::rounding_mode::rne,
+                                                                core::scale_rule::floor, 32, seed + 2));
+      const auto qb = host_reference::quantize_mx(b, mx_options(format, 32, 1, core::rounding_mode::rne,
+                                                                core::scale_rule::floor, 32, seed + 3));
+      const gpu::gemm_path path = format == 3 ? gpu::gemm_path::integer : gpu::gemm_path::tensor_core;
+      const mxscope::accumulation_model model = model_of(mxscope::accumulation_kind::exact);
+      const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, path);
+      if (format == 3 && gpu::last_integer_block_kernel() != gpu::integer_block_kernel::sliced) {
+        return std::string("the integer path did not run the sliced kernel");
+      }
+      int zeros = 0;
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < n; j += 2) zeros += got.exact(i, j) == 0.0 ? 1 : 0;
+      }
+      if (zeros != m * (n / 2)) return "only " + std::to_string(zeros) + " of the even columns' sums are zero";
+      return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, name + ", seed " + hex64(seed));
+    });
+  }
 }
 
 }  // namespace gpu_test
