@@ -76,29 +76,52 @@ __device__ inline float tensor_core_step(float accumulator, int dot, std::int32_
   return tensor_core_slow_step(accumulator, dot, exponent_a, exponent_b, fraction_total);
 }
 
-__device__ inline void load_tc_stage(tc_stage& stage, const std::int8_t* a, const std::int32_t* a_exponents,
-                                     const std::int8_t* b, const std::int32_t* b_exponents, std::int64_t m,
-                                     std::int64_t n, std::int64_t stride, std::int64_t block_index, std::int64_t i0,
-                                     std::int64_t j0) {
-  const int t = threadIdx.x;  // 256 threads: one 16-byte chunk of A each, the first 128 one of B
-  const int row = t / 2;
-  const int half = t % 2;
-  const std::int64_t k_byte = block_index * 32 + half * 16;
-  const bool a_inside = i0 + row < m;
-  copy_async_16(stage.a + row * tc_row_stride + half * 16, a_inside ? a + (i0 + row) * stride + k_byte : a, a_inside);
-  if (row < tc_exact_tile_n) {
-    const bool b_inside = j0 + row < n;
-    copy_async_16(stage.b + row * tc_row_stride + half * 16, b_inside ? b + (j0 + row) * stride + k_byte : b, b_inside);
+// One thread's part of filling a stage with K-block after K-block (256 threads: one 16-byte chunk
+// of an A row each, the first 128 also one of a B row, and the A rows' then the B rows'
+// exponents), its sources computed once and stepped by a pointer addition per K-block: the 64-bit
+// index arithmetic of a fresh address per call was a sixth of the kernel's instructions. A row
+// past the end keeps a fixed in-bounds source and copies zeros.
+struct tc_stage_loader {
+  const std::int8_t* a_source;
+  const std::int8_t* b_source;
+  const std::int32_t* e_source;
+  std::int64_t e_step;
+  int data_offset;  // this thread's 16 bytes in stage.a and stage.b
+  bool a_inside, b_inside, e_inside;
+
+  __device__ tc_stage_loader(const std::int8_t* a, const std::int32_t* a_exponents, const std::int8_t* b,
+                             const std::int32_t* b_exponents, std::int64_t m, std::int64_t n, std::int64_t stride,
+                             std::int64_t i0, std::int64_t j0) {
+    const int t = threadIdx.x;
+    const int row = t / 2;
+    const int half = t % 2;
+    data_offset = row * tc_row_stride + half * 16;
+    a_inside = i0 + row < m;
+    a_source = a_inside ? a + (i0 + row) * stride + half * 16 : a;
+    b_inside = row < tc_exact_tile_n && j0 + row < n;
+    b_source = b_inside ? b + (j0 + row) * stride + half * 16 : b;
+    const bool a_role = t < tc_tile;
+    const std::int64_t first = a_role ? i0 + t : j0 + (t - tc_tile);
+    e_inside = a_role ? first < m : t < tc_tile + tc_exact_tile_n && first < n;
+    e_step = a_role ? m : n;
+    e_source = a_role ? (e_inside ? a_exponents + first : a_exponents) : (e_inside ? b_exponents + first : b_exponents);
   }
-  if (t < tc_tile) {
-    const bool inside = i0 + t < m;
-    copy_async_4(&stage.a_exponents[t], inside ? a_exponents + block_index * m + i0 + t : a_exponents, inside);
-  } else if (t < tc_tile + tc_exact_tile_n) {
-    const int r = t - tc_tile;
-    const bool inside = j0 + r < n;
-    copy_async_4(&stage.b_exponents[r], inside ? b_exponents + block_index * n + j0 + r : b_exponents, inside);
+
+  // Fills `stage` with the next K-block (the first call K-block 0).
+  __device__ void load(tc_stage& stage) {
+    const int t = threadIdx.x;
+    copy_async_16(stage.a + data_offset, a_source, a_inside);
+    if (t < 2 * tc_exact_tile_n) copy_async_16(stage.b + data_offset, b_source, b_inside);
+    if (t < tc_tile) {
+      copy_async_4(&stage.a_exponents[t], e_source, e_inside);
+    } else if (t < tc_tile + tc_exact_tile_n) {
+      copy_async_4(&stage.b_exponents[t - tc_tile], e_source, e_inside);
+    }
+    if (a_inside) a_source += 32;
+    if (b_inside) b_source += 32;
+    if (e_inside) e_source += e_step;
   }
-}
+};
 
 // Each entry keeps a running fp64 sum of the scaled block dots D * 2^k (exact doubles: |D| < 2^20)
 // and checks every addition (add_product_rounds); an entry whose sum ever rounded (or that meets a NaN
@@ -160,23 +183,25 @@ __global__ void __launch_bounds__(256, 2)
   }
   const bool window = tile_spans[0][0] + tile_spans[1][0] <= span_budget;
 
+  tc_stage_loader loader(a, a_exponents, b, b_exponents, m, n, stride, i0, j0);
 #pragma unroll
   for (int s = 0; s < tc_stages - 1; ++s) {
-    if (s < blocks) load_tc_stage(stages[s], a, a_exponents, b, b_exponents, m, n, stride, s, i0, j0);
+    if (s < blocks) loader.load(stages[s]);
     copy_async_commit();
   }
 
+  int current = 0;              // kb % tc_stages
+  int refill = tc_stages - 1;   // (kb + tc_stages - 1) % tc_stages
   for (std::int64_t kb = 0; kb < blocks; ++kb) {
     copy_async_wait<tc_stages - 2>();
     __syncthreads();
     // Refill the stage everyone finished with in the previous iteration.
-    const std::int64_t next = kb + tc_stages - 1;
-    if (next < blocks) {
-      load_tc_stage(stages[next % tc_stages], a, a_exponents, b, b_exponents, m, n, stride, next, i0, j0);
-    }
+    if (kb + tc_stages - 1 < blocks) loader.load(stages[refill]);
     copy_async_commit();
 
-    const tc_stage& stage = stages[kb % tc_stages];
+    const tc_stage& stage = stages[current];
+    current = current + 1 == tc_stages ? 0 : current + 1;
+    refill = refill + 1 == tc_stages ? 0 : refill + 1;
     std::uint32_t a_fragments[2][4];
     std::uint32_t b_fragments[4][2];
     std::int32_t row_exponents[2][2];
