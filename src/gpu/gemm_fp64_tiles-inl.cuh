@@ -277,8 +277,8 @@ __device__ inline bool add_product_rounds(double& running, double dot, double sc
 // The sum of a chunk's 32 products (column kk of both shared-memory tiles) in fp64, in ascending
 // k, and whether it is exact: every addition is checked (add_product_rounds), so where none
 // rounded `dot` is the chunk's exact dot. The warp-tile kernels' per-product path tries this
-// first: a chunk over its spread budget may still sum exactly, and this costs a third of the
-// 128-bit walk (chunk_products_by_halves), which stays the fallback.
+// first: the spread budget is a worst case, so a chunk over it may still sum exactly, in fewer
+// instructions than the 128-bit walk (chunk_products_by_halves), which stays the fallback.
 __device__ __noinline__ bool chunk_products_exactly(const double* a_column, const double* b_column, double& dot) {
   double sum = 0.0;
   bool rounded = false;
