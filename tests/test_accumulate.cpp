@@ -154,7 +154,54 @@ TEST(RoundExactSum, TiesRoundToEven) {
 // whole fp32 range and beyond, and pairs whose double sum lands exactly on an fp32 midpoint (the
 // case its fast path must leave to the round-to-odd sum), near zero, the subnormal range and the
 // overflow threshold.
+std::vector<std::pair<float, double>> add_to_float_cases();
+
 TEST(AddToFloat, MatchesTheOracleIncludingDoubleRoundingMidpoints) {
+  int midpoints = 0;
+  for (const auto& [acc, v] : add_to_float_cases()) {
+    const cpp_int exact = oracle::from_double(static_cast<double>(acc)) + oracle::from_double(v);
+    const float want = oracle::round_to_float(exact);
+    const float got = core::add_to_float(acc, v);
+    const double naive = static_cast<double>(acc) + v;
+    if (std::isfinite(naive) && static_cast<float>(naive) != want) ++midpoints;
+    ASSERT_EQ(oracle::bits_of(got), oracle::bits_of(want))
+        << "acc " << oracle::show(static_cast<double>(acc)) << " v " << oracle::show(v);
+  }
+  EXPECT_GT(midpoints, 500);  // the set does hold cases that rounding twice gets wrong
+}
+
+// core::round_to_odd_from_neighbours (the GPU step's round-to-odd from a round-down and a
+// round-up) on the same pairs: the neighbours come from the exact sum's place between the doubles
+// (the round-to-nearest sum and nextafter on the side of its error), and the odd-neighbour choice
+// converted to fp32 must give the oracle's correctly rounded sum, and equal core::round_to_odd_sum.
+TEST(RoundToOddFromNeighbours, GivesTheCorrectlyRoundedFloatSum) {
+  int inexact = 0;
+  int zeros = 0;
+  for (const auto& [acc, v] : add_to_float_cases()) {
+    const double a = static_cast<double>(acc);
+    const cpp_int exact = oracle::from_double(a) + oracle::from_double(v);
+    const double nearest = a + v;
+    if (!std::isfinite(nearest)) continue;
+    const cpp_int error = exact - oracle::from_double(nearest);
+    const double inf = std::numeric_limits<double>::infinity();
+    double down = nearest;
+    double up = nearest;
+    if (error > 0) up = std::nextafter(nearest, inf);
+    if (error < 0) down = std::nextafter(nearest, -inf);
+    if (exact == 0 && (a != 0.0 || v != 0.0)) down = -0.0;  // the round-down of x - x
+    inexact += error != 0 ? 1 : 0;
+    zeros += exact == 0 ? 1 : 0;
+    const double odd = core::round_to_odd_from_neighbours(down, up);
+    ASSERT_EQ(oracle::bits_of(static_cast<float>(odd)), oracle::bits_of(oracle::round_to_float(exact)))
+        << "acc " << oracle::show(a) << " v " << oracle::show(v);
+    ASSERT_EQ(core::double_bits(odd), core::double_bits(core::round_to_odd_sum(a, v)))
+        << "acc " << oracle::show(a) << " v " << oracle::show(v);
+  }
+  EXPECT_GT(inexact, 5000);  // both branches of the choice are taken
+  EXPECT_GT(zeros, 0);
+}
+
+std::vector<std::pair<float, double>> add_to_float_cases() {
   std::mt19937_64 random(20261129);
   std::vector<std::pair<float, double>> cases;
   for (int i = 0; i < 20000; ++i) {
@@ -179,17 +226,7 @@ TEST(AddToFloat, MatchesTheOracleIncludingDoubleRoundingMidpoints) {
   cases.emplace_back(std::numeric_limits<float>::max(), std::ldexp(1.0, 103));  // the overflow tie: to inf
   cases.emplace_back(std::numeric_limits<float>::max(), std::ldexp(1.0, 103) - std::ldexp(1.0, 60));
   cases.emplace_back(1.0f, -1.0);  // exact cancellation: +0
-  int midpoints = 0;
-  for (const auto& [acc, v] : cases) {
-    const cpp_int exact = oracle::from_double(static_cast<double>(acc)) + oracle::from_double(v);
-    const float want = oracle::round_to_float(exact);
-    const float got = core::add_to_float(acc, v);
-    const double naive = static_cast<double>(acc) + v;
-    if (std::isfinite(naive) && static_cast<float>(naive) != want) ++midpoints;
-    ASSERT_EQ(oracle::bits_of(got), oracle::bits_of(want))
-        << "acc " << oracle::show(static_cast<double>(acc)) << " v " << oracle::show(v);
-  }
-  EXPECT_GT(midpoints, 500);  // the set does hold cases that rounding twice gets wrong
+  return cases;
 }
 
 // Trunc-align semantics written from NUMERICS.md section 7 with the oracle's integers.

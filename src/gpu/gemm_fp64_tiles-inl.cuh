@@ -289,19 +289,38 @@ __device__ __noinline__ bool chunk_products_exactly(const double* a_column, cons
 }
 
 // fl32(acc + dot scale) for a finite dot whose product with `scale` is exact, without a branch
-// (the sliced and block-warp kernels' step). The sum is taken to fp64 in round-to-odd: its
-// round-down and round-up (two fmas of the exact dot scale + acc) are equal when it is exact;
-// otherwise round-to-zero (the one of them nearer zero) with its last bit set is the odd neighbour.
-// An exact zero sum is +0 (the round-up; the round-down of x - x is -0), as round to nearest gives
-// for the callers' dots, which are never -0 (their sums start at +0). 53 >= 24 + 2 bits make the
-// conversion to fp32 (round to nearest even) the correctly rounded sum (core::add_to_float's
-// argument, Boldo & Melquiond), for ties, subnormal and overflowing sums alike; an infinite acc
-// gives itself. Where core::add_to_float's midpoint test would take its slow path (exact fp32
-// ties, common with quantized operands) this costs the same. The simulation takes
-// core::round_to_odd_sum.
+// (the block-warp kernel's step). The sum is taken to fp64 in round-to-odd: its round-down and
+// round-up (two fmas of the exact dot scale + acc) give it by core::round_to_odd_from_neighbours
+// (the odd one of the two: a bit test and a select). An exact zero sum is +0 (the round-up), as
+// round to nearest gives for the callers' dots, which are never -0 (their sums start at +0).
+// 53 >= 24 + 2 bits make the conversion to fp32 (round to nearest even) the correctly rounded sum
+// (core::add_to_float's argument, Boldo & Melquiond), for ties, subnormal and overflowing sums
+// alike; an infinite acc gives itself. Where core::add_to_float's midpoint test would take its
+// slow path (exact fp32 ties, common with quantized operands) this costs the same. The
+// simulation takes the two neighbours from the TwoSum of the sum.
 __device__ inline float round_to_odd_step(float accumulator, double dot, double scale) {
 #if defined(MXSCOPE_GPU_SIMULATE)
   if (!is_finite(accumulator)) return accumulator;  // what the fmas below give (two_sum needs finite values)
+  // The two directed roundings from the round-to-nearest sum and the sign of its error.
+  const core_ns::sum_and_error se = core_ns::two_sum(static_cast<double>(accumulator), dot * scale);
+  const double infinity = std::numeric_limits<double>::infinity();
+  const double down = se.error < 0.0 ? std::nextafter(se.sum, -infinity) : se.sum;
+  const double up = se.error > 0.0 ? std::nextafter(se.sum, infinity) : se.sum;
+  return static_cast<float>(core_ns::round_to_odd_from_neighbours(down, up));
+#else
+  const double down = __fma_rd(dot, scale, static_cast<double>(accumulator));
+  const double up = __fma_ru(dot, scale, static_cast<double>(accumulator));
+  return static_cast<float>(core_ns::round_to_odd_from_neighbours(down, up));
+#endif
+}
+
+// round_to_odd_step's result with the odd neighbour found as the one of the two nearer zero, its
+// last bit set where they differ (two fp64 compares and three selects against one bit test and
+// two selects): the sliced kernel's step, where it runs faster than the bit test
+// (BENCHMARKS.md, "The fp32-block step's odd neighbour").
+__device__ inline float round_to_odd_step_by_sign(float accumulator, double dot, double scale) {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  if (!is_finite(accumulator)) return accumulator;
   return static_cast<float>(core_ns::round_to_odd_sum(static_cast<double>(accumulator), dot * scale));
 #else
   const double down = __fma_rd(dot, scale, static_cast<double>(accumulator));

@@ -18,7 +18,7 @@
 // where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^42): none
 // rounds, and the double is D itself. The model's step fl32(acc + D 2^k) (2^k = the row's
 // 2^(ea - fa - fb) times the column's 2^eb, exact) then goes through fp64 in round-to-odd
-// (round_to_odd_step), without a branch: ties, which quantized operands make common, cost nothing
+// (round_to_odd_step_by_sign), without a branch: ties, which quantized operands make common, cost nothing
 // extra. Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits.
 // The exact model adds the scaled dots D 2^k to a running fp64 sum, as the integer kernel's exact
 // mode does, a sum being exact where its round-down and round-up agree (add_product_rounds), and
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
               rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
             }
           } else {
-            accumulators[mi][ni][e] = round_to_odd_step(accumulators[mi][ni][e], dot, scale);
+            accumulators[mi][ni][e] = round_to_odd_step_by_sign(accumulators[mi][ni][e], dot, scale);
           }
         }
       }

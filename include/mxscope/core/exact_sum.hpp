@@ -40,6 +40,15 @@ MXSCOPE_HD constexpr double round_to_odd_sum(double a, double b) {
   return bits_double(bits);
 }
 
+// Round-to-odd from the two directed roundings of one exact value (round-down `down` and round-up
+// `up`, as two fmas on the GPU give them): they are equal where the value is a double, and
+// neighbours otherwise, exactly one of them odd, which is the round-to-odd result. So: the
+// round-down where its last bit is set, else the round-up. An exact zero gives the round-up
+// (+0 for x - x, whose round-down is -0).
+MXSCOPE_HD constexpr double round_to_odd_from_neighbours(double down, double up) {
+  return (double_bits(down) & 1U) != 0 ? down : up;
+}
+
 // Round a double to fp32 with round-to-nearest-even (the hardware conversion; no libm).
 MXSCOPE_HD constexpr float double_to_float_rne(double v) { return static_cast<float>(v); }
 
