@@ -18,11 +18,11 @@
 // where every operation's exact result is an integer below 2^53 in magnitude (|D| < 2^42): none
 // rounds, and the double is D itself. The model's step fl32(acc + D 2^k) (2^k = the row's
 // 2^(ea - fa - fb) times the column's 2^eb, exact) then goes through fp64 in round-to-odd
-// (round_to_odd_step_by_sign), without a branch: ties, which quantized operands make common, cost nothing
-// extra. Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer kernel's bits.
-// The exact model adds the scaled dots D 2^k to a running fp64 sum, as the integer kernel's exact
-// mode does, a sum being exact where its round-down and round-up agree (add_product_rounds), and
-// leaves the entries where an addition rounded to its fix-up kernel.
+// (round_to_odd_step_by_sign), without a branch: ties, which quantized operands make common, cost
+// nothing extra. Every entry thus gets fl32(acc + D 2^k) in ascending K-blocks: the integer
+// kernel's bits. The exact model adds the scaled dots D 2^k to a running fp64 sum, as the integer
+// kernel's exact mode does, a sum being exact where its round-down and round-up agree
+// (add_product_rounds), and leaves the entries where an addition rounded to its fix-up kernel.
 //
 // Conditions (launch_sliced, on the host and in prepare_sliced_kernel): fp32-block or exact, blocks
 // of 32, both formats' integers below 2^18 (fp8 e4m3, fp6, fp4, int8), no NaN block and every block
