@@ -308,10 +308,14 @@ tensor_core_kernel last_tensor_core_kernel();
 // - simt: the integer path's own kernel (block dots on the fp64 tensor cores or in FMA chains);
 // - sliced: each element integer cut into three 7-bit slices, the block dot from nine
 //   mma.sync m16n8k32 s8 per K-block combined exactly (sm_80 or newer; docs/gpu.md). It takes the
-//   products of 32-element blocks whose formats' integers stay below 2^21 (fp8 e4m3, fp6 e3m2 and
-//   the narrower formats) and whose block exponents are finite (no NaN block); the others take simt.
+//   products of 32-element blocks whose formats' integers stay below 2^18 (fp8 e4m3, fp6 e3m2 and
+//   the narrower formats) and whose block exponents are finite (no NaN block) and within +-400; the
+//   others take simt;
+// - sliced_wgmma: the same slices and steps, the nine products per K-block from the asynchronous
+//   warpgroup MMA (wgmma m64n32k32 s8) of an sm_90a build on an sm_90 device; it takes the same
+//   products as sliced. Not yet timed on the device, so automatic does not choose it.
 // automatic: sliced where it applies. Process-wide, as tensor_core_kernel.
-enum class integer_block_kernel : std::uint8_t { automatic, simt, sliced };
+enum class integer_block_kernel : std::uint8_t { automatic, simt, sliced, sliced_wgmma };
 std::string_view integer_block_kernel_name(integer_block_kernel kernel);
 bool integer_block_kernel_available(integer_block_kernel kernel);
 void select_integer_block_kernel(integer_block_kernel kernel);

@@ -197,20 +197,14 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
           }
 }
 
-// fp32-block or exact on sliced_block_kernel (gemm_sliced-inl.cuh): true when it ran, false where
-// its conditions do not hold (the integer kernel then takes the product).
-bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
-                   output_rounding output, float* out, double* exact_out, int fraction_total) {
-  if (a.block != 32 || integer_max_of(a.element) >= slc_integer_limit ||
-      integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
-    return false;
-  }
+// The operands in sliced_block_kernel's form, and that kernel's launch: false where a block
+// exponent does not fit (nothing was launched after the preparation).
+bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
+                      output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
   const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
   const std::int64_t tiles_n = (n + slc_tile_n - 1) / slc_tile_n;
-  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
-  if (tiles_m * tiles_n * tcb_group > int_limit || a.blocks > int_limit) return false;
   const std::int64_t padded_m = (m + slc_row_pad - 1) / slc_row_pad * slc_row_pad;
   const std::int64_t padded_n = tiles_n * slc_tile_n;
   const auto slice_bytes = [&](std::int64_t rows) {
@@ -232,12 +226,6 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
   unsigned unfit_host = 0;
   unfit.download(&unfit_host, sizeof(unfit_host));
   if (unfit_host != 0) return false;
-  std::optional<scratch_buffer> flagged;
-  if (exact) {
-    flagged.emplace(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
-    flagged->fill_bytes(0);
-  }
-  std::uint8_t* const flags = exact ? flagged->as<std::uint8_t>() : nullptr;
   const auto run = [&](auto kernel) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
     MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -253,6 +241,73 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
   } else {
     run(sliced_block_kernel<false>);
   }
+  return true;
+}
+
+// The same on sliced_wgmma_kernel, from the operands' records (prepare_sliced_tiles_kernel).
+bool run_sliced_wgmma(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
+                      output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total) {
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const std::int64_t tiles_m = (m + slw_tile_m - 1) / slw_tile_m;
+  const std::int64_t tiles_n = (n + slw_tile_n - 1) / slw_tile_n;
+  const std::int64_t stages = (a.blocks + slw_stage_blocks - 1) / slw_stage_blocks;
+  scratch_buffer a_records(static_cast<std::size_t>(tiles_m * stages * slw_record_bytes(slw_tile_m)));
+  scratch_buffer b_records(static_cast<std::size_t>(tiles_n * stages * slw_record_bytes(slw_tile_n)));
+  scratch_buffer unfit(sizeof(unsigned));
+  unfit.fill_bytes(0);
+  const auto prepare = [&](const prepared_operand::storage& x, std::int64_t tiles, int tile_rows, int shift,
+                           const scratch_buffer& records) {
+    const std::int64_t padded = tiles * tile_rows;
+    runtime::launch(prepare_sliced_tiles_kernel, grid_for(padded * stages * slw_stage_blocks), threads_per_block, 0,
+                    x.integers.as<const std::int32_t>(), x.exponents.as<const std::int32_t>(), x.rows, padded, x.depth,
+                    x.blocks, stages, tile_rows, shift, records.as<std::uint8_t>(), unfit.as<unsigned>());
+  };
+  prepare(a, tiles_m, slw_tile_m, -fraction_total, a_records);
+  prepare(b, tiles_n, slw_tile_n, 0, b_records);
+  unsigned unfit_host = 0;
+  unfit.download(&unfit_host, sizeof(unfit_host));
+  if (unfit_host != 0) return false;
+  const auto run = [&](auto kernel) {
+#if !defined(MXSCOPE_GPU_SIMULATE)
+    MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(slw_shared_bytes)));
+#endif
+    runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slw_threads, slw_shared_bytes,
+                    a_records.as<const std::uint8_t>(), b_records.as<const std::uint8_t>(), m, n, a.blocks, stages,
+                    tiles_m, tiles_n, output, out, exact_out, flags);
+  };
+  if (exact) {
+    run(sliced_wgmma_kernel<true>);
+  } else {
+    run(sliced_wgmma_kernel<false>);
+  }
+  return true;
+}
+
+// fp32-block or exact on sliced_block_kernel (gemm_sliced-inl.cuh), or with `warpgroup` on
+// sliced_wgmma_kernel (gemm_sliced_wgmma-inl.cuh): true when it ran, false where its conditions do
+// not hold (the integer kernel then takes the product).
+bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact, bool warpgroup,
+                   output_rounding output, float* out, double* exact_out, int fraction_total) {
+  if (a.block != 32 || integer_max_of(a.element) >= slc_integer_limit ||
+      integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
+    return false;
+  }
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const std::int64_t tiles = ((m + slc_tile_m - 1) / slc_tile_m) * ((n + slc_tile_n - 1) / slc_tile_n);  // the most
+  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+  if (tiles * tcb_group > int_limit || a.blocks > int_limit) return false;
+  std::optional<scratch_buffer> flagged;
+  if (exact) {
+    flagged.emplace(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
+    flagged->fill_bytes(0);
+  }
+  std::uint8_t* const flags = exact ? flagged->as<std::uint8_t>() : nullptr;
+  const bool ran = warpgroup ? run_sliced_wgmma(a, b, exact, output, out, exact_out, flags, fraction_total)
+                             : run_sliced_block(a, b, exact, output, out, exact_out, flags, fraction_total);
+  if (!ran) return false;
   if (exact) {
     // The entries whose running sum rounded, by the per-entry definition (block dots <= 53 bits:
     // gemm_path_covers, so the double chain is exact).
@@ -274,9 +329,11 @@ void launch_integer_sliced_or_simt(const prepared_operand::storage& a, const pre
                                    const accumulation_model& model, output_rounding output, float* out,
                                    double* exact_out, int fraction_total) {
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-  if (chosen_integer_block_kernel.load() != integer_block_kernel::simt &&
-      launch_sliced(a, b, model.kind == accumulation_kind::exact, output, out, exact_out, fraction_total)) {
-    last_run_integer_block_kernel.store(integer_block_kernel::sliced);
+  const integer_block_kernel chosen = chosen_integer_block_kernel.load();
+  const bool warpgroup = chosen == integer_block_kernel::sliced_wgmma;
+  if (chosen != integer_block_kernel::simt &&
+      launch_sliced(a, b, model.kind == accumulation_kind::exact, warpgroup, output, out, exact_out, fraction_total)) {
+    last_run_integer_block_kernel.store(warpgroup ? integer_block_kernel::sliced_wgmma : integer_block_kernel::sliced);
     return;
   }
 #endif
@@ -298,12 +355,27 @@ std::string_view integer_block_kernel_name(integer_block_kernel kernel) {
       return "simt";
     case integer_block_kernel::sliced:
       return "sliced";
+    case integer_block_kernel::sliced_wgmma:
+      return "sliced_wgmma";
   }
   return "?";
 }
 
 bool integer_block_kernel_available(integer_block_kernel kernel) {
-  return kernel != integer_block_kernel::sliced || tensor_cores_present();
+  switch (kernel) {
+    case integer_block_kernel::automatic:
+    case integer_block_kernel::simt:
+      return true;
+    case integer_block_kernel::sliced:
+      return tensor_cores_present();
+    case integer_block_kernel::sliced_wgmma:
+#if defined(MXSCOPE_GPU_SIMULATE)
+      return true;  // the simulation emulates the warpgroup MMA
+#else
+      return wgmma_present();
+#endif
+  }
+  return false;
 }
 
 void select_integer_block_kernel(integer_block_kernel kernel) {

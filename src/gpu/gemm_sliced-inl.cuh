@@ -58,9 +58,39 @@ constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage);
 static_assert(sizeof(slc_stage) % 16 == 0 && 2 * (slc_tile_m + slc_tile_n) == slc_threads &&
               slc_row_pad % slc_tile_m == 0);
 
-// The prepared form of an integer-path operand: slices [padded rows][blocks][3][32] (int8) and
-// scales [blocks][padded rows] = 2^(e + shift) (double); padded rows have zero slices and scale 1.
-// A block exponent that is NaN's marker or outside +-slc_exponent_limit sets *unfit.
+// One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (eight
+// words a slice, four k a word, lowest byte first; the caller zeroes them) and its scale
+// 2^(e + shift), returned; a row past the end (r >= rows) keeps zero slices and has scale 1. A
+// block exponent that is NaN's marker or outside +-slc_exponent_limit sets *unfit.
+__device__ inline double slice_row_block(const std::int32_t* integers, const std::int32_t* exponents,
+                                         std::int64_t rows, std::int64_t depth, int shift, std::int64_t r,
+                                         std::int64_t b, unsigned* unfit, std::uint32_t (&words)[slc_slices][8]) {
+  double scale = 1.0;
+  if (r < rows) {
+    const std::int32_t e = exponents[b * rows + r];
+    if (e == nan_block_exponent || e < -slc_exponent_limit || e > slc_exponent_limit) {
+      atomicMax(unfit, 1U);
+    } else {
+      scale = core_ns::pow2(e + shift);
+    }
+    const std::int64_t k0 = b * 32;
+    for (int k = 0; k < 32 && k0 + k < depth; ++k) {
+      const std::int32_t q = integers[r * depth + k0 + k];
+      const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
+#pragma unroll
+      for (int s = 0; s < slc_slices; ++s) {
+        const std::int32_t digit = static_cast<std::int32_t>((magnitude >> (7 * s)) & 127U);
+        const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
+        words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
+      }
+    }
+  }
+  return scale;
+}
+
+// The prepared form of an integer-path operand for sliced_block_kernel: slices [padded rows]
+// [blocks][3][32] (int8) and scales [blocks][padded rows] = 2^(e + shift) (double), as
+// slice_row_block gives them.
 __global__ void prepare_sliced_kernel(const std::int32_t* integers, const std::int32_t* exponents, std::int64_t rows,
                                       std::int64_t padded_rows, std::int64_t depth, std::int64_t blocks, int shift,
                                       std::uint8_t* slices, double* scales, unsigned* unfit) {
@@ -68,26 +98,7 @@ __global__ void prepare_sliced_kernel(const std::int32_t* integers, const std::i
     const std::int64_t r = index / blocks;
     const std::int64_t b = index % blocks;
     std::uint32_t words[slc_slices][8] = {};
-    double scale = 1.0;
-    if (r < rows) {
-      const std::int32_t e = exponents[b * rows + r];
-      if (e == nan_block_exponent || e < -slc_exponent_limit || e > slc_exponent_limit) {
-        atomicMax(unfit, 1U);
-      } else {
-        scale = core_ns::pow2(e + shift);
-      }
-      const std::int64_t k0 = b * 32;
-      for (int k = 0; k < 32 && k0 + k < depth; ++k) {
-        const std::int32_t q = integers[r * depth + k0 + k];
-        const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
-#pragma unroll
-        for (int s = 0; s < slc_slices; ++s) {
-          const std::int32_t digit = static_cast<std::int32_t>((magnitude >> (7 * s)) & 127U);
-          const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
-          words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
-        }
-      }
-    }
+    const double scale = slice_row_block(integers, exponents, rows, depth, shift, r, b, unfit, words);
     auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
 #pragma unroll
     for (int s = 0; s < slc_slices; ++s) {

@@ -581,5 +581,3 @@ __global__ void __launch_bounds__(tcs_threads, 1)
 #endif  // !MXSCOPE_GPU_SIMULATE
 
 #endif  // MXSCOPE_CUDA_TENSOR_CORES
-
-}  // namespace

@@ -3,7 +3,9 @@
 // thread of a thread block is an std::thread, __syncthreads() is a barrier of the block, thread
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
 // tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m16n8k8 f64) are emulated from their documented
-// per-lane semantics, with a barrier per warp.
+// per-lane semantics, with a barrier per warp; the warpgroup MMA of s8 operands in shared memory
+// (wgmma.mma_async m64nNk32) from its matrix descriptors, one thread at a time; mbarriers and
+// the bulk copies that complete on them, as atomic words.
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
 // without a GPU, with the same bit-exactness checks the GPU test makes. It says nothing about the
@@ -211,7 +213,7 @@ struct warp_fragments {
 
 class thread_pool {
  public:
-  static constexpr unsigned max_threads = 256;  // the largest thread block the kernels launch
+  static constexpr unsigned max_threads = 512;  // the largest thread block the kernels launch
 
   static thread_pool& instance() {
     static thread_pool pool;
@@ -410,6 +412,84 @@ inline void mma_f64(double (&d)[4], const double (&a)[4], const double (&b)[2], 
     for (unsigned k = 0; k < 8; ++k) sum = std::fma(matrix_a[row][k], matrix_b[k][column], sum);
     d[v] = sum;
   }
+}
+
+// wgmma.mma_async.sync.aligned.m64nNk32.s32.s8.s8 with both operands in shared memory, K-major in
+// the 128-byte swizzle, from the PTX ISA: a descriptor holds the start address (bits 0-13, in
+// 16-byte units), the stride byte offset between groups of eight rows (bits 32-45, the same
+// units) and the swizzle mode (bits 62-63, 1 for 128 bytes; the others are not emulated and
+// abort). Row r, byte k (k < 32) of a tile is at the address x = start + (r / 8) stride +
+// 128 (r % 8) + k with bits 4-6 exclusive-ored with bits 7-9 of x (the swizzle acts on addresses,
+// here offsets into the block's dynamic shared memory). The thread's registers (thread t of the
+// warpgroup: warp w = t / 32, g = (t % 32) / 4, q = t % 4): d[4 j + 2 r + e] is the entry of row
+// 16 w + g + 8 r and column 8 j + 2 q + e, for j < N / 8. Accumulate false is scale-d 0. Every
+// thread computes its own registers from shared memory, so no exchange is needed; the additions
+// wrap as the hardware's.
+inline void wgmma_s8(int* d, int n, std::uint64_t a_descriptor, std::uint64_t b_descriptor, bool accumulate) {
+  const auto element = [](std::uint64_t descriptor, unsigned row, unsigned k) -> int {
+    if ((descriptor >> 62) != 1) std::abort();
+    const std::uint64_t start = (descriptor & 0x3FFFU) << 4;
+    const std::uint64_t stride = ((descriptor >> 32) & 0x3FFFU) << 4;
+    const std::uint64_t logical = start + (row / 8) * stride + 128 * (row % 8) + k;
+    const std::uint64_t physical = logical ^ (((logical >> 7) & 7U) << 4);
+    return static_cast<std::int8_t>(current.dynamic_shared[physical]);
+  };
+  const unsigned t = threadIdx.x % 128;
+  const unsigned w = t / 32, g = (t % 32) / 4, q = t % 4;
+  for (unsigned j = 0; j < static_cast<unsigned>(n) / 8; ++j) {
+    for (unsigned r = 0; r < 2; ++r) {
+      for (unsigned e = 0; e < 2; ++e) {
+        const unsigned i = 4 * j + 2 * r + e;
+        const unsigned row = 16 * w + g + 8 * r;
+        const unsigned column = 8 * j + 2 * q + e;
+        std::uint32_t sum = accumulate ? static_cast<std::uint32_t>(d[i]) : 0U;
+        for (unsigned k = 0; k < 32; ++k) {
+          sum += static_cast<std::uint32_t>(element(a_descriptor, row, k) * element(b_descriptor, column, k));
+        }
+        d[i] = static_cast<int>(sum);
+      }
+    }
+  }
+}
+
+// mbarrier objects in shared memory (init, arrive, arrive.expect_tx, try_wait.parity) and the bulk
+// copy that completes on one (cp.async.bulk ... mbarrier::complete_tx::bytes), from the PTX ISA.
+// The 64-bit object holds the pending arrivals (bits 0-19), the expected count (20-39), the
+// pending transaction bytes (40-61) and the phase's parity (63); a phase completes when no
+// arrival and no byte is pending, and the next begins with the expected count. The copy happens at
+// once and then completes its bytes.
+inline void barrier_update(std::uint64_t* barrier, unsigned arrivals, unsigned added_bytes, unsigned done_bytes) {
+  std::atomic_ref<std::uint64_t> word(*barrier);
+  std::uint64_t seen = word.load();
+  while (true) {
+    std::uint64_t pending = seen & 0xFFFFFU;
+    const std::uint64_t expected = (seen >> 20) & 0xFFFFFU;
+    std::uint64_t bytes = (seen >> 40) & 0x3FFFFFU;
+    std::uint64_t phase = seen >> 63;
+    if (pending < arrivals || bytes + added_bytes < done_bytes) std::abort();  // more than the phase expects
+    pending -= arrivals;
+    bytes = bytes + added_bytes - done_bytes;
+    if (pending == 0 && bytes == 0) {
+      pending = expected;
+      phase ^= 1U;
+    }
+    const std::uint64_t next = pending | (expected << 20) | (bytes << 40) | (phase << 63);
+    if (word.compare_exchange_weak(seen, next)) return;
+  }
+}
+inline void barrier_init(std::uint64_t* barrier, unsigned count) {
+  std::atomic_ref<std::uint64_t>(*barrier).store(static_cast<std::uint64_t>(count) |
+                                                 (static_cast<std::uint64_t>(count) << 20));
+}
+inline void barrier_arrive(std::uint64_t* barrier) { barrier_update(barrier, 1, 0, 0); }
+inline void barrier_expect_bytes(std::uint64_t* barrier, unsigned bytes) { barrier_update(barrier, 1, bytes, 0); }
+// Returns once the phase of the given parity (0 for the first) has completed.
+inline void barrier_wait(std::uint64_t* barrier, unsigned parity) {
+  while ((std::atomic_ref<std::uint64_t>(*barrier).load() >> 63) == parity) std::this_thread::yield();
+}
+inline void bulk_copy(void* shared_destination, const void* global_source, unsigned bytes, std::uint64_t* barrier) {
+  std::memcpy(shared_destination, global_source, bytes);
+  barrier_update(barrier, 0, 0, bytes);
 }
 
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16 (no .trans), from the PTX ISA: four 8x8 matrices of

@@ -300,8 +300,9 @@ double bench_mxfp4_gemm() {
 }
 
 // ---- MXFP8 (e4m3) fp32-block GEMM at the same shape, the mxfp8 and per-tensor fp8 strategies'
-// product: the integer path's two kernels (simt, sliced), equal in every entry and to the host
-// definition in sampled ones, and the sliced one's time over the MXFP4 product's (`mxfp4_ms`).
+// product: the integer path's kernels (simt, sliced, and sliced_wgmma where available), each sliced
+// one equal to simt in every entry and to the host definition in sampled ones, and their times
+// over the MXFP4 product's (`mxfp4_ms`) and sliced_wgmma's over sliced's.
 void bench_mxfp8_gemm(double mxfp4_ms) {
   const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
   // Gaussian values with a scale per row of 2^-4 .. 2^4, quantized by the host definition (rne,
@@ -350,10 +351,13 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
     model.kind = kind;
     const bool exact = kind == mxscope::accumulation_kind::exact;
     const char* model_name = exact ? "exact" : "fp32-block";
-    std::vector<float> results[2];
-    std::vector<double> exact_results[2];
-    const gpu::integer_block_kernel kernels[2] = {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced};
-    for (int v = 0; v < 2; ++v) {
+    constexpr int kernel_count = 3;
+    std::vector<float> results[kernel_count];
+    std::vector<double> exact_results[kernel_count];
+    double times[kernel_count] = {};
+    const gpu::integer_block_kernel kernels[kernel_count] = {
+        gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced, gpu::integer_block_kernel::sliced_wgmma};
+    for (int v = 0; v < kernel_count; ++v) {
       const std::string name(gpu::integer_block_kernel_name(kernels[v]));
       if (!gpu::integer_block_kernel_available(kernels[v])) {
         std::printf("gemm mxfp8 integer %s: not available in this build on this device\n", name.c_str());
@@ -367,6 +371,7 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
         gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(),
                                exact ? exact_out.as<double>() : nullptr, gpu::gemm_path::integer);
       });
+      times[v] = ms;
       const std::string ran(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel()));
       std::printf("gemm mxfp8_e4m3 %s integer %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
                   ": %.3f ms, %.1f TFLOP/s",
@@ -382,16 +387,23 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
       }
     }
     gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
-    if (!results[0].empty() && !results[1].empty()) {
+    for (int v = 1; v < kernel_count; ++v) {
+      if (results[0].empty() || results[v].empty()) continue;
       std::int64_t mismatches = 0;
       for (std::size_t i = 0; i < results[0].size(); ++i) {
-        mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
-        if (exact) mismatches += std::memcmp(&exact_results[0][i], &exact_results[1][i], 8) != 0 ? 1 : 0;
+        mismatches += std::memcmp(&results[0][i], &results[v][i], 4) != 0 ? 1 : 0;
+        if (exact) mismatches += std::memcmp(&exact_results[0][i], &exact_results[v][i], 8) != 0 ? 1 : 0;
       }
-      verdict(mismatches == 0, std::string("bench gemm mxfp8 ") + model_name + ": sliced == simt in all entries",
+      verdict(mismatches == 0,
+              std::string("bench gemm mxfp8 ") + model_name + ": " +
+                  std::string(gpu::integer_block_kernel_name(kernels[v])) + " == simt in all entries",
               mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
     }
-    const std::vector<float>& got = results[1].empty() ? results[0] : results[1];
+    if (times[1] > 0.0 && times[2] > 0.0) {
+      std::printf("gemm mxfp8_e4m3 %s integer: sliced_wgmma %.3f ms = %.2fx sliced's %.3f ms\n", model_name, times[2],
+                  times[2] / times[1], times[1]);
+    }
+    const std::vector<float>& got = !results[2].empty() ? results[2] : !results[1].empty() ? results[1] : results[0];
     std::mt19937_64 random(7);
     int bad = 0;
     for (int s = 0; s < 64; ++s) {

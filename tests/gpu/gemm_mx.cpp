@@ -178,11 +178,13 @@ void gemm_integer_tiles(bool small) {
           });
           continue;
         }
-        // fp32-block and exact under both of the path's kernels; the sliced one takes these pairs
-        // (integers below 2^21, blocks of 32) unless a block is NaN (an E8M0 scale 0xFF).
+        // fp32-block and exact under each of the path's kernels; the sliced ones take these pairs
+        // (integers below 2^18, blocks of 32) unless a block is NaN (an E8M0 scale 0xFF).
         const bool nan_block = std::find(qa.scales.begin(), qa.scales.end(), 0xFF) != qa.scales.end() ||
                                std::find(qb.scales.begin(), qb.scales.end(), 0xFF) != qb.scales.end();
-        for (const gpu::integer_block_kernel kernel : {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced}) {
+        for (const gpu::integer_block_kernel kernel : {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced,
+                                                       gpu::integer_block_kernel::sliced_wgmma}) {
+          if (!gpu::integer_block_kernel_available(kernel)) continue;  // sliced_wgmma: sm_90a builds on sm_90
           const auto expected = nan_block ? gpu::integer_block_kernel::simt : kernel;
           run_case(name + " " + std::string(gpu::integer_block_kernel_name(kernel)), [&]() -> std::string {
             gpu::select_integer_block_kernel(kernel);
@@ -231,9 +233,10 @@ void gemm_integer_tiles(bool small) {
   }
 }
 
-// The sliced kernel of the integer path's fp32-block and exact products over several of its tiles
-// and more K-blocks than its pipeline has stages, with tails in M, N and K: every entry (and fp64
-// entry) equal to the integer kernel's (simt) and sampled entries to the host definition, for e4m3 x e4m3 (the
+// The sliced kernels (the automatic choice, sliced, and sliced_wgmma where available) of the
+// integer path's fp32-block and exact products over several of their tiles and more K-blocks than
+// their pipelines have stages, with tails in M, N and K: every entry (and fp64 entry) equal to the
+// integer kernel's (simt) and sampled entries to the host definition, for e4m3 x e4m3 (the
 // mxfp8 and per-tensor fp8 products) and fp4 x e4m3, banded and extreme values, fp32 and bf16 output.
 void gemm_sliced_tiles(bool small) {
   struct sliced_case {
@@ -258,13 +261,19 @@ void gemm_sliced_tiles(bool small) {
     const std::string name = std::string("gemm sliced tiles ") + format_names[c.a] + "x" + format_names[c.b] + " " +
                              model_name(model) + " M" + std::to_string(c.m) + " N" + std::to_string(c.n) + " K" +
                              std::to_string(c.k) + " " + std::string(test_inputs::value_kind_name(c.kind));
-    run_case(name, [&]() -> std::string {
+    for (const gpu::integer_block_kernel kernel :
+         {gpu::integer_block_kernel::automatic, gpu::integer_block_kernel::sliced_wgmma}) {
+    if (!gpu::integer_block_kernel_available(kernel)) continue;  // sliced_wgmma: sm_90a builds on sm_90
+    const auto expected = kernel == gpu::integer_block_kernel::automatic ? gpu::integer_block_kernel::sliced : kernel;
+    run_case(name + " " + std::string(gpu::integer_block_kernel_name(expected)), [&]() -> std::string {
       gpu::select_integer_block_kernel(gpu::integer_block_kernel::simt);
       const gemm_output simt = gpu_product(qa, qb, model, c.output, gpu::gemm_path::integer);
-      gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+      gpu::select_integer_block_kernel(kernel);
       const gemm_output sliced = gpu_product(qa, qb, model, c.output, gpu::gemm_path::integer);
-      if (gpu::last_integer_block_kernel() != gpu::integer_block_kernel::sliced) {
-        return std::string("the automatic choice did not run the sliced kernel");
+      gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+      if (gpu::last_integer_block_kernel() != expected) {
+        return "ran " + std::string(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel())) + ", expected " +
+               std::string(gpu::integer_block_kernel_name(expected));
       }
       for (std::size_t i = 0; i < sliced.out.values.size(); ++i) {
         if (std::memcmp(&sliced.out.values[i], &simt.out.values[i], 4) != 0) {
@@ -288,15 +297,25 @@ void gemm_sliced_tiles(bool small) {
       return check_product_entries(qa, qb, model, c.output, sliced, entries, name + ", seed " + hex64(seed));
     });
     }
+    }
   }
 
   // Exactly cancelling sums under `exact`: block 1 of every A row is its block 0 negated (the same
   // block scale, sign-symmetric rounding) and B's first two blocks are equal, so each running sum
   // returns to zero after block 1, where an fma rounded down gives -0; B's block 2 is zero in even
   // rows, whose entries' exact sums are then zero and must be +0 in both results, as the host's.
-  // Run on the sliced kernel (mxfp8 e4m3) and on the tensor-core exact kernel (mxfp4).
-  for (const int format : {3, 0}) {
-    const std::string name = std::string("gemm exact cancelling sums ") + format_names[format] + " M70 N66 K96";
+  // Run on the sliced kernels (mxfp8 e4m3) and on the tensor-core exact kernel (mxfp4).
+  struct cancelling_case {
+    int format;
+    gpu::integer_block_kernel kernel;
+  };
+  for (const cancelling_case& c : {cancelling_case{3, gpu::integer_block_kernel::sliced},
+                                   cancelling_case{3, gpu::integer_block_kernel::sliced_wgmma},
+                                   cancelling_case{0, gpu::integer_block_kernel::automatic}}) {
+    if (!gpu::integer_block_kernel_available(c.kernel)) continue;  // sliced_wgmma: sm_90a builds on sm_90
+    const int format = c.format;
+    const std::string name = std::string("gemm exact cancelling sums ") + format_names[format] + " M70 N66 K96" +
+                             (format == 3 ? " " + std::string(gpu::integer_block_kernel_name(c.kernel)) : "");
     run_case(name, [&]() -> std::string {
       const std::uint64_t seed = next_seed();
       const std::int64_t m = 70, n = 66, k = 96;
@@ -317,9 +336,12 @@ void gemm_sliced_tiles(bool small) {
                                                                 core::scale_rule::floor, 32, seed + 3));
       const gpu::gemm_path path = format == 3 ? gpu::gemm_path::integer : gpu::gemm_path::tensor_core;
       const mxscope::accumulation_model model = model_of(mxscope::accumulation_kind::exact);
+      gpu::select_integer_block_kernel(c.kernel);
       const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, path);
-      if (format == 3 && gpu::last_integer_block_kernel() != gpu::integer_block_kernel::sliced) {
-        return std::string("the integer path did not run the sliced kernel");
+      gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+      if (format == 3 && gpu::last_integer_block_kernel() != c.kernel) {
+        return "the integer path ran " + std::string(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel())) +
+               ", not " + std::string(gpu::integer_block_kernel_name(c.kernel));
       }
       int zeros = 0;
       for (std::int64_t i = 0; i < m; ++i) {
