@@ -304,6 +304,19 @@ tensor_core_kernel selected_tensor_core_kernel();  // never automatic: what prod
 // that took it.
 tensor_core_kernel last_tensor_core_kernel();
 
+// The kernel behind the tensor-core path's exact products (both give the same bits):
+// - mma_sync: tensor_core_exact_kernel, the block dots from mma.sync m16n8k32 s8 (sm_80 or newer);
+// - wgmma: the same steps on block dots from the asynchronous warpgroup MMA (wgmma m64n64k32 s8) of
+//   an sm_90a build on an sm_90 device. Not yet timed on the device, so automatic does not choose it.
+// automatic: mma_sync. Process-wide, as tensor_core_kernel.
+enum class exact_product_kernel : std::uint8_t { automatic, mma_sync, wgmma };
+std::string_view exact_product_kernel_name(exact_product_kernel kernel);
+bool exact_product_kernel_available(exact_product_kernel kernel);
+void select_exact_product_kernel(exact_product_kernel kernel);
+// The kernel that ran the most recent exact product of the tensor-core path (automatic before the
+// first).
+exact_product_kernel last_exact_product_kernel();
+
 // The kernel behind the integer path's fp32-block and exact products (both give the same bits):
 // - simt: the integer path's own kernel (block dots on the fp64 tensor cores or in FMA chains);
 // - sliced: each element integer cut into three 7-bit slices, the block dot from nine

@@ -104,25 +104,82 @@ void launch_generic(const prepared_operand::storage& a, const prepared_operand::
 }
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
+std::atomic<exact_product_kernel> chosen_exact_product_kernel{exact_product_kernel::automatic};
+std::atomic<exact_product_kernel> last_run_exact_product_kernel{exact_product_kernel::automatic};
+
+// exact_wgmma_kernel's launch: the operands' records and tiles' largest spans, then the kernel.
+void run_exact_wgmma(const prepared_operand::storage& a, const prepared_operand::storage& b,
+                     const exponent_span_data& a_spans, const exponent_span_data& b_spans, int span_budget,
+                     output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total) {
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
+  const std::int64_t tiles_m = (m + tew_tile_m - 1) / tew_tile_m;
+  const std::int64_t tiles_n = (n + tew_tile_n - 1) / tew_tile_n;
+  const std::int64_t stages = (a.blocks + tew_stage_blocks - 1) / tew_stage_blocks;
+  scratch_buffer a_records(static_cast<std::size_t>(tiles_m * stages * tew_record_bytes(tew_tile_m)));
+  scratch_buffer b_records(static_cast<std::size_t>(tiles_n * stages * tew_record_bytes(tew_tile_n)));
+  scratch_buffer tile_spans(static_cast<std::size_t>(tiles_m + tiles_n) * sizeof(unsigned));
+  tile_spans.fill_bytes(0);
+  unsigned* const a_tile_spans = tile_spans.as<unsigned>();
+  unsigned* const b_tile_spans = a_tile_spans + tiles_m;
+  const auto prepare = [&](const prepared_operand::storage& x, const exponent_span_data& spans, std::int64_t tiles,
+                           int tile_rows, const scratch_buffer& records, unsigned* tile_span) {
+    const std::int64_t padded = tiles * tile_rows;
+    runtime::launch(prepare_exact_records_kernel, grid_for(padded * stages * tew_stage_blocks), threads_per_block, 0,
+                    x.bytes.as<const std::int8_t>(), x.exponents.as<const std::int32_t>(),
+                    spans.spans.as<const std::int32_t>(), x.rows, padded, x.byte_stride, x.blocks, stages, tile_rows,
+                    records.as<std::uint8_t>(), tile_span);
+  };
+  prepare(a, a_spans, tiles_m, tew_tile_m, a_records, a_tile_spans);
+  prepare(b, b_spans, tiles_n, tew_tile_n, b_records, b_tile_spans);
+#if !defined(MXSCOPE_GPU_SIMULATE)
+  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(exact_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(tew_shared_bytes)));
+#endif
+  runtime::launch(exact_wgmma_kernel, static_cast<unsigned>(tiles_m * tiles_n), tew_threads, tew_shared_bytes,
+                  a_records.as<const std::uint8_t>(), b_records.as<const std::uint8_t>(),
+                  static_cast<const unsigned*>(a_tile_spans), static_cast<const unsigned*>(b_tile_spans), m, n, stages,
+                  tiles_m, tiles_n, fraction_total, span_budget, output, out, exact_out, flags);
+  release_after_kernels();  // the scratch buffers go back to the pool when this returns
+}
+
+bool exact_wgmma_present() {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return true;  // the simulation emulates the warpgroup MMA
+#else
+  return wgmma_present();
+#endif
+}
+
 // The exact model on the tensor cores: the block dots exact in fp64 where the operands' exponent
-// spans allow, flagged entries finished by the fix-up kernel.
+// spans allow, flagged entries finished by the fix-up kernel; on the selected kernel.
 void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared_operand::storage& b,
                               output_rounding output, float* out, double* exact_out, int fraction_total) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  const dim3 grid(static_cast<unsigned>((n + tc_exact_tile_n - 1) / tc_exact_tile_n),
-                  static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
   device_buffer flagged(static_cast<std::size_t>(m * n));
   flagged.fill_bytes(0);
   const exponent_span_data a_spans = exponent_spans(a);
   const exponent_span_data b_spans = exponent_spans(b);
   const int dot_bits = bits_of(32 * tensor_core_integer_max(a.element) * tensor_core_integer_max(b.element));
   const int span_budget = 53 - dot_bits - bits_of(a.blocks);
-  runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
-                  a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
-                  b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
-                  out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
-                  b_spans.spans.as<const std::int32_t>(), span_budget);
+  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+  const std::int64_t wgmma_tiles = ((m + tew_tile_m - 1) / tew_tile_m) * ((n + tew_tile_n - 1) / tew_tile_n);
+  if (chosen_exact_product_kernel.load() == exact_product_kernel::wgmma && wgmma_tiles * tcb_group <= int_limit &&
+      a.blocks <= int_limit) {
+    run_exact_wgmma(a, b, a_spans, b_spans, span_budget, output, out, exact_out, flagged.as<std::uint8_t>(),
+                    fraction_total);
+    last_run_exact_product_kernel.store(exact_product_kernel::wgmma);
+  } else {
+    const dim3 grid(static_cast<unsigned>((n + tc_exact_tile_n - 1) / tc_exact_tile_n),
+                    static_cast<unsigned>((m + tc_tile - 1) / tc_tile));
+    runtime::launch(tensor_core_exact_kernel, grid, 256, 0, a.bytes.as<const std::int8_t>(),
+                    a.exponents.as<const std::int32_t>(), b.bytes.as<const std::int8_t>(),
+                    b.exponents.as<const std::int32_t>(), m, n, a.byte_stride, a.blocks, fraction_total, output,
+                    out, exact_out, flagged.as<std::uint8_t>(), a_spans.spans.as<const std::int32_t>(),
+                    b_spans.spans.as<const std::int32_t>(), span_budget);
+    last_run_exact_product_kernel.store(exact_product_kernel::mma_sync);
+  }
   runtime::launch(tensor_core_exact_fixup_kernel, flag_scan_grid(m * n), threads_per_block, 0,
                   a.bytes.as<const std::int8_t>(), a.exponents.as<const std::int32_t>(),
                   b.bytes.as<const std::int8_t>(), b.exponents.as<const std::int32_t>(), m, n, a.byte_stride,
@@ -346,6 +403,45 @@ void launch_integer_sliced_or_simt(const prepared_operand::storage& a, const pre
 }
 
 }  // namespace
+
+std::string_view exact_product_kernel_name(exact_product_kernel kernel) {
+  switch (kernel) {
+    case exact_product_kernel::automatic:
+      return "automatic";
+    case exact_product_kernel::mma_sync:
+      return "mma_sync";
+    case exact_product_kernel::wgmma:
+      return "wgmma";
+  }
+  return "?";
+}
+
+bool exact_product_kernel_available(exact_product_kernel kernel) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  if (kernel == exact_product_kernel::wgmma) return exact_wgmma_present();
+  return kernel == exact_product_kernel::automatic || tensor_cores_present();
+#else
+  return kernel == exact_product_kernel::automatic;
+#endif
+}
+
+void select_exact_product_kernel(exact_product_kernel kernel) {
+  if (!exact_product_kernel_available(kernel)) {
+    throw input_error("gpu gemm: the exact-model kernel " + std::string(exact_product_kernel_name(kernel)) +
+                      " is not available in this build on this device");
+  }
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  chosen_exact_product_kernel.store(kernel);
+#endif
+}
+
+exact_product_kernel last_exact_product_kernel() {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  return last_run_exact_product_kernel.load();
+#else
+  return exact_product_kernel::automatic;
+#endif
+}
 
 std::string_view integer_block_kernel_name(integer_block_kernel kernel) {
   switch (kernel) {

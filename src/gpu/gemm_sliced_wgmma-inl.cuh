@@ -316,5 +316,3 @@ __global__ void __launch_bounds__(slw_threads, 1)
 
 #undef MXSCOPE_SLICED_WGMMA
 #endif  // MXSCOPE_CUDA_TENSOR_CORES
-
-}  // namespace (opened in gemm_generic-inl.cuh)

@@ -1,6 +1,6 @@
 // The GPU backend's emulated products and the exact reference: canonical operands, the generic,
 // fp64-tile, integer, tensor-core and sliced kernels (the product kernels share one anonymous namespace,
-// opened in gemm_generic-inl.cuh and closed in gemm_sliced_wgmma-inl.cuh), which one runs, and the exact
+// opened in gemm_generic-inl.cuh and closed in gemm_exact_wgmma-inl.cuh), which one runs, and the exact
 // reference of fp32 operands.
 #include "common.cuh"
 
@@ -16,6 +16,7 @@ namespace mxscope::gpu {
 #include "gemm_sliced-inl.cuh"
 #include "gemm_sm90-inl.cuh"
 #include "gemm_sliced_wgmma-inl.cuh"
+#include "gemm_exact_wgmma-inl.cuh"
 #include "gemm_launch-inl.cuh"
 #include "reference-inl.cuh"
 #include "gemm_api-inl.cuh"

@@ -1,7 +1,8 @@
 // GPU backend benchmark: device-to-device copy bandwidth (the memory ceiling), the MX quantizer
 // (bf16 -> mxfp4, fused Hadamard-16 + quantize, stochastic rounding) as bandwidth and as a fraction
-// of the copy, the MXFP4 fp32-block GEMM at n_out 4096, n_in 14336, K 8192 in TFLOP/s, the MXFP8
-// e4m3 product (fp32-block and exact) on the integer path's two kernels at that shape, and there,
+// of the copy, the MXFP4 fp32-block GEMM at n_out 4096, n_in 14336, K 8192 in TFLOP/s and its
+// exact model on the tensor-core path's exact kernels, the MXFP8 e4m3 product (fp32-block and
+// exact) on the integer path's kernels at that shape, and there,
 // for unscaled bf16-valued operands, the exact reference and the fp32-block product in
 // TFLOP/s (2 M N K / time, to set beside the fp64 peak: their chunk sums are fp64 FMAs).
 // Times come from device events; every number is the median of the repeats after warm-up runs.
@@ -142,6 +143,68 @@ void bench_quantizer(double copy_bandwidth) {
   }
 }
 
+// ---- The MXFP4 exact product at the same shape on the tensor-core path's exact kernels
+// (mma_sync, and wgmma where available): each result and fp64 result equal in every entry to
+// mma_sync's, 16 sampled entries equal to the host definition, and wgmma's time over mma_sync's.
+void bench_mxfp4_exact(const gpu::prepared_operand& left, const gpu::prepared_operand& right,
+                       const mxscope::quantized_tensor& a, const mxscope::quantized_tensor& b) {
+  const std::int64_t n_out = a.rows, n_in = b.rows, k = a.cols;
+  mxscope::accumulation_model model;
+  model.kind = mxscope::accumulation_kind::exact;
+  gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
+  gpu::device_buffer exact_out(static_cast<std::size_t>(n_out * n_in) * 8);
+  std::vector<float> results[2];
+  std::vector<double> exact_results[2];
+  double times[2] = {};
+  const gpu::exact_product_kernel kernels[2] = {gpu::exact_product_kernel::mma_sync, gpu::exact_product_kernel::wgmma};
+  for (int v = 0; v < 2; ++v) {
+    const std::string name(gpu::exact_product_kernel_name(kernels[v]));
+    if (!gpu::exact_product_kernel_available(kernels[v])) {
+      std::printf("gemm mxfp4 exact tensor_core %s: not available in this build on this device\n", name.c_str());
+      continue;
+    }
+    gpu::select_exact_product_kernel(kernels[v]);
+    out.fill_bytes(0xFF);
+    exact_out.fill_bytes(0xFF);
+    times[v] = median_ms(2, 7, [&] {
+      gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(),
+                             exact_out.as<double>(), gpu::gemm_path::tensor_core);
+    });
+    const std::string ran(gpu::exact_product_kernel_name(gpu::last_exact_product_kernel()));
+    std::printf("gemm mxfp4 exact tensor_core %s%s n_out %" PRId64 " n_in %" PRId64 " K %" PRId64 ": %.3f ms\n",
+                name.c_str(), ran == name ? "" : (" (ran " + ran + ")").c_str(), n_out, n_in, k, times[v]);
+    results[v].resize(static_cast<std::size_t>(n_out * n_in));
+    exact_results[v].resize(results[v].size());
+    out.download(results[v].data(), out.bytes());
+    exact_out.download(exact_results[v].data(), exact_out.bytes());
+  }
+  gpu::select_exact_product_kernel(gpu::exact_product_kernel::automatic);
+  if (!results[0].empty() && !results[1].empty()) {
+    std::int64_t mismatches = 0;
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
+      mismatches += std::memcmp(&exact_results[0][i], &exact_results[1][i], 8) != 0 ? 1 : 0;
+    }
+    verdict(mismatches == 0, "bench gemm mxfp4 exact: wgmma == mma_sync in all entries",
+            mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
+    std::printf("gemm mxfp4 exact tensor_core: wgmma %.3f ms = %.2fx mma_sync's %.3f ms\n", times[1],
+                times[1] / times[0], times[0]);
+  }
+  const std::vector<float>& got = !results[1].empty() ? results[1] : results[0];
+  if (got.empty()) return;
+  const host_reference::operand_reader left_reader(a), right_reader(b);
+  std::mt19937_64 random(5);
+  int bad = 0;
+  for (int s = 0; s < 16; ++s) {
+    const std::int64_t i = static_cast<std::int64_t>(random() % n_out), j = static_cast<std::int64_t>(random() % n_in);
+    const float want =
+        host_reference::product_entry(left_reader, right_reader, i, j, model, mxscope::output_rounding::fp32).value;
+    bad += std::memcmp(&want, &got[static_cast<std::size_t>(i * n_in + j)], 4) != 0 ? 1 : 0;
+  }
+  verdict(bad == 0, "bench gemm mxfp4 exact: 16 sampled entries == host definition",
+          bad == 0 ? "" : std::to_string(bad) + " differ");
+}
+
 // ---- MXFP4 fp32-block GEMM: C [4096, 14336] = A [4096, 8192] B [14336, 8192]^T, random MX operands.
 // Returns the automatic tensor-core kernel's time in ms (0 without the path).
 double bench_mxfp4_gemm() {
@@ -239,6 +302,7 @@ double bench_mxfp4_gemm() {
       }
     }
     gpu::select_tensor_core_kernel(gpu::tensor_core_kernel::automatic);
+    bench_mxfp4_exact(left, right, a, b);
   } else {
     std::printf("gemm tensor_core path not available on this device\n");
   }

@@ -307,15 +307,20 @@ void gemm_sliced_tiles(bool small) {
   // Run on the sliced kernels (mxfp8 e4m3) and on the tensor-core exact kernel (mxfp4).
   struct cancelling_case {
     int format;
-    gpu::integer_block_kernel kernel;
+    gpu::integer_block_kernel kernel;  // format 3 (the integer path)
+    gpu::exact_product_kernel exact_kernel;  // format 0 (the tensor-core path)
   };
-  for (const cancelling_case& c : {cancelling_case{3, gpu::integer_block_kernel::sliced},
-                                   cancelling_case{3, gpu::integer_block_kernel::sliced_wgmma},
-                                   cancelling_case{0, gpu::integer_block_kernel::automatic}}) {
-    if (!gpu::integer_block_kernel_available(c.kernel)) continue;  // sliced_wgmma: sm_90a builds on sm_90
+  for (const cancelling_case& c :
+       {cancelling_case{3, gpu::integer_block_kernel::sliced, gpu::exact_product_kernel::automatic},
+        cancelling_case{3, gpu::integer_block_kernel::sliced_wgmma, gpu::exact_product_kernel::automatic},
+        cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::mma_sync},
+        cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::wgmma}}) {
+    // The wgmma kernels: sm_90a builds on sm_90 (and the simulation).
+    if (!gpu::integer_block_kernel_available(c.kernel) || !gpu::exact_product_kernel_available(c.exact_kernel)) continue;
     const int format = c.format;
-    const std::string name = std::string("gemm exact cancelling sums ") + format_names[format] + " M70 N66 K96" +
-                             (format == 3 ? " " + std::string(gpu::integer_block_kernel_name(c.kernel)) : "");
+    const std::string name = std::string("gemm exact cancelling sums ") + format_names[format] + " M70 N66 K96 " +
+                             std::string(format == 3 ? gpu::integer_block_kernel_name(c.kernel)
+                                                     : gpu::exact_product_kernel_name(c.exact_kernel));
     run_case(name, [&]() -> std::string {
       const std::uint64_t seed = next_seed();
       const std::int64_t m = 70, n = 66, k = 96;
@@ -337,11 +342,18 @@ void gemm_sliced_tiles(bool small) {
       const gpu::gemm_path path = format == 3 ? gpu::gemm_path::integer : gpu::gemm_path::tensor_core;
       const mxscope::accumulation_model model = model_of(mxscope::accumulation_kind::exact);
       gpu::select_integer_block_kernel(c.kernel);
+      gpu::select_exact_product_kernel(c.exact_kernel);
       const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, path);
       gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+      gpu::select_exact_product_kernel(gpu::exact_product_kernel::automatic);
       if (format == 3 && gpu::last_integer_block_kernel() != c.kernel) {
         return "the integer path ran " + std::string(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel())) +
                ", not " + std::string(gpu::integer_block_kernel_name(c.kernel));
+      }
+      if (format == 0 && gpu::last_exact_product_kernel() != c.exact_kernel) {
+        return "the tensor-core path ran " +
+               std::string(gpu::exact_product_kernel_name(gpu::last_exact_product_kernel())) + ", not " +
+               std::string(gpu::exact_product_kernel_name(c.exact_kernel));
       }
       int zeros = 0;
       for (std::int64_t i = 0; i < m; ++i) {

@@ -237,14 +237,23 @@ void gemm_tensor_core_tiles(bool small) {
           return check_product_entries(qa, qb, model, output, got, {}, name + kernel + ", seed " + hex64(seed));
         });
       });
-      // The exact model on the same operands: tiles whose rows' block exponents stay in a window
-      // take the check-free FMA step, the tiles holding the mixed pattern's extreme and NaN blocks
-      // the checked one (and its fix-up).
-      const std::string exact_name = name + " (exact model)";
-      run_case(exact_name, [&] {
-        const gemm_output got = gpu_product(qa, qb, exact_model, output, gpu::gemm_path::tensor_core);
-        return check_product_entries(qa, qb, exact_model, output, got, {}, exact_name + ", seed " + hex64(seed));
-      });
+      // The exact model on the same operands, on each exact kernel available: tiles whose rows'
+      // block exponents stay in a window take the check-free FMA step, the tiles holding the mixed
+      // pattern's extreme and NaN blocks the checked one (and its fix-up).
+      for (const gpu::exact_product_kernel kernel : {gpu::exact_product_kernel::mma_sync, gpu::exact_product_kernel::wgmma}) {
+        if (!gpu::exact_product_kernel_available(kernel)) continue;  // wgmma: sm_90a builds on sm_90
+        const std::string exact_name =
+            name + " (exact model" + (kernel == gpu::exact_product_kernel::wgmma ? ", wgmma)" : ")");
+        run_case(exact_name, [&]() -> std::string {
+          gpu::select_exact_product_kernel(kernel);
+          const gemm_output got = gpu_product(qa, qb, exact_model, output, gpu::gemm_path::tensor_core);
+          gpu::select_exact_product_kernel(gpu::exact_product_kernel::automatic);
+          if (gpu::last_exact_product_kernel() != kernel) {
+            return "ran " + std::string(gpu::exact_product_kernel_name(gpu::last_exact_product_kernel()));
+          }
+          return check_product_entries(qa, qb, exact_model, output, got, {}, exact_name + ", seed " + hex64(seed));
+        });
+      }
     }
   }
 }

@@ -1,0 +1,244 @@
+// Part of products.cu (included there, in order, inside namespace mxscope::gpu):
+// the tensor-core path's exact model on the sm_90a warpgroup MMA.
+// -------------------------------------------------------------------------------------------
+// exact_wgmma_kernel computes what tensor_core_exact_kernel computes (gemm_tensor_core-inl.cuh),
+// with the same per-entry steps on the same block dots, so its bits (and the entries it leaves
+// to tensor_core_exact_fixup_kernel) are that kernel's: each entry keeps a running fp64 sum of the
+// scaled block dots D 2^k, one FMA per block in tiles whose rows' and columns' exponent spans fit
+// the budget (no addition can round there), else checked at every addition (add_product_rounds)
+// and flagged where one rounded or k is out of range. The block dots come from one
+// wgmma.mma_async m64n64k32 s8 per K-block and warpgroup, both operands in shared memory; the next
+// K-block's MMA runs while this one's dots are stepped (two register sets, drained at the end of
+// each stage: an MMA in flight across a branch or the loop's back edge would be serialized).
+//
+// The pipeline is sliced_wgmma_kernel's (gemm_sliced_wgmma-inl.cuh): 128 x 64 entries per thread
+// block, two computing warpgroups of 64 rows (32 entries a thread) and a producer warpgroup whose
+// one thread moves each stage's two records with bulk copies completing on an mbarrier. A record
+// (prepare_exact_records_kernel) holds, for a tile of rows (128 of A, 64 of B) and a stage of four
+// K-blocks, the rows' int8 bytes in the 128-byte swizzle and their block exponents; K-blocks past
+// the end are zero bytes with exponent 0 (their dots are exact zeros, which change no sum), so
+// every stage runs its four K-blocks unconditionally. Four stages. The same preparation takes each
+// tile's largest row span (for the window test) by an atomic maximum.
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+
+constexpr int tew_tile_m = 128;  // rows of A per thread block (64 per warpgroup)
+constexpr int tew_tile_n = 64;   // rows of B (columns) per thread block
+constexpr int tew_threads = 384;
+constexpr int tew_stage_blocks = 4;
+constexpr int tew_stages = 4;
+
+// The record of `rows` rows and one stage: bytes [rows][128] (swizzled), exponents [4][rows].
+constexpr std::int64_t tew_record_bytes(int rows) {
+  return static_cast<std::int64_t>(rows) * (128 + tew_stage_blocks * 4);
+}
+
+struct alignas(1024) tew_stage {
+  std::uint8_t a[tew_tile_m * 128];
+  std::int32_t a_exponents[tew_stage_blocks][tew_tile_m];
+  std::uint8_t b[tew_tile_n * 128];
+  std::int32_t b_exponents[tew_stage_blocks][tew_tile_n];
+};
+struct tew_shared {
+  tew_stage stages[tew_stages];
+  std::uint64_t full[tew_stages];
+  std::uint64_t empty[tew_stages];
+};
+constexpr std::size_t tew_shared_bytes = sizeof(tew_shared) + 1024;  // + alignment slack
+static_assert(offsetof(tew_stage, b) == tew_record_bytes(tew_tile_m) &&
+              sizeof(tew_stage) == tew_record_bytes(tew_tile_m) + tew_record_bytes(tew_tile_n) &&
+              offsetof(tew_stage, b) % 1024 == 0 && sizeof(tew_stage) % 1024 == 0);
+
+// The operand's records: record (tile, stage) of `tile_rows` rows at (tile stages + stage)
+// tew_record_bytes(tile_rows); and tile_spans[tile] = the largest of the tile's rows' spans
+// (exponent_spans; tile_spans zeroed by the caller).
+__global__ void prepare_exact_records_kernel(const std::int8_t* bytes, const std::int32_t* exponents,
+                                             const std::int32_t* spans, std::int64_t rows, std::int64_t padded_rows,
+                                             std::int64_t stride, std::int64_t blocks, std::int64_t stages,
+                                             int tile_rows, std::uint8_t* records, unsigned* tile_spans) {
+  const std::int64_t padded_blocks = stages * tew_stage_blocks;
+  MXSCOPE_GRID_LOOP(index, padded_rows * padded_blocks) {
+    const std::int64_t r = index / padded_blocks;
+    const std::int64_t b = index % padded_blocks;
+    const bool inside = r < rows && b < blocks;
+    uint4 halves[2] = {};
+    if (inside) {
+      const auto* source = reinterpret_cast<const uint4*>(bytes + r * stride + 32 * b);
+      halves[0] = source[0];
+      halves[1] = source[1];
+    }
+    const int row = static_cast<int>(r % tile_rows);
+    const int u = static_cast<int>(b % tew_stage_blocks);
+    std::uint8_t* const record =
+        records + ((r / tile_rows) * stages + b / tew_stage_blocks) * tew_record_bytes(tile_rows);
+    *reinterpret_cast<uint4*>(record + swizzled_offset(row, 2 * u)) = halves[0];
+    *reinterpret_cast<uint4*>(record + swizzled_offset(row, 2 * u + 1)) = halves[1];
+    reinterpret_cast<std::int32_t*>(record + 128 * tile_rows)[u * tile_rows + row] =
+        inside ? exponents[b * rows + r] : 0;
+    if (b == 0 && r < rows) atomicMax(&tile_spans[r / tile_rows], static_cast<unsigned>(spans[r]));
+  }
+}
+
+#if defined(MXSCOPE_GPU_SIMULATE)
+inline void wgmma_s8_m64n64k32(int (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
+  simulation::wgmma_s8(d, 64, a_descriptor, b_descriptor, false);
+}
+inline void tew_registers_written(int (&)[32]) {}
+#define MXSCOPE_EXACT_WGMMA 1
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// wgmma_s8_m64n64k32 is gemm_sm90-inl.cuh's.
+__device__ inline void tew_registers_written(int (&d)[32]) {  // as slw_registers_written
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+#define MXSCOPE_EXACT_WGMMA 1
+#endif
+
+// One body (about 130 lines): the producer's copies, the barriers' phases, the MMA in flight and
+// the per-entry steps share the stage indices and the registers of the dots and running sums.
+__global__ void __launch_bounds__(tew_threads, 1)
+    exact_wgmma_kernel(const std::uint8_t* a_records, const std::uint8_t* b_records, const unsigned* a_tile_spans,
+                       const unsigned* b_tile_spans, std::int64_t m, std::int64_t n, std::int64_t stages,
+                       std::int64_t tiles_m, std::int64_t tiles_n, int fraction_total, int span_budget,
+                       output_rounding output, float* out, double* exact_out, std::uint8_t* flagged) {
+#if defined(MXSCOPE_EXACT_WGMMA)
+  MXSCOPE_DYNAMIC_SHARED(unsigned char, tew_raw);
+  const unsigned raw_address = slw_shared_address(tew_raw);
+  tew_shared& shared = *reinterpret_cast<tew_shared*>(tew_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  const int t = threadIdx.x;
+  const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
+                                                 static_cast<int>(tiles_n), tew_tile_m, tew_tile_n);
+  const int stage_count = static_cast<int>(stages);
+  if (t == 0) {
+    for (int s = 0; s < tew_stages; ++s) {
+      barrier_init(&shared.full[s], 1);
+      barrier_init(&shared.empty[s], 256);
+    }
+    slw_barriers_initialized();
+  }
+  __syncthreads();
+
+  if (t >= 256) {  // the producer warpgroup: one thread copies
+    slw_producer_registers();
+    if (t == 256) {
+      constexpr std::int64_t a_bytes = tew_record_bytes(tew_tile_m);
+      constexpr std::int64_t b_bytes = tew_record_bytes(tew_tile_n);
+      const std::uint8_t* a_source = a_records + (origin.i0 / tew_tile_m) * stages * a_bytes;
+      const std::uint8_t* b_source = b_records + (origin.j0 / tew_tile_n) * stages * b_bytes;
+      for (int s = 0; s < stage_count; ++s) {
+        const int slot = s % tew_stages;
+        if (s >= tew_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / tew_stages - 1) & 1U);
+        barrier_expect_bytes(&shared.full[slot], static_cast<unsigned>(a_bytes + b_bytes));
+        bulk_copy(shared.stages[slot].a, a_source + s * a_bytes, static_cast<unsigned>(a_bytes), &shared.full[slot]);
+        bulk_copy(shared.stages[slot].b, b_source + s * b_bytes, static_cast<unsigned>(b_bytes), &shared.full[slot]);
+      }
+    }
+    return;
+  }
+  slw_consumer_registers();
+
+  const int group = t / 128;
+  const int warp = (t / 32) % 4;
+  const int lane = t % 32;
+  // Register i = 4 j + 2 r + e of a dot set holds the entry of row row0 + 8 r, column col0 + 8 j + e.
+  const int row0 = group * 64 + warp * 16 + lane / 4;
+  const int col0 = 2 * (lane % 4);
+  const bool window = static_cast<std::int64_t>(a_tile_spans[origin.i0 / tew_tile_m]) +
+                          static_cast<std::int64_t>(b_tile_spans[origin.j0 / tew_tile_n]) <=
+                      span_budget;
+  // Descriptors of stage 0 (this warpgroup's 64 rows of A; B's 64 rows); stage p and K-block u
+  // lie p sizeof(tew_stage) and 32 u bytes further.
+  const std::uint64_t a_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].a + group * 64 * 128));
+  const std::uint64_t b_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].b));
+
+  double accumulators[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) accumulators[i] = 0;
+  unsigned flags = 0;  // bit i for a flagged entry
+
+  // The steps of K-block u of the stage from its dots, in a window tile (Window) or checked.
+  const auto step = [&](const tew_stage& stage, int u, const int (&d)[32], auto window_tag) {
+    constexpr bool in_window = decltype(window_tag)::value;
+    const int rows[2] = {stage.a_exponents[u][row0] - fraction_total, stage.a_exponents[u][row0 + 8] - fraction_total};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int columns[2] = {stage.b_exponents[u][col0 + 8 * j], stage.b_exponents[u][col0 + 8 * j + 1]};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * j + k;  // k = 2 r + e
+        const int exponent = rows[k / 2] + columns[k % 2];
+        const double dot = biased_double(d[i]) - biased_double_offset;
+        if constexpr (in_window) {
+          const double power = core_ns::bits_double(static_cast<std::uint64_t>(exponent + 1023) << 52);
+          accumulators[i] = fma_exact(dot, power, accumulators[i]);
+        } else {
+          // NaN markers make the exponent huge: flagged, the sum left as it is (the fix-up
+          // recomputes the entry).
+          const bool outside = exponent < tc_exact_k_low || exponent > tc_exact_k_high;
+          const double power = core_ns::bits_double(static_cast<std::uint64_t>((outside ? 0 : exponent) + 1023) << 52);
+          double sum = accumulators[i];
+          const bool rounded = add_product_rounds(sum, dot, power);
+          accumulators[i] = outside ? accumulators[i] : sum;
+          flags |= (outside || rounded ? 1U : 0U) << i;
+        }
+      }
+    }
+  };
+  const auto run = [&](auto window_tag) {
+    int dots[2][32];
+    for (int s = 0; s < stage_count; ++s) {
+      const int slot = s % tew_stages;
+      barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tew_stages) & 1U);
+      const tew_stage& stage = shared.stages[slot];
+      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tew_stage) / 16);
+      const auto issue = [&](int (&d)[32], int u) {
+        slw_mma_fence();
+        wgmma_s8_m64n64k32(d, a_descriptor + stage_units + 2 * u, b_descriptor + stage_units + 2 * u);
+        slw_mma_commit();
+      };
+      issue(dots[0], 0);
+#pragma unroll
+      for (int u = 0; u < tew_stage_blocks; ++u) {
+        if (u + 1 < tew_stage_blocks) {
+          issue(dots[(u + 1) % 2], u + 1);
+          slw_mma_wait<1>();
+        } else {
+          slw_mma_wait<0>();
+        }
+        tew_registers_written(dots[u % 2]);
+        step(stage, u, dots[u % 2], window_tag);
+      }
+      barrier_arrive(&shared.empty[slot]);  // this thread's MMA and reads of the stage are done
+    }
+  };
+  if (window) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const std::int64_t row = origin.i0 + row0 + 8 * ((i / 2) % 2);
+    const std::int64_t col = origin.j0 + col0 + 8 * (i / 4) + i % 2;
+    if (row >= m || col >= n) continue;
+    if ((flags >> i & 1U) != 0) {
+      flagged[row * n + col] = 1;
+    } else {
+      const double sum = accumulators[i] + 0.0;  // an exactly zero sum is +0
+      out[row * n + col] = finish_output(static_cast<float>(sum), output);
+      if (exact_out != nullptr) exact_out[row * n + col] = sum;
+    }
+  }
+#else
+  // Built without sm_90a: the host never launches this (exact_product_kernel_available).
+  (void)a_records, (void)b_records, (void)a_tile_spans, (void)b_tile_spans, (void)m, (void)n, (void)stages;
+  (void)tiles_m, (void)tiles_n, (void)fraction_total, (void)span_budget, (void)output, (void)out, (void)exact_out;
+  (void)flagged;
+#endif
+}
+
+#undef MXSCOPE_EXACT_WGMMA
+#endif  // MXSCOPE_CUDA_TENSOR_CORES
+
+}  // namespace (opened in gemm_generic-inl.cuh)
