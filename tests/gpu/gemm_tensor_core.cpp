@@ -129,7 +129,8 @@ void gemm_tensor_core_tiles(bool small) {
                              {1, 1, 129, 257, 64, 1, false},
                              {5, 5, 131, 300, 40, 2, false},
                              {0, 5, 260, 130, 130, 0, true},
-                             {0, 0, 1030, 300, 40, 1, false}};  // two groups of row tiles in the launch order
+                             {0, 0, 1030, 300, 40, 1, false},   // two groups of row tiles in the launch order
+                             {0, 0, 140, 70, 32 * 18 + 5, 2, true}};  // 19 K-blocks: more stages than the pipelines hold
   const auto model = model_of(mxscope::accumulation_kind::fp32_block);
   const auto exact_model = model_of(mxscope::accumulation_kind::exact);
   for (const tile_case& c : cases) {
