@@ -11,14 +11,15 @@
 // K-block's MMA runs while this one's dots are stepped (two register sets, drained at the end of
 // each stage: an MMA in flight across a branch or the loop's back edge would be serialized).
 //
-// The pipeline is sliced_wgmma_kernel's (gemm_sliced_wgmma-inl.cuh): 128 x 64 entries per thread
-// block, two computing warpgroups of 64 rows (32 entries a thread) and a producer warpgroup whose
-// one thread moves each stage's two records with bulk copies completing on an mbarrier. A record
-// (prepare_exact_records_kernel) holds, for a tile of rows (128 of A, 64 of B) and a stage of four
-// K-blocks, the rows' int8 bytes in the 128-byte swizzle and their block exponents; K-blocks past
-// the end are zero bytes with exponent 0 (their dots are exact zeros, which change no sum), so
-// every stage runs its four K-blocks unconditionally. Four stages. The same preparation takes each
-// tile's largest row span (for the window test) by an atomic maximum.
+// The pipeline is sliced_wgmma_kernel's (gemm_sliced_wgmma-inl.cuh: init_stage_barriers,
+// copy_stage_records): 128 x 64 entries per thread block, two computing warpgroups of 64 rows (32
+// entries a thread) and a producer warpgroup whose one thread moves each stage's two records with
+// bulk copies completing on an mbarrier. A record (prepare_exact_records_kernel) holds, for a tile
+// of rows (128 of A, 64 of B) and a stage of four K-blocks, the rows' int8 bytes in the 128-byte
+// swizzle and their block exponents; K-blocks past the end are zero bytes with exponent 0 (their
+// dots are exact zeros, which change no sum), so every stage runs its four K-blocks
+// unconditionally. Four stages. The same preparation takes each tile's largest row span (for the
+// window test) by an atomic maximum.
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
@@ -109,29 +110,15 @@ __global__ void __launch_bounds__(tew_threads, 1)
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
                                                  static_cast<int>(tiles_n), tew_tile_m, tew_tile_n);
   const int stage_count = static_cast<int>(stages);
-  if (t == 0) {
-    for (int s = 0; s < tew_stages; ++s) {
-      barrier_init(&shared.full[s], 1);
-      barrier_init(&shared.empty[s], 256);
-    }
-    slw_barriers_initialized();
-  }
-  __syncthreads();
-
+  init_stage_barriers(shared.full, shared.empty);
   if (t >= 256) {  // the producer warpgroup: one thread copies
     slw_producer_registers();
     if (t == 256) {
       constexpr std::int64_t a_bytes = tew_record_bytes(tew_tile_m);
       constexpr std::int64_t b_bytes = tew_record_bytes(tew_tile_n);
-      const std::uint8_t* a_source = a_records + (origin.i0 / tew_tile_m) * stages * a_bytes;
-      const std::uint8_t* b_source = b_records + (origin.j0 / tew_tile_n) * stages * b_bytes;
-      for (int s = 0; s < stage_count; ++s) {
-        const int slot = s % tew_stages;
-        if (s >= tew_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / tew_stages - 1) & 1U);
-        barrier_expect_bytes(&shared.full[slot], static_cast<unsigned>(a_bytes + b_bytes));
-        bulk_copy(shared.stages[slot].a, a_source + s * a_bytes, static_cast<unsigned>(a_bytes), &shared.full[slot]);
-        bulk_copy(shared.stages[slot].b, b_source + s * b_bytes, static_cast<unsigned>(b_bytes), &shared.full[slot]);
-      }
+      copy_stage_records(shared.stages, shared.full, shared.empty,
+                         a_records + (origin.i0 / tew_tile_m) * stages * a_bytes,
+                         b_records + (origin.j0 / tew_tile_n) * stages * b_bytes, a_bytes, b_bytes, stage_count);
     }
     return;
   }
@@ -222,13 +209,7 @@ __global__ void __launch_bounds__(tew_threads, 1)
     const std::int64_t row = origin.i0 + row0 + 8 * ((i / 2) % 2);
     const std::int64_t col = origin.j0 + col0 + 8 * (i / 4) + i % 2;
     if (row >= m || col >= n) continue;
-    if ((flags >> i & 1U) != 0) {
-      flagged[row * n + col] = 1;
-    } else {
-      const double sum = accumulators[i] + 0.0;  // an exactly zero sum is +0
-      out[row * n + col] = finish_output(static_cast<float>(sum), output);
-      if (exact_out != nullptr) exact_out[row * n + col] = sum;
-    }
+    store_exact_entry((flags >> i & 1U) != 0, accumulators[i], row * n + col, output, out, exact_out, flagged);
   }
 #else
   // Built without sm_90a: the host never launches this (exact_product_kernel_available).

@@ -155,6 +155,54 @@ __device__ inline void slw_registers_written(int (&d)[16]) {
 #define MXSCOPE_SLICED_WGMMA 1
 #endif
 
+#if defined(MXSCOPE_SLICED_WGMMA)
+// The pipeline shared with exact_wgmma_kernel. The stages' barriers: `full` completes when the
+// producer's copies of a stage have landed, `empty` when the 256 computing threads are done with it.
+template <int Slots>
+__device__ inline void init_stage_barriers(std::uint64_t (&full)[Slots], std::uint64_t (&empty)[Slots]) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Slots; ++s) {
+      barrier_init(&full[s], 1);
+      barrier_init(&empty[s], 256);
+    }
+    slw_barriers_initialized();
+  }
+  __syncthreads();
+}
+
+// The producer's copies (one thread): stage s into slot s % Slots once the computing warpgroups
+// have released the slot's previous stage, its A and B records by two bulk copies that complete on
+// the slot's `full` barrier. A stage is the two records as they lie in memory (A's at 0, B's at
+// a_bytes: the stages' static_asserts).
+template <int Slots, class Stage>
+__device__ inline void copy_stage_records(Stage (&stages)[Slots], std::uint64_t (&full)[Slots],
+                                          std::uint64_t (&empty)[Slots], const std::uint8_t* a_source,
+                                          const std::uint8_t* b_source, std::int64_t a_bytes, std::int64_t b_bytes,
+                                          int stage_count) {
+  for (int s = 0; s < stage_count; ++s) {
+    const int slot = s % Slots;
+    if (s >= Slots) barrier_wait(&empty[slot], static_cast<unsigned>(s / Slots - 1) & 1U);
+    auto* const stage = reinterpret_cast<unsigned char*>(&stages[slot]);
+    barrier_expect_bytes(&full[slot], static_cast<unsigned>(a_bytes + b_bytes));
+    bulk_copy(stage, a_source + s * a_bytes, static_cast<unsigned>(a_bytes), &full[slot]);
+    bulk_copy(stage + a_bytes, b_source + s * b_bytes, static_cast<unsigned>(b_bytes), &full[slot]);
+  }
+}
+
+// An exact-model entry's result: flagged for the fix-up kernel, or its exact sum (an exactly zero
+// sum written +0) as the fp64 result and rounded once to the output.
+__device__ inline void store_exact_entry(bool flag, double sum, std::int64_t at, output_rounding output, float* out,
+                                         double* exact_out, std::uint8_t* flagged) {
+  if (flag) {
+    flagged[at] = 1;
+  } else {
+    const double value = sum + 0.0;
+    out[at] = finish_output(static_cast<float>(value), output);
+    if (exact_out != nullptr) exact_out[at] = value;
+  }
+}
+#endif
+
 // The shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle (as
 // tcw_descriptor): start address (16-byte units), leading byte offset unused (1), stride byte
 // offset 1024 (eight rows of 128 bytes), swizzle mode 1.
@@ -183,29 +231,15 @@ __global__ void __launch_bounds__(slw_threads, 1)
                                                  static_cast<int>(tiles_n), slw_tile_m, slw_tile_n);
   const int block_count = static_cast<int>(blocks);
   const int stage_count = static_cast<int>(stages);
-  if (t == 0) {
-    for (int s = 0; s < slw_stages; ++s) {
-      barrier_init(&shared.full[s], 1);
-      barrier_init(&shared.empty[s], 256);
-    }
-    slw_barriers_initialized();
-  }
-  __syncthreads();
-
+  init_stage_barriers(shared.full, shared.empty);
   if (t >= 256) {  // the producer warpgroup: one thread copies
     slw_producer_registers();
     if (t == 256) {
       constexpr std::int64_t a_bytes = slw_record_bytes(slw_tile_m);
       constexpr std::int64_t b_bytes = slw_record_bytes(slw_tile_n);
-      const std::uint8_t* a_source = a_records + (origin.i0 / slw_tile_m) * stages * a_bytes;
-      const std::uint8_t* b_source = b_records + (origin.j0 / slw_tile_n) * stages * b_bytes;
-      for (int s = 0; s < stage_count; ++s) {
-        const int slot = s % slw_stages;
-        if (s >= slw_stages) barrier_wait(&shared.empty[slot], static_cast<unsigned>(s / slw_stages - 1) & 1U);
-        barrier_expect_bytes(&shared.full[slot], static_cast<unsigned>(a_bytes + b_bytes));
-        bulk_copy(shared.stages[slot].a, a_source + s * a_bytes, static_cast<unsigned>(a_bytes), &shared.full[slot]);
-        bulk_copy(shared.stages[slot].b, b_source + s * b_bytes, static_cast<unsigned>(b_bytes), &shared.full[slot]);
-      }
+      copy_stage_records(shared.stages, shared.full, shared.empty,
+                         a_records + (origin.i0 / slw_tile_m) * stages * a_bytes,
+                         b_records + (origin.j0 / slw_tile_n) * stages * b_bytes, a_bytes, b_bytes, stage_count);
     }
     return;
   }
@@ -295,13 +329,8 @@ __global__ void __launch_bounds__(slw_threads, 1)
       const std::int64_t col = origin.j0 + col0 + 32 * h + 8 * (i / 4) + i % 2;
       if (row >= m || col >= n) continue;
       if constexpr (Exact) {
-        if ((rounded >> (16 * h + i) & 1U) != 0) {
-          flagged[row * n + col] = 1;
-        } else {
-          const double sum = accumulators[h][i] + 0.0;  // an exactly zero sum is +0
-          out[row * n + col] = finish_output(static_cast<float>(sum), output);
-          if (exact_out != nullptr) exact_out[row * n + col] = sum;
-        }
+        store_exact_entry((rounded >> (16 * h + i) & 1U) != 0, accumulators[h][i], row * n + col, output, out,
+                          exact_out, flagged);
       } else {
         out[row * n + col] = finish_output(accumulators[h][i] * 1.0f, output);
       }
