@@ -40,15 +40,9 @@ struct alignas(1024) tew_stage {
   std::uint8_t b[tew_tile_n * 128];
   std::int32_t b_exponents[tew_stage_blocks][tew_tile_n];
 };
-struct tew_shared {
-  tew_stage stages[tew_stages];
-  std::uint64_t full[tew_stages];
-  std::uint64_t empty[tew_stages];
-};
+using tew_shared = stage_ring<tew_stage, tew_stages>;
 constexpr std::size_t tew_shared_bytes = sizeof(tew_shared) + 1024;  // + alignment slack
-static_assert(offsetof(tew_stage, b) == tew_record_bytes(tew_tile_m) &&
-              sizeof(tew_stage) == tew_record_bytes(tew_tile_m) + tew_record_bytes(tew_tile_n) &&
-              offsetof(tew_stage, b) % 1024 == 0 && sizeof(tew_stage) % 1024 == 0);
+static_assert(stage_holds_records<tew_stage>(tew_record_bytes(tew_tile_m), tew_record_bytes(tew_tile_n)));
 
 // The operand's records: record (tile, stage) of `tile_rows` rows at (tile stages + stage)
 // tew_record_bytes(tile_rows); and tile_spans[tile] = the largest of the tile's rows' spans
@@ -104,25 +98,12 @@ __global__ void __launch_bounds__(tew_threads, 1)
                        output_rounding output, float* out, double* exact_out, std::uint8_t* flagged) {
 #if defined(MXSCOPE_EXACT_WGMMA)
   MXSCOPE_DYNAMIC_SHARED(unsigned char, tew_raw);
-  const unsigned raw_address = slw_shared_address(tew_raw);
-  tew_shared& shared = *reinterpret_cast<tew_shared*>(tew_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  tew_shared& shared = aligned_stage_memory<tew_shared>(tew_raw);
   const int t = threadIdx.x;
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
                                                  static_cast<int>(tiles_n), tew_tile_m, tew_tile_n);
   const int stage_count = static_cast<int>(stages);
-  init_stage_barriers(shared.full, shared.empty);
-  if (t >= 256) {  // the producer warpgroup: one thread copies
-    slw_producer_registers();
-    if (t == 256) {
-      constexpr std::int64_t a_bytes = tew_record_bytes(tew_tile_m);
-      constexpr std::int64_t b_bytes = tew_record_bytes(tew_tile_n);
-      copy_stage_records(shared.stages, shared.full, shared.empty,
-                         a_records + (origin.i0 / tew_tile_m) * stages * a_bytes,
-                         b_records + (origin.j0 / tew_tile_n) * stages * b_bytes, a_bytes, b_bytes, stage_count);
-    }
-    return;
-  }
-  slw_consumer_registers();
+  if (run_producer(shared, a_records, b_records, origin.i0 / tew_tile_m, origin.j0 / tew_tile_n, stages)) return;
 
   const int group = t / 128;
   const int warp = (t / 32) % 4;

@@ -42,17 +42,24 @@ struct alignas(1024) slw_stage {
   std::uint8_t b[slc_slices][slw_tile_n * 128];
   double b_scales[slw_stage_blocks][slw_tile_n];
 };
-struct slw_shared {
-  slw_stage stages[slw_stages];
-  std::uint64_t full[slw_stages];
-  std::uint64_t empty[slw_stages];
+// The shared memory of the warpgroup kernels (this one and exact_wgmma_kernel): a ring of stages
+// and their barriers.
+template <class Stage, int Slots>
+struct stage_ring {
+  Stage stages[Slots];
+  std::uint64_t full[Slots];
+  std::uint64_t empty[Slots];
 };
+// Whether a stage is its A record then its B record as they lie in memory (one bulk copy each),
+// with the tiles of B's 128-byte rows on 1024-byte boundaries.
+template <class Stage>
+constexpr bool stage_holds_records(std::int64_t a_record, std::int64_t b_record) {
+  return offsetof(Stage, b) == a_record && sizeof(Stage) == a_record + b_record && offsetof(Stage, b) % 1024 == 0 &&
+         sizeof(Stage) % 1024 == 0;
+}
+using slw_shared = stage_ring<slw_stage, slw_stages>;
 constexpr std::size_t slw_shared_bytes = sizeof(slw_shared) + 1024;  // + alignment slack
-// The records are the stage's halves as they lie in shared memory, and the tiles of B's 128-byte
-// rows start on 1024-byte boundaries.
-static_assert(offsetof(slw_stage, b) == slw_record_bytes(slw_tile_m) &&
-              sizeof(slw_stage) == slw_record_bytes(slw_tile_m) + slw_record_bytes(slw_tile_n) &&
-              offsetof(slw_stage, b) % 1024 == 0 && sizeof(slw_stage) % 1024 == 0);
+static_assert(stage_holds_records<slw_stage>(slw_record_bytes(slw_tile_m), slw_record_bytes(slw_tile_n)));
 // The prepared operands' padding (slc_row_pad rows of A, slc_tile_n of B) covers these tiles.
 static_assert(slc_row_pad % slw_tile_m == 0 && slw_tile_n == slc_tile_n);
 
@@ -173,7 +180,7 @@ __device__ inline void init_stage_barriers(std::uint64_t (&full)[Slots], std::ui
 // The producer's copies (one thread): stage s into slot s % Slots once the computing warpgroups
 // have released the slot's previous stage, its A and B records by two bulk copies that complete on
 // the slot's `full` barrier. A stage is the two records as they lie in memory (A's at 0, B's at
-// a_bytes: the stages' static_asserts).
+// a_bytes: stage_holds_records).
 template <int Slots, class Stage>
 __device__ inline void copy_stage_records(Stage (&stages)[Slots], std::uint64_t (&full)[Slots],
                                           std::uint64_t (&empty)[Slots], const std::uint8_t* a_source,
@@ -187,6 +194,38 @@ __device__ inline void copy_stage_records(Stage (&stages)[Slots], std::uint64_t 
     bulk_copy(stage, a_source + s * a_bytes, static_cast<unsigned>(a_bytes), &full[slot]);
     bulk_copy(stage + a_bytes, b_source + s * b_bytes, static_cast<unsigned>(b_bytes), &full[slot]);
   }
+}
+
+// The kernels' shared memory (a struct of stages and barriers) at its first 1024-byte boundary:
+// the swizzle is of shared-memory addresses; an offset into the array, not an integer cast, keeps
+// the compiler's knowledge that these are shared-memory addresses.
+template <class Shared>
+__device__ inline Shared& aligned_stage_memory(unsigned char* raw) {
+  const unsigned raw_address = slw_shared_address(raw);
+  return *reinterpret_cast<Shared*>(raw + ((1024U - (raw_address & 1023U)) & 1023U));
+}
+
+// The start of both kernels: the barriers set up, then the producer warpgroup (threads 256..383)
+// takes 64 registers and its first thread copies the records of row tile `tile_a` of A and
+// `tile_b` of B, `stages` each (true: the caller returns), while the computing warpgroups take
+// 224 (false). A stage's A record is its bytes up to `b`, B's the rest.
+template <class Shared>
+__device__ inline bool run_producer(Shared& shared, const std::uint8_t* a_records, const std::uint8_t* b_records,
+                                   std::int64_t tile_a, std::int64_t tile_b, std::int64_t stages) {
+  using stage_type = std::remove_reference_t<decltype(shared.stages[0])>;
+  constexpr std::int64_t a_bytes = offsetof(stage_type, b);
+  constexpr std::int64_t b_bytes = sizeof(stage_type) - a_bytes;
+  init_stage_barriers(shared.full, shared.empty);
+  if (threadIdx.x < 256) {
+    slw_consumer_registers();
+    return false;
+  }
+  slw_producer_registers();
+  if (threadIdx.x == 256) {
+    copy_stage_records(shared.stages, shared.full, shared.empty, a_records + tile_a * stages * a_bytes,
+                       b_records + tile_b * stages * b_bytes, a_bytes, b_bytes, static_cast<int>(stages));
+  }
+  return true;
 }
 
 // An exact-model entry's result: flagged for the fix-up kernel, or its exact sum (an exactly zero
@@ -223,27 +262,13 @@ __global__ void __launch_bounds__(slw_threads, 1)
                         output_rounding output, float* out, double* exact_out, std::uint8_t* flagged) {
 #if defined(MXSCOPE_SLICED_WGMMA)
   MXSCOPE_DYNAMIC_SHARED(unsigned char, slw_raw);
-  // 1024-byte aligned by an offset into the array (the swizzle is of shared-memory addresses).
-  const unsigned raw_address = slw_shared_address(slw_raw);
-  slw_shared& shared = *reinterpret_cast<slw_shared*>(slw_raw + ((1024U - (raw_address & 1023U)) & 1023U));
+  slw_shared& shared = aligned_stage_memory<slw_shared>(slw_raw);
   const int t = threadIdx.x;
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
                                                  static_cast<int>(tiles_n), slw_tile_m, slw_tile_n);
   const int block_count = static_cast<int>(blocks);
   const int stage_count = static_cast<int>(stages);
-  init_stage_barriers(shared.full, shared.empty);
-  if (t >= 256) {  // the producer warpgroup: one thread copies
-    slw_producer_registers();
-    if (t == 256) {
-      constexpr std::int64_t a_bytes = slw_record_bytes(slw_tile_m);
-      constexpr std::int64_t b_bytes = slw_record_bytes(slw_tile_n);
-      copy_stage_records(shared.stages, shared.full, shared.empty,
-                         a_records + (origin.i0 / slw_tile_m) * stages * a_bytes,
-                         b_records + (origin.j0 / slw_tile_n) * stages * b_bytes, a_bytes, b_bytes, stage_count);
-    }
-    return;
-  }
-  slw_consumer_registers();
+  if (run_producer(shared, a_records, b_records, origin.i0 / slw_tile_m, origin.j0 / slw_tile_n, stages)) return;
 
   const int group = t / 128;  // rows 64 group .. of the tile
   const int warp = (t / 32) % 4;
