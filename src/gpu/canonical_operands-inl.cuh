@@ -449,6 +449,11 @@ bool tensor_core_kernel_available(tensor_core_kernel kernel) {
     case tensor_core_kernel::mma_sync:
       return tensor_cores_present();
     case tensor_core_kernel::wgmma:
+#if defined(MXSCOPE_GPU_SIMULATE)
+      return true;  // the simulation emulates its warpgroup MMA (not the scaled kernels' bf16 and e5m2 ones)
+#else
+      return wgmma_present();
+#endif
     case tensor_core_kernel::wgmma_bf16:
     case tensor_core_kernel::wgmma_fp8:
       return wgmma_present();

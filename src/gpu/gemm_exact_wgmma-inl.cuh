@@ -75,13 +75,9 @@ __global__ void prepare_exact_records_kernel(const std::int8_t* bytes, const std
 }
 
 #if defined(MXSCOPE_GPU_SIMULATE)
-inline void wgmma_s8_m64n64k32(int (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
-  simulation::wgmma_s8(d, 64, a_descriptor, b_descriptor, false);
-}
 inline void tew_registers_written(int (&)[32]) {}
 #define MXSCOPE_EXACT_WGMMA 1
 #elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// wgmma_s8_m64n64k32 is gemm_sm90-inl.cuh's.
 __device__ inline void tew_registers_written(int (&d)[32]) {  // as slw_registers_written
 #pragma unroll
   for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(d[i])::"memory");
@@ -116,8 +112,8 @@ __global__ void __launch_bounds__(tew_threads, 1)
                       span_budget;
   // Descriptors of stage 0 (this warpgroup's 64 rows of A; B's 64 rows); stage p and K-block u
   // lie p sizeof(tew_stage) and 32 u bytes further.
-  const std::uint64_t a_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].a + group * 64 * 128));
-  const std::uint64_t b_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].b));
+  const std::uint64_t a_descriptor = tcw_descriptor(shared.stages[0].a + group * 64 * 128);
+  const std::uint64_t b_descriptor = tcw_descriptor(shared.stages[0].b);
 
   double accumulators[32];
 #pragma unroll
@@ -160,18 +156,18 @@ __global__ void __launch_bounds__(tew_threads, 1)
       const tew_stage& stage = shared.stages[slot];
       const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tew_stage) / 16);
       const auto issue = [&](int (&d)[32], int u) {
-        slw_mma_fence();
+        wgmma_fence();
         wgmma_s8_m64n64k32(d, a_descriptor + stage_units + 2 * u, b_descriptor + stage_units + 2 * u);
-        slw_mma_commit();
+        wgmma_commit();
       };
       issue(dots[0], 0);
 #pragma unroll
       for (int u = 0; u < tew_stage_blocks; ++u) {
         if (u + 1 < tew_stage_blocks) {
           issue(dots[(u + 1) % 2], u + 1);
-          slw_mma_wait<1>();
+          wgmma_wait<1>();
         } else {
-          slw_mma_wait<0>();
+          wgmma_wait<0>();
         }
         tew_registers_written(dots[u % 2]);
         step(stage, u, dots[u % 2], window_tag);

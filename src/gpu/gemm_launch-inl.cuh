@@ -239,10 +239,11 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
                             b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
                             a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
           } else {
-  #if !defined(MXSCOPE_GPU_SIMULATE)
             // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
+  #if !defined(MXSCOPE_GPU_SIMULATE)
             MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(tcw_shared_bytes)));
+  #endif
             const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
             const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
             runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
@@ -250,7 +251,6 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
                             a.slow_tiles.as<const unsigned>(), b.bytes.as<const std::int8_t>(),
                             b.scales.as<const std::uint32_t>(), b.slow_tiles.as<const unsigned>(), m, n, a.byte_stride,
                             a.padded_rows, b.padded_rows, a.blocks, wgmma_tiles_m, wgmma_tiles_n, output, out);
-  #endif
           }
 }
 

@@ -90,15 +90,9 @@ __global__ void prepare_sliced_tiles_kernel(const std::int32_t* integers, const 
   }
 }
 
+// The warpgroup MMA's fence, commit and wait, the async-proxy fence and the m64n64k32 MMA are
+// gemm_sm90-inl.cuh's (the simulation's forms there too).
 #if defined(MXSCOPE_GPU_SIMULATE)
-inline unsigned slw_shared_address(const void* shared) {
-  return static_cast<unsigned>(static_cast<const unsigned char*>(shared) -
-                               static_cast<const unsigned char*>(runtime::simulation_shared_memory()));
-}
-inline void slw_mma_fence() {}
-inline void slw_mma_commit() {}
-template <int Pending>
-inline void slw_mma_wait() {}
 inline void slw_barriers_initialized() {}
 inline void slw_producer_registers() {}
 inline void slw_consumer_registers() {}
@@ -114,15 +108,6 @@ inline void wgmma_s8_m64n32k32(int (&d)[16], std::uint64_t a_descriptor, std::ui
 inline void slw_registers_written(int (&)[16]) {}
 #define MXSCOPE_SLICED_WGMMA 1
 #elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ inline unsigned slw_shared_address(const void* shared) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(shared));
-}
-__device__ inline void slw_mma_fence() { wgmma_fence(); }
-__device__ inline void slw_mma_commit() { wgmma_commit(); }
-template <int Pending>
-__device__ inline void slw_mma_wait() {
-  wgmma_wait<Pending>();
-}
 __device__ inline void slw_barriers_initialized() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -201,7 +186,7 @@ __device__ inline void copy_stage_records(Stage (&stages)[Slots], std::uint64_t 
 // the compiler's knowledge that these are shared-memory addresses.
 template <class Shared>
 __device__ inline Shared& aligned_stage_memory(unsigned char* raw) {
-  const unsigned raw_address = slw_shared_address(raw);
+  const auto raw_address = static_cast<unsigned>(__cvta_generic_to_shared(raw));
   return *reinterpret_cast<Shared*>(raw + ((1024U - (raw_address & 1023U)) & 1023U));
 }
 
@@ -242,14 +227,6 @@ __device__ inline void store_exact_entry(bool flag, double sum, std::int64_t at,
 }
 #endif
 
-// The shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle (as
-// tcw_descriptor): start address (16-byte units), leading byte offset unused (1), stride byte
-// offset 1024 (eight rows of 128 bytes), swizzle mode 1.
-__device__ inline std::uint64_t slw_descriptor(unsigned address) {
-  return ((static_cast<std::uint64_t>(address) & 0x3FFFFULL) >> 4) | (1ULL << 16) | ((1024ULL >> 4) << 32) |
-         (1ULL << 62);
-}
-
 // One body (about 120 lines): the producer's copies, the barriers' phases, the nine MMA of each
 // K-block and half and the per-entry steps share the stage indices and the registers of the levels
 // and accumulators.
@@ -280,8 +257,8 @@ __global__ void __launch_bounds__(slw_threads, 1)
   // Descriptors of stage 0's slice 0 (this warpgroup's 64 rows of A; B's first 32 rows); slice
   // s, half h, stage p and K-block u lie s 16384 (A) or 8192 (B), 4096 h, p sizeof(slw_stage)
   // and 32 u bytes further.
-  const std::uint64_t a_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].a[0] + group * 64 * 128));
-  const std::uint64_t b_descriptor = slw_descriptor(slw_shared_address(shared.stages[0].b[0]));
+  const std::uint64_t a_descriptor = tcw_descriptor(shared.stages[0].a[0] + group * 64 * 128);
+  const std::uint64_t b_descriptor = tcw_descriptor(shared.stages[0].b[0]);
 
   using accumulator_type = std::conditional_t<Exact, double, float>;
   accumulator_type accumulators[2][16];
@@ -304,25 +281,25 @@ __global__ void __launch_bounds__(slw_threads, 1)
         const auto at_a = [&](int slice) { return a_descriptor + stage_units + slice * 1024 + 2 * u; };
         const auto at_b = [&](int slice) { return b_descriptor + stage_units + slice * 512 + h * 256 + 2 * u; };
         int level[5][16];
-        slw_mma_fence();
+        wgmma_fence();
         wgmma_s8_m64n32k32<false>(level[0], at_a(0), at_b(0));
         wgmma_s8_m64n32k32<false>(level[1], at_a(0), at_b(1));
         wgmma_s8_m64n32k32<true>(level[1], at_a(1), at_b(0));
-        slw_mma_commit();
+        wgmma_commit();
         wgmma_s8_m64n32k32<false>(level[2], at_a(0), at_b(2));
         wgmma_s8_m64n32k32<true>(level[2], at_a(1), at_b(1));
         wgmma_s8_m64n32k32<true>(level[2], at_a(2), at_b(0));
         wgmma_s8_m64n32k32<false>(level[3], at_a(1), at_b(2));
         wgmma_s8_m64n32k32<true>(level[3], at_a(2), at_b(1));
         wgmma_s8_m64n32k32<false>(level[4], at_a(2), at_b(2));
-        slw_mma_commit();
-        slw_mma_wait<1>();  // levels 0 and 1
+        wgmma_commit();
+        wgmma_wait<1>();  // levels 0 and 1
         slw_registers_written(level[0]);
         slw_registers_written(level[1]);
         int low[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) low[i] = level[0][i] + 128 * level[1][i];
-        slw_mma_wait<0>();
+        wgmma_wait<0>();
         slw_registers_written(level[2]);
         slw_registers_written(level[3]);
         slw_registers_written(level[4]);

@@ -1,7 +1,6 @@
 // Part of products.cu (included there, in order, inside namespace mxscope::gpu):
 // the sm_90a warpgroup-MMA fp32-block kernels.
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)  // as at the end of gemm_tensor_core-inl.cuh
-#if !defined(MXSCOPE_GPU_SIMULATE)
 
 // -------------------------------------------------------------------------------------------
 // The sm_90a fp32-block kernel (tensor_core_wgmma_kernel): the block dots from the asynchronous
@@ -35,6 +34,7 @@ struct alignas(1024) tcw_stage {
 constexpr std::size_t tcw_shared_bytes = tcw_stages * sizeof(tcw_stage) + 1024;  // + alignment slack
 static_assert(tcw_tile == tc_flag_rows && tc_scale_row_pad % tcw_tile == 0);
 
+#if !defined(MXSCOPE_GPU_SIMULATE)
 __global__ void wgmma_probe_kernel(int* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   *out = 1;
@@ -42,8 +42,27 @@ __global__ void wgmma_probe_kernel(int* out) {
   *out = 0;
 #endif
 }
+#endif
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(MXSCOPE_GPU_SIMULATE)
+// The CPU simulation's forms of the primitives below: the MMA emulated from its descriptors
+// (simulation::wgmma_s8), synchronously, so the fences and waits have nothing to order. It runs
+// tensor_core_wgmma_kernel, whose layout the H200 has checked, as well as the newer kernels.
+inline std::uint64_t tcw_descriptor(const void* shared) {
+  const auto address = static_cast<std::uint64_t>(__cvta_generic_to_shared(shared));
+  return ((address & 0x3FFFFULL) >> 4) | (1ULL << 16) | ((1024ULL >> 4) << 32) | (1ULL << 62);
+}
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int Pending>
+inline void wgmma_wait() {}
+inline void proxy_fence_shared() {}
+inline void wgmma_s8_m64n64k32(int (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
+  simulation::wgmma_s8(d, 64, a_descriptor, b_descriptor, false);
+}
+#define MXSCOPE_TCW_BODY 1
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MXSCOPE_TCW_BODY 1
 
 // The shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
 // leading byte offset unused (1), stride byte offset 1024 (8 rows of 128 bytes), swizzle mode 1.
@@ -80,8 +99,12 @@ __global__ void __launch_bounds__(tcw_threads, 1)
                              std::int64_t m, std::int64_t n, std::int64_t stride, std::int64_t padded_m,
                              std::int64_t padded_n, std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n,
                              output_rounding output, float* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(MXSCOPE_TCW_BODY)
+#if defined(MXSCOPE_GPU_SIMULATE)
+  MXSCOPE_DYNAMIC_SHARED(unsigned char, tcw_raw);
+#else
   extern __shared__ __align__(1024) unsigned char tcw_raw[];
+#endif
   // 1024-byte aligned by an offset into the array (not an integer cast), so that the compiler
   // still knows these are shared-memory addresses (LDS, not generic loads).
   const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcw_raw));
@@ -253,6 +276,9 @@ __global__ void __launch_bounds__(tcw_threads, 1)
   (void)padded_m, (void)padded_n, (void)blocks, (void)tiles_m, (void)tiles_n, (void)output, (void)out;
 #endif
 }
+#undef MXSCOPE_TCW_BODY
+
+#if !defined(MXSCOPE_GPU_SIMULATE)
 
 // -------------------------------------------------------------------------------------------
 // The sm_90a fp32-block kernel of MXFP4 operands with the block scales inside them

@@ -4,8 +4,9 @@
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
 // tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m16n8k8 f64) are emulated from their documented
 // per-lane semantics, with a barrier per warp; the warpgroup MMA of s8 operands in shared memory
-// (wgmma.mma_async m64nNk32) from its matrix descriptors, one thread at a time; mbarriers and
-// the bulk copies that complete on them, as atomic words.
+// (wgmma.mma_async m64nNk32) from its matrix descriptors, one thread at a time (checked against the
+// hardware by running tensor_core_wgmma_kernel, which passes on the H200); mbarriers and the bulk
+// copies that complete on them, as atomic words.
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
 // without a GPU, with the same bit-exactness checks the GPU test makes. It says nothing about the
@@ -76,6 +77,13 @@ inline thread_local thread_state current;
 }  // namespace mxscope::gpu::simulation
 
 inline void __syncthreads() { mxscope::gpu::simulation::current.block_barrier->arrive_and_wait(); }
+// A shared-memory address: here the offset into the block's dynamic shared memory (the only shared
+// memory the kernels address this way), so that alignments and swizzles computed from it agree
+// with the emulated MMA's reading of descriptors.
+inline std::size_t __cvta_generic_to_shared(const void* pointer) {
+  return static_cast<std::size_t>(static_cast<const unsigned char*>(pointer) -
+                                  mxscope::gpu::simulation::current.dynamic_shared);
+}
 
 inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
   return std::atomic_ref<unsigned long long>(*address).fetch_add(value);
