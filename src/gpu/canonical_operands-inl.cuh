@@ -422,6 +422,24 @@ bool tensor_cores_present() {
 
 bool wgmma_present();  // below, next to the kernels
 
+// Whether the int8 warpgroup-MMA kernels run: on an sm_90 device from an sm_90a build, and in the
+// CPU simulation, which emulates their MMA (not the scaled kernels' bf16 and e5m2 ones).
+bool warpgroup_kernels_present() {
+#if defined(MXSCOPE_GPU_SIMULATE)
+  return true;
+#else
+  return wgmma_present();
+#endif
+}
+
+// The selection functions' refusal: `what` kernel `name` is not in this build or on this device.
+void require_kernel_available(bool available, const char* what, std::string_view name) {
+  if (!available) {
+    throw input_error(std::string("gpu gemm: the ") + what + " kernel " + std::string(name) +
+                      " is not available in this build on this device");
+  }
+}
+
 std::atomic<tensor_core_kernel> chosen_tensor_core_kernel{tensor_core_kernel::automatic};
 std::atomic<tensor_core_kernel> last_run_tensor_core_kernel{tensor_core_kernel::automatic};
 
@@ -449,11 +467,7 @@ bool tensor_core_kernel_available(tensor_core_kernel kernel) {
     case tensor_core_kernel::mma_sync:
       return tensor_cores_present();
     case tensor_core_kernel::wgmma:
-#if defined(MXSCOPE_GPU_SIMULATE)
-      return true;  // the simulation emulates its warpgroup MMA (not the scaled kernels' bf16 and e5m2 ones)
-#else
-      return wgmma_present();
-#endif
+      return warpgroup_kernels_present();
     case tensor_core_kernel::wgmma_bf16:
     case tensor_core_kernel::wgmma_fp8:
       return wgmma_present();
@@ -462,10 +476,7 @@ bool tensor_core_kernel_available(tensor_core_kernel kernel) {
 }
 
 void select_tensor_core_kernel(tensor_core_kernel kernel) {
-  if (!tensor_core_kernel_available(kernel)) {
-    throw input_error("gpu gemm: the tensor-core kernel " + std::string(tensor_core_kernel_name(kernel)) +
-                      " is not available in this build on this device");
-  }
+  require_kernel_available(tensor_core_kernel_available(kernel), "tensor-core", tensor_core_kernel_name(kernel));
   chosen_tensor_core_kernel.store(kernel);
 }
 

@@ -143,14 +143,6 @@ void run_exact_wgmma(const prepared_operand::storage& a, const prepared_operand:
   release_after_kernels();  // the scratch buffers go back to the pool when this returns
 }
 
-bool exact_wgmma_present() {
-#if defined(MXSCOPE_GPU_SIMULATE)
-  return true;  // the simulation emulates the warpgroup MMA
-#else
-  return wgmma_present();
-#endif
-}
-
 // The exact model on the tensor cores: the block dots exact in fp64 where the operands' exponent
 // spans allow, flagged entries finished by the fix-up kernel; on the selected kernel.
 void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared_operand::storage& b,
@@ -418,7 +410,7 @@ std::string_view exact_product_kernel_name(exact_product_kernel kernel) {
 
 bool exact_product_kernel_available(exact_product_kernel kernel) {
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-  if (kernel == exact_product_kernel::wgmma) return exact_wgmma_present();
+  if (kernel == exact_product_kernel::wgmma) return warpgroup_kernels_present();
   return kernel == exact_product_kernel::automatic || tensor_cores_present();
 #else
   return kernel == exact_product_kernel::automatic;
@@ -426,10 +418,7 @@ bool exact_product_kernel_available(exact_product_kernel kernel) {
 }
 
 void select_exact_product_kernel(exact_product_kernel kernel) {
-  if (!exact_product_kernel_available(kernel)) {
-    throw input_error("gpu gemm: the exact-model kernel " + std::string(exact_product_kernel_name(kernel)) +
-                      " is not available in this build on this device");
-  }
+  require_kernel_available(exact_product_kernel_available(kernel), "exact-model", exact_product_kernel_name(kernel));
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
   chosen_exact_product_kernel.store(kernel);
 #endif
@@ -465,20 +454,13 @@ bool integer_block_kernel_available(integer_block_kernel kernel) {
     case integer_block_kernel::sliced:
       return tensor_cores_present();
     case integer_block_kernel::sliced_wgmma:
-#if defined(MXSCOPE_GPU_SIMULATE)
-      return true;  // the simulation emulates the warpgroup MMA
-#else
-      return wgmma_present();
-#endif
+      return warpgroup_kernels_present();
   }
   return false;
 }
 
 void select_integer_block_kernel(integer_block_kernel kernel) {
-  if (!integer_block_kernel_available(kernel)) {
-    throw input_error("gpu gemm: the integer-path kernel " + std::string(integer_block_kernel_name(kernel)) +
-                      " is not available in this build on this device");
-  }
+  require_kernel_available(integer_block_kernel_available(kernel), "integer-path", integer_block_kernel_name(kernel));
   chosen_integer_block_kernel.store(kernel);
 }
 

@@ -226,10 +226,7 @@ bool plain_block_kernel_available(plain_block_kernel kernel) {
 }
 
 void select_plain_block_kernel(plain_block_kernel kernel) {
-  if (!plain_block_kernel_available(kernel)) {
-    throw input_error("gpu gemm: the plain-operand kernel " + std::string(plain_block_kernel_name(kernel)) +
-                      " is not available in this build on this device");
-  }
+  require_kernel_available(plain_block_kernel_available(kernel), "plain-operand", plain_block_kernel_name(kernel));
   chosen_plain_block_kernel.store(kernel);
 }
 
