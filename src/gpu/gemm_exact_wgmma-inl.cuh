@@ -25,7 +25,7 @@
 
 constexpr int tew_tile_m = 128;  // rows of A per thread block (64 per warpgroup)
 constexpr int tew_tile_n = 64;   // rows of B (columns) per thread block
-constexpr int tew_threads = 384;
+constexpr int tew_threads = slw_threads;  // run_producer's warpgroups and register split
 constexpr int tew_stage_blocks = 4;
 constexpr int tew_stages = 4;
 

@@ -90,6 +90,12 @@ __global__ void prepare_sliced_tiles_kernel(const std::int32_t* integers, const 
   }
 }
 
+// The register file split between the warpgroups: 56 a thread for the producer, 224 for the two
+// that compute: all that 384 threads of 168 hold (register_split_fits).
+constexpr int slw_producer_register_count = 56;
+constexpr int slw_consumer_register_count = 224;
+static_assert(register_split_fits(slw_threads, slw_producer_register_count, slw_consumer_register_count));
+
 // The warpgroup MMA's fence, commit and wait, the async-proxy fence and the m64n64k32 MMA are
 // gemm_sm90-inl.cuh's (the simulation's forms there too).
 #if defined(MXSCOPE_GPU_SIMULATE)
@@ -111,11 +117,12 @@ inline void slw_registers_written(int (&)[16]) {}
 __device__ inline void slw_barriers_initialized() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-// The register file split between the warpgroups: 64 a thread for the producer, 224 for the two
-// that compute (128 64 + 256 224 = 65536; with 40 for the producer, as in
-// tensor_core_scaled_kernel, its copy loop spills under `exact`).
-__device__ inline void slw_producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory"); }
-__device__ inline void slw_consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory"); }
+__device__ inline void slw_producer_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(slw_producer_register_count) : "memory");
+}
+__device__ inline void slw_consumer_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(slw_consumer_register_count) : "memory");
+}
 // d (+)= A B^T for the 64 x 32 A and 32 x 32 B tiles of the descriptors (s8, s32); Accumulate false:
 // scale-d 0, and d is only written.
 template <bool Accumulate>
@@ -191,7 +198,7 @@ __device__ inline Shared& aligned_stage_memory(unsigned char* raw) {
 }
 
 // The start of both kernels: the barriers set up, then the producer warpgroup (threads 256..383)
-// takes 64 registers and its first thread copies the records of row tile `tile_a` of A and
+// takes 56 registers and its first thread copies the records of row tile `tile_a` of A and
 // `tile_b` of B, `stages` each (true: the caller returns), while the computing warpgroups take
 // 224 (false). A stage's A record is its bytes up to `b`, B's the rest.
 template <class Shared>

@@ -19,6 +19,16 @@
 // filled by cp.async, which writes through the generic proxy, so every thread fences the async
 // proxy (fence.proxy.async) before the barrier that hands a stage to the mma.
 
+// Whether a setmaxnreg split of a thread block of `threads` (one producer warpgroup at `producer`
+// registers a thread, the rest at `consumer`) fits the registers the block is launched with:
+// setmaxnreg.inc takes only registers that the block's own setmaxnreg.dec released, so a split
+// over that total leaves the consumers waiting in setmaxnreg.inc for ever. With a launch bound of
+// `threads` and one block per multiprocessor a thread starts with its share of the 65536
+// registers in steps of 8 (ptxas reports that count for every kernel here that uses setmaxnreg).
+constexpr bool register_split_fits(int threads, int producer, int consumer) {
+  return 128 * producer + (threads - 128) * consumer <= threads * (65536 / threads / 8 * 8);
+}
+
 constexpr int tcw_tile = 128;
 constexpr int tcw_threads = 256;
 constexpr int tcw_stage_blocks = 4;  // 4 x 32 bytes: a 128-byte row
@@ -319,6 +329,7 @@ constexpr int tcs_tile_n = 256;
 constexpr int tcs_threads = 384;
 constexpr int tcs_stages = 4;
 constexpr int tcs_consumer_threads = 256;
+static_assert(register_split_fits(tcs_threads, 40, 232));  // the setmaxnreg counts below
 
 struct alignas(1024) tcs_stage {
   unsigned char a[tcs_tile_m * 128];  // 128 rows x 128 bytes, in prepare_scaled_kernel's or prepare_fp8_kernel's layout
