@@ -314,7 +314,8 @@ void gemm_sliced_tiles(bool small) {
        {cancelling_case{3, gpu::integer_block_kernel::sliced, gpu::exact_product_kernel::automatic},
         cancelling_case{3, gpu::integer_block_kernel::sliced_wgmma, gpu::exact_product_kernel::automatic},
         cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::mma_sync},
-        cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::wgmma}}) {
+        cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::wgmma},
+        cancelling_case{0, gpu::integer_block_kernel::automatic, gpu::exact_product_kernel::automatic}}) {
     // The wgmma kernels: sm_90a builds on sm_90 (and the simulation).
     if (!gpu::integer_block_kernel_available(c.kernel) || !gpu::exact_product_kernel_available(c.exact_kernel)) continue;
     const int format = c.format;
@@ -350,10 +351,15 @@ void gemm_sliced_tiles(bool small) {
         return "the integer path ran " + std::string(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel())) +
                ", not " + std::string(gpu::integer_block_kernel_name(c.kernel));
       }
-      if (format == 0 && gpu::last_exact_product_kernel() != c.exact_kernel) {
+      // automatic: the warpgroup kernel where the fp32-block products take theirs (sm_90a on sm_90).
+      const gpu::exact_product_kernel expected =
+          c.exact_kernel != gpu::exact_product_kernel::automatic ? c.exact_kernel
+          : gpu::selected_tensor_core_kernel() == gpu::tensor_core_kernel::wgmma_fp8 ? gpu::exact_product_kernel::wgmma
+                                                                                    : gpu::exact_product_kernel::mma_sync;
+      if (format == 0 && gpu::last_exact_product_kernel() != expected) {
         return "the tensor-core path ran " +
                std::string(gpu::exact_product_kernel_name(gpu::last_exact_product_kernel())) + ", not " +
-               std::string(gpu::exact_product_kernel_name(c.exact_kernel));
+               std::string(gpu::exact_product_kernel_name(expected));
       }
       int zeros = 0;
       for (std::int64_t i = 0; i < m; ++i) {
