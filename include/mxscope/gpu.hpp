@@ -307,9 +307,9 @@ tensor_core_kernel last_tensor_core_kernel();
 // The kernel behind the tensor-core path's exact products (both give the same bits):
 // - mma_sync: tensor_core_exact_kernel, the block dots from mma.sync m16n8k32 s8 (sm_80 or newer);
 // - wgmma: the same steps on block dots from the asynchronous warpgroup MMA (wgmma m64n64k32 s8) of
-//   an sm_90a build on an sm_90 device; the faster on the H200 (BENCHMARKS.md).
-// automatic: wgmma where it runs (not in the CPU simulation), else mma_sync. Process-wide, as
-// tensor_core_kernel.
+//   an sm_90a build on an sm_90 device.
+// automatic: wgmma where it runs (not in the CPU simulation), else mma_sync (the timings behind the
+// choice: BENCHMARKS.md). Process-wide, as tensor_core_kernel.
 enum class exact_product_kernel : std::uint8_t { automatic, mma_sync, wgmma };
 std::string_view exact_product_kernel_name(exact_product_kernel kernel);
 bool exact_product_kernel_available(exact_product_kernel kernel);
@@ -327,8 +327,7 @@ exact_product_kernel last_exact_product_kernel();
 //   others take simt;
 // - sliced_wgmma: the same slices and steps, the nine products per K-block from the asynchronous
 //   warpgroup MMA (wgmma m64n32k32 s8) of an sm_90a build on an sm_90 device; it takes the same
-//   products as sliced. Not faster than sliced on the H200 (BENCHMARKS.md), so automatic does not
-//   choose it.
+//   products as sliced; automatic does not choose it (the timings behind the choice: BENCHMARKS.md).
 // automatic: sliced where it applies. Process-wide, as tensor_core_kernel.
 enum class integer_block_kernel : std::uint8_t { automatic, simt, sliced, sliced_wgmma };
 std::string_view integer_block_kernel_name(integer_block_kernel kernel);

@@ -158,8 +158,8 @@ void launch_tensor_core_exact(const prepared_operand::storage& a, const prepared
   constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
   const std::int64_t wgmma_tiles = ((m + tew_tile_m - 1) / tew_tile_m) * ((n + tew_tile_n - 1) / tew_tile_n);
   const exact_product_kernel chosen = chosen_exact_product_kernel.load();
-  // automatic: wgmma, the faster on the H200 (BENCHMARKS.md), where an sm_90a build runs on sm_90
-  // (as selected_tensor_core_kernel's choice); mma_sync elsewhere.
+  // automatic: wgmma where an sm_90a build runs on sm_90, as selected_tensor_core_kernel's choice
+  // (the timings behind it: BENCHMARKS.md); mma_sync elsewhere.
   const bool warpgroup = chosen == exact_product_kernel::wgmma ||
                          (chosen == exact_product_kernel::automatic && wgmma_present());
   if (warpgroup && wgmma_tiles * tcb_group <= int_limit && a.blocks <= int_limit) {
