@@ -329,7 +329,9 @@ constexpr int tcs_tile_n = 256;
 constexpr int tcs_threads = 384;
 constexpr int tcs_stages = 4;
 constexpr int tcs_consumer_threads = 256;
-static_assert(register_split_fits(tcs_threads, 40, 232));  // the setmaxnreg counts below
+constexpr int tcs_producer_registers = 40;   // setmaxnreg counts: the loader warpgroup,
+constexpr int tcs_consumer_registers = 232;  // and the two that compute
+static_assert(register_split_fits(tcs_threads, tcs_producer_registers, tcs_consumer_registers));
 
 struct alignas(1024) tcs_stage {
   unsigned char a[tcs_tile_m * 128];  // 128 rows x 128 bytes, in prepare_scaled_kernel's or prepare_fp8_kernel's layout
@@ -440,7 +442,7 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   __syncthreads();
 
   if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(tcs_producer_registers) : "memory");
     if (t == 0) {
       const std::int64_t b_second = static_cast<std::int64_t>(chunks) * scaled_tile_bytes;  // the next 128 rows
       int use = 0;
@@ -473,7 +475,7 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(tcs_consumer_registers) : "memory");
 
   const int consumer = warpgroup - 1;  // rows 64 consumer ..
   const int warp = (t / 32) % 4;
