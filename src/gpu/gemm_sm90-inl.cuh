@@ -57,7 +57,8 @@ __global__ void wgmma_probe_kernel(int* out) {
 #if defined(MXSCOPE_GPU_SIMULATE)
 // The CPU simulation's forms of the primitives below: the MMA emulated from its descriptors
 // (simulation::wgmma_s8), synchronously, so the fences and waits have nothing to order. It runs
-// tensor_core_wgmma_kernel, whose layout the H200 has checked, as well as the newer kernels.
+// tensor_core_wgmma_kernel (which the GPU test also runs on the device, tying the emulated layout
+// to the hardware's) as well as the newer kernels.
 inline std::uint64_t tcw_descriptor(const void* shared) {
   const auto address = static_cast<std::uint64_t>(__cvta_generic_to_shared(shared));
   return ((address & 0x3FFFFULL) >> 4) | (1ULL << 16) | ((1024ULL >> 4) << 32) | (1ULL << 62);

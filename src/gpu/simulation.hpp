@@ -4,9 +4,11 @@
 // blocks run one after another, "device memory" is host memory. The warp-level primitives of the
 // tensor-core path (cp.async, ldmatrix x4, mma.sync m16n8k32 s8, mma.sync m16n8k8 f64) are emulated from their documented
 // per-lane semantics, with a barrier per warp; the warpgroup MMA of s8 operands in shared memory
-// (wgmma.mma_async m64nNk32) from its matrix descriptors, one thread at a time (checked against the
-// hardware by running tensor_core_wgmma_kernel, which passes on the H200); mbarriers and the bulk
-// copies that complete on them, as atomic words.
+// (wgmma.mma_async m64nNk32) from its matrix descriptors, one thread at a time (tied to the
+// hardware's layout because tensor_core_wgmma_kernel, which the GPU test also runs on the device,
+// runs on it here); mbarriers and the bulk copies that complete on them, as atomic words. Registers
+// are not modelled: setmaxnreg does nothing here (register_split_fits checks the splits when
+// compiling).
 //
 // Purpose: tests of the kernels' logic (indexing, barriers, tails, the model steps) on machines
 // without a GPU, with the same bit-exactness checks the GPU test makes. It says nothing about the
