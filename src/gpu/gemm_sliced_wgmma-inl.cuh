@@ -189,8 +189,8 @@ __device__ inline void copy_stage_records(Stage (&stages)[Slots], std::uint64_t 
 }
 
 // The kernels' shared memory (a struct of stages and barriers) at its first 1024-byte boundary:
-// the swizzle is of shared-memory addresses; an offset into the array, not an integer cast, keeps
-// the compiler's knowledge that these are shared-memory addresses.
+// the swizzle is of shared-memory addresses. The result is formed as an offset into `raw`, so the
+// compiler still knows it addresses shared memory.
 template <class Shared>
 __device__ inline Shared& aligned_stage_memory(unsigned char* raw) {
   const auto raw_address = static_cast<unsigned>(__cvta_generic_to_shared(raw));

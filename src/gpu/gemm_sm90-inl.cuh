@@ -21,8 +21,8 @@
 
 // Whether a setmaxnreg split of a thread block of `threads` (one producer warpgroup at `producer`
 // registers a thread, the rest at `consumer`) fits the registers the block is launched with:
-// setmaxnreg.inc takes only registers that the block's own setmaxnreg.dec released, so a split
-// over that total leaves the consumers waiting in setmaxnreg.inc for ever. With a launch bound of
+// setmaxnreg.inc takes only registers that the block's own setmaxnreg.dec released and blocks
+// until it has them, so a split over that total never proceeds. With a launch bound of
 // `threads` and one block per multiprocessor a thread starts with its share of the 65536
 // registers in steps of 8, the count ptxas gives a kernel that uses setmaxnreg.
 constexpr bool register_split_fits(int threads, int producer, int consumer) {
