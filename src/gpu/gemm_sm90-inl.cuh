@@ -24,7 +24,7 @@
 // setmaxnreg.inc takes only registers that the block's own setmaxnreg.dec released and blocks
 // until it has them, so a split over that total never proceeds. With a launch bound of
 // `threads` and one block per multiprocessor a thread starts with its share of the 65536
-// registers in steps of 8, the count ptxas gives a kernel that uses setmaxnreg.
+// registers in steps of 8, the count a kernel that uses setmaxnreg is compiled to.
 constexpr bool register_split_fits(int threads, int producer, int consumer) {
   return 128 * producer + (threads - 128) * consumer <= threads * (65536 / threads / 8 * 8);
 }
