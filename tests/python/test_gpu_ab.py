@@ -85,7 +85,7 @@ class GpuAbTest(unittest.TestCase):
             cases = [
                 ([f"a={a}"], "at least two variants"),
                 ([f"a={a}", f"a={a}"], "given twice"),
-                ([f"a={a}", "b"], "expected NAME=BINARY"),
+                ([f"a={a}", "b"], "expected NAME=PATH"),
                 ([f"a={a}", f"b={d}/missing"], "not an executable file"),
                 (["--rounds", "0", f"a={a}", f"b={a}"], "--rounds must be at least 1"),
             ]

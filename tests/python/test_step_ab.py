@@ -1,0 +1,89 @@
+"""tools/bench/step-ab with the real CLI on the CPU (MXSCOPE_CLI, one step of the sample
+ablation): the run order, the stage table read from run.json, the byte comparison of the outputs
+(a wrapper that alters steps.csv must be caught), failed runs and argument errors."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "bench" / "step-ab"
+CLI = os.environ.get("MXSCOPE_CLI", str(ROOT / "build" / "mxscope"))
+DUMP = ROOT / "data" / "sample"
+ANALYSIS = ROOT / "analyses" / "wgrad-ablation.toml"
+
+
+def wrapper(directory, name, after="", order=None):
+    """An executable that logs its name, runs the CLI with its arguments, then runs `after` (bash,
+    with $out the --out directory) and exits with the CLI's code unless `after` exits first."""
+    path = pathlib.Path(directory) / name
+    path.write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo {name} >> {order or directory}/order.txt\n"
+        "out=; prev=; for a in \"$@\"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n"
+        f"\"{CLI}\" \"$@\"; rc=$?\n{after}\nexit $rc\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def run_tool(*arguments, log_dir):
+    return subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--steps", "1", "--log-dir", log_dir,
+                           str(DUMP), str(ANALYSIS), *arguments], capture_output=True, text=True)
+
+
+@unittest.skipUnless(os.access(CLI, os.X_OK), f"no mxscope CLI at {CLI} (set MXSCOPE_CLI)")
+class StepAbTest(unittest.TestCase):
+    def test_alternating_runs_and_the_stage_table(self):
+        with tempfile.TemporaryDirectory() as d:
+            bundle = pathlib.Path(d, "bundle")
+            bundle.mkdir()
+            wrapper(str(bundle), "run", order=d)  # a bundle directory: its `run` is started
+            plain = wrapper(d, "plain")
+            result = run_tool("--rounds", "2", f"main={bundle}", f"new={plain}", log_dir=f"{d}/logs")
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            self.assertEqual(pathlib.Path(d, "order.txt").read_text().split(), ["run", "plain", "run", "plain"])
+            self.assertIn("PASS every run wrote the same steps.csv, accumulation.csv, summary.json", result.stdout)
+            lines = result.stdout.splitlines()
+            runs = [json.loads(pathlib.Path(d, "logs", f"{tag}.run.json").read_text()) for tag in ("new-1", "new-2")]
+            totals = sorted(run["seconds"]["total"] for run in runs)
+            at = lines.index("total")
+            self.assertTrue(lines[at + 1].startswith("  main "))
+            self.assertIn(f"({totals[0]:.4f} .. {totals[1]:.4f}, 2 samples)", lines[at + 2])
+            for strategy, stages in runs[0]["stage_seconds_per_strategy"].items():
+                self.assertIn(strategy, lines)
+                self.assertIn(f"{strategy} gemm_product", lines)
+            self.assertIn("wall", lines)
+
+    def test_other_bytes_and_failed_runs_are_reported(self):
+        with tempfile.TemporaryDirectory() as d:
+            plain = wrapper(d, "plain")
+            altered = wrapper(d, "altered", "echo extra >> \"$out/steps.csv\"")
+            crash = wrapper(d, "crash", "exit 3")
+            result = run_tool("--rounds", "1", f"main={plain}", f"altered={altered}", f"crash={crash}",
+                              log_dir=f"{d}/logs")
+            self.assertEqual(result.returncode, 1)
+            self.assertIn("FAIL altered round 1: steps.csv differs from main round 1", result.stdout)
+            self.assertNotIn("accumulation.csv differs", result.stdout)
+            self.assertIn("FAIL crash round 1: exit code 3", result.stdout)
+            self.assertNotIn("PASS every run", result.stdout)
+
+    def test_bad_arguments_exit_2(self):
+        with tempfile.TemporaryDirectory() as d:
+            plain = wrapper(d, "plain")
+            for arguments, message in [([f"a={plain}"], "at least two variants"),
+                                       ([f"a={plain}", f"b={d}/none"], "is not an executable file")]:
+                result = run_tool(*arguments, log_dir=f"{d}/logs")
+                self.assertEqual(result.returncode, 2)
+                self.assertIn(message, result.stderr)
+            result = subprocess.run([sys.executable, str(TOOL), f"{d}/no-dump", str(ANALYSIS), f"a={plain}", f"b={plain}"],
+                                    capture_output=True, text=True)
+            self.assertEqual(result.returncode, 2)
+            self.assertIn("is not a directory", result.stderr)
+            self.assertFalse(os.path.exists(f"{d}/order.txt"))
+
+
+if __name__ == "__main__":
+    unittest.main()

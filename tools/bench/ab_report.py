@@ -1,0 +1,49 @@
+"""The report table of tools/bench/gpu-ab and tools/bench/step-ab: per label, each variant's
+median, range and number of samples, and the ratio of its median to the first variant's."""
+import os
+import statistics
+
+
+def median_table(names, samples, unit, digits, label_filter=""):
+    """Lines of the table. names: the variants in order, the first the baseline; samples:
+    {name: {label: [value, ...]}}; labels in the order they first appear."""
+    labels = []
+    for name in names:
+        for label in samples[name]:
+            if label not in labels and label_filter in label:
+                labels.append(label)
+    base = names[0]
+    lines = []
+    for label in labels:
+        lines.append(label)
+        base_values = samples[base].get(label)
+        base_median = statistics.median(base_values) if base_values else None
+        for name in names:
+            values = samples[name].get(label)
+            if not values:
+                lines.append(f"  {name:<16} (no figure)")
+                continue
+            median = statistics.median(values)
+            ratio = f"{median / base_median:.3f}x {base}" if base_median else "-"
+            lines.append(f"  {name:<16} {median:10.{digits}f} {unit}  ({min(values):.{digits}f} .. {max(values):.{digits}f}, "
+                         f"{len(values)} samples)  {ratio}")
+    return lines
+
+
+def variants_of(specs, program_of=lambda path: path):
+    """[(name, program)] from NAME=PATH arguments (at least two, names distinct); program_of maps a
+    PATH to the executable to run. Raises ValueError naming the bad argument."""
+    variants = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"variant {spec!r}: expected NAME=PATH")
+        if any(name == known for known, _ in variants):
+            raise ValueError(f"variant {spec!r}: the name {name!r} is given twice")
+        program = program_of(path)
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise ValueError(f"variant {name}: {program} is not an executable file")
+        variants.append((name, program))
+    if len(variants) < 2:
+        raise ValueError("give at least two variants (NAME=PATH), the first being the baseline")
+    return variants
