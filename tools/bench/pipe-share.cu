@@ -19,14 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    const cudaError_t status_ = (call);                                                   \
-    if (status_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(status_));               \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "cuda_check.cuh"
 
 constexpr int imma_chains = 4;
 constexpr int dfma_chains = 8;
