@@ -42,10 +42,11 @@ class StepAbTest(unittest.TestCase):
             bundle.mkdir()
             wrapper(str(bundle), "run", order=d)  # a bundle directory: its `run` is started
             plain = wrapper(d, "plain")
-            result = run_tool("--rounds", "2", f"main={bundle}", f"new={plain}", log_dir=f"{d}/logs")
+            result = run_tool("--rounds", "2", "--cold", f"main={bundle}", f"new={plain}", log_dir=f"{d}/logs")
             self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
             self.assertEqual(pathlib.Path(d, "order.txt").read_text().split(), ["run", "plain", "run", "plain"])
             self.assertIn("PASS every run wrote the same steps.csv, accumulation.csv, summary.json", result.stdout)
+            self.assertIn("(cpu, cold)", result.stdout)
             lines = result.stdout.splitlines()
             runs = [json.loads(pathlib.Path(d, "logs", f"{tag}.run.json").read_text()) for tag in ("new-1", "new-2")]
             totals = sorted(run["seconds"]["total"] for run in runs)
