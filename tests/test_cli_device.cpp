@@ -3,7 +3,9 @@
 // with the GPU backend) the GPU's output file is byte-identical to the CPU's for every MX format,
 // rounding mode and rotation tried; elsewhere --device gpu exits 2 naming the flag. The same for
 // `gemm --device gpu` (output file and JSON report) and `replay --device gpu` on data/sample (the
-// three result files); without a GPU both exit 2 and write nothing.
+// three result files); without a GPU both exit 2 and write nothing. `replay --kernel-times` needs
+// --device gpu; on a GPU it leaves the result files as they are and writes a timeline that agrees
+// with its summary in run.json.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -13,6 +15,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "cli_runner.hpp"
 #include "mxscope/cli/cli.hpp"
@@ -184,6 +188,53 @@ TEST_F(CliDevice, ReplayOnGpuMatchesCpuOrIsRefusedWithoutGpu) {
   for (const char* name : {"steps.csv", "accumulation.csv", "summary.json"}) {
     EXPECT_EQ(file_bytes(directory_ / "cpu" / name), file_bytes(directory_ / "gpu" / name)) << name;
   }
+}
+
+TEST_F(CliDevice, KernelTimesNeedTheGpuAndLeaveTheResultsAlone) {
+  const std::string dump = std::string(MXSCOPE_SOURCE_DIR) + "/data/sample";
+  const std::string analysis = std::string(MXSCOPE_SOURCE_DIR) + "/analyses/wgrad-ablation.toml";
+  const auto arguments = [&](const std::string& device, const fs::path& out, bool kernel_times) {
+    std::vector<std::string> list{"replay", dump,          "--analysis", analysis, "--steps", "400-401",
+                                  "--out",  out.string(), "--device",   device};
+    if (kernel_times) list.push_back("--kernel-times");
+    return list;
+  };
+  const cli_result on_cpu = run_cli(arguments("cpu", directory_ / "cpu", true));
+  EXPECT_EQ(on_cpu.code, 2) << on_cpu.err;
+  EXPECT_NE(on_cpu.err.find("--kernel-times"), std::string::npos) << on_cpu.err;
+  EXPECT_NE(on_cpu.err.find("--device gpu"), std::string::npos) << on_cpu.err;
+  EXPECT_FALSE(fs::exists(directory_ / "cpu"));
+  if (!gpu_usable()) {
+    const cli_result result = run_cli(arguments("gpu", directory_ / "gpu", true));
+    EXPECT_EQ(result.code, 2) << result.err;
+    EXPECT_FALSE(fs::exists(directory_ / "gpu"));
+    return;
+  }
+  const cli_result plain = run_cli(arguments("gpu", directory_ / "plain", false));
+  const cli_result timed = run_cli(arguments("gpu", directory_ / "timed", true));
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(timed.code, 0) << timed.err;
+  for (const char* name : {"steps.csv", "accumulation.csv", "summary.json"}) {
+    EXPECT_EQ(file_bytes(directory_ / "plain" / name), file_bytes(directory_ / "timed" / name)) << name;
+  }
+  EXPECT_FALSE(fs::exists(directory_ / "plain" / "kernel_times.csv"));
+  std::istringstream csv(file_bytes(directory_ / "timed" / "kernel_times.csv"));
+  std::string line;
+  std::getline(csv, line);
+  EXPECT_EQ(line, "index,stream,label,name,bytes,start_ms,stop_ms");
+  std::int64_t rows = 0;
+  bool reference_labelled = false;
+  while (std::getline(csv, line)) {
+    ++rows;
+    reference_labelled = reference_labelled || line.find(",reference,") != std::string::npos;
+  }
+  const auto run = nlohmann::json::parse(file_bytes(directory_ / "timed" / "run.json"));
+  const auto& timeline = run.at("device_timeline");
+  EXPECT_EQ(timeline.at("operations").get<std::int64_t>(), rows);
+  EXPECT_GT(rows, 0);
+  EXPECT_TRUE(reference_labelled);
+  EXPECT_LE(timeline.at("busy_seconds").get<double>(), timeline.at("span_seconds").get<double>());
+  EXPECT_GE(timeline.at("operation_seconds").get<double>(), timeline.at("busy_seconds").get<double>() - 1e-9);
 }
 
 }  // namespace

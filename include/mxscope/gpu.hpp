@@ -37,6 +37,7 @@
 #include "mxscope/quantize.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/tensor.hpp"
+#include "mxscope/timeline.hpp"
 
 namespace mxscope::gpu {
 
@@ -168,6 +169,17 @@ class device_timer {
   void* start_ = nullptr;
   void* stop_ = nullptr;
 };
+
+// The device timeline (include/mxscope/timeline.hpp; `replay --kernel-times`). While it is on,
+// every kernel this process launches, and on CUDA every copy and memset it queues, is recorded
+// between two events on its own stream, with the label the queuing thread set. start_timeline()
+// starts a fresh one; finish_timeline() waits for the device, ends it and returns the operations in
+// the order they were queued (an operation still being queued when it ends is left out), kernels
+// named by their demangled names. set_timeline_label sets the calling thread's label and returns
+// the one before.
+void start_timeline();
+std::vector<timeline::operation> finish_timeline();
+std::string set_timeline_label(std::string label);
 
 // ------------------------------------------------------------------------------------------------
 // Plans: the resolved parameters of a rotation and of an MX quantizer.

@@ -11,7 +11,8 @@
 // --resume keeps the finished units and the final files are assembled from the fragments in a
 // fixed order (steps.csv rows by layer, step, gemm, strategy), so a resumed or distributed run
 // ends with the same bytes as an uninterrupted single-process one. Wall times, thread count,
-// ranks and device go to RUN/run.json, the one file that is expected to differ between runs.
+// ranks and device go to RUN/run.json, the one file that is expected to differ between runs (and
+// with kernel_times, RUN/kernel_times.csv).
 //
 // Several processes (docs/scaling.md): with a process_group of N ranks, the units still to do are
 // split into N contiguous runs of nearly equal estimated cost (assign_units); each rank replays
@@ -38,6 +39,10 @@ struct replay_options {
   std::optional<std::string> layers;  // ECMAScript regex, matched against the whole layer name
   std::optional<std::string> steps;   // "3,5-9,12"
   bool attribute = false;             // in addition to the analysis's own `attribute`
+  // --device gpu, one process: every kernel, copy and memset of this process's work timed by device
+  // events (include/mxscope/timeline.hpp), written to RUN/kernel_times.csv with a summary in
+  // run.json's "device_timeline". The other outputs do not change.
+  bool kernel_times = false;
   std::string device = "cpu";
   bool progress = false;              // progress line on the log stream, rewritten in place (a terminal)
   // > 0: a progress line on the log stream at most this often, and one at the end (logs that are

@@ -17,6 +17,7 @@
 #include "mxscope/quantize.hpp"
 #include "mxscope/reference.hpp"
 #include "mxscope/tensor.hpp"
+#include "mxscope/timeline.hpp"
 
 namespace mxscope::backend {
 
@@ -97,6 +98,24 @@ unit_step_norms step(device_unit_state& state, const device_reference_state& ref
                      const device_matrix& exact, const optimizer_settings& settings);
 // The reference state as reference_step would hold it (for a unit that runs on the host).
 void download(const device_reference_state& state, reference_accumulators& out);
+
+// ---- the device timeline (`replay --kernel-times`; gpu.hpp, include/mxscope/timeline.hpp)
+
+void start_timeline();
+// The operations since start_timeline, kernels under their short names (timeline::short_kernel_name).
+std::vector<timeline::operation> finish_timeline();
+// Labels what the calling thread queues on the GPU while it lives (the label before is restored);
+// nothing in a build without a GPU backend.
+class timeline_label {
+ public:
+  explicit timeline_label(std::string label);
+  ~timeline_label();
+  timeline_label(const timeline_label&) = delete;
+  timeline_label& operator=(const timeline_label&) = delete;
+
+ private:
+  std::string previous_;
+};
 
 // ---- quantization on the GPU (`mxscope quantize --device gpu`, the GPU self-test)
 

@@ -23,6 +23,15 @@ device_matrix_ptr upload_beside(const matrix& values) {
 void download(const device_matrix& values, matrix& out) { out = values.download32(); }
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }
 
+void start_timeline() { gpu::start_timeline(); }
+std::vector<timeline::operation> finish_timeline() {
+  std::vector<timeline::operation> operations = gpu::finish_timeline();
+  for (timeline::operation& operation : operations) operation.name = timeline::short_kernel_name(operation.name);
+  return operations;
+}
+timeline_label::timeline_label(std::string label) : previous_(gpu::set_timeline_label(std::move(label))) {}
+timeline_label::~timeline_label() { gpu::set_timeline_label(std::move(previous_)); }
+
 comparison compare(const device_matrix& estimate, const device_matrix& reference, const device_matrix& reference_fp32) {
   return gpu::compare(estimate, reference, reference_fp32);
 }

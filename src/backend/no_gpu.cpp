@@ -59,6 +59,11 @@ unit_step_norms step(device_unit_state&, const device_reference_state&, const de
 }
 void download(const device_reference_state&, reference_accumulators&) { unreachable("download"); }
 
+void start_timeline() { unreachable("start_timeline"); }
+std::vector<timeline::operation> finish_timeline() { unreachable("finish_timeline"); }
+timeline_label::timeline_label(std::string) {}
+timeline_label::~timeline_label() = default;
+
 bool quantizes_alone(const quantize_options&) { return false; }
 quantized_tensor rotate_and_quantize(matrix&, int, const rotation_options&, const quantize_options&) {
   unreachable("rotate_and_quantize");

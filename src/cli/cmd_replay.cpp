@@ -1,5 +1,5 @@
 // mxscope replay DUMP --analysis A.toml --out RUN [--device cpu|gpu] [--threads N] [--resume]
-//                [--layers RE] [--steps LIST] [--attribute]
+//                [--layers RE] [--steps LIST] [--attribute] [--kernel-times]
 // Started by an MPI launcher (mpirun -np N mxscope replay ..., srun), the ranks share the work
 // (docs/scaling.md); rank 0 alone prints the outcome.
 #include <unistd.h>
@@ -45,6 +45,9 @@ void add_replay_command(CLI::App& app, command_list& commands) {
   CLI::Option* steps_option = command->add_option("--steps", *steps, "Only these steps, e.g. 3,5-9,12");
   command->add_flag("--attribute", options->attribute,
                     "Also attribute the error to flushed, clipped and rounded elements of each operand");
+  command->add_flag("--kernel-times", options->kernel_times,
+                    "With --device gpu: time every kernel, copy and memset with device events; write "
+                    "kernel_times.csv and run.json's device_timeline");
   commands.push_back({command, [=](std::ostream& out_stream, std::ostream& err) {
                         replay_options chosen = *options;
                         chosen.dump = *dump;

@@ -6,7 +6,9 @@
 // rather than the <<< >>> syntax, which only the GPU compilers understand.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -31,6 +33,26 @@ namespace mxscope::gpu::runtime {
 // both; see gpu.hpp).
 inline thread_local void* current_stream = nullptr;
 inline thread_local bool stream_ordered = false;
+
+// The device timeline (gpu::start_timeline, timeline.cu): while it is on, each launch and each
+// queued copy and memset is bracketed by a timed_operation, which records an event on the current
+// stream before the operation is queued and one after. Off, a scope costs one relaxed load.
+inline std::atomic<bool> timeline_on{false};
+int timeline_begin(const void* kernel, const char* what, std::int64_t bytes);  // -1: not recorded
+void timeline_end(int index);
+class timed_operation {
+ public:
+  timed_operation(const void* kernel, const char* what, std::int64_t bytes)
+      : index_(timeline_on.load(std::memory_order_relaxed) ? timeline_begin(kernel, what, bytes) : -1) {}
+  ~timed_operation() {
+    if (index_ >= 0) timeline_end(index_);
+  }
+  timed_operation(const timed_operation&) = delete;
+  timed_operation& operator=(const timed_operation&) = delete;
+
+ private:
+  int index_;
+};
 
 #if defined(MXSCOPE_GPU_SIMULATE)
 using error_t = simulation::error_t;
@@ -123,24 +145,31 @@ inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
 }
 inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream); }
 // A blocking copy on the current stream: ordered after the work queued there, complete on return.
-inline error_t blocking_copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
-  if (current_stream == nullptr) return cudaMemcpy(to, from, bytes, kind);
-  const error_t queued = cudaMemcpyAsync(to, from, bytes, kind, stream());
+// (On the timeline its stop event is queued before the wait, so it marks the copy's end.)
+inline error_t blocking_copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind, const char* what) {
+  error_t queued = cudaSuccess;
+  {
+    const timed_operation timed(nullptr, what, static_cast<std::int64_t>(bytes));
+    if (current_stream == nullptr) return cudaMemcpy(to, from, bytes, kind);
+    queued = cudaMemcpyAsync(to, from, bytes, kind, stream());
+  }
   return queued != cudaSuccess ? queued : cudaStreamSynchronize(stream());
 }
 inline error_t copy_to_device(void* to, const void* from, std::size_t bytes) {
-  return blocking_copy(to, from, bytes, cudaMemcpyHostToDevice);
+  return blocking_copy(to, from, bytes, cudaMemcpyHostToDevice, "copy host to device");
 }
 inline error_t copy_to_host(void* to, const void* from, std::size_t bytes) {
-  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToHost);
+  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToHost, "copy device to host");
 }
 inline error_t copy_on_device(void* to, const void* from, std::size_t bytes) {
-  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToDevice);
+  return blocking_copy(to, from, bytes, cudaMemcpyDeviceToDevice, "copy on device");
 }
 inline error_t copy_on_device_async(void* to, const void* from, std::size_t bytes) {
+  const timed_operation timed(nullptr, "copy on device", static_cast<std::int64_t>(bytes));
   return cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream());
 }
 inline error_t memset(void* pointer, int value, std::size_t bytes) {
+  const timed_operation timed(nullptr, "memset", static_cast<std::int64_t>(bytes));
   return cudaMemsetAsync(pointer, value, bytes, stream());
 }
 // Stream-ordered allocation on the current stream (no implicit device synchronization).
@@ -200,8 +229,10 @@ void launch(void (*kernel)(Parameters...), dim3 grid, dim3 block, std::size_t sh
   static_assert(sizeof...(Parameters) == sizeof...(Arguments), "kernel argument count");
   std::tuple<std::decay_t<Parameters>...> values(std::forward<Arguments>(arguments)...);
 #if defined(MXSCOPE_GPU_SIMULATE)
+  const timed_operation timed(reinterpret_cast<const void*>(kernel), nullptr, 0);
   simulation::run(grid, block, shared_bytes, [&] { std::apply(kernel, values); });
 #else
+  const timed_operation timed(reinterpret_cast<const void*>(kernel), nullptr, 0);
   std::apply(
       [&](auto&... value) {
         void* pointers[] = {static_cast<void*>(&value)...};

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "mxscope/io/dump.hpp"
 #include "mxscope/parallel.hpp"
 #include "mxscope/replay.hpp"
+#include "mxscope/timeline.hpp"
 
 namespace mxscope::replay_internal {
 
@@ -147,10 +149,16 @@ json run_record(const std::string& device_option, const std::string& gpu_name, c
                 int threads, const replay_outcome& outcome, const run_seconds& seconds, const merged_fragments& merged,
                 const analysis& parsed, const std::vector<json>& per_rank);
 
-// The four final files, all or none: when one cannot be written (a full disk), those already
-// renamed are removed again and .partial stays, so --resume assembles them once there is room.
-// Then .partial goes (its run key first: without it the directory is a finished run).
+// run.json's "device_timeline" (replay --kernel-times): the totals of timeline::summary, each
+// label's operations, busy and span seconds, and the `top` names with the most seconds.
+json timeline_record(const timeline::summary& summary, std::size_t top = 30);
+
+// The four final files, and kernel_times.csv when given, all or none: when one cannot be written (a
+// full disk), those already renamed are removed again and .partial stays, so --resume assembles them
+// once there is room. Then .partial goes (its run key first: without it the directory is a finished
+// run).
 void commit_final_files(const fs::path& out, const fs::path& partial, io::atomic_file& steps_file,
-                        io::atomic_file& accumulation_file, const json& summary, const json& run);
+                        io::atomic_file& accumulation_file, const json& summary, const json& run,
+                        const std::optional<std::string>& kernel_times_csv = std::nullopt);
 
 }  // namespace mxscope::replay_internal

@@ -83,6 +83,7 @@ class replay_run {
   std::vector<layer_plan> plan_;
   std::optional<unit_catalog> units_;
   bool attribute_ = false;
+  bool timeline_started_ = false;  // --kernel-times, from the first step's upload on
 
   fs::path partial_;
   fs::path stop_file_;
@@ -123,6 +124,13 @@ replay_run::replay_run(const replay_options& options, std::ostream& log)
 void replay_run::start() {
   together(world_, [&] {
     device_ = parse_compute_device(options_.device);
+    if (options_.kernel_times && device_ != compute_device::gpu) {
+      throw input_error("--kernel-times: the device timeline needs --device gpu");
+    }
+    if (options_.kernel_times && ranks_ > 1) {
+      throw input_error("--kernel-times: the device timeline is for one process (this run has " +
+                        std::to_string(ranks_) + " ranks)");
+    }
     // Under MPI each rank takes the GPU of its node-local rank, modulo the GPUs it sees. The
     // index is checked here; the GPU's context (a few hundred ms) is made on a background thread
     // while the analysis is parsed and the first step read (ready_gpu joins it).
@@ -352,6 +360,7 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
       if (!on_gpu || !next.entry.all_finite()) return next;
       try {
         select_gpu(device, index);
+        const backend::timeline_label label("upload beside");
         next.x = backend::upload_beside(next.entry.x);
         next.dy = backend::upload_beside(next.entry.dy);
         if (next.entry.w) next.w = backend::upload_beside(*next.entry.w);
@@ -372,6 +381,14 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     auto mark = clock_type::now();
     if (seconds_setup_ < 0.0) seconds_setup_ = seconds_since(started_);
     read_ahead ahead = next_entry.valid() ? next_entry.get() : read_ahead{dump.read(*info, read_options), {}, {}, {}};
+    if (on_gpu && options_.kernel_times && !timeline_started_) {
+      // Before the next step's upload starts beside this one; the wait for the GPU is not reading.
+      const auto starting = clock_type::now();
+      ready_gpu();
+      backend::start_timeline();
+      timeline_started_ = true;
+      mark += clock_type::now() - starting;
+    }
     io::dump_entry entry = std::move(ahead.entry);
     read_in_background(e + 1);
     if (!entry.all_finite()) {
@@ -385,6 +402,7 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     if (on_gpu) {
       mark = clock_type::now();
       ready_gpu();
+      const backend::timeline_label label("upload");
       const device_matrix_ptr uploaded[] = {ahead.x, ahead.dy, ahead.w};
       const matrix* const hosts[] = {operands.x, operands.dy, operands.w};
       for (int i = 0; i < 3; ++i) {
@@ -516,6 +534,8 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
     ready_gpu();
     gpu_name = device_name(device_);
   }
+  std::vector<timeline::operation> operations;
+  if (timeline_started_) operations = backend::finish_timeline();
   const run_seconds seconds{seconds_since(started_),
                             seconds_read_,
                             std::max(seconds_setup_, 0.0),
@@ -524,9 +544,13 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
                             seconds_hashing_wait_,
                             step_seconds_.reference,
                             step_seconds_.strategies};
-  const json run =
-      run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
-  commit_final_files(options_.out, partial_, steps_file, accumulation_file, summary, run);
+  json run = run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
+  std::optional<std::string> kernel_times;
+  if (options_.kernel_times) {
+    run["device_timeline"] = timeline_record(timeline::summarize(operations));
+    kernel_times = timeline::to_csv(operations);
+  }
+  commit_final_files(options_.out, partial_, steps_file, accumulation_file, summary, run, kernel_times);
   outcome_.complete = true;
 }
 

@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 
+#include "../backend/backend.hpp"
 #include "mxscope/core/growth.hpp"
 #include "mxscope/core/nvfp4.hpp"
 #include "mxscope/cross_step.hpp"
@@ -247,6 +249,7 @@ void replay_gemm_step(gemm_state& state, const std::vector<std::string>& unit_te
   const gemm_layout layout = layout_of(state.kind);
   doing = fmt::format("the reference of ({}, {}) at step {}", layer_name, gemm_kind_name(state.kind), entry.info.step);
   auto mark = clock_type::now();
+  std::optional<backend::timeline_label> label(std::in_place, "reference");
   reference_result reference = reference_of(state.kind, entry, in.parsed.reference, in.device, in.compute, in.placed);
   located<matrix64> g(std::move(reference.fp64), std::move(reference.device_fp64));
   located<matrix> g32(std::move(reference.fp32), std::move(reference.device_fp32));
@@ -272,6 +275,7 @@ void replay_gemm_step(gemm_state& state, const std::vector<std::string>& unit_te
     const auto unit_started = clock_type::now();
     doing = fmt::format("unit {} at step {}", unit_texts[u], entry.info.step);
     const strategy& chosen = *unit.chosen;
+    label.emplace(unit.strategy_name + ": gemm");
     // The same quantized operands under the exact model separate quantization from accumulation.
     gemm_result result = run_gemm(state.kind, in.operands, chosen, context, in.compute);
     in.placed.count(result);
@@ -284,9 +288,11 @@ void replay_gemm_step(gemm_state& state, const std::vector<std::string>& unit_te
     unit.stage_seconds[4] += result.product_seconds;
     unit.stage_seconds[5] += result.exact_product_seconds;
     auto stage_mark = clock_type::now();
+    label.emplace(unit.strategy_name + ": compare");
     const comparison metrics = compare_located(in.device, estimate, g, g32, in.placed);
     unit.stage_seconds[1] += seconds_since(stage_mark);
     stage_mark = clock_type::now();
+    label.emplace(unit.strategy_name + ": metrics");
     // One pass over the output for every norm of this step and the cross-step state.
     const unit_step_norms norms =
         cross_step_unit(state, unit, estimate, exact_result, g, in.parsed.optimizer, in.placed, in.log);

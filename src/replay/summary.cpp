@@ -2,6 +2,7 @@
 // provenance, run.json, and the final files committed together (src/replay/internal.hpp).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string_view>
 #include <system_error>
@@ -143,8 +144,34 @@ json run_record(const std::string& device_option, const std::string& gpu_name, c
   return run;
 }
 
+json timeline_record(const timeline::summary& summary, std::size_t top) {
+  json record;
+  record["operations"] = summary.operations;
+  record["span_seconds"] = summary.span_seconds;
+  record["busy_seconds"] = summary.busy_seconds;
+  record["idle_seconds"] = summary.idle_seconds;
+  record["operation_seconds"] = summary.operation_seconds;
+  json labels = json::array();
+  for (const timeline::label_total& label : summary.labels) {
+    labels.push_back({{"label", label.label},
+                      {"operations", label.operations},
+                      {"busy_seconds", label.busy_seconds},
+                      {"span_seconds", label.span_seconds}});
+  }
+  record["labels"] = labels;
+  json names = json::array();
+  for (std::size_t i = 0; i < std::min(top, summary.names.size()); ++i) {
+    const timeline::name_total& name = summary.names[i];
+    names.push_back({{"name", name.name}, {"calls", name.calls}, {"seconds", name.seconds}});
+  }
+  record["names"] = names;
+  record["names_left_out"] = summary.names.size() - std::min(top, summary.names.size());
+  return record;
+}
+
 void commit_final_files(const fs::path& out, const fs::path& partial, io::atomic_file& steps_file,
-                        io::atomic_file& accumulation_file, const json& summary, const json& run) {
+                        io::atomic_file& accumulation_file, const json& summary, const json& run,
+                        const std::optional<std::string>& kernel_times_csv) {
   std::error_code ignored;
   std::vector<fs::path> written;
   try {
@@ -154,6 +181,10 @@ void commit_final_files(const fs::path& out, const fs::path& partial, io::atomic
     written.push_back(out / "accumulation.csv");
     io::write_file_atomically(out / "summary.json", summary.dump(2) + "\n");
     written.push_back(out / "summary.json");
+    if (kernel_times_csv) {
+      io::write_file_atomically(out / "kernel_times.csv", *kernel_times_csv);
+      written.push_back(out / "kernel_times.csv");
+    }
     io::write_file_atomically(out / "run.json", run.dump(2) + "\n");
   } catch (const std::exception& error) {
     for (const fs::path& path : written) fs::remove(path, ignored);

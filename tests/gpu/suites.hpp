@@ -35,5 +35,7 @@ void plain_checks(bool small);
 // metrics.cpp
 void compare_checks(bool small);
 void cross_step_checks(bool small);
+// timeline.cpp
+void timeline_checks(bool small);
 
 }  // namespace gpu_test

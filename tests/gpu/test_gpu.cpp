@@ -106,6 +106,7 @@ int main(int argc, char** argv) {
   timed("plain products", [&] { plain_checks(small); });
   timed("compare", [&] { compare_checks(small); });
   timed("cross-step", [&] { cross_step_checks(small); });
+  timed("timeline", [&] { timeline_checks(small); });
 
   std::printf("%d passed, %d failed\n", results.passed, results.failed);
   return results.failed == 0 ? 0 : 1;
