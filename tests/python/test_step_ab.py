@@ -71,6 +71,23 @@ class StepAbTest(unittest.TestCase):
             self.assertIn("FAIL crash round 1: exit code 3", result.stdout)
             self.assertNotIn("PASS every run", result.stdout)
 
+    def test_another_commit_is_not_another_output(self):
+        """Builds of two commits differ in summary.json's provenance.git_hash alone; anything else in
+        summary.json that differs is reported."""
+        with tempfile.TemporaryDirectory() as d:
+            plain = wrapper(d, "plain", f'cp "$out/summary.json" {d}/plain-summary.json')
+            other_commit = wrapper(d, "commit", "sed -i 's/\"git_hash\": \"[^\"]*\"/\"git_hash\": \"0123456789ab\"/' "
+                                               f'"$out/summary.json"; cp "$out/summary.json" {d}/commit-summary.json')
+            other_version = wrapper(d, "version", "sed -i 's/\"version\": \"/\"version\": \"9/' \"$out/summary.json\"")
+            result = run_tool("--rounds", "1", f"main={plain}", f"commit={other_commit}", log_dir=f"{d}/logs")
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            changed = pathlib.Path(d, "commit-summary.json").read_text()
+            self.assertIn('"git_hash": "0123456789ab"', changed)
+            self.assertNotEqual(changed, pathlib.Path(d, "plain-summary.json").read_text())
+            result = run_tool("--rounds", "1", f"main={plain}", f"version={other_version}", log_dir=f"{d}/logs2")
+            self.assertEqual(result.returncode, 1)
+            self.assertIn("FAIL version round 1: summary.json differs from main round 1", result.stdout)
+
     def test_bad_arguments_exit_2(self):
         with tempfile.TemporaryDirectory() as d:
             plain = wrapper(d, "plain")
