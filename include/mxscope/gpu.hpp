@@ -175,10 +175,12 @@ class device_timer {
 // between two events on its own stream, with the label the queuing thread set. start_timeline()
 // starts a fresh one; finish_timeline() waits for the device, ends it and returns the operations in
 // the order they were queued (an operation still being queued when it ends is left out), kernels
-// named by their demangled names. set_timeline_label sets the calling thread's label and returns
-// the one before.
-void start_timeline();
-std::vector<timeline::operation> finish_timeline();
+// named by their demangled names. A timeline records at most `capacity` operations (two live
+// events each until it ends; the default covers a few hundred Llama-shaped steps of the study's
+// strategies); the ones after are counted in *not_recorded. set_timeline_label sets the calling
+// thread's label and returns the one before.
+void start_timeline(std::size_t capacity = 100000);
+std::vector<timeline::operation> finish_timeline(std::int64_t* not_recorded = nullptr);
 std::string set_timeline_label(std::string label);
 
 // ------------------------------------------------------------------------------------------------

@@ -102,8 +102,9 @@ void download(const device_reference_state& state, reference_accumulators& out);
 // ---- the device timeline (`replay --kernel-times`; gpu.hpp, include/mxscope/timeline.hpp)
 
 void start_timeline();
-// The operations since start_timeline, kernels under their short names (timeline::short_kernel_name).
-std::vector<timeline::operation> finish_timeline();
+// The operations since start_timeline, kernels under their short names (timeline::short_kernel_name);
+// *not_recorded: those past the timeline's capacity (gpu.hpp).
+std::vector<timeline::operation> finish_timeline(std::int64_t* not_recorded);
 // Labels what the calling thread queues on the GPU while it lives (the label before is restored);
 // nothing in a build without a GPU backend.
 class timeline_label {

@@ -24,8 +24,8 @@ void download(const device_matrix& values, matrix& out) { out = values.download3
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }
 
 void start_timeline() { gpu::start_timeline(); }
-std::vector<timeline::operation> finish_timeline() {
-  std::vector<timeline::operation> operations = gpu::finish_timeline();
+std::vector<timeline::operation> finish_timeline(std::int64_t* not_recorded) {
+  std::vector<timeline::operation> operations = gpu::finish_timeline(not_recorded);
   for (timeline::operation& operation : operations) operation.name = timeline::short_kernel_name(operation.name);
   return operations;
 }

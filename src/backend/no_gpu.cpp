@@ -60,7 +60,7 @@ unit_step_norms step(device_unit_state&, const device_reference_state&, const de
 void download(const device_reference_state&, reference_accumulators&) { unreachable("download"); }
 
 void start_timeline() { unreachable("start_timeline"); }
-std::vector<timeline::operation> finish_timeline() { unreachable("finish_timeline"); }
+std::vector<timeline::operation> finish_timeline(std::int64_t*) { unreachable("finish_timeline"); }
 timeline_label::timeline_label(std::string) {}
 timeline_label::~timeline_label() = default;
 

@@ -26,9 +26,11 @@ struct recorded {
 
 struct recorder {
   std::mutex mutex;
+  std::size_t capacity = 0;
   runtime::event_t origin{};
   bool has_origin = false;
   std::vector<recorded> operations;
+  std::int64_t not_recorded = 0;
 };
 
 recorder& the_recorder() {
@@ -72,6 +74,14 @@ std::string kernel_name(const void* kernel) {
 namespace runtime {
 
 int timeline_begin(const void* kernel, const char* what, std::int64_t bytes) {
+  recorder& r = the_recorder();
+  {
+    const std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.operations.size() >= r.capacity) {
+      ++r.not_recorded;
+      return -1;
+    }
+  }
   recorded operation;
   operation.kernel = kernel;
   operation.what = what;
@@ -81,7 +91,6 @@ int timeline_begin(const void* kernel, const char* what, std::int64_t bytes) {
   MXSCOPE_GPU_CHECK(event_create(&operation.start));
   MXSCOPE_GPU_CHECK(event_create(&operation.stop));
   MXSCOPE_GPU_CHECK(event_record(operation.start));
-  recorder& r = the_recorder();
   const std::lock_guard<std::mutex> lock(r.mutex);
   if (!timeline_on.load(std::memory_order_relaxed)) {
     destroy(operation);
@@ -101,11 +110,13 @@ void timeline_end(int index) {
 
 }  // namespace runtime
 
-void start_timeline() {
+void start_timeline(std::size_t capacity) {
   recorder& r = the_recorder();
   const std::lock_guard<std::mutex> lock(r.mutex);
+  r.capacity = capacity;
   for (recorded& operation : r.operations) destroy(operation);
   r.operations.clear();
+  r.not_recorded = 0;
   if (!r.has_origin) {
     MXSCOPE_GPU_CHECK(runtime::event_create(&r.origin));
     r.has_origin = true;
@@ -114,13 +125,14 @@ void start_timeline() {
   runtime::timeline_on.store(true);
 }
 
-std::vector<timeline::operation> finish_timeline() {
+std::vector<timeline::operation> finish_timeline(std::int64_t* not_recorded) {
   recorder& r = the_recorder();
   std::vector<recorded> taken;
   {
     const std::lock_guard<std::mutex> lock(r.mutex);
     runtime::timeline_on.store(false);
     taken.swap(r.operations);
+    if (not_recorded != nullptr) *not_recorded = r.not_recorded;
   }
   synchronize();
   std::vector<timeline::operation> out;

@@ -535,7 +535,8 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
     gpu_name = device_name(device_);
   }
   std::vector<timeline::operation> operations;
-  if (timeline_started_) operations = backend::finish_timeline();
+  std::int64_t not_recorded = 0;
+  if (timeline_started_) operations = backend::finish_timeline(&not_recorded);
   const run_seconds seconds{seconds_since(started_),
                             seconds_read_,
                             std::max(seconds_setup_, 0.0),
@@ -548,6 +549,7 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
   std::optional<std::string> kernel_times;
   if (options_.kernel_times) {
     run["device_timeline"] = timeline_record(timeline::summarize(operations));
+    run["device_timeline"]["operations_not_recorded"] = not_recorded;
     kernel_times = timeline::to_csv(operations);
   }
   commit_final_files(options_.out, partial_, steps_file, accumulation_file, summary, run, kernel_times);

@@ -79,6 +79,24 @@ void timeline_checks(bool small) {
     return "";
   });
 
+  run_case("timeline records up to its capacity and counts the rest", [&]() -> std::string {
+    gpu::start_timeline();
+    (void)gpu::quantize(values, options);
+    (void)gpu::quantize(values, options);
+    const std::size_t all = gpu::finish_timeline().size();
+    if (all < 2) return "two calls recorded " + std::to_string(all) + " operations";
+    gpu::start_timeline(all - 1);
+    (void)gpu::quantize(values, options);
+    (void)gpu::quantize(values, options);
+    std::int64_t not_recorded = -1;
+    const auto capped = gpu::finish_timeline(&not_recorded);
+    if (capped.size() != all - 1 || not_recorded != 1) {
+      return std::to_string(capped.size()) + " recorded and " + std::to_string(not_recorded) + " counted of " +
+             std::to_string(all) + " with room for " + std::to_string(all - 1);
+    }
+    return "";
+  });
+
   run_case("timeline records nothing after it ends", [&]() -> std::string {
     gpu::start_timeline();
     (void)gpu::quantize(values, options);
