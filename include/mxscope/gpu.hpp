@@ -350,6 +350,9 @@ void select_integer_block_kernel(integer_block_kernel kernel);
 // The kernel that ran the most recent fp32-block or exact product of the integer path (automatic
 // before the first).
 integer_block_kernel last_integer_block_kernel();
+// Whether that product was an `exact` one that sliced took as one dot over the whole of K: every
+// row of both operands with one block exponent (per-tensor scaling) and K <= 65536 (docs/gpu.md).
+bool last_integer_product_whole_k();
 
 // The kernel behind fp32-block products of unscaled operands with blocks of 32 (the bf16 and fp32
 // baselines; plain_product_on_device), both on the fp64 tensor cores where a chunk's dot is exact

@@ -103,6 +103,9 @@ void launch_generic(const prepared_operand::storage& a, const prepared_operand::
   }
 }
 
+// Whether the most recent integer-path product on a sliced kernel took its whole-K dot.
+std::atomic<bool> last_run_sliced_whole_k{false};
+
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 std::atomic<exact_product_kernel> chosen_exact_product_kernel{exact_product_kernel::automatic};
 std::atomic<exact_product_kernel> last_run_exact_product_kernel{exact_product_kernel::automatic};
@@ -253,7 +256,8 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
 // The operands in sliced_block_kernel's form, and that kernel's launch: false where a block
 // exponent does not fit (nothing was launched after the preparation).
 bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
-                      output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total) {
+                      output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total,
+                      bool* whole_k) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
   const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
@@ -266,7 +270,7 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   scratch_buffer a_slices(slice_bytes(padded_m)), b_slices(slice_bytes(padded_n));
   scratch_buffer a_scales(static_cast<std::size_t>(a.blocks * padded_m) * sizeof(double));
   scratch_buffer b_scales(static_cast<std::size_t>(a.blocks * padded_n) * sizeof(double));
-  scratch_buffer unfit(sizeof(unsigned));
+  scratch_buffer unfit(2 * sizeof(unsigned));  // slice_row_block's flags: unfit, not one exponent a row
   unfit.fill_bytes(0);
   const auto prepare = [&](const prepared_operand::storage& x, std::int64_t padded, int shift,
                            const scratch_buffer& slices, const scratch_buffer& scales) {
@@ -276,9 +280,10 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   };
   prepare(a, padded_m, -fraction_total, a_slices, a_scales);
   prepare(b, padded_n, 0, b_slices, b_scales);
-  unsigned unfit_host = 0;
-  unfit.download(&unfit_host, sizeof(unfit_host));
-  if (unfit_host != 0) return false;
+  unsigned unfit_host[2] = {0, 0};
+  unfit.download(unfit_host, sizeof(unfit_host));
+  if (unfit_host[0] != 0) return false;
+  *whole_k = exact && unfit_host[1] == 0 && a.depth <= slc_whole_depth_limit;
   const auto run = [&](auto kernel) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
     MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -289,7 +294,9 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
                     b_scales.as<const double>(), m, n, padded_m, padded_n, a.blocks, tiles_m, tiles_n, output, out,
                     exact_out, flags);
   };
-  if (exact) {
+  if (*whole_k) {
+    run(sliced_block_kernel<true, true>);
+  } else if (exact) {
     run(sliced_block_kernel<true>);
   } else {
     run(sliced_block_kernel<false>);
@@ -307,7 +314,7 @@ bool run_sliced_wgmma(const prepared_operand::storage& a, const prepared_operand
   const std::int64_t stages = (a.blocks + slw_stage_blocks - 1) / slw_stage_blocks;
   scratch_buffer a_records(static_cast<std::size_t>(tiles_m * stages * slw_record_bytes(slw_tile_m)));
   scratch_buffer b_records(static_cast<std::size_t>(tiles_n * stages * slw_record_bytes(slw_tile_n)));
-  scratch_buffer unfit(sizeof(unsigned));
+  scratch_buffer unfit(2 * sizeof(unsigned));  // slice_row_block's two flags; this kernel reads the first
   unfit.fill_bytes(0);
   const auto prepare = [&](const prepared_operand::storage& x, std::int64_t tiles, int tile_rows, int shift,
                            const scratch_buffer& records) {
@@ -358,10 +365,12 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
     flagged->fill_bytes(0);
   }
   std::uint8_t* const flags = exact ? flagged->as<std::uint8_t>() : nullptr;
+  bool whole_k = false;
   const bool ran = warpgroup ? run_sliced_wgmma(a, b, exact, output, out, exact_out, flags, fraction_total)
-                             : run_sliced_block(a, b, exact, output, out, exact_out, flags, fraction_total);
+                             : run_sliced_block(a, b, exact, output, out, exact_out, flags, fraction_total, &whole_k);
   if (!ran) return false;
-  if (exact) {
+  last_run_sliced_whole_k.store(whole_k);
+  if (exact && !whole_k) {
     // The entries whose running sum rounded, by the per-entry definition (block dots <= 53 bits:
     // gemm_path_covers, so the double chain is exact).
     runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, flag_scan_grid(m * n), threads_per_block, 0,
@@ -391,6 +400,7 @@ void launch_integer_sliced_or_simt(const prepared_operand::storage& a, const pre
   }
 #endif
   last_run_integer_block_kernel.store(integer_block_kernel::simt);
+  last_run_sliced_whole_k.store(false);
   if (block_dot_bits(a.element, b.element, a.block) <= 31) {
     launch_integer<std::int32_t>(a, b, model, output, out, exact_out, fraction_total);
   } else {
@@ -469,6 +479,7 @@ void select_integer_block_kernel(integer_block_kernel kernel) {
 }
 
 integer_block_kernel last_integer_block_kernel() { return last_run_integer_block_kernel.load(); }
+bool last_integer_product_whole_k() { return last_run_sliced_whole_k.load(); }
 
 void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
                        const accumulation_model& model, output_rounding output, float* out, double* exact_out,

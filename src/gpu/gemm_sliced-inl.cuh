@@ -24,6 +24,14 @@
 // kernel's exact mode does, a sum being exact where its round-down and round-up agree
 // (add_product_rounds), and leaves the entries where an addition rounded to its fix-up kernel.
 //
+// Whole K: under `exact`, where every row of both operands has one block exponent along K (per-tensor
+// scaling: the per-tensor fp8 strategies' products) and K <= slc_whole_depth_limit, the scale 2^k
+// of an entry is the same in every K-block, so its exact sum is 2^k (S0 + 2^7 S1 + ... + 2^28 S4)
+// with each level S_l summed over all of K. The mma chain those sums in int32 across the K-blocks
+// (sliced_block_kernel<true, true>): |S_l| <= K 2 127^2 < 2^31 for K <= 2^16, and |sum_l 2^7l S_l|
+// <= K max|Qa| max|Qb| < 2^16 2^36 = 2^52, so one fp64 Horner pass after the last K-block
+// (sliced_levels_dot) is exact, and so is its scaling. No per-block step, no fix-up.
+//
 // Conditions (launch_sliced, on the host and in prepare_sliced_kernel): fp32-block or exact, blocks
 // of 32, both formats' integers below 2^18 (fp8 e4m3, fp6, fp4, int8), no NaN block and every block
 // exponent within [-400, 400] (the scales and every D 2^k normal, finite doubles; E8M0 exponents
@@ -47,6 +55,7 @@ constexpr int slc_threads = 256;
 constexpr int slc_row_block_bytes = slc_slices * 32;  // one row's K-block in the prepared form
 constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 18;
 constexpr int slc_exponent_limit = 400;
+constexpr std::int64_t slc_whole_depth_limit = std::int64_t{1} << 16;
 
 struct alignas(16) slc_stage {
   std::uint8_t a[slc_slices][slc_tile_m * 32];
@@ -61,15 +70,17 @@ static_assert(sizeof(slc_stage) % 16 == 0 && 2 * (slc_tile_m + slc_tile_n) == sl
 // One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (eight
 // words a slice, four k a word, lowest byte first; the caller zeroes them) and its scale
 // 2^(e + shift), returned; a row past the end (r >= rows) keeps zero slices and has scale 1. A
-// block exponent that is NaN's marker or outside +-slc_exponent_limit sets *unfit.
+// block exponent that is NaN's marker or outside +-slc_exponent_limit sets flags[0] (unfit); one
+// that differs from the row's first K-block's sets flags[1] (no whole-K dot).
 __device__ inline double slice_row_block(const std::int32_t* integers, const std::int32_t* exponents,
                                          std::int64_t rows, std::int64_t depth, int shift, std::int64_t r,
-                                         std::int64_t b, unsigned* unfit, std::uint32_t (&words)[slc_slices][8]) {
+                                         std::int64_t b, unsigned* flags, std::uint32_t (&words)[slc_slices][8]) {
   double scale = 1.0;
   if (r < rows) {
     const std::int32_t e = exponents[b * rows + r];
+    if (b > 0 && e != exponents[r]) atomicMax(flags + 1, 1U);
     if (e == nan_block_exponent || e < -slc_exponent_limit || e > slc_exponent_limit) {
-      atomicMax(unfit, 1U);
+      atomicMax(flags, 1U);
     } else {
       scale = core_ns::pow2(e + shift);
     }
@@ -90,15 +101,15 @@ __device__ inline double slice_row_block(const std::int32_t* integers, const std
 
 // The prepared form of an integer-path operand for sliced_block_kernel: slices [padded rows]
 // [blocks][3][32] (int8) and scales [blocks][padded rows] = 2^(e + shift) (double), as
-// slice_row_block gives them.
+// slice_row_block gives them, with its two flags.
 __global__ void prepare_sliced_kernel(const std::int32_t* integers, const std::int32_t* exponents, std::int64_t rows,
                                       std::int64_t padded_rows, std::int64_t depth, std::int64_t blocks, int shift,
-                                      std::uint8_t* slices, double* scales, unsigned* unfit) {
+                                      std::uint8_t* slices, double* scales, unsigned* flags) {
   MXSCOPE_GRID_LOOP(index, padded_rows * blocks) {
     const std::int64_t r = index / blocks;
     const std::int64_t b = index % blocks;
     std::uint32_t words[slc_slices][8] = {};
-    const double scale = slice_row_block(integers, exponents, rows, depth, shift, r, b, unfit, words);
+    const double scale = slice_row_block(integers, exponents, rows, depth, shift, r, b, flags, words);
     auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
 #pragma unroll
     for (int s = 0; s < slc_slices; ++s) {
@@ -129,6 +140,15 @@ __device__ inline void mma_s8_add(int (&d)[4], const std::uint32_t (&a)[4], cons
 __device__ inline double sliced_dot(int low, int high) {
   return (biased_double(low) - biased_double_offset) +
          fma_exact(biased_double(high), 16384.0, -biased_double_offset * 16384.0);
+}
+
+// sum_l 2^7l S_l from the five levels summed over the whole of K, by Horner's rule in fp64: every
+// partial result is an integer below 2^52 (see "Whole K" above), so none rounds.
+__device__ inline double sliced_levels_dot(const int (&levels)[5]) {
+  double dot = static_cast<double>(levels[4]);
+#pragma unroll
+  for (int l = 3; l >= 0; --l) dot = fma_exact(dot, 128.0, static_cast<double>(levels[l]));
+  return dot;
 }
 
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
@@ -182,13 +202,14 @@ struct slc_loader {
   }
 };
 
-// One body (about 130 lines): the copy pipeline, the nine mma of each tile and K-block and the
+// One body (about 160 lines): the copy pipeline, the nine mma of each tile and K-block and the
 // per-entry step share the stage indices and the accumulators held in registers.
 // Exact: the `exact` model instead, as the integer kernel's exact mode: a running fp64 sum of the
 // scaled block dots per entry, every addition checked (add_product_rounds); an entry whose sum rounded is
 // marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
-// one rounding to fp32).
-template <bool Exact>
+// one rounding to fp32). WholeK (with Exact): the levels summed over all of K instead, and one
+// exact step per entry at the end ("Whole K" above); nothing is flagged.
+template <bool Exact, bool WholeK = false>
 __global__ void __launch_bounds__(slc_threads, 2)
     sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
@@ -224,6 +245,18 @@ __global__ void __launch_bounds__(slc_threads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
   [[maybe_unused]] std::uint64_t rounded = 0;  // Exact: bit (mi col_tiles + ni) 4 + e
+  static_assert(!WholeK || Exact);
+  [[maybe_unused]] int whole_levels[row_tiles][col_tiles][5][4];  // WholeK: each level over all of K
+  if constexpr (WholeK) {
+#pragma unroll
+    for (int mi = 0; mi < row_tiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < col_tiles; ++ni)
+#pragma unroll
+        for (int l = 0; l < 5; ++l)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) whole_levels[mi][ni][l][e] = 0;
+  }
 
   slc_loader loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
   unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(slc_shared);
@@ -256,21 +289,39 @@ __global__ void __launch_bounds__(slc_threads, 2)
         b_fragments[s][2 * p + 1][1] = r[3];
       }
     }
-    double col_scales[col_tiles][2];
+    [[maybe_unused]] double col_scales[col_tiles][2];
+    if constexpr (!WholeK) {
 #pragma unroll
-    for (int ni = 0; ni < col_tiles; ++ni) {
-      col_scales[ni][0] = stage.b_scales[col_base + ni * 8];
-      col_scales[ni][1] = stage.b_scales[col_base + ni * 8 + 1];
+      for (int ni = 0; ni < col_tiles; ++ni) {
+        col_scales[ni][0] = stage.b_scales[col_base + ni * 8];
+        col_scales[ni][1] = stage.b_scales[col_base + ni * 8 + 1];
+      }
     }
 #pragma unroll
     for (int mi = 0; mi < row_tiles; ++mi) {
       std::uint32_t a_fragments[slc_slices][4];
 #pragma unroll
       for (int s = 0; s < slc_slices; ++s) load_matrix_x4(a_fragments[s], stage.a[s] + a_matrix_offset + 512 * mi);
+      const auto& bf = b_fragments;
+      if constexpr (WholeK) {
+#pragma unroll
+        for (int ni = 0; ni < col_tiles; ++ni) {
+          auto& level = whole_levels[mi][ni];
+          mma_s8_add(level[0], a_fragments[0], bf[0][ni]);
+          mma_s8_add(level[1], a_fragments[0], bf[1][ni]);
+          mma_s8_add(level[1], a_fragments[1], bf[0][ni]);
+          mma_s8_add(level[2], a_fragments[0], bf[2][ni]);
+          mma_s8_add(level[2], a_fragments[1], bf[1][ni]);
+          mma_s8_add(level[2], a_fragments[2], bf[0][ni]);
+          mma_s8_add(level[3], a_fragments[1], bf[2][ni]);
+          mma_s8_add(level[3], a_fragments[2], bf[1][ni]);
+          mma_s8_add(level[4], a_fragments[2], bf[2][ni]);
+        }
+        continue;
+      }
       const double row_scales[2] = {stage.a_scales[row_base + mi * 16], stage.a_scales[row_base + mi * 16 + 8]};
 #pragma unroll
       for (int ni = 0; ni < col_tiles; ++ni) {
-        const auto& bf = b_fragments;
         int level[5][4];
         mma_s8(level[0], a_fragments[0], bf[0][ni]);
         mma_s8(level[1], a_fragments[0], bf[1][ni]);
@@ -308,7 +359,14 @@ __global__ void __launch_bounds__(slc_threads, 2)
         const std::int64_t i = origin.i0 + row_base + mi * 16 + (e / 2) * 8;
         const std::int64_t j = origin.j0 + col_base + ni * 8 + e % 2;
         if (i >= m || j >= n) continue;
-        if constexpr (Exact) {
+        if constexpr (WholeK) {
+          const int levels[5] = {whole_levels[mi][ni][0][e], whole_levels[mi][ni][1][e], whole_levels[mi][ni][2][e],
+                                 whole_levels[mi][ni][3][e], whole_levels[mi][ni][4][e]};
+          // Every K-block's scale is the first one's (prepare_sliced_kernel's flags[1]).
+          const double sum = sliced_levels_dot(levels) * (a_scales[i] * b_scales[j]) + 0.0;
+          out[i * n + j] = finish_output(static_cast<float>(sum), output);
+          if (exact_out != nullptr) exact_out[i * n + j] = sum;
+        } else if constexpr (Exact) {
           if ((rounded >> ((mi * col_tiles + ni) * 4 + e) & 1U) != 0) {
             flagged[i * n + j] = 1;
           } else {

@@ -367,47 +367,114 @@ double bench_mxfp4_gemm() {
 // product: the integer path's kernels (simt, sliced, and sliced_wgmma where available), each sliced
 // one equal to simt in every entry and to the host definition in sampled ones, and their times
 // over the MXFP4 product's (`mxfp4_ms`) and sliced_wgmma's over sliced's.
-void bench_mxfp8_gemm(double mxfp4_ms) {
-  const std::int64_t n_out = 4096, n_in = 14336, k = 8192;
-  // Gaussian values with a scale per row of 2^-4 .. 2^4, quantized by the host definition (rne,
-  // floor): block dots as quantized training operands make them, ties in the fp32 steps included.
-  const auto make_operand = [&](std::int64_t operand_rows, std::uint64_t seed) {
-    mxscope::matrix values(operand_rows, k);
-    std::mt19937_64 random(seed);
-    std::normal_distribution<float> normal;
-    for (std::int64_t r = 0; r < operand_rows; ++r) {
-      const float row_scale = std::ldexp(1.0f, static_cast<int>(random() % 9) - 4);
-      for (std::int64_t c = 0; c < k; ++c) values.values[static_cast<std::size_t>(r * k + c)] = normal(random) * row_scale;
+constexpr std::int64_t e4m3_n_out = 4096, e4m3_n_in = 14336, e4m3_k = 8192;
+
+// Gaussian values with a scale per row of 2^-4 .. 2^4, quantized by the host definition (rne,
+// floor): block dots as quantized training operands make them, ties in the fp32 steps included.
+mxscope::quantized_tensor gaussian_e4m3_operand(std::int64_t rows, std::uint64_t seed) {
+  mxscope::matrix values(rows, e4m3_k);
+  std::mt19937_64 random(seed);
+  std::normal_distribution<float> normal;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float row_scale = std::ldexp(1.0f, static_cast<int>(random() % 9) - 4);
+    for (std::int64_t c = 0; c < e4m3_k; ++c) {
+      values.values[static_cast<std::size_t>(r * e4m3_k + c)] = normal(random) * row_scale;
     }
-    mxscope::quantize_options options;
-    options.format = {mxscope::quant_scheme::mx, core::element_kind::fp8_e4m3, 32};
-    options.block = 32;
-    options.axis = 1;
-    return host_reference::quantize_mx(values, options);
-  };
-  const mxscope::quantized_tensor a = make_operand(n_out, 0x0F1E2D3C4B5A6978ULL);
-  const mxscope::quantized_tensor b = make_operand(n_in, 0x1F2E3D4C5B6A7988ULL);
+  }
+  mxscope::quantize_options options;
+  options.format = {mxscope::quant_scheme::mx, core::element_kind::fp8_e4m3, 32};
+  options.block = 32;
+  options.axis = 1;
+  return host_reference::quantize_mx(values, options);
+}
+
+// An integer-path operand of `q` (e4m3 along rows, blocks of 32), its device copies kept in `buffers`.
+gpu::prepared_operand prepared_e4m3(const mxscope::quantized_tensor& q, std::vector<gpu::device_buffer>& buffers) {
+  buffers.emplace_back(q.codes.size());
+  buffers.back().upload(q.codes.data(), q.codes.size());
+  buffers.emplace_back(q.scales.size());
+  buffers.back().upload(q.scales.data(), q.scales.size());
+  gpu::mx_operand_view view;
+  view.codes = buffers[buffers.size() - 2].as<const std::uint8_t>();
+  view.scales = buffers.back().as<const std::uint8_t>();
+  view.element = core::element_kind::fp8_e4m3;
+  view.block = 32;
+  view.axis = 1;
+  view.rows = q.rows;
+  view.cols = q.cols;
+  return gpu::prepare_operand(view, gpu::gemm_path::integer);
+}
+
+// The same operands with every block's scale set to its row's first (one scale per row along K, as
+// per-tensor scaling gives): the `exact` product on sliced, which takes its whole-K dot there,
+// against simt's whole-K dot in every entry and its time over the per-block exact product's
+// (`per_block_ms`, sliced on the MX operands) and the MXFP4 product's.
+void bench_e4m3_whole_k(const mxscope::quantized_tensor& a_mx, const mxscope::quantized_tensor& b_mx, double mxfp4_ms,
+                        double per_block_ms) {
+  mxscope::quantized_tensor a = a_mx, b = b_mx;
+  for (mxscope::quantized_tensor* q : {&a, &b}) {
+    const std::int64_t blocks = e4m3_k / 32;
+    for (std::int64_t r = 0; r < q->rows; ++r) {
+      for (std::int64_t blk = 1; blk < blocks; ++blk) {
+        q->scales[static_cast<std::size_t>(r * blocks + blk)] = q->scales[static_cast<std::size_t>(r * blocks)];
+      }
+    }
+  }
   std::vector<gpu::device_buffer> buffers;
-  const auto view_of = [&](const mxscope::quantized_tensor& q) {
-    buffers.emplace_back(q.codes.size());
-    buffers.back().upload(q.codes.data(), q.codes.size());
-    buffers.emplace_back(q.scales.size());
-    buffers.back().upload(q.scales.data(), q.scales.size());
-    gpu::mx_operand_view view;
-    view.codes = buffers[buffers.size() - 2].as<const std::uint8_t>();
-    view.scales = buffers.back().as<const std::uint8_t>();
-    view.element = core::element_kind::fp8_e4m3;
-    view.block = 32;
-    view.axis = 1;
-    view.rows = q.rows;
-    view.cols = q.cols;
-    return view;
-  };
   buffers.reserve(4);
-  const gpu::prepared_operand left = gpu::prepare_operand(view_of(a), gpu::gemm_path::integer);
-  const gpu::prepared_operand right = gpu::prepare_operand(view_of(b), gpu::gemm_path::integer);
+  const gpu::prepared_operand left = prepared_e4m3(a, buffers);
+  const gpu::prepared_operand right = prepared_e4m3(b, buffers);
+  mxscope::accumulation_model model;
+  model.kind = mxscope::accumulation_kind::exact;
+  const std::size_t entries = static_cast<std::size_t>(e4m3_n_out * e4m3_n_in);
+  gpu::device_buffer out(entries * 4), exact_out(entries * 8);
+  std::vector<float> results[2];
+  std::vector<double> exact_results[2];
+  double ms[2] = {};
+  const gpu::integer_block_kernel kernels[2] = {gpu::integer_block_kernel::simt, gpu::integer_block_kernel::sliced};
+  for (int v = 0; v < 2; ++v) {
+    if (!gpu::integer_block_kernel_available(kernels[v])) return;
+    gpu::select_integer_block_kernel(kernels[v]);
+    out.fill_bytes(0xFF);
+    exact_out.fill_bytes(0xFF);
+    ms[v] = median_ms(v == 0 ? 0 : 2, v == 0 ? 1 : 7, [&] {
+      gpu::multiply_prepared(left, right, model, mxscope::output_rounding::fp32, out.as<float>(),
+                             exact_out.as<double>(), gpu::gemm_path::integer);
+    });
+    results[v].resize(entries);
+    exact_results[v].resize(entries);
+    out.download(results[v].data(), out.bytes());
+    exact_out.download(exact_results[v].data(), exact_out.bytes());
+  }
+  const bool whole = gpu::last_integer_product_whole_k();
+  gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+  const double flops = 2.0 * static_cast<double>(e4m3_n_out) * static_cast<double>(e4m3_n_in) * e4m3_k;
+  std::printf("gemm e4m3 exact, one scale per row along K, integer sliced%s: %.3f ms, %.1f TFLOP/s, %.2fx the "
+              "per-block exact product (%.3f ms), %.2fx the MXFP4 tensor-core product; simt %.3f ms\n",
+              whole ? " (whole K)" : " (per block: no whole-K dot)", ms[1], flops / (ms[1] * 1e-3) / 1e12,
+              per_block_ms > 0.0 ? ms[1] / per_block_ms : 0.0, per_block_ms, mxfp4_ms > 0.0 ? ms[1] / mxfp4_ms : 0.0,
+              ms[0]);
+  std::int64_t mismatches = 0;
+  for (std::size_t i = 0; i < entries; ++i) {
+    mismatches += std::memcmp(&results[0][i], &results[1][i], 4) != 0 ? 1 : 0;
+    mismatches += std::memcmp(&exact_results[0][i], &exact_results[1][i], 8) != 0 ? 1 : 0;
+  }
+  verdict(whole, "bench gemm e4m3 exact, one scale per row: sliced took the whole-K dot", "");
+  verdict(mismatches == 0, "bench gemm e4m3 exact, one scale per row: sliced == simt in all entries",
+          mismatches == 0 ? "" : std::to_string(mismatches) + " entries differ");
+}
+
+void bench_mxfp8_gemm(double mxfp4_ms) {
+  const std::int64_t n_out = e4m3_n_out, n_in = e4m3_n_in, k = e4m3_k;
+  const mxscope::quantized_tensor a = gaussian_e4m3_operand(n_out, 0x0F1E2D3C4B5A6978ULL);
+  const mxscope::quantized_tensor b = gaussian_e4m3_operand(n_in, 0x1F2E3D4C5B6A7988ULL);
+  std::vector<gpu::device_buffer> buffers;
+  buffers.reserve(4);
+  const gpu::prepared_operand left = prepared_e4m3(a, buffers);
+  const gpu::prepared_operand right = prepared_e4m3(b, buffers);
   const double flops = 2.0 * static_cast<double>(n_out) * static_cast<double>(n_in) * static_cast<double>(k);
   const host_reference::operand_reader left_reader(a), right_reader(b);
+  double per_block_exact_ms = 0.0;
   gpu::device_buffer out(static_cast<std::size_t>(n_out * n_in) * 4);
   gpu::device_buffer exact_out(static_cast<std::size_t>(n_out * n_in) * 8);
   for (const mxscope::accumulation_kind kind : {mxscope::accumulation_kind::fp32_block, mxscope::accumulation_kind::exact}) {
@@ -478,7 +545,9 @@ void bench_mxfp8_gemm(double mxfp4_ms) {
     }
     verdict(bad == 0, std::string("bench gemm mxfp8 ") + model_name + ": 64 sampled entries == host definition",
             bad == 0 ? "" : std::to_string(bad) + " differ");
+    if (exact) per_block_exact_ms = times[1];
   }
+  bench_e4m3_whole_k(a, b, mxfp4_ms, per_block_exact_ms);
 }
 
 // ---- Unscaled bf16-valued operands at the same shape: the exact reference and the fp32-block

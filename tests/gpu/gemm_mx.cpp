@@ -201,14 +201,21 @@ void gemm_integer_tiles(bool small) {
     }
   }
   // Block scales constant along K in every row, different between rows (per-tensor scaling is the
-  // case of one scale): `exact` takes the whole-K dot (integer_mode::whole); then the same with one
-  // block's scale changed, which sends the product back to the per-block kernel. Both against the
-  // host definition.
+  // case of one scale): `exact` takes the whole-K dot (sliced_block_kernel<true, true> where the
+  // sliced kernel runs, else integer_mode::whole); then the same with one block's scale changed,
+  // which sends the product back to the per-block step. Banded values over 4 K-blocks, and extreme
+  // ones (the largest and smallest e4m3 magnitudes) over more K-blocks than the pipeline's stages.
+  // Every entry against the host definition.
+  struct constant_case {
+    value_kind kind;
+    std::int64_t k;
+  };
+  for (const constant_case& c : {constant_case{value_kind::banded, 100}, constant_case{value_kind::extreme, 32 * 9 + 7}}) {
   for (const bool one_differs : {false, true}) {
     for (const auto& layout : gemm_layouts) {
       const std::uint64_t seed = next_seed();
-      const std::int64_t m = 70, n = 133, k = 100 + (one_differs ? 28 : 0);
-      auto [qa, qb] = make_operands(m, n, k, 3, 3, 32, layout, value_kind::banded, seed);
+      const std::int64_t m = 70, n = 133, k = c.k + (one_differs ? 28 : 0);
+      auto [qa, qb] = make_operands(m, n, k, 3, 3, 32, layout, c.kind, seed);
       for (auto* q : {&qa, &qb}) {
         const bool along_rows = q->options.axis == 1;
         const std::int64_t lines = along_rows ? q->rows : q->cols;
@@ -223,13 +230,20 @@ void gemm_integer_tiles(bool small) {
       if (one_differs) qb.scales[qb.scales.size() / 2] = static_cast<std::uint8_t>(qb.scales[qb.scales.size() / 2] + 1);
       const auto model = model_of(mxscope::accumulation_kind::exact);
       const std::string name = std::string("gemm integer tiles e4m3 exact, scales constant along K") +
-                               (one_differs ? " but one " : " ") + layout.name;
-      run_case(name, [&] {
+                               (one_differs ? " but one " : " ") + layout.name + " K" + std::to_string(k) + " " +
+                               std::string(test_inputs::value_kind_name(c.kind));
+      run_case(name, [&]() -> std::string {
         const gemm_output got = gpu_product(qa, qb, model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+        const bool sliced = gpu::last_integer_block_kernel() == gpu::integer_block_kernel::sliced;
+        if (gpu::last_integer_product_whole_k() != (sliced && !one_differs)) {
+          return std::string("the whole-K dot ") + (gpu::last_integer_product_whole_k() ? "ran" : "did not run") +
+                 " on " + std::string(gpu::integer_block_kernel_name(gpu::last_integer_block_kernel()));
+        }
         return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
                                      name + ", seed " + hex64(seed));
       });
     }
+  }
   }
 }
 
