@@ -315,6 +315,14 @@ TEST(Replay, BytesDoNotDependOnThreadsOrInterruption) {
     EXPECT_EQ(reference, read_text(root / "resumed" / file));
   }
   EXPECT_FALSE(fs::exists(root / "resumed" / ".partial"));
+  // A fresh run read its first step ahead (run.json times that read on its own); the resumed one,
+  // which could start anywhere, did not.
+  const auto seconds_of = [&](const char* run) {
+    return nlohmann::json::parse(read_text(root / run / "run.json")).at("seconds");
+  };
+  EXPECT_TRUE(seconds_of("one").at("first_read").is_number());
+  EXPECT_GE(seconds_of("one").at("first_read").get<double>(), 0.0);
+  EXPECT_TRUE(seconds_of("resumed").at("first_read").is_null());
   fs::remove_all(root);
 }
 

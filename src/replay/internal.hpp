@@ -141,6 +141,7 @@ json summary_provenance(const replay_options& options, const analysis& parsed, c
 // The stage times of run.json's "seconds".
 struct run_seconds {
   double total, read, setup, upload, hashing, hashing_wait, reference, strategies;
+  double first_read;  // the first step's read on its own (-1: not read ahead; run.json null)
 };
 
 // run.json: where each stage ran, threads and ranks, what was resumed, the stage times, the time

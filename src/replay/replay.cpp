@@ -61,6 +61,8 @@ class replay_run {
   void write_fragments(const layer_plan& layer, const std::vector<gemm_state>& gemms,
                        const std::vector<std::vector<std::size_t>>& unit_indices);
   void ready_gpu();
+  io::dump_read_options read_options() const;
+  void start_first_read();
   std::vector<json> gather_reports();
   void assemble(const std::vector<json>& per_rank);
 
@@ -80,6 +82,10 @@ class replay_run {
   std::optional<io::dump_reader> dump_;
   int gpu_index_ = 0;
   std::future<void> gpu_starting_;
+  // The first step's capture, read on a background thread from the start (start_first_read).
+  const io::dump_entry_info* first_read_info_ = nullptr;
+  std::future<io::dump_entry> first_read_;
+  double seconds_first_read_ = -1.0;  // that read's own duration (-1: none)
   std::vector<layer_plan> plan_;
   std::optional<unit_catalog> units_;
   bool attribute_ = false;
@@ -123,6 +129,14 @@ replay_run::replay_run(const replay_options& options, std::ostream& log)
 // The device, the analysis, the dump and the plan, in every process.
 void replay_run::start() {
   together(world_, [&] {
+    // The analysis, the dump and the plan first (host work, milliseconds), so that the first step's
+    // read runs while the GPU's driver starts (parse_compute_device's device count, about 0.1 s).
+    if (options_.device != "cpu" && options_.device != "gpu") parse_compute_device(options_.device);  // its error
+    parsed_.emplace(load_analysis(options_.analysis_path.string()));
+    attribute_ = parsed_->attribute || options_.attribute;
+    dump_.emplace(options_.dump);
+    plan_ = select_entries(options_, *parsed_, *dump_);
+    start_first_read();
     device_ = parse_compute_device(options_.device);
     if (options_.kernel_times && device_ != compute_device::gpu) {
       throw input_error("--kernel-times: the device timeline needs --device gpu");
@@ -148,10 +162,6 @@ void replay_run::start() {
 #ifdef _OPENMP
     if (options_.threads > 0) omp_set_num_threads(options_.threads);
 #endif
-    parsed_.emplace(load_analysis(options_.analysis_path.string()));
-    attribute_ = parsed_->attribute || options_.attribute;
-    dump_.emplace(options_.dump);
-    plan_ = select_entries(options_, *parsed_, *dump_);
     return std::string();
   });
   units_.emplace(plan_, *parsed_);
@@ -163,6 +173,33 @@ void replay_run::ready_gpu() {
   if (!gpu_starting_.valid()) return;
   gpu_starting_.get();
   select_gpu(device_, gpu_index_);
+}
+
+// What a step reads of its entry: w where a GEMM other than Wgrad needs it; never dw or the
+// captured quantized operands.
+io::dump_read_options replay_run::read_options() const {
+  io::dump_read_options options;
+  options.read_weight =
+      std::any_of(parsed_->gemms.begin(), parsed_->gemms.end(), [](gemm_kind k) { return k != gemm_kind::wgrad; });
+  options.read_weight_gradient = false;
+  options.read_quantized = false;
+  return options;
+}
+
+// The first step of a fresh single-process run is the plan's first entry: its read starts on a
+// background thread here, before the GPU's start-up, the run directory and the input hashes, and
+// replay_steps takes it (its errors surface there, as they would without it). A resumed run or a
+// rank of several may start elsewhere and reads when it gets there. Should the run stop before
+// then (a bad option found later), the process waits for this read before it exits.
+void replay_run::start_first_read() {
+  if (ranks_ > 1 || options_.resume || plan_.empty() || plan_.front().entries.empty()) return;
+  first_read_info_ = plan_.front().entries.front();
+  first_read_ = std::async(std::launch::async, [this, info = first_read_info_, options = read_options()] {
+    const auto reading = clock_type::now();
+    io::dump_entry entry = dump_->read(*info, options);
+    seconds_first_read_ = seconds_since(reading);
+    return entry;
+  });
 }
 
 // The run directory and its identity (rank 0 alone touches it before the work starts, and holds
@@ -339,11 +376,7 @@ std::vector<gemm_state> replay_run::layer_states(const std::vector<std::size_t>&
 // when its turn comes, where any error is reported.
 void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& gemms,
                               const std::vector<std::vector<std::string>>& unit_texts, std::string& doing) {
-  io::dump_read_options read_options;
-  read_options.read_weight =
-      std::any_of(parsed_->gemms.begin(), parsed_->gemms.end(), [](gemm_kind k) { return k != gemm_kind::wgrad; });
-  read_options.read_weight_gradient = false;
-  read_options.read_quantized = false;
+  const io::dump_read_options read_options = this->read_options();
   const io::dump_reader& dump = *dump_;
   struct read_ahead {
     io::dump_entry entry;
@@ -380,7 +413,14 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     doing = fmt::format("reading step {} of layer {}", info->step, layer.name);
     auto mark = clock_type::now();
     if (seconds_setup_ < 0.0) seconds_setup_ = seconds_since(started_);
-    read_ahead ahead = next_entry.valid() ? next_entry.get() : read_ahead{dump.read(*info, read_options), {}, {}, {}};
+    read_ahead ahead;
+    if (next_entry.valid()) {
+      ahead = next_entry.get();
+    } else if (first_read_.valid() && info == first_read_info_) {
+      ahead.entry = first_read_.get();
+    } else {
+      ahead.entry = dump.read(*info, read_options);
+    }
     if (on_gpu && options_.kernel_times && !timeline_started_) {
       // Before the next step's upload starts beside this one; the wait for the GPU is not reading.
       const auto starting = clock_type::now();
@@ -537,6 +577,7 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
   std::vector<timeline::operation> operations;
   std::int64_t not_recorded = 0;
   if (timeline_started_) operations = backend::finish_timeline(&not_recorded);
+  if (first_read_.valid()) first_read_.wait();  // not taken (no step ran here): its time is still its own
   const run_seconds seconds{seconds_since(started_),
                             seconds_read_,
                             std::max(seconds_setup_, 0.0),
@@ -544,7 +585,8 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
                             seconds_hashing_,
                             seconds_hashing_wait_,
                             step_seconds_.reference,
-                            step_seconds_.strategies};
+                            step_seconds_.strategies,
+                            seconds_first_read_};
   json run = run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
   std::optional<std::string> kernel_times;
   if (options_.kernel_times) {
