@@ -189,10 +189,18 @@ io::dump_read_options replay_run::read_options() const {
 // The first step of a fresh single-process run is the plan's first entry: its read starts on a
 // background thread here, before the GPU's start-up, the run directory and the input hashes, and
 // replay_steps takes it (its errors surface there, as they would without it). A resumed run or a
-// rank of several may start elsewhere and reads when it gets there. Should the run stop before
-// then (a bad option found later), the process waits for this read before it exits.
+// rank of several may start elsewhere and reads when it gets there, and an --out that already holds
+// a run is refused by claim_directory: neither reads ahead. Should the run stop before the first
+// step for another reason (no usable GPU), the process waits for this read before it exits.
 void replay_run::start_first_read() {
   if (ranks_ > 1 || options_.resume || plan_.empty() || plan_.front().entries.empty()) return;
+  // What claim_directory takes for a fresh run: a new or empty --out, or a run directory (its
+  // marker) with neither final files nor checkpoints.
+  std::error_code ignored;
+  const bool fresh = !fs::exists(options_.out) || fs::is_empty(options_.out, ignored) ||
+                     (fs::exists(options_.out / run_directory::marker_name) && !fs::exists(partial_) &&
+                      run_directory::state_of(options_.out) == run_directory::run_state::empty);
+  if (!fresh) return;
   first_read_info_ = plan_.front().entries.front();
   first_read_ = std::async(std::launch::async, [this, info = first_read_info_, options = read_options()] {
     const auto reading = clock_type::now();
