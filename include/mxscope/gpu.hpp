@@ -150,6 +150,11 @@ class stream_scope {
 // any thread may use and free it afterwards. The HIP build uploads on the default stream.
 device_matrix upload_beside(const matrix& values);
 
+// Makes the current device's pinned upload slots now (device_buffer::upload takes large copies
+// through them, making them at its first): a background start-up calls it so that the first step
+// does not wait for them. Nothing where they do not apply (HIP, the simulation).
+void prepare_staged_uploads();
+
 // Queues a device-to-device copy of `bytes` bytes on the default stream.
 void copy_on_device(void* destination, const void* source, std::size_t bytes);
 

@@ -38,6 +38,8 @@ device_matrix_ptr upload(const matrix64& values);
 // The same on a stream of the calling thread's own, beside the default stream's work (a
 // background thread uploads the next step while this one computes); complete on return.
 device_matrix_ptr upload_beside(const matrix& values);
+// Makes the current GPU's pinned upload slots (gpu::prepare_staged_uploads) ahead of the first upload.
+void prepare_uploads();
 void download(const device_matrix& values, matrix& out);
 void download(const device_matrix& values, matrix64& out);
 

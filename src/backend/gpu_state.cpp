@@ -20,6 +20,7 @@ device_matrix_ptr upload(const matrix64& values) {
 device_matrix_ptr upload_beside(const matrix& values) {
   return std::make_shared<const gpu::device_matrix>(gpu::upload_beside(values));
 }
+void prepare_uploads() { gpu::prepare_staged_uploads(); }
 void download(const device_matrix& values, matrix& out) { out = values.download32(); }
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }
 

@@ -21,6 +21,7 @@ bool is_device_error(const std::exception&) { return false; }
 device_matrix_ptr upload(const matrix&) { unreachable("upload"); }
 device_matrix_ptr upload(const matrix64&) { unreachable("upload"); }
 device_matrix_ptr upload_beside(const matrix&) { unreachable("upload_beside"); }
+void prepare_uploads() { unreachable("prepare_uploads"); }
 void download(const device_matrix&, matrix&) { unreachable("download"); }
 void download(const device_matrix&, matrix64&) { unreachable("download"); }
 

@@ -312,6 +312,10 @@ int multiprocessor_count();
 void release_after_kernels();
 // Empties the scratch pool (before a cross-step state measures the free memory).
 void release_scratch_pool();
+// A large host-to-device copy through pinned slots (upload.cu), ordered after the calling thread's
+// stream and complete on return; false, with nothing copied, where it does not apply (small, HIP,
+// the simulation, no pinned memory): the caller then copies plainly.
+bool staged_upload(void* device, const void* host, std::size_t bytes);
 
 // A set-up buffer from the scratch pool of memory.cu (see the pool there): the smallest pooled
 // buffer of the current device that is large enough, else a new one; given back when it goes out

@@ -208,7 +208,8 @@ stream_scope::~stream_scope() {
 
 void device_buffer::upload(const void* host, std::size_t bytes, std::size_t offset) {
   if (offset + bytes > bytes_) throw gpu_error("device_buffer::upload: " + std::to_string(bytes) + " bytes do not fit");
-  if (bytes > 0) MXSCOPE_GPU_CHECK(runtime::copy_to_device(static_cast<char*>(data_) + offset, host, bytes));
+  char* to = static_cast<char*>(data_) + offset;
+  if (bytes > 0 && !staged_upload(to, host, bytes)) MXSCOPE_GPU_CHECK(runtime::copy_to_device(to, host, bytes));
 }
 
 void device_buffer::download(void* host, std::size_t bytes, std::size_t offset) const {

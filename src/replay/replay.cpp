@@ -153,6 +153,7 @@ void replay_run::start() {
       if (gpu_index_ < 0) select_gpu(device_, gpu_index_);  // the error "GPU -1 does not exist"
       gpu_starting_ = std::async(std::launch::async, [device = device_, index = gpu_index_] {
         select_gpu(device, index);
+        backend::prepare_uploads();  // the pinned upload slots, beside the first read too
       });
     }
     compute_.device = device_;

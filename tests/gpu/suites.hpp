@@ -37,5 +37,7 @@ void compare_checks(bool small);
 void cross_step_checks(bool small);
 // timeline.cpp
 void timeline_checks(bool small);
+// uploads.cpp
+void upload_checks(bool small);
 
 }  // namespace gpu_test

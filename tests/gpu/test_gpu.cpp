@@ -107,6 +107,7 @@ int main(int argc, char** argv) {
   timed("compare", [&] { compare_checks(small); });
   timed("cross-step", [&] { cross_step_checks(small); });
   timed("timeline", [&] { timeline_checks(small); });
+  timed("uploads", [&] { upload_checks(small); });
 
   std::printf("%d passed, %d failed\n", results.passed, results.failed);
   return results.failed == 0 ? 0 : 1;
