@@ -151,6 +151,30 @@ __device__ inline double sliced_levels_dot(const int (&levels)[5]) {
   return dot;
 }
 
+// The nine int8 products of one K-block's slices, a_s b_t into level s + t. Chain: added to the
+// levels as they are (the whole-K dot's running sums); else each level starts at its first product.
+template <bool Chain>
+__device__ inline void slice_products(int (&level)[5][4], const std::uint32_t (&a)[slc_slices][4],
+                                      const std::uint32_t (&b0)[2], const std::uint32_t (&b1)[2],
+                                      const std::uint32_t (&b2)[2]) {
+  const auto first = [](int (&d)[4], const std::uint32_t (&x)[4], const std::uint32_t (&y)[2]) {
+    if constexpr (Chain) {
+      mma_s8_add(d, x, y);
+    } else {
+      mma_s8(d, x, y);
+    }
+  };
+  first(level[0], a[0], b0);
+  first(level[1], a[0], b1);
+  mma_s8_add(level[1], a[1], b0);
+  first(level[2], a[0], b2);
+  mma_s8_add(level[2], a[1], b1);
+  mma_s8_add(level[2], a[2], b0);
+  first(level[3], a[1], b2);
+  mma_s8_add(level[3], a[2], b1);
+  first(level[4], a[2], b2);
+}
+
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
 // for t < 2 slc_tile_m, else of row t / 2 - slc_tile_m of B: thread t copies chunk t of each
 // slice, and threads below slc_tile_m / 2 + slc_tile_n / 2 two scales (A's, then B's).
@@ -306,16 +330,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
       if constexpr (WholeK) {
 #pragma unroll
         for (int ni = 0; ni < col_tiles; ++ni) {
-          auto& level = whole_levels[mi][ni];
-          mma_s8_add(level[0], a_fragments[0], bf[0][ni]);
-          mma_s8_add(level[1], a_fragments[0], bf[1][ni]);
-          mma_s8_add(level[1], a_fragments[1], bf[0][ni]);
-          mma_s8_add(level[2], a_fragments[0], bf[2][ni]);
-          mma_s8_add(level[2], a_fragments[1], bf[1][ni]);
-          mma_s8_add(level[2], a_fragments[2], bf[0][ni]);
-          mma_s8_add(level[3], a_fragments[1], bf[2][ni]);
-          mma_s8_add(level[3], a_fragments[2], bf[1][ni]);
-          mma_s8_add(level[4], a_fragments[2], bf[2][ni]);
+          slice_products<true>(whole_levels[mi][ni], a_fragments, bf[0][ni], bf[1][ni], bf[2][ni]);
         }
         continue;
       }
@@ -323,15 +338,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
 #pragma unroll
       for (int ni = 0; ni < col_tiles; ++ni) {
         int level[5][4];
-        mma_s8(level[0], a_fragments[0], bf[0][ni]);
-        mma_s8(level[1], a_fragments[0], bf[1][ni]);
-        mma_s8_add(level[1], a_fragments[1], bf[0][ni]);
-        mma_s8(level[2], a_fragments[0], bf[2][ni]);
-        mma_s8_add(level[2], a_fragments[1], bf[1][ni]);
-        mma_s8_add(level[2], a_fragments[2], bf[0][ni]);
-        mma_s8(level[3], a_fragments[1], bf[2][ni]);
-        mma_s8_add(level[3], a_fragments[2], bf[1][ni]);
-        mma_s8(level[4], a_fragments[2], bf[2][ni]);
+        slice_products<false>(level, a_fragments, bf[0][ni], bf[1][ni], bf[2][ni]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const double dot = sliced_dot(level[0][e] + 128 * level[1][e],
