@@ -7,7 +7,10 @@
 // two pinned slots of staged_upload_piece bytes and a stream: a thread copies its pieces
 // (piece t, t + threads, ...) into one slot while the other's copy to the device runs. The
 // device bytes are the host's, whichever way they travel.
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -54,15 +57,37 @@ class upload_stager {
   upload_lane lanes_[staged_upload_threads];
 };
 
+// The slots' memory: one block of huge pages where the kernel offers them, faulted in and then
+// pinned with cudaHostRegister, which is many times faster than cudaMallocHost's own pinning of the
+// same bytes (BENCHMARKS.md, "The upload through pinned slots"). Null where it cannot be had.
+unsigned char* pinned_block(std::size_t bytes) {
+  constexpr std::size_t huge_page = std::size_t{2} << 20;
+  void* block = std::aligned_alloc(huge_page, bytes);  // bytes: a multiple of the huge page
+  if (block == nullptr) return nullptr;
+#ifdef MADV_HUGEPAGE
+  (void)::madvise(block, bytes, MADV_HUGEPAGE);
+#endif
+  std::memset(block, 0, bytes);
+  if (cudaHostRegister(block, bytes, cudaHostRegisterDefault) != cudaSuccess) {
+    std::free(block);
+    return nullptr;
+  }
+  return static_cast<unsigned char*>(block);
+}
+
 bool upload_stager::make() {
-  for (upload_lane& lane : lanes_) {
+  static_assert(staged_upload_piece % (std::size_t{2} << 20) == 0);
+  unsigned char* block = pinned_block(2 * staged_upload_threads * staged_upload_piece);
+  if (block == nullptr) return false;
+  for (int lane_index = 0; lane_index < staged_upload_threads; ++lane_index) {
+    upload_lane& lane = lanes_[lane_index];
     if (cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaEventCreateWithFlags(&lane.done, cudaEventDisableTiming) != cudaSuccess) {
       return false;
     }
     for (int s = 0; s < 2; ++s) {
-      if (cudaMallocHost(&lane.slots[s], staged_upload_piece) != cudaSuccess ||
-          cudaEventCreateWithFlags(&lane.slot_free[s], cudaEventDisableTiming) != cudaSuccess ||
+      lane.slots[s] = block + (2 * lane_index + s) * staged_upload_piece;
+      if (cudaEventCreateWithFlags(&lane.slot_free[s], cudaEventDisableTiming) != cudaSuccess ||
           cudaEventRecord(lane.slot_free[s], lane.stream) != cudaSuccess) {
         return false;
       }

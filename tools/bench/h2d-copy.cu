@@ -6,7 +6,9 @@
 //   - staged T: T host threads, each copying its share of 16 MiB pieces into two pinned slots of
 //     its own and queuing each slot's copy on its own stream (the copy of one slot while the
 //     thread fills the other);
-//   - pinned: one cudaMemcpy from cudaMallocHost memory (the bus's ceiling).
+//   - pinned: one cudaMemcpy from cudaMallocHost memory (the bus's ceiling);
+// then the time to make 128 MiB of pinned memory by cudaMallocHost and by faulting in huge pages
+// and registering them (the replay's upload slots).
 // Every method's device bytes are compared with the source's (a wrong copy fails the run).
 //
 // Usage: mxscope_h2d_copy [MiB] (default 576: x and dy of the Llama-shaped Wgrad step as fp32)
@@ -179,6 +181,27 @@ int main(int argc, char** argv) {
   std::printf("cudaMallocHost of %zu MiB: %.3f ms\n", mib, a1 - a0);
   check(cudaFreeHost(pinned), "cudaFreeHost");
   check(cudaFree(device), "cudaFree");
+
+  // 128 MiB of pinned memory (the replay's upload slots, src/gpu/upload.cu) made two ways.
+  const std::size_t slots = std::size_t{128} << 20;
+  std::vector<double> by_malloc_host, by_register;
+  for (int r = 0; r < rounds; ++r) {
+    double t = now_ms();
+    check(cudaMallocHost(&pinned, slots), "cudaMallocHost slots");
+    by_malloc_host.push_back(now_ms() - t);
+    check(cudaFreeHost(pinned), "cudaFreeHost slots");
+    t = now_ms();
+    void* block = std::aligned_alloc(std::size_t{2} << 20, slots);
+    if (block == nullptr) return 1;
+    (void)madvise(block, slots, MADV_HUGEPAGE);
+    std::memset(block, 0, slots);
+    check(cudaHostRegister(block, slots, cudaHostRegisterDefault), "cudaHostRegister slots");
+    by_register.push_back(now_ms() - t);
+    check(cudaHostUnregister(block), "cudaHostUnregister slots");
+    std::free(block);
+  }
+  report("128 MiB slots by cudaMallocHost", by_malloc_host, slots);
+  report("128 MiB slots: huge pages + register", by_register, slots);
   std::printf("%s\n", all_same ? "every method copied the same bytes" : "FAIL: a method copied other bytes");
   return all_same ? 0 : 1;
 }
