@@ -18,6 +18,31 @@ __global__ void per_tensor_amax_kernel(const float* input, std::int64_t count, u
   atomicMax(amax_bits, local);
 }
 
+// A grid-stride walk over [0, count) that loads element_batch elements a thread (i, i + stride,
+// ...) before taking any, so that each thread has that many loads in flight: one element at a time
+// each thread waited for its load, then its encoding, in turn (latency, not bandwidth).
+// take(i, input[i]) for each element once, in index order per thread.
+constexpr int element_batch = 4;
+
+template <class Take>
+__device__ inline void batched_elements(const float* input, std::int64_t count, const Take& take) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; first < count;
+       first += stride * element_batch) {
+    float values[element_batch];
+#pragma unroll
+    for (int b = 0; b < element_batch; ++b) {
+      const std::int64_t i = first + b * stride;
+      values[b] = i < count ? input[i] : 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < element_batch; ++b) {
+      const std::int64_t i = first + b * stride;
+      if (i < count) take(i, values[b]);
+    }
+  }
+}
+
 // bf16 "quantization" as the CPU's quantize_bf16: each value rounded to bf16 (sr words from the
 // element's flat index), the 16-bit pattern stored little-endian, and the same four counters.
 __global__ void bf16_element_kernel(const float* input, std::int64_t count, core_ns::rounding_mode rounding,
@@ -25,8 +50,7 @@ __global__ void bf16_element_kernel(const float* input, std::int64_t count, core
                                     float* dequantized, unsigned long long* counters) {
   unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
   const bool stochastic = rounding == core_ns::rounding_mode::sr;
-  MXSCOPE_GRID_LOOP(i, count) {
-    const float v = input[i];
+  batched_elements(input, count, [&](std::int64_t i, float v) {
     const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
     const std::uint16_t bits = core_ns::float_to_bf16(v, rounding, word, sr_bits);
     codes[2 * i] = static_cast<std::uint8_t>(bits & 0xFFU);
@@ -38,7 +62,7 @@ __global__ void bf16_element_kernel(const float* input, std::int64_t count, core
     nonfinite += !finite;
     flushed += v != 0.0f && rounded == 0.0f;
     saturated += finite && !is_finite(rounded) && rounded == rounded;  // finite in, inf out
-  }
+  });
   unsigned long long reduced[4] = {nonzero, flushed, saturated, nonfinite};
   constexpr int index[4] = {counter_nonzero, counter_flushed, counter_saturated, counter_nonfinite};
   block_reduce_to<false>(reduced, counters, index);
@@ -49,14 +73,13 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
                                           std::uint8_t* codes, float* dequantized, unsigned long long* counters) {
   unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
   const bool stochastic = rounding == core_ns::rounding_mode::sr;
-  MXSCOPE_GRID_LOOP(i, count) {
-    const float v = input[i];
+  batched_elements(input, count, [&](std::int64_t i, float v) {
     if (v != 0.0f) ++nonzero;
     if (!is_finite(v)) {
       ++nonfinite;
       codes[i] = static_cast<std::uint8_t>(core_ns::nan_code(kind) | (core_ns::float_bits(v) >> 31 != 0 ? core_ns::sign_bit(kind) : 0U));
       dequantized[i] = canonical_nan_float();
-      continue;
+      return;
     }
     const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
     const auto encoded =
@@ -65,7 +88,7 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
     dequantized[i] = __fmul_rn(static_cast<float>(core_ns::decode(kind, encoded.code)), scale);
     flushed += encoded.flushed;
     saturated += encoded.saturated;
-  }
+  });
   unsigned long long reduced[4] = {nonzero, flushed, saturated, nonfinite};
   constexpr int index[4] = {counter_nonzero, counter_flushed, counter_saturated, counter_nonfinite};
   block_reduce_to<false>(reduced, counters, index);

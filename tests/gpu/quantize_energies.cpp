@@ -195,7 +195,9 @@ void quantize_nvfp4_suite(bool small) {
 // the CPU's counters and the canonical energy sums. Inputs include overflow to inf, underflow to
 // zero, inf and NaN.
 void quantize_bf16_energies(bool small) {
-  const std::int64_t shapes[][2] = {{70, 130}, {3, 9000}, {1, 1}, {257, 33}};
+  // 613 x 1733 is over four strides of the kernel's largest grid (1024 x 256 threads): every batch
+  // position of batched_elements and a second round of it.
+  const std::int64_t shapes[][2] = {{70, 130}, {3, 9000}, {1, 1}, {257, 33}, {613, 1733}};
   int index = 0;
   for (const auto& shape : shapes) {
     for (const core::rounding_mode rounding : {core::rounding_mode::rne, core::rounding_mode::sr, core::rounding_mode::rtz}) {
@@ -279,7 +281,9 @@ void quantize_per_tensor_energies(bool small) {
   const per_tensor_case cases[] = {{core::element_kind::fp8_e4m3, core::rounding_mode::rne, 0, 70, 130},
                                    {core::element_kind::fp8_e5m2, core::rounding_mode::rne, 16, 64, 33},
                                    {core::element_kind::fp8_e4m3, core::rounding_mode::sr, 0, 3, 9000},
-                                   {core::element_kind::fp8_e4m3, core::rounding_mode::rtz, 32, 96, 5}};
+                                   {core::element_kind::fp8_e4m3, core::rounding_mode::rtz, 32, 96, 5},
+                                   // over four strides of the largest grid (see quantize_bf16_energies)
+                                   {core::element_kind::fp8_e4m3, core::rounding_mode::rne, 0, 613, 1733}};
   int index = 0;
   for (const per_tensor_case& c : cases) {
     ++index;
