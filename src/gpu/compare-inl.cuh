@@ -126,24 +126,39 @@ __global__ void row_chunks_kernel(const float* estimate, const double* reference
 }
 
 // A thread's walk over the elements first, first + 1, ..., first + n - 1 (`at(i)` gives element i's
-// operands), in groups of compare_group: the group's loads are issued before its elements are
-// taken in index order, so each thread keeps that many loads in flight; the additions happen in
-// the same order as one element at a time.
+// operands), in groups of compare_group: each group's loads are issued before the previous group's
+// elements are taken, in index order, so each thread keeps one to two groups of loads in flight
+// and its additions never wait for a whole group's latency; they happen in the same order as one
+// element at a time.
 constexpr int compare_group = 16;
 
 template <class At, class Take>
 __device__ inline void walk_in_order(std::int64_t n, const At& at, const Take& take) {
   using operands = decltype(at(std::int64_t{0}));
   std::int64_t i = 0;
+  operands current[compare_group];
+  if (n >= compare_group) {
+#pragma unroll
+    for (int u = 0; u < compare_group; ++u) current[u] = at(u);
+  }
   for (; i + compare_group <= n; i += compare_group) {
-    operands group[compare_group];
+    const bool more = i + 2 * compare_group <= n;
+    operands next[compare_group];
+    if (more) {
 #pragma unroll
-    for (int u = 0; u < compare_group; ++u) group[u] = at(i + u);
+      for (int u = 0; u < compare_group; ++u) next[u] = at(i + compare_group + u);
+    }
 #pragma unroll
-    for (int u = 0; u < compare_group; ++u) take(group[u]);
+    for (int u = 0; u < compare_group; ++u) take(current[u]);
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < compare_group; ++u) current[u] = next[u];
+    }
   }
   for (; i < n; ++i) take(at(i));
 }
+
+constexpr int column_chunk_threads = 64;
 
 struct error_pair {
   float hat32;

@@ -86,8 +86,10 @@ comparison compare(const device_matrix& estimate, const device_matrix& reference
   }
   const std::int64_t chunks_per_column = (rows + canonical_chunk - 1) / canonical_chunk;
   device_buffer column_partials(static_cast<std::size_t>(chunks_per_column * cols) * sizeof(double));
-  runtime::launch(column_chunks_kernel, grid_for(chunks_per_column * cols), threads_per_block, 0, hat,
-                  g, rows, cols, chunks_per_column, column_partials.as<double>());
+  // One thread per column chunk, few of them (14336 for the Llama-shaped Wgrad): blocks of
+  // column_chunk_threads spread them over every multiprocessor.
+  runtime::launch(column_chunks_kernel, grid_for(chunks_per_column * cols, column_chunk_threads),
+                  column_chunk_threads, 0, hat, g, rows, cols, chunks_per_column, column_partials.as<double>());
   std::vector<double> host_columns(static_cast<std::size_t>(chunks_per_column * cols));
   column_partials.download(host_columns.data(), column_partials.bytes());
   std::vector<double> column(static_cast<std::size_t>(chunks_per_column));
