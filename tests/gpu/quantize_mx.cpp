@@ -221,7 +221,7 @@ void quantize_large() {
 // Standalone rotations (in place) against the host definition, every size class and both axes.
 void rotation_checks(bool small) {
   int index = 0;
-  for (const int size : {2, 16, 128, 1024, 4096}) {
+  for (const int size : {2, 16, 32, 128, 1024, 4096}) {  // 16 and 32: rotate_columns_kernel on axis 0
     for (int axis = 0; axis < 2; ++axis) {
       for (int signs = 0; signs < 3; ++signs) {
         ++index;
