@@ -19,9 +19,9 @@ __global__ void per_tensor_amax_kernel(const float* input, std::int64_t count, u
 }
 
 // A grid-stride walk over [0, count) that loads element_batch elements a thread (i, i + stride,
-// ...) before taking any, so that each thread has that many loads in flight: one element at a time
-// each thread waited for its load, then its encoding, in turn (latency, not bandwidth).
-// take(i, input[i]) for each element once, in index order per thread.
+// ...) before taking any, so that each thread has that many loads in flight (the bf16 rounding:
+// one element at a time, each thread waited for every load in turn). take(i, input[i]) for each
+// element once, in index order per thread.
 constexpr int element_batch = 4;
 
 template <class Take>
@@ -73,13 +73,14 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
                                           std::uint8_t* codes, float* dequantized, unsigned long long* counters) {
   unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
   const bool stochastic = rounding == core_ns::rounding_mode::sr;
-  batched_elements(input, count, [&](std::int64_t i, float v) {
+  MXSCOPE_GRID_LOOP(i, count) {
+    const float v = input[i];
     if (v != 0.0f) ++nonzero;
     if (!is_finite(v)) {
       ++nonfinite;
       codes[i] = static_cast<std::uint8_t>(core_ns::nan_code(kind) | (core_ns::float_bits(v) >> 31 != 0 ? core_ns::sign_bit(kind) : 0U));
       dequantized[i] = canonical_nan_float();
-      return;
+      continue;
     }
     const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
     const auto encoded =
@@ -88,7 +89,7 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
     dequantized[i] = __fmul_rn(static_cast<float>(core_ns::decode(kind, encoded.code)), scale);
     flushed += encoded.flushed;
     saturated += encoded.saturated;
-  });
+  }
   unsigned long long reduced[4] = {nonzero, flushed, saturated, nonfinite};
   constexpr int index[4] = {counter_nonzero, counter_flushed, counter_saturated, counter_nonfinite};
   block_reduce_to<false>(reduced, counters, index);
