@@ -68,9 +68,20 @@ __global__ void bf16_element_kernel(const float* input, std::int64_t count, core
   block_reduce_to<false>(reduced, counters, index);
 }
 
+// Under rne the encoding is core::nearest_even_encoder's (the CPU's per-tensor loop: the same
+// steps as core::encode, the format's constants taken once), and the decoded codes come from a
+// table of the format's 256 values in shared memory: fl32(decode(code)), exact for fp8.
 __global__ void per_tensor_element_kernel(const float* input, std::int64_t count, element_kind kind, float scale,
                                           core_ns::rounding_mode rounding, int sr_bits, core_ns::random_stream stream,
                                           std::uint8_t* codes, float* dequantized, unsigned long long* counters) {
+  __shared__ float decoded[256];
+  for (int c = static_cast<int>(threadIdx.x); c < 256; c += static_cast<int>(blockDim.x)) {
+    decoded[c] = static_cast<float>(core_ns::decode(kind, static_cast<std::uint32_t>(c)));
+  }
+  __syncthreads();
+  const bool nearest_even =
+      rounding == core_ns::rounding_mode::rne && core_ns::nearest_even_encoder::covers(kind);
+  const core_ns::nearest_even_encoder encode_nearest_even(nearest_even ? kind : element_kind::fp8_e4m3);
   unsigned long long nonzero = 0, flushed = 0, saturated = 0, nonfinite = 0;
   const bool stochastic = rounding == core_ns::rounding_mode::sr;
   MXSCOPE_GRID_LOOP(i, count) {
@@ -82,11 +93,12 @@ __global__ void per_tensor_element_kernel(const float* input, std::int64_t count
       dequantized[i] = canonical_nan_float();
       continue;
     }
+    const double quotient = static_cast<double>(v) / static_cast<double>(scale);
     const std::uint32_t word = stochastic ? stream.word(static_cast<std::uint64_t>(i)) : 0U;
     const auto encoded =
-        core_ns::encode(kind, static_cast<double>(v) / static_cast<double>(scale), rounding, word, sr_bits);
+        nearest_even ? encode_nearest_even(quotient) : core_ns::encode(kind, quotient, rounding, word, sr_bits);
     codes[i] = static_cast<std::uint8_t>(encoded.code);
-    dequantized[i] = __fmul_rn(static_cast<float>(core_ns::decode(kind, encoded.code)), scale);
+    dequantized[i] = __fmul_rn(decoded[encoded.code], scale);
     flushed += encoded.flushed;
     saturated += encoded.saturated;
   }
