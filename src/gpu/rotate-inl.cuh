@@ -75,8 +75,8 @@ __global__ void rotate_kernel(float* values, std::int64_t rows, std::int64_t col
 // Rotations of 16 and 32 along the columns (axis 0, the Wgrad operands' blocking): one thread per
 // segment, the segment in registers through core::rotate_segment itself, no shared memory or
 // barriers; consecutive threads take consecutive columns, so each of a segment's loads and stores
-// is coalesced. (rotate_kernel ran them at about a third of the copy bandwidth: its tile of 128
-// columns x Size rows, a barrier per stage and integer divisions per butterfly.)
+// is coalesced. rotate_kernel's shared tile, with a barrier per stage, stays for the other sizes
+// and axis 1 (BENCHMARKS.md, "The step's small kernels and the slots from huge pages").
 template <int Size>
 __global__ void rotate_columns_kernel(float* values, std::int64_t rows, std::int64_t cols, const float* signs) {
   const std::int64_t segments = rows / Size;
