@@ -58,8 +58,9 @@ class upload_stager {
 };
 
 // The slots' memory: one block of huge pages where the kernel offers them, faulted in and then
-// pinned with cudaHostRegister, which is many times faster than cudaMallocHost's own pinning of the
-// same bytes (BENCHMARKS.md, "The upload through pinned slots"). Null where it cannot be had.
+// pinned with cudaHostRegister: faster than cudaMallocHost's own pinning of the same bytes, whose
+// wait a warm start-up cannot hide (BENCHMARKS.md, "The step's small kernels and the slots from
+// huge pages"). Null where it cannot be had.
 unsigned char* pinned_block(std::size_t bytes) {
   constexpr std::size_t huge_page = std::size_t{2} << 20;
   void* block = std::aligned_alloc(huge_page, bytes);  // bytes: a multiple of the huge page
