@@ -880,10 +880,11 @@ void check_product(const quantized_tensor& a, const quantized_tensor& b, const a
 product_result emulate_named(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                              output_rounding output, const gemm_options& options, std::string_view what,
                              std::string_view a_name, std::string_view b_name,
-                             std::optional<matrix64>* exact_too = nullptr) {
+                             std::optional<matrix64>* exact_too = nullptr,
+                             backend::product_cache* cache = nullptr) {
   check_product(a, b, model, what, a_name, b_name);
   const int block = common_block(a, b, what, a_name, b_name);
-  if (auto on_gpu = backend::product(a, b, model, output, options, block)) return std::move(*on_gpu);
+  if (auto on_gpu = backend::product(a, b, model, output, options, block, cache)) return std::move(*on_gpu);
   // The CPU's paths read an operand's values on the host.
   if (backend::values_only_on_device(a) || backend::values_only_on_device(b)) {
     std::optional<quantized_tensor> a_host, b_host;
@@ -1182,8 +1183,12 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
   mark = clock::now();
   const bool exact_too = options.exact_too && chosen.accumulation.kind != accumulation_kind::exact;
   std::optional<matrix64> fused_exact;
-  static_cast<product_result&>(result) = emulate_named(a, b, chosen.accumulation, chosen.output, options, what,
-                                                       layout.a_name, layout.b_name, exact_too ? &fused_exact : nullptr);
+  // The exact_too product of the same operands reuses what the GPU prepared for this one.
+  const std::shared_ptr<backend::product_cache> cache =
+      exact_too && options.device == compute_device::gpu ? backend::make_product_cache() : nullptr;
+  static_cast<product_result&>(result) =
+      emulate_named(a, b, chosen.accumulation, chosen.output, options, what, layout.a_name, layout.b_name,
+                    exact_too ? &fused_exact : nullptr, cache.get());
   result.quantize_seconds = quantize_seconds;
   result.product_seconds = seconds_since(mark);
   if (fused_exact) {
@@ -1198,7 +1203,7 @@ gemm_result run_gemm(gemm_kind kind, const gemm_operands& operands, const strate
     accumulation_model exact_model;
     exact_model.kind = accumulation_kind::exact;
     product_result exact = emulate_named(a, b, exact_model, output_rounding::fp32, options, what, layout.a_name,
-                                         layout.b_name);
+                                         layout.b_name, nullptr, cache.get());
     result.exact_of_quantized = std::move(exact.exact);
     result.device_exact_of_quantized = std::move(exact.device_exact);
     result.exact_of_quantized_on_gpu = exact.product_on_gpu;

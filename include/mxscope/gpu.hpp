@@ -521,9 +521,23 @@ bool same_bits(const device_matrix& x, const device_matrix& y);
 // covers and whose block scales are all 2^0 (per-tensor operands as unit-scaled MX ones: fp8
 // e5m2 x e4m3) run fp32-block and fp32-group:G on the plain-operand kernel of
 // emulate_plain_product, which computes the same definition with unit block scales.
+// `kept`, when given, keeps the two prepared operands for the next call with the same device codes
+// and scales, operand shapes and formats, and path: that call skips their preparation (the same
+// kernels on the same codes make the same operands). A caller that multiplies the same quantized
+// operands under two models (run_gemm: the strategy's model, then `exact`) passes the same one.
+struct prepared_pair_cache {
+  device_buffer_ptr codes[2];
+  device_buffer_ptr scales[2];
+  mx_operand_view views[2];
+  gemm_path asked = gemm_path::automatic;      // the call's path argument
+  gemm_path requested = gemm_path::automatic;  // that path resolved (before any fallback)
+  gemm_path chosen = gemm_path::automatic;     // the path the operands were prepared for
+  prepared_operand operands[2];
+  bool filled = false;
+};
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,
-                               bool keep_on_device = false);
+                               bool keep_on_device = false, prepared_pair_cache* kept = nullptr);
 
 // The number of element codes among the first `count` bytes of `codes` (device memory, one code per
 // byte: fp8 and the other 6- and 8-bit formats) that decode to inf or NaN.

@@ -61,11 +61,18 @@ struct prepared_operand {
 prepared_operand prepare(const matrix& tensor, const quantize_options& quantize_with, const rotation_options& rotation,
                          bool keep_dequantized, const gemm_options& options);
 
+// What a GPU product keeps for the next product of the same quantized operands (run_gemm's
+// strategy product, then its exact_too product): the operands prepared for the MX product kernels.
+// make_product_cache gives null in a build without a GPU backend.
+struct product_cache;
+std::shared_ptr<product_cache> make_product_cache();
+
 // The product of a and b under `model` on the GPU when one of its routes covers these operands
 // (docs/gpu.md lists them; `block` is their common K-block), else nullopt: the CPU computes it.
+// `cache`, when given, is read and filled by the MX route.
 std::optional<product_result> product(const quantized_tensor& a, const quantized_tensor& b,
                                       const accumulation_model& model, output_rounding output,
-                                      const gemm_options& options, int block);
+                                      const gemm_options& options, int block, product_cache* cache = nullptr);
 
 // Whether an operand quantized on the GPU left its values, or its codes, only in device memory; and
 // the operand with them on the host (for the CPU's product paths).

@@ -13,6 +13,19 @@
 
 namespace mxscope::backend {
 
+struct product_cache {
+  gpu::prepared_pair_cache prepared;
+  // Per-tensor operands as unit-scaled MX ones (unit_scaled_on_device), each with the device codes
+  // and block it was made from: the second product of the same operands finds the same buffers, so
+  // `prepared` holds for it too.
+  struct unit_scaled_operand {
+    device_buffer_ptr codes;
+    int block = 0;
+    std::optional<quantized_tensor> operand;
+  };
+  unit_scaled_operand unit_scaled[2];
+};
+
 namespace {
 
 namespace core_ns = mxscope::core;
@@ -87,6 +100,19 @@ quantized_tensor unit_scaled_on_device(const quantized_tensor& q, int block) {
     out.device_codes = std::move(codes);
   }
   return out;
+}
+
+// unit_scaled_on_device(q, block), kept in `kept` (when given) for the next call with the same
+// device codes and block.
+const quantized_tensor& unit_scaled_kept(const quantized_tensor& q, int block,
+                                         product_cache::unit_scaled_operand* kept, std::optional<quantized_tensor>& local) {
+  if (kept == nullptr || !q.device_codes) return local.emplace(unit_scaled_on_device(q, block));
+  if (!kept->operand || kept->codes != q.device_codes || kept->block != block) {
+    kept->operand = unit_scaled_on_device(q, block);
+    kept->codes = q.device_codes;
+    kept->block = block;
+  }
+  return *kept->operand;
 }
 
 product_result from_reference(reference_result reference) {
@@ -181,9 +207,10 @@ product_result plain_exact_product(const quantized_tensor& a, const quantized_te
 // The routes in order; nullopt where none covers these operands.
 std::optional<product_result> first_route(const quantized_tensor& a, const quantized_tensor& b,
                                           const accumulation_model& model, output_rounding output,
-                                          const gemm_options& options, int block) {
+                                          const gemm_options& options, int block, product_cache* cache) {
   if (mx_multiplies(a, b, model)) {
-    return gpu::emulate_product(a, b, model, output, gpu::gemm_path::automatic, options.keep_on_device);
+    return gpu::emulate_product(a, b, model, output, gpu::gemm_path::automatic, options.keep_on_device,
+                                cache != nullptr ? &cache->prepared : nullptr);
   }
   if (a.options.format.scheme == quant_scheme::nvfp4 && b.options.format.scheme == quant_scheme::nvfp4 &&
       (model.kind == accumulation_kind::fp32_block || model.kind == accumulation_kind::fp32_group ||
@@ -195,8 +222,11 @@ std::optional<product_result> first_route(const quantized_tensor& a, const quant
   // the host applies them (detail::per_tensor_by_unit_scales).
   if (detail::per_tensor_by_unit_scales_applies(a, b, model)) {
     if (options.keep_on_device) {
-      product_result on_gpu = gpu::emulate_product(unit_scaled_on_device(a, block), unit_scaled_on_device(b, block),
-                                                   model, output_rounding::fp32, gpu::gemm_path::automatic, true);
+      std::optional<quantized_tensor> local[2];
+      const quantized_tensor& ua = unit_scaled_kept(a, block, cache ? &cache->unit_scaled[0] : nullptr, local[0]);
+      const quantized_tensor& ub = unit_scaled_kept(b, block, cache ? &cache->unit_scaled[1] : nullptr, local[1]);
+      product_result on_gpu = gpu::emulate_product(ua, ub, model, output_rounding::fp32, gpu::gemm_path::automatic,
+                                                   true, cache != nullptr ? &cache->prepared : nullptr);
       gpu::apply_tensor_scales(on_gpu, a.tensor_scale, b.tensor_scale, model.kind == accumulation_kind::exact, output);
       return on_gpu;
     }
@@ -240,11 +270,13 @@ prepared_operand prepare(const matrix& tensor, const quantize_options& quantize_
   return out;
 }
 
+std::shared_ptr<product_cache> make_product_cache() { return std::make_shared<product_cache>(); }
+
 std::optional<product_result> product(const quantized_tensor& a, const quantized_tensor& b,
                                       const accumulation_model& model, output_rounding output,
-                                      const gemm_options& options, int block) {
+                                      const gemm_options& options, int block, product_cache* cache) {
   if (options.device != compute_device::gpu) return std::nullopt;
-  std::optional<product_result> on_gpu = first_route(a, b, model, output, options, block);
+  std::optional<product_result> on_gpu = first_route(a, b, model, output, options, block, cache);
   if (on_gpu) on_gpu->product_on_gpu = true;
   return on_gpu;
 }

@@ -29,8 +29,10 @@ bool prepares(const quantize_options&) { return false; }
 prepared_operand prepare(const matrix&, const quantize_options&, const rotation_options&, bool, const gemm_options&) {
   unreachable("prepare");
 }
+struct product_cache {};
+std::shared_ptr<product_cache> make_product_cache() { return nullptr; }
 std::optional<product_result> product(const quantized_tensor&, const quantized_tensor&, const accumulation_model&,
-                                      output_rounding, const gemm_options&, int) {
+                                      output_rounding, const gemm_options&, int, product_cache*) {
   return std::nullopt;
 }
 bool values_only_on_device(const quantized_tensor&) { return false; }

@@ -26,6 +26,22 @@ bool all_zero_words(const device_buffer& words, std::int64_t count) {
 // Whether emulate_product takes plain_product_on_device for two operands prepared for the generic
 // path: fp32-block or fp32-group:G, the same depth and block, and every block exponent 0 (the
 // prepared exponents: a NaN block's marker is not 0).
+bool same_view(const mx_operand_view& x, const mx_operand_view& y) {
+  return x.codes == y.codes && x.scales == y.scales && x.element == y.element && x.block == y.block &&
+         x.axis == y.axis && x.rows == y.rows && x.cols == y.cols;
+}
+
+// Whether `kept` holds the operands prepared from these codes and scales for the path `asked`
+// (automatic: resolved to `requested`).
+bool holds(const prepared_pair_cache& kept, const device_buffer_ptr (&codes)[2], const device_buffer_ptr (&scales)[2],
+           const mx_operand_view (&views)[2], gemm_path asked, gemm_path requested) {
+  if (!kept.filled || kept.asked != asked || kept.requested != requested) return false;
+  for (int i = 0; i < 2; ++i) {
+    if (kept.codes[i] != codes[i] || kept.scales[i] != scales[i] || !same_view(kept.views[i], views[i])) return false;
+  }
+  return true;
+}
+
 bool unit_scaled_plain_product(const prepared_operand& left, const prepared_operand& right,
                                const accumulation_model& model) {
   const auto& l = left.data();
@@ -39,7 +55,7 @@ bool unit_scaled_plain_product(const prepared_operand& left, const prepared_oper
 }  // namespace
 
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
-                               output_rounding output, gemm_path path, bool keep_on_device) {
+                               output_rounding output, gemm_path path, bool keep_on_device, prepared_pair_cache* kept) {
   for (const quantized_tensor* q : {&a, &b}) {
     if (q->options.format.scheme != quant_scheme::mx) {
       throw input_error("gpu gemm: field 'format': the GPU backend multiplies MX operands only");
@@ -56,25 +72,41 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
     view.cols = q.cols;
     return view;
   };
-  const device_buffer_ptr a_codes_held = resident_or_uploaded(a.device_codes, a.codes);
-  const device_buffer_ptr a_scales_held = resident_or_uploaded(a.device_scales, a.scales);
-  const device_buffer_ptr b_codes_held = resident_or_uploaded(b.device_codes, b.codes);
-  const device_buffer_ptr b_scales_held = resident_or_uploaded(b.device_scales, b.scales);
-  const device_buffer& a_codes = *a_codes_held;
-  const device_buffer& a_scales = *a_scales_held;
-  const device_buffer& b_codes = *b_codes_held;
-  const device_buffer& b_scales = *b_scales_held;
-  const mx_operand_view a_view = view_of(a, a_codes, a_scales);
-  const mx_operand_view b_view = view_of(b, b_codes, b_scales);
-  gemm_path chosen = path == gemm_path::automatic ? resolve_gemm_path(a_view, b_view, model) : path;
-  prepared_operand left = prepare_operand(a_view, chosen);
-  prepared_operand right = prepare_operand(b_view, chosen);
-  if (path == gemm_path::automatic && chosen != gemm_path::generic &&
-      (!left.data().finite_elements || !right.data().finite_elements)) {
-    chosen = gemm_path::generic;
-    left = prepare_operand(a_view, chosen);
-    right = prepare_operand(b_view, chosen);
+  // Held to the end of the call (and by `kept`): an uploaded copy lives as long as the views.
+  const device_buffer_ptr codes[2] = {resident_or_uploaded(a.device_codes, a.codes),
+                                      resident_or_uploaded(b.device_codes, b.codes)};
+  const device_buffer_ptr scales[2] = {resident_or_uploaded(a.device_scales, a.scales),
+                                       resident_or_uploaded(b.device_scales, b.scales)};
+  const mx_operand_view views[2] = {view_of(a, *codes[0], *scales[0]), view_of(b, *codes[1], *scales[1])};
+  const gemm_path requested = path == gemm_path::automatic ? resolve_gemm_path(views[0], views[1], model) : path;
+  prepared_pair_cache local;
+  prepared_pair_cache& pair = kept != nullptr ? *kept : local;
+  if (!holds(pair, codes, scales, views, path, requested)) {
+    pair.filled = false;
+    gemm_path chosen = requested;
+    prepared_operand left = prepare_operand(views[0], chosen);
+    prepared_operand right = prepare_operand(views[1], chosen);
+    if (path == gemm_path::automatic && chosen != gemm_path::generic &&
+        (!left.data().finite_elements || !right.data().finite_elements)) {
+      chosen = gemm_path::generic;
+      left = prepare_operand(views[0], chosen);
+      right = prepare_operand(views[1], chosen);
+    }
+    for (int i = 0; i < 2; ++i) {
+      pair.codes[i] = codes[i];
+      pair.scales[i] = scales[i];
+      pair.views[i] = views[i];
+    }
+    pair.asked = path;
+    pair.requested = requested;
+    pair.chosen = chosen;
+    pair.operands[0] = std::move(left);
+    pair.operands[1] = std::move(right);
+    pair.filled = true;
   }
+  const gemm_path chosen = pair.chosen;
+  const prepared_operand& left = pair.operands[0];
+  const prepared_operand& right = pair.operands[1];
   product_result result;
   const bool want_exact = model.kind == accumulation_kind::exact;
   auto out = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp32);

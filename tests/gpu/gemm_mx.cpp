@@ -123,6 +123,45 @@ void gemm_edges(bool small) {
     const gemm_output got{result.out, matrix64()};
     return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
   });
+  run_case("gemm host api gpu::emulate_product mxfp4 kept operands", [&]() -> std::string {
+    // One cache across fp32-block then exact of the same device codes: the second call reuses the
+    // prepared operands (the same storage) and both match the oracle; other codes refill it.
+    const auto on_device = [](mxscope::quantized_tensor q) {
+      auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
+      auto scales = std::make_shared<gpu::device_buffer>(q.scales.size());
+      codes->upload(q.codes.data(), q.codes.size());
+      scales->upload(q.scales.data(), q.scales.size());
+      q.device_codes = codes;
+      q.device_scales = scales;
+      return q;
+    };
+    const mxscope::quantized_tensor da = on_device(qa), db = on_device(qb);
+    gpu::prepared_pair_cache kept;
+    const auto product = [&](const mxscope::quantized_tensor& x, const mxscope::quantized_tensor& y,
+                             const mxscope::accumulation_model& model) {
+      const mxscope::product_result r =
+          gpu::emulate_product(x, y, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, false, &kept);
+      return gemm_output{r.out, r.exact};
+    };
+    const auto block_model = model_of(mxscope::accumulation_kind::fp32_block);
+    const auto exact_model = model_of(mxscope::accumulation_kind::exact);
+    std::string problem = check_product_entries(qa, qb, block_model, mxscope::output_rounding::fp32,
+                                                product(da, db, block_model), {}, "first, seed " + hex64(seed));
+    if (!problem.empty()) return problem;
+    const auto* first = &kept.operands[0].data();
+    problem = check_product_entries(qa, qb, exact_model, mxscope::output_rounding::fp32,
+                                    product(da, db, exact_model), {}, "reused, seed " + hex64(seed));
+    if (!problem.empty()) return problem;
+    if (&kept.operands[0].data() != first) return std::string("the same codes were prepared again");
+    const std::uint64_t other_seed = next_seed();
+    const auto [oa, ob] = make_operands(45, 38, 160, 0, 0, 32, gemm_layouts[0], value_kind::banded, other_seed);
+    problem = check_product_entries(oa, ob, exact_model, mxscope::output_rounding::fp32,
+                                    product(on_device(oa), on_device(ob), exact_model), {},
+                                    "other codes, seed " + hex64(other_seed));
+    if (!problem.empty()) return problem;
+    if (&kept.operands[0].data() == first) return std::string("other codes did not refill the cache");
+    return std::string();
+  });
   run_case("gemm host api gpu::emulate_product mxfp4 exact automatic keep_on_device", [&]() -> std::string {
     const auto model = model_of(mxscope::accumulation_kind::exact);
     const mxscope::product_result kept =
