@@ -375,7 +375,9 @@ void select_plain_block_kernel(plain_block_kernel kernel);
 plain_block_kernel last_plain_block_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
-// contiguous) for one path; reusable across products.
+// contiguous) for one path; reusable across products. The integer path's sliced kernel also keeps
+// the operand's sliced form in it (3 bytes an element and 8 a block, from the scratch pool) for the
+// next product with the same partner format: a product pays for the slicing once per operand.
 class prepared_operand {
  public:
   prepared_operand();

@@ -373,6 +373,20 @@ struct prepared_operand::storage {
   device_buffer fp8;        // e5m2 in tiles
   device_buffer fp8_bases;  // int32 [row tiles][k tiles][4]
   bool fp8_fits = false;
+  // sliced_block_kernel's form of `integers` (run_sliced_block), made by the first product that
+  // needs it and kept for the next one with the same shift and padding (the same bytes): the
+  // slices, the block scales and prepare_sliced_kernel's two flags.
+  struct sliced_form {
+    sliced_form(int shift_bits, std::int64_t padded_rows, std::size_t slice_bytes, std::size_t scale_bytes)
+        : shift(shift_bits), padded(padded_rows), slices(slice_bytes), scales(scale_bytes) {}
+    int shift;
+    std::int64_t padded;
+    scratch_buffer slices;  // from the scratch pool, and back there with the operand
+    scratch_buffer scales;
+    unsigned flags[2] = {0, 0};
+  };
+  mutable std::mutex sliced_mutex;
+  mutable std::optional<sliced_form> sliced;
 };
 
 prepared_operand::prepared_operand() : storage_(std::make_unique<storage>()) {}

@@ -264,34 +264,53 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   const std::int64_t tiles_n = (n + slc_tile_n - 1) / slc_tile_n;
   const std::int64_t padded_m = (m + slc_row_pad - 1) / slc_row_pad * slc_row_pad;
   const std::int64_t padded_n = tiles_n * slc_tile_n;
-  const auto slice_bytes = [&](std::int64_t rows) {
-    return static_cast<std::size_t>(rows * a.blocks * slc_row_block_bytes);
+  // Each operand's sliced form, kept in its storage for the next product of that operand with the
+  // same shift and padding (an operand on both sides needs two forms: neither is kept); the forms
+  // made here share one download of their flags.
+  using form = prepared_operand::storage::sliced_form;
+  const bool keep = &a != &b;
+  std::optional<std::scoped_lock<std::mutex, std::mutex>> locked;
+  if (keep) locked.emplace(a.sliced_mutex, b.sliced_mutex);
+  std::optional<form> a_local, b_local;
+  std::optional<form>& a_slot = keep ? a.sliced : a_local;
+  std::optional<form>& b_slot = keep ? b.sliced : b_local;
+  const auto fits = [](const std::optional<form>& kept, std::int64_t padded, int shift) {
+    return kept && kept->padded == padded && kept->shift == shift;
   };
-  scratch_buffer a_slices(slice_bytes(padded_m)), b_slices(slice_bytes(padded_n));
-  scratch_buffer a_scales(static_cast<std::size_t>(a.blocks * padded_m) * sizeof(double));
-  scratch_buffer b_scales(static_cast<std::size_t>(a.blocks * padded_n) * sizeof(double));
-  scratch_buffer unfit(2 * sizeof(unsigned));  // slice_row_block's flags: unfit, not one exponent a row
-  unfit.fill_bytes(0);
-  const auto prepare = [&](const prepared_operand::storage& x, std::int64_t padded, int shift,
-                           const scratch_buffer& slices, const scratch_buffer& scales) {
-    runtime::launch(prepare_sliced_kernel, grid_for(padded * x.blocks), threads_per_block, 0,
-                    x.integers.as<const std::int32_t>(), x.exponents.as<const std::int32_t>(), x.rows, padded,
-                    x.depth, x.blocks, shift, slices.as<std::uint8_t>(), scales.as<double>(), unfit.as<unsigned>());
-  };
-  prepare(a, padded_m, -fraction_total, a_slices, a_scales);
-  prepare(b, padded_n, 0, b_slices, b_scales);
-  unsigned unfit_host[2] = {0, 0};
-  unfit.download(unfit_host, sizeof(unfit_host));
-  if (unfit_host[0] != 0) return false;
-  *whole_k = exact && unfit_host[1] == 0 && a.depth <= slc_whole_depth_limit;
+  const bool make_a = !fits(a_slot, padded_m, -fraction_total);
+  const bool make_b = !fits(b_slot, padded_n, 0);
+  if (make_a || make_b) {
+    scratch_buffer flags_made(4 * sizeof(unsigned));
+    flags_made.fill_bytes(0);
+    const auto make = [&](const prepared_operand::storage& x, std::optional<form>& slot, std::int64_t padded,
+                          int shift, int index) {
+      form& made = slot.emplace(shift, padded, static_cast<std::size_t>(padded * x.blocks * slc_row_block_bytes),
+                                static_cast<std::size_t>(x.blocks * padded) * sizeof(double));
+      runtime::launch(prepare_sliced_kernel, grid_for(padded * x.blocks), threads_per_block, 0,
+                      x.integers.as<const std::int32_t>(), x.exponents.as<const std::int32_t>(), x.rows, padded,
+                      x.depth, x.blocks, shift, made.slices.as<std::uint8_t>(), made.scales.as<double>(),
+                      flags_made.as<unsigned>() + 2 * index);
+    };
+    if (make_a) make(a, a_slot, padded_m, -fraction_total, 0);
+    if (make_b) make(b, b_slot, padded_n, 0, 1);
+    unsigned host[4] = {0, 0, 0, 0};
+    flags_made.download(host, sizeof(host));
+    if (make_a) std::copy(host, host + 2, a_slot->flags);
+    if (make_b) std::copy(host + 2, host + 4, b_slot->flags);
+  }
+  const form& a_form = *a_slot;
+  const form& b_form = *b_slot;
+  if (a_form.flags[0] != 0 || b_form.flags[0] != 0) return false;
+  *whole_k = exact && a_form.flags[1] == 0 && b_form.flags[1] == 0 && a.depth <= slc_whole_depth_limit;
   const auto run = [&](auto kernel) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
     MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(slc_shared_bytes)));
 #endif
     runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
-                    a_slices.as<const std::uint8_t>(), a_scales.as<const double>(), b_slices.as<const std::uint8_t>(),
-                    b_scales.as<const double>(), m, n, padded_m, padded_n, a.blocks, tiles_m, tiles_n, output, out,
+                    a_form.slices.as<const std::uint8_t>(), a_form.scales.as<const double>(),
+                    b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
+                    a.blocks, tiles_m, tiles_n, output, out,
                     exact_out, flags);
   };
   if (*whole_k) {

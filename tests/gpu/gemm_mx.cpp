@@ -162,6 +162,109 @@ void gemm_edges(bool small) {
     if (&kept.operands[0].data() == first) return std::string("other codes did not refill the cache");
     return std::string();
   });
+  run_case("gemm host api gpu::emulate_product mxfp8 kept operands and sliced forms", [&]() -> std::string {
+    // fp32-block then exact of the same e4m3 codes with one cache: each operand prepared once, and
+    // its sliced form (where the sliced kernel runs) made once, by the device timeline's count.
+    const std::uint64_t e4m3_seed = next_seed();
+    const auto [ea, eb] = make_operands(70, 45, 160, 3, 3, 32, gemm_layouts[2], value_kind::banded, e4m3_seed);
+    const auto on_device = [](mxscope::quantized_tensor q) {
+      auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
+      auto scales = std::make_shared<gpu::device_buffer>(q.scales.size());
+      codes->upload(q.codes.data(), q.codes.size());
+      scales->upload(q.scales.data(), q.scales.size());
+      q.device_codes = codes;
+      q.device_scales = scales;
+      return q;
+    };
+    const mxscope::quantized_tensor da = on_device(ea), db = on_device(eb);
+    // Each product's operations on the device timeline: with the cache (the second finds the
+    // operands prepared) and without it.
+    gpu::prepared_pair_cache kept;
+    std::string problem;
+    bool sliced = true;
+    const auto timed = [&](mxscope::accumulation_kind kind, gpu::prepared_pair_cache* cache) {
+      const auto model = model_of(kind);
+      gpu::start_timeline();
+      const mxscope::product_result r =
+          gpu::emulate_product(da, db, model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, false, cache);
+      auto operations = gpu::finish_timeline();
+      sliced = sliced && gpu::last_integer_block_kernel() == gpu::integer_block_kernel::sliced;
+      if (problem.empty()) {
+        problem = check_product_entries(ea, eb, model, mxscope::output_rounding::fp32, gemm_output{r.out, r.exact},
+                                        {}, model_name(model) + ", seed " + hex64(e4m3_seed));
+      }
+      std::vector<std::string> names;
+      for (const auto& op : operations) names.push_back(op.name);
+      return names;
+    };
+    const auto first = timed(mxscope::accumulation_kind::fp32_block, &kept);
+    const auto reused = timed(mxscope::accumulation_kind::exact, &kept);
+    const auto alone = timed(mxscope::accumulation_kind::exact, nullptr);
+    if (!problem.empty()) return problem;
+    if (kept.chosen != gpu::gemm_path::integer) return std::string("not on the integer path");
+    // The reused product queues what the product alone queues less the preparation: a shorter
+    // subsequence (by name, or by kernel address where the backend has no names).
+    std::size_t at = 0;
+    for (const std::string& name : reused) {
+      while (at < alone.size() && alone[at] != name) ++at;
+      if (at == alone.size()) return "the reused product queued " + name + ", which the product alone did not";
+      ++at;
+    }
+    if (reused.size() >= alone.size()) return std::string("the reused product queued as much as the product alone");
+    const auto count = [](const std::vector<std::string>& names, const char* part) {
+      int n = 0;
+      for (const std::string& name : names) n += name.find(part) != std::string::npos ? 1 : 0;
+      return n;
+    };
+    if (count(alone, "prepare_elements") == 2) {  // names on this backend
+      if (count(first, "prepare_elements") != 2 || count(reused, "prepare_elements") != 0) {
+        return std::string("the operands were prepared again");
+      }
+      const int slicings = sliced ? 2 : 0;
+      if (count(first, "prepare_sliced") != slicings || count(reused, "prepare_sliced") != 0 ||
+          count(alone, "prepare_sliced") != slicings) {
+        return std::string("the sliced forms were not made once per operand");
+      }
+    }
+    return std::string();
+  });
+  run_case("gemm multiply_prepared e4m3 one operand on both sides", [&]() -> std::string {
+    // A A^T from one prepared operand (its two sides need sliced forms of two shifts), twice.
+    const std::uint64_t self_seed = next_seed();
+    const auto [ea, unused] = make_operands(40, 40, 96, 3, 3, 32, gemm_layouts[0], value_kind::banded, self_seed);
+    (void)unused;
+    gpu::mx_operand_view view;
+    const gpu::device_buffer codes = [&] {
+      gpu::device_buffer b(ea.codes.size());
+      b.upload(ea.codes.data(), ea.codes.size());
+      return b;
+    }();
+    const gpu::device_buffer scales = [&] {
+      gpu::device_buffer b(ea.scales.size());
+      b.upload(ea.scales.data(), ea.scales.size());
+      return b;
+    }();
+    view.codes = codes.as<const std::uint8_t>();
+    view.scales = scales.as<const std::uint8_t>();
+    view.element = ea.options.format.element;
+    view.block = ea.block;
+    view.axis = ea.options.axis;
+    view.rows = ea.rows;
+    view.cols = ea.cols;
+    const gpu::prepared_operand prepared = gpu::prepare_operand(view, gpu::gemm_path::integer);
+    for (const auto kind : {mxscope::accumulation_kind::fp32_block, mxscope::accumulation_kind::fp32_block}) {
+      const auto model = model_of(kind);
+      gpu::device_buffer out(static_cast<std::size_t>(ea.rows * ea.rows) * sizeof(float));
+      gpu::multiply_prepared(prepared, prepared, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
+                             gpu::gemm_path::integer);
+      matrix got(ea.rows, ea.rows);
+      out.download(got.values.data(), got.values.size() * sizeof(float));
+      std::string problem = check_product_entries(ea, ea, model, mxscope::output_rounding::fp32,
+                                                  gemm_output{got, matrix64()}, {}, "seed " + hex64(self_seed));
+      if (!problem.empty()) return problem;
+    }
+    return std::string();
+  });
   run_case("gemm host api gpu::emulate_product mxfp4 exact automatic keep_on_device", [&]() -> std::string {
     const auto model = model_of(mxscope::accumulation_kind::exact);
     const mxscope::product_result kept =
