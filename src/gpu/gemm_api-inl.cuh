@@ -52,6 +52,53 @@ bool unit_scaled_plain_product(const prepared_operand& left, const prepared_oper
   return all_zero_words(l.exponents, l.blocks * l.rows) && all_zero_words(r.exponents, r.blocks * r.rows);
 }
 
+mx_operand_view view_of(const quantized_tensor& q, const device_buffer& codes, const device_buffer& scales) {
+  mx_operand_view view;
+  view.codes = codes.as<const std::uint8_t>();
+  view.scales = scales.as<const std::uint8_t>();
+  view.element = q.options.format.element;
+  view.block = q.block;
+  view.axis = q.options.axis;
+  view.rows = q.rows;
+  view.cols = q.cols;
+  return view;
+}
+
+// `pair` made to hold a and b prepared for `path` (automatic: the resolved path, or generic where
+// an operand has a non-finite element), unless it already does. The device codes and scales stay
+// held by `pair`, so its views stay valid (an uploaded copy included).
+void prepare_pair(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
+                  gemm_path path, prepared_pair_cache& pair) {
+  const device_buffer_ptr codes[2] = {resident_or_uploaded(a.device_codes, a.codes),
+                                      resident_or_uploaded(b.device_codes, b.codes)};
+  const device_buffer_ptr scales[2] = {resident_or_uploaded(a.device_scales, a.scales),
+                                       resident_or_uploaded(b.device_scales, b.scales)};
+  const mx_operand_view views[2] = {view_of(a, *codes[0], *scales[0]), view_of(b, *codes[1], *scales[1])};
+  const gemm_path requested = path == gemm_path::automatic ? resolve_gemm_path(views[0], views[1], model) : path;
+  if (holds(pair, codes, scales, views, path, requested)) return;
+  pair.filled = false;
+  gemm_path chosen = requested;
+  prepared_operand left = prepare_operand(views[0], chosen);
+  prepared_operand right = prepare_operand(views[1], chosen);
+  if (path == gemm_path::automatic && chosen != gemm_path::generic &&
+      (!left.data().finite_elements || !right.data().finite_elements)) {
+    chosen = gemm_path::generic;
+    left = prepare_operand(views[0], chosen);
+    right = prepare_operand(views[1], chosen);
+  }
+  for (int i = 0; i < 2; ++i) {
+    pair.codes[i] = codes[i];
+    pair.scales[i] = scales[i];
+    pair.views[i] = views[i];
+  }
+  pair.asked = path;
+  pair.requested = requested;
+  pair.chosen = chosen;
+  pair.operands[0] = std::move(left);
+  pair.operands[1] = std::move(right);
+  pair.filled = true;
+}
+
 }  // namespace
 
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
@@ -61,49 +108,9 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
       throw input_error("gpu gemm: field 'format': the GPU backend multiplies MX operands only");
     }
   }
-  const auto view_of = [](const quantized_tensor& q, const device_buffer& codes, const device_buffer& scales) {
-    mx_operand_view view;
-    view.codes = codes.as<const std::uint8_t>();
-    view.scales = scales.as<const std::uint8_t>();
-    view.element = q.options.format.element;
-    view.block = q.block;
-    view.axis = q.options.axis;
-    view.rows = q.rows;
-    view.cols = q.cols;
-    return view;
-  };
-  // Held to the end of the call (and by `kept`): an uploaded copy lives as long as the views.
-  const device_buffer_ptr codes[2] = {resident_or_uploaded(a.device_codes, a.codes),
-                                      resident_or_uploaded(b.device_codes, b.codes)};
-  const device_buffer_ptr scales[2] = {resident_or_uploaded(a.device_scales, a.scales),
-                                       resident_or_uploaded(b.device_scales, b.scales)};
-  const mx_operand_view views[2] = {view_of(a, *codes[0], *scales[0]), view_of(b, *codes[1], *scales[1])};
-  const gemm_path requested = path == gemm_path::automatic ? resolve_gemm_path(views[0], views[1], model) : path;
   prepared_pair_cache local;
   prepared_pair_cache& pair = kept != nullptr ? *kept : local;
-  if (!holds(pair, codes, scales, views, path, requested)) {
-    pair.filled = false;
-    gemm_path chosen = requested;
-    prepared_operand left = prepare_operand(views[0], chosen);
-    prepared_operand right = prepare_operand(views[1], chosen);
-    if (path == gemm_path::automatic && chosen != gemm_path::generic &&
-        (!left.data().finite_elements || !right.data().finite_elements)) {
-      chosen = gemm_path::generic;
-      left = prepare_operand(views[0], chosen);
-      right = prepare_operand(views[1], chosen);
-    }
-    for (int i = 0; i < 2; ++i) {
-      pair.codes[i] = codes[i];
-      pair.scales[i] = scales[i];
-      pair.views[i] = views[i];
-    }
-    pair.asked = path;
-    pair.requested = requested;
-    pair.chosen = chosen;
-    pair.operands[0] = std::move(left);
-    pair.operands[1] = std::move(right);
-    pair.filled = true;
-  }
+  prepare_pair(a, b, model, path, pair);
   const gemm_path chosen = pair.chosen;
   const prepared_operand& left = pair.operands[0];
   const prepared_operand& right = pair.operands[1];
