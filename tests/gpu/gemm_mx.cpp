@@ -5,6 +5,21 @@
 
 namespace gpu_test {
 
+namespace {
+
+// q with device copies of its codes and scales (its host vectors kept).
+mxscope::quantized_tensor on_device(mxscope::quantized_tensor q) {
+  auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
+  auto scales = std::make_shared<gpu::device_buffer>(q.scales.size());
+  codes->upload(q.codes.data(), q.codes.size());
+  scales->upload(q.scales.data(), q.scales.size());
+  q.device_codes = codes;
+  q.device_scales = scales;
+  return q;
+}
+
+}  // namespace
+
 void gemm_sweep(bool small) {
   struct format_pair {
     int a;
@@ -126,15 +141,6 @@ void gemm_edges(bool small) {
   run_case("gemm host api gpu::emulate_product mxfp4 kept operands", [&]() -> std::string {
     // One cache across fp32-block then exact of the same device codes: the second call reuses the
     // prepared operands (the same storage) and both match the oracle; other codes refill it.
-    const auto on_device = [](mxscope::quantized_tensor q) {
-      auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
-      auto scales = std::make_shared<gpu::device_buffer>(q.scales.size());
-      codes->upload(q.codes.data(), q.codes.size());
-      scales->upload(q.scales.data(), q.scales.size());
-      q.device_codes = codes;
-      q.device_scales = scales;
-      return q;
-    };
     const mxscope::quantized_tensor da = on_device(qa), db = on_device(qb);
     gpu::prepared_pair_cache kept;
     const auto product = [&](const mxscope::quantized_tensor& x, const mxscope::quantized_tensor& y,
@@ -167,15 +173,6 @@ void gemm_edges(bool small) {
     // its sliced form (where the sliced kernel runs) made once, by the device timeline's count.
     const std::uint64_t e4m3_seed = next_seed();
     const auto [ea, eb] = make_operands(70, 45, 160, 3, 3, 32, gemm_layouts[2], value_kind::banded, e4m3_seed);
-    const auto on_device = [](mxscope::quantized_tensor q) {
-      auto codes = std::make_shared<gpu::device_buffer>(q.codes.size());
-      auto scales = std::make_shared<gpu::device_buffer>(q.scales.size());
-      codes->upload(q.codes.data(), q.codes.size());
-      scales->upload(q.scales.data(), q.scales.size());
-      q.device_codes = codes;
-      q.device_scales = scales;
-      return q;
-    };
     const mxscope::quantized_tensor da = on_device(ea), db = on_device(eb);
     // Each product's operations on the device timeline: with the cache (the second finds the
     // operands prepared) and without it.
