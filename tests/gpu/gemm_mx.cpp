@@ -123,14 +123,8 @@ void gemm_edges(bool small) {
   run_case("gemm host api gpu::emulate_product mxfp4 fp32-block from codes in device memory", [&]() -> std::string {
     const auto model = model_of(mxscope::accumulation_kind::fp32_block);
     // Device copies of the codes and scales, and host vectors emptied: the product must read them there.
-    mxscope::quantized_tensor da = qa, db = qb;
+    mxscope::quantized_tensor da = on_device(qa), db = on_device(qb);
     for (auto* q : {&da, &db}) {
-      auto codes = std::make_shared<gpu::device_buffer>(q->codes.size());
-      auto scales = std::make_shared<gpu::device_buffer>(q->scales.size());
-      codes->upload(q->codes.data(), q->codes.size());
-      scales->upload(q->scales.data(), q->scales.size());
-      q->device_codes = codes;
-      q->device_scales = scales;
       q->codes.clear();
       q->scales.clear();
     }
@@ -230,27 +224,10 @@ void gemm_edges(bool small) {
     const std::uint64_t self_seed = next_seed();
     const auto [ea, unused] = make_operands(40, 40, 96, 3, 3, 32, gemm_layouts[0], value_kind::banded, self_seed);
     (void)unused;
-    gpu::mx_operand_view view;
-    const gpu::device_buffer codes = [&] {
-      gpu::device_buffer b(ea.codes.size());
-      b.upload(ea.codes.data(), ea.codes.size());
-      return b;
-    }();
-    const gpu::device_buffer scales = [&] {
-      gpu::device_buffer b(ea.scales.size());
-      b.upload(ea.scales.data(), ea.scales.size());
-      return b;
-    }();
-    view.codes = codes.as<const std::uint8_t>();
-    view.scales = scales.as<const std::uint8_t>();
-    view.element = ea.options.format.element;
-    view.block = ea.block;
-    view.axis = ea.options.axis;
-    view.rows = ea.rows;
-    view.cols = ea.cols;
-    const gpu::prepared_operand prepared = gpu::prepare_operand(view, gpu::gemm_path::integer);
-    for (const auto kind : {mxscope::accumulation_kind::fp32_block, mxscope::accumulation_kind::fp32_block}) {
-      const auto model = model_of(kind);
+    const device_operand uploaded = upload_operand(ea);
+    const gpu::prepared_operand prepared = gpu::prepare_operand(uploaded.view, gpu::gemm_path::integer);
+    const auto model = model_of(mxscope::accumulation_kind::fp32_block);
+    for (int repeat = 0; repeat < 2; ++repeat) {
       gpu::device_buffer out(static_cast<std::size_t>(ea.rows * ea.rows) * sizeof(float));
       gpu::multiply_prepared(prepared, prepared, model, mxscope::output_rounding::fp32, out.as<float>(), nullptr,
                              gpu::gemm_path::integer);
