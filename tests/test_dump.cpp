@@ -14,9 +14,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mxscope/cli/cli.hpp"
@@ -677,6 +680,33 @@ TEST_F(HandBuiltDump, QuantizedOperandsNeedPairsRecipesAndConsistentShapes) {
   expect_rejected({file, "tensor 'dy.codes'", "'shape'", "[8, 4]", "[8, 2]"});
   with([](entry_spec& s) { s.extra_u8 = {{"dy.codes", {8, 2}}, {"dy.scales", {8, 1}}}; });
   expect_rejected({file, "tensor 'dy.scales'", "'shape'", "[2, 4]"});
+}
+
+// dump_read_options::listener hears of x and dy, each started once and every element told once,
+// with the read's own destination; never of w or dw, which the entry holds too.
+TEST_F(HandBuiltDump, ReadListenerHearsOfXAndDyOnly) {
+  write_manifest();
+  const dump_reader reader(directory_.path());
+  struct names_listener final : mxscope::io::read_listener {
+    std::mutex mutex;
+    std::map<std::string, const float*> started_at;
+    std::map<std::string, std::uint64_t> told;
+    void started(std::string_view tensor, const float* values, std::int64_t, std::int64_t) override {
+      const std::lock_guard<std::mutex> lock(mutex);
+      started_at[std::string(tensor)] = values;
+    }
+    void piece(std::string_view tensor, std::uint64_t, std::uint64_t count) override {
+      const std::lock_guard<std::mutex> lock(mutex);
+      told[std::string(tensor)] += count;
+    }
+  } listener;
+  mxscope::io::dump_read_options options;
+  options.listener = &listener;
+  const dump_entry entry = reader.read(reader.entries().front(), options);
+  ASSERT_TRUE(entry.w.has_value());
+  ASSERT_TRUE(entry.dw.has_value());
+  EXPECT_EQ(listener.started_at, (std::map<std::string, const float*>{{"dy", entry.dy.data()}, {"x", entry.x.data()}}));
+  EXPECT_EQ(listener.told, (std::map<std::string, std::uint64_t>{{"dy", entry.dy.values.size()}, {"x", entry.x.values.size()}}));
 }
 
 TEST_F(HandBuiltDump, NonFiniteValuesAreCountedPerTensorAndCanBeRejected) {

@@ -16,10 +16,13 @@
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "support/temporary_directory.hpp"
@@ -285,6 +288,73 @@ TEST(SafetensorsReader, PieceReadOfAShrunkFileGivesAClearError) {
     mxscope::io::nonfinite_count counted;
     expect_input_error([&] { (void)reader.read_matrix("b", counted, mxscope::matrix{}, {16'384, threads}); },
                        {path.string(), "short read"}, "file cut after opening");
+  }
+}
+
+// What a read_listener is told: `started` with the destination the read returns, before any
+// piece; then pieces covering every element exactly once, each with its final values in place when
+// told (checked against the stored bits inside the callback, while other pieces are still being
+// read); for the threaded reads of many pieces and for the one-chunk read of a small tensor.
+class recording_listener final : public mxscope::io::read_listener {
+ public:
+  explicit recording_listener(const std::vector<std::uint16_t>& stored) : stored_(stored) {}
+  void started(std::string_view tensor, const float* values, std::int64_t rows, std::int64_t cols) override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    tensor_ = std::string(tensor);
+    values_ = values;
+    ++started_;
+    told_.assign(static_cast<std::size_t>(rows * cols), 0);
+  }
+  void piece(std::string_view tensor, std::uint64_t first, std::uint64_t count) override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (tensor != tensor_ || values_ == nullptr || first + count > told_.size()) {
+      ++misplaced_;
+      return;
+    }
+    ++pieces_;
+    for (std::uint64_t i = first; i < first + count; ++i) {
+      ++told_[i];
+      wrong_ += float_bits(values_[i]) != std::uint32_t{stored_[i]} << 16;
+    }
+  }
+  const std::vector<std::uint16_t>& stored_;
+  std::mutex mutex_;
+  std::string tensor_;
+  const float* values_ = nullptr;
+  int started_ = 0;
+  int pieces_ = 0;
+  int misplaced_ = 0;
+  std::uint64_t wrong_ = 0;
+  std::vector<int> told_;
+};
+
+TEST(SafetensorsReader, ListenerIsToldOfEveryPieceOnceWithItsFinalValues) {
+  constexpr std::size_t n = 300'006;
+  std::vector<std::uint16_t> stored(n);
+  for (std::size_t i = 0; i < n; ++i) stored[i] = static_cast<std::uint16_t>((i * 2654435761U) >> 8) & 0x7F7FU;
+  std::vector<std::uint8_t> bytes(n * 2);
+  std::memcpy(bytes.data(), stored.data(), bytes.size());
+  safetensors_writer writer;
+  writer.add("b", dtype::bf16, {static_cast<std::int64_t>(n / 7), 7}, bytes);
+  temporary_directory directory;
+  const fs::path path = directory.path() / "told.safetensors";
+  writer.write(path);
+  const safetensors_reader reader(path);
+  // Many pieces on several threads (pieces not a whole number of elements), one thread, one piece.
+  for (const auto& [piece_bytes, threads, expected_pieces] :
+       {std::tuple{4'097, 4, 147}, std::tuple{65'536, 1, 10}, std::tuple{8 << 20, 0, 1}}) {
+    const std::string what = fmt::format("piece_bytes {} threads {}", piece_bytes, threads);
+    recording_listener listener(stored);
+    mxscope::io::nonfinite_count counted;
+    const mxscope::matrix values = reader.read_matrix(
+        "b", counted, mxscope::matrix{}, {static_cast<std::uint64_t>(piece_bytes), threads, &listener});
+    EXPECT_EQ(listener.started_, 1) << what;
+    EXPECT_EQ(listener.tensor_, "b") << what;
+    EXPECT_EQ(listener.values_, values.data()) << what;
+    EXPECT_EQ(listener.misplaced_, 0) << what;
+    EXPECT_EQ(listener.pieces_, expected_pieces) << what;
+    EXPECT_EQ(listener.wrong_, 0U) << what;
+    EXPECT_EQ(std::count(listener.told_.begin(), listener.told_.end(), 1), static_cast<std::ptrdiff_t>(n)) << what;
   }
 }
 

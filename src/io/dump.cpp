@@ -574,9 +574,11 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     matrix values;
     nonfinite_count count;
   };
-  const auto read_values = [&reader](const char* name, matrix storage) {
+  const auto read_values = [&reader](const char* name, matrix storage, read_listener* listener) {
+    safetensors_reader::pieces split;
+    split.listener = listener;
     loaded out;
-    out.values = reader.read_matrix(name, out.count, std::move(storage));
+    out.values = reader.read_matrix(name, out.count, std::move(storage), split);
     return out;
   };
   const auto keep = [&](const char* name, loaded&& tensor) {
@@ -587,11 +589,11 @@ dump_entry dump_reader::read(const dump_entry_info& info, const dump_read_option
     }
     return std::move(tensor.values);
   };
-  auto load = [&](const char* name) { return keep(name, read_values(name, matrix{})); };
+  auto load = [&](const char* name) { return keep(name, read_values(name, matrix{}, nullptr)); };
   // dy on a second thread while x is read here (pread: the two reads share nothing); the checks
   // and their errors come in the order x, dy, as from one thread.
-  auto dy_values = std::async(std::launch::async, read_values, "dy", std::move(recycled.dy));
-  loaded x_values = read_values("x", std::move(recycled.x));
+  auto dy_values = std::async(std::launch::async, read_values, "dy", std::move(recycled.dy), options.listener);
+  loaded x_values = read_values("x", std::move(recycled.x), options.listener);
   loaded dy_read = dy_values.get();
   entry.x = keep("x", std::move(x_values));
   entry.dy = keep("dy", std::move(dy_read));

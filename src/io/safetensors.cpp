@@ -666,6 +666,7 @@ void safetensors_reader::read_pieces(const tensor_info& tensor, const pieces& sp
         const std::uint64_t n = std::min(per_piece, total - first);
         read_tensor_bytes(tensor, first * element_size, n * element_size, buffer.data());
         convert_counting(tensor.type, buffer.data(), n, destination + first, counts[static_cast<std::size_t>(t)]);
+        if (split.listener != nullptr) split.listener->piece(tensor.name, first, n);
       }
     } catch (...) {
       errors[static_cast<std::size_t>(t)] = {piece, std::current_exception()};
@@ -712,6 +713,7 @@ matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& c
   reserve_for_read(result.values, static_cast<std::size_t>(rows * cols));
   result.values.resize(static_cast<std::size_t>(rows * cols));  // every element is written below
   count = {};
+  if (split.listener != nullptr) split.listener->started(tensor.name, result.data(), rows, cols);
   if ((tensor.type == dtype::bf16 || tensor.type == dtype::f32) && tensor.byte_size() > split.piece_bytes) {
     read_pieces(tensor, split, result.data(), count);
     return result;
@@ -731,6 +733,7 @@ matrix safetensors_reader::read_matrix(std::string_view name, nonfinite_count& c
     }
     filled += elements;
   });
+  if (split.listener != nullptr) split.listener->piece(tensor.name, 0, filled);
   return result;
 }
 

@@ -117,6 +117,8 @@ struct dump_read_options {
   bool read_weight = true;
   bool read_weight_gradient = true;
   bool read_quantized = true;
+  // Told as x and dy are read (read_listener), for a copy of them that starts before the read ends.
+  read_listener* listener = nullptr;
 };
 
 class dump_reader {

@@ -79,6 +79,20 @@ struct nonfinite_count {
   std::uint64_t total() const { return nan + inf; }
 };
 
+// Told of a matrix read's progress (safetensors_reader::pieces::listener) while it runs, so that
+// a copy of the values (the GPU's upload) can start before the read ends: `started` once the
+// destination has room for the tensor's rows x cols fp32 values at `values`, then `piece` for each
+// range [first, first + count) of elements whose values are final there, every element exactly
+// once and in no particular order. Called from the reading threads, several at a time: an
+// implementation locks what it shares. A read that fails may have told of some pieces before it
+// stopped; the caller learns of the failure from the read itself.
+class read_listener {
+ public:
+  virtual ~read_listener() = default;
+  virtual void started(std::string_view tensor, const float* values, std::int64_t rows, std::int64_t cols) = 0;
+  virtual void piece(std::string_view tensor, std::uint64_t first, std::uint64_t count) = 0;
+};
+
 class safetensors_reader {
  public:
   // Opens and validates `path`; the tensor data stays on disk.
@@ -122,9 +136,11 @@ class safetensors_reader {
   // BF16 and F32 tensors of more than one piece are read by several threads at once, each piece
   // one pread of its own followed by its conversion, so that the disk sees several requests at a
   // time and the conversion runs beside the reads (docs/architecture.md, "Reading a capture").
+  // `listener`, when given, is told of the read's progress (read_listener).
   struct pieces {
     std::uint64_t piece_bytes = std::uint64_t{8} << 20;
     int threads = 0;  // 0: min(8, hardware threads), at least 2
+    read_listener* listener = nullptr;
   };
   matrix read_matrix(std::string_view name, nonfinite_count& count, matrix storage) const;
   matrix read_matrix(std::string_view name, nonfinite_count& count, matrix storage, const pieces& split) const;
