@@ -116,6 +116,8 @@ class device_matrix {
   double* fp64() const;
   matrix download32() const;
   matrix64 download64() const;
+  // Elements [first, first + count) of an fp32 matrix from `host` (device_buffer::upload's copy).
+  void upload_part(const float* host, std::int64_t first, std::int64_t count);
 
  private:
   device_buffer buffer_;
@@ -149,6 +151,12 @@ class stream_scope {
 // return. The buffer is allocated and freed as device_matrix::upload's (cudaMalloc, cudaFree), so
 // any thread may use and free it afterwards. The HIP build uploads on the default stream.
 device_matrix upload_beside(const matrix& values);
+// The same in parts, for values that arrive piece by piece (the first step's operands while they
+// are read): an fp32 matrix of uninitialized contents allocated from the calling thread, then
+// elements [first, first + count) of the row-major values copied in from `host` on the calling
+// thread's own stream, complete on return; any threads may copy disjoint parts at once.
+device_matrix allocate_beside(std::int64_t rows, std::int64_t cols);
+void upload_beside(device_matrix& values, const float* host, std::int64_t first, std::int64_t count);
 
 // Makes the current device's pinned upload slots now (device_buffer::upload takes large copies
 // through them, making them at its first): a background start-up calls it so that the first step

@@ -38,6 +38,10 @@ device_matrix_ptr upload(const matrix64& values);
 // The same on a stream of the calling thread's own, beside the default stream's work (a
 // background thread uploads the next step while this one computes); complete on return.
 device_matrix_ptr upload_beside(const matrix& values);
+// The same in parts from any threads (gpu::allocate_beside, gpu::upload_beside): the first step's
+// operands copied piece by piece as they are read.
+std::shared_ptr<device_matrix> allocate_beside(std::int64_t rows, std::int64_t cols);
+void upload_beside(device_matrix& values, const float* host, std::int64_t first, std::int64_t count);
 // Makes the current GPU's pinned upload slots (gpu::prepare_staged_uploads) ahead of the first upload.
 void prepare_uploads();
 void download(const device_matrix& values, matrix& out);

@@ -20,6 +20,12 @@ device_matrix_ptr upload(const matrix64& values) {
 device_matrix_ptr upload_beside(const matrix& values) {
   return std::make_shared<const gpu::device_matrix>(gpu::upload_beside(values));
 }
+std::shared_ptr<device_matrix> allocate_beside(std::int64_t rows, std::int64_t cols) {
+  return std::make_shared<gpu::device_matrix>(gpu::allocate_beside(rows, cols));
+}
+void upload_beside(device_matrix& values, const float* host, std::int64_t first, std::int64_t count) {
+  gpu::upload_beside(values, host, first, count);
+}
 void prepare_uploads() { gpu::prepare_staged_uploads(); }
 void download(const device_matrix& values, matrix& out) { out = values.download32(); }
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }

@@ -235,7 +235,7 @@ device_matrix device_matrix::upload(const matrix& values) {
 }
 
 namespace {
-// One stream per thread that uploads beside the default stream, made on its first use.
+// A stream that runs beside the default stream, destroyed with its owner.
 class side_stream {
  public:
   side_stream() { MXSCOPE_GPU_CHECK(runtime::stream_create_beside(&stream_)); }
@@ -249,12 +249,35 @@ class side_stream {
  private:
   void* stream_ = nullptr;
 };
+
+// One stream per thread that uploads beside the default stream, made on its first use.
+void* side_stream_of_thread() {
+  static thread_local const side_stream stream;
+  return stream.get();
+}
 }  // namespace
 
 device_matrix upload_beside(const matrix& values) {
-  static thread_local const side_stream stream;
-  const stream_scope scope(stream.get(), false);  // plain allocation: freed by cudaFree, on any thread
+  const stream_scope scope(side_stream_of_thread(), false);  // plain allocation: freed by cudaFree, on any thread
   return device_matrix::upload(values);
+}
+
+device_matrix allocate_beside(std::int64_t rows, std::int64_t cols) {
+  const stream_scope scope(side_stream_of_thread(), false);
+  return device_matrix(rows, cols, device_matrix::element::fp32);
+}
+
+void upload_beside(device_matrix& values, const float* host, std::int64_t first, std::int64_t count) {
+  const stream_scope scope(side_stream_of_thread(), false);
+  values.upload_part(host, first, count);
+}
+
+void device_matrix::upload_part(const float* host, std::int64_t first, std::int64_t count) {
+  if (kind_ != element::fp32) throw std::logic_error("device_matrix::upload_part: an fp64 matrix");
+  if (first < 0 || count < 0 || first + count > size()) {
+    throw std::logic_error("device_matrix::upload_part: elements outside the matrix");
+  }
+  buffer_.upload(host, static_cast<std::size_t>(count) * sizeof(float), static_cast<std::size_t>(first) * sizeof(float));
 }
 
 device_matrix device_matrix::upload(const matrix64& values) {
