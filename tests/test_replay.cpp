@@ -323,6 +323,8 @@ TEST(Replay, BytesDoNotDependOnThreadsOrInterruption) {
   EXPECT_TRUE(seconds_of("one").at("first_read").is_number());
   EXPECT_GE(seconds_of("one").at("first_read").get<double>(), 0.0);
   EXPECT_TRUE(seconds_of("resumed").at("first_read").is_null());
+  // Nothing goes to a GPU on the CPU: no share of the first upload during the read.
+  EXPECT_TRUE(nlohmann::json::parse(read_text(root / "one" / "run.json")).at("first_upload_during_read").is_null());
   fs::remove_all(root);
 }
 

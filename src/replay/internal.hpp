@@ -142,6 +142,9 @@ json summary_provenance(const replay_options& options, const analysis& parsed, c
 struct run_seconds {
   double total, read, setup, upload, hashing, hashing_wait, reference, strategies;
   double first_read;  // the first step's read on its own (-1: not read ahead; run.json null)
+  // The share of the first step's x and dy elements copied to the GPU while they were read
+  // (streamed_upload; -1: not streamed; run.json null).
+  double first_upload_during_read = -1.0;
 };
 
 // run.json: where each stage ran, threads and ranks, what was resumed, the stage times, the time

@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <future>
 #include <map>
+#include <memory>
 #include <optional>
 #include <ostream>
 
@@ -24,6 +26,7 @@
 #include "rows.hpp"
 #include "run_directory.hpp"
 #include "step.hpp"
+#include "streamed_upload.hpp"
 
 namespace mxscope {
 
@@ -82,10 +85,19 @@ class replay_run {
   std::optional<io::dump_reader> dump_;
   int gpu_index_ = 0;
   std::future<void> gpu_starting_;
+  // Set when that start-up ends: true where it succeeded (device_ and gpu_index_ are set by then).
+  std::promise<bool> gpu_started_promise_;
+  std::shared_future<bool> gpu_started_ = gpu_started_promise_.get_future().share();
+  // The first step's x and dy copied to the GPU while they are read (streamed_upload.hpp), where
+  // the run asks for the GPU; declared before first_read_, which is destroyed first (its
+  // destructor waits for the read).
+  std::unique_ptr<device_upload_target> first_target_;
+  std::unique_ptr<streamed_upload> first_upload_;
   // The first step's capture, read on a background thread from the start (start_first_read).
   const io::dump_entry_info* first_read_info_ = nullptr;
   std::future<io::dump_entry> first_read_;
   double seconds_first_read_ = -1.0;  // that read's own duration (-1: none)
+  double first_upload_during_read_ = -1.0;  // run_seconds::first_upload_during_read
   std::vector<layer_plan> plan_;
   std::optional<unit_catalog> units_;
   bool attribute_ = false;
@@ -151,9 +163,15 @@ void replay_run::start() {
     if (device_ == compute_device::gpu) {
       gpu_index_ = options_.device_index % gpu_count();
       if (gpu_index_ < 0) select_gpu(device_, gpu_index_);  // the error "GPU -1 does not exist"
-      gpu_starting_ = std::async(std::launch::async, [device = device_, index = gpu_index_] {
-        select_gpu(device, index);
-        backend::prepare_uploads();  // the pinned upload slots, beside the first read too
+      gpu_starting_ = std::async(std::launch::async, [this, device = device_, index = gpu_index_] {
+        try {
+          select_gpu(device, index);
+          backend::prepare_uploads();  // the pinned upload slots, beside the first read too
+        } catch (...) {
+          gpu_started_promise_.set_value(false);
+          throw;
+        }
+        gpu_started_promise_.set_value(true);
       });
     }
     compute_.device = device_;
@@ -203,7 +221,18 @@ void replay_run::start_first_read() {
                       run_directory::state_of(options_.out) == run_directory::run_state::empty);
   if (!fresh) return;
   first_read_info_ = plan_.front().entries.front();
-  first_read_ = std::async(std::launch::async, [this, info = first_read_info_, options = read_options()] {
+  io::dump_read_options options = read_options();
+  if (options_.device == "gpu" && backend::built_with_gpu()) {
+    first_target_ = std::make_unique<device_upload_target>([this] {
+      using namespace std::chrono_literals;
+      if (gpu_started_.wait_for(0s) != std::future_status::ready || !gpu_started_.get()) return false;
+      select_gpu(device_, gpu_index_);
+      return true;
+    });
+    first_upload_ = std::make_unique<streamed_upload>(*first_target_);
+    options.listener = first_upload_.get();
+  }
+  first_read_ = std::async(std::launch::async, [this, info = first_read_info_, options] {
     const auto reading = clock_type::now();
     io::dump_entry entry = dump_->read(*info, options);
     seconds_first_read_ = seconds_since(reading);
@@ -423,10 +452,12 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
     auto mark = clock_type::now();
     if (seconds_setup_ < 0.0) seconds_setup_ = seconds_since(started_);
     read_ahead ahead;
+    streamed_upload* streamed = nullptr;  // the first read's copies to the GPU, finished below
     if (next_entry.valid()) {
       ahead = next_entry.get();
     } else if (first_read_.valid() && info == first_read_info_) {
       ahead.entry = first_read_.get();
+      streamed = first_upload_.get();
     } else {
       ahead.entry = dump.read(*info, read_options);
     }
@@ -452,6 +483,16 @@ void replay_run::replay_steps(const layer_plan& layer, std::vector<gemm_state>& 
       mark = clock_type::now();
       ready_gpu();
       const backend::timeline_label label("upload");
+      if (streamed != nullptr) {
+        const std::array<bool, 2> whole = streamed->finish();
+        const std::array<std::uint64_t, 2> during = streamed->copied_while_reading();
+        const double elements = static_cast<double>(entry.x.values.size() + entry.dy.values.size());
+        first_upload_during_read_ = elements > 0.0 ? static_cast<double>(during[0] + during[1]) / elements : 0.0;
+        if (whole[0]) ahead.x = first_target_->take(0);
+        if (whole[1]) ahead.dy = first_target_->take(1);
+        first_upload_.reset();  // and the device memory of a copy that was not whole
+        first_target_.reset();
+      }
       const device_matrix_ptr uploaded[] = {ahead.x, ahead.dy, ahead.w};
       const matrix* const hosts[] = {operands.x, operands.dy, operands.w};
       for (int i = 0; i < 3; ++i) {
@@ -595,7 +636,8 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
                             seconds_hashing_wait_,
                             step_seconds_.reference,
                             step_seconds_.strategies,
-                            seconds_first_read_};
+                            seconds_first_read_,
+                            first_upload_during_read_};
   json run = run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
   std::optional<std::string> kernel_times;
   if (options_.kernel_times) {

@@ -124,6 +124,8 @@ json run_record(const std::string& device_option, const std::string& gpu_name, c
                     {"reference", seconds.reference},
                     {"strategies", seconds.strategies}};
   run["seconds"]["first_read"] = seconds.first_read >= 0.0 ? json(seconds.first_read) : json(nullptr);
+  run["first_upload_during_read"] =
+      seconds.first_upload_during_read >= 0.0 ? json(seconds.first_upload_during_read) : json(nullptr);
   json per_strategy = json::object();
   json per_strategy_stage = json::object();
   for (std::size_t k = 0; k < parsed.strategies.size(); ++k) {
