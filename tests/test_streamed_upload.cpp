@@ -5,6 +5,8 @@
 // ready (before the read, during it, only at the end, never) and whatever copy failed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -50,11 +52,13 @@ class host_target final : public upload_target {
     std::memcpy(values[index].data() + first, from, count * sizeof(float));
     const std::lock_guard<std::mutex> lock(mutex_);
     for (std::uint64_t i = first; i < first + count; ++i) ++writes[index][i];
+    ++copies[index];
   }
 
   std::vector<float> values[2];
   std::vector<int> writes[2];
   int allocations[2] = {0, 0};
+  int copies[2] = {0, 0};
 
  private:
   std::atomic<int> calls_{0};
@@ -119,7 +123,7 @@ TEST_F(StreamedUpload, ReadyFromTheStartCopiesEverythingWhileReading) {
   expect_whole_copy(target, 1);
 }
 
-TEST_F(StreamedUpload, ReadyOnlyAtTheEndCopiesEverythingThen) {
+TEST_F(StreamedUpload, ReadyOnlyAtTheEndCopiesEverythingThenInOneRange) {
   host_target target;
   target.ready_after = -1;
   streamed_upload upload(target);
@@ -130,6 +134,9 @@ TEST_F(StreamedUpload, ReadyOnlyAtTheEndCopiesEverythingThen) {
   EXPECT_EQ(upload.finish(), (std::array<bool, 2>{true, true}));
   expect_whole_copy(target, 0);
   expect_whole_copy(target, 1);
+  // The waiting pieces, adjacent, went as one copy per operand (the pinned path's size).
+  EXPECT_EQ(target.copies[0], 1);
+  EXPECT_EQ(target.copies[1], 1);
 }
 
 // Ready from its 20th question on: some pieces wait, the reading threads copy them with later

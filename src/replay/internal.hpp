@@ -145,6 +145,9 @@ struct run_seconds {
   // The share of the first step's x and dy elements copied to the GPU while they were read
   // (streamed_upload; -1: not streamed; run.json null).
   double first_upload_during_read = -1.0;
+  // From the start until the GPU's context was made and until its start-up (the pinned upload
+  // slots too) ended, on the background thread (-1: no GPU; run.json null).
+  double gpu_context = -1.0, gpu_ready = -1.0;
 };
 
 // run.json: where each stage ran, threads and ranks, what was resumed, the stage times, the time

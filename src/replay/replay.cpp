@@ -98,6 +98,9 @@ class replay_run {
   std::future<io::dump_entry> first_read_;
   double seconds_first_read_ = -1.0;  // that read's own duration (-1: none)
   double first_upload_during_read_ = -1.0;  // run_seconds::first_upload_during_read
+  // From the start until the GPU's context was made, and until its start-up ended (-1: no GPU);
+  // written by the start-up thread, read after ready_gpu.
+  double seconds_gpu_context_ = -1.0, seconds_gpu_ready_ = -1.0;
   std::vector<layer_plan> plan_;
   std::optional<unit_catalog> units_;
   bool attribute_ = false;
@@ -163,15 +166,19 @@ void replay_run::start() {
     if (device_ == compute_device::gpu) {
       gpu_index_ = options_.device_index % gpu_count();
       if (gpu_index_ < 0) select_gpu(device_, gpu_index_);  // the error "GPU -1 does not exist"
+      // The first read's copies may start once the context is made (they do not use the pinned
+      // slots, which are made after it).
       gpu_starting_ = std::async(std::launch::async, [this, device = device_, index = gpu_index_] {
         try {
           select_gpu(device, index);
-          backend::prepare_uploads();  // the pinned upload slots, beside the first read too
         } catch (...) {
           gpu_started_promise_.set_value(false);
           throw;
         }
+        seconds_gpu_context_ = seconds_since(started_);
         gpu_started_promise_.set_value(true);
+        backend::prepare_uploads();  // the pinned upload slots, beside the first read too
+        seconds_gpu_ready_ = seconds_since(started_);
       });
     }
     compute_.device = device_;
@@ -637,7 +644,9 @@ void replay_run::assemble(const std::vector<json>& per_rank) {
                             step_seconds_.reference,
                             step_seconds_.strategies,
                             seconds_first_read_,
-                            first_upload_during_read_};
+                            first_upload_during_read_,
+                            seconds_gpu_context_,
+                            seconds_gpu_ready_};
   json run = run_record(options_.device, gpu_name, placed_, threads_, outcome_, seconds, merged, *parsed_, per_rank);
   std::optional<std::string> kernel_times;
   if (options_.kernel_times) {

@@ -1,6 +1,7 @@
 // streamed_upload (streamed_upload.hpp).
 #include "streamed_upload.hpp"
 
+#include <algorithm>
 #include <exception>
 
 namespace mxscope::replay_internal {
@@ -34,8 +35,18 @@ std::vector<streamed_upload::range> streamed_upload::take_waiting(operand& o, in
     o.failed = true;
     return {};
   }
+  // Adjacent pieces as one range: a large copy takes the pinned path (device_buffer::upload),
+  // which a copy of every piece alone would miss where the device was ready only at the end.
+  std::sort(o.waiting.begin(), o.waiting.end());
   std::vector<range> taken;
-  taken.swap(o.waiting);
+  for (const range& r : o.waiting) {
+    if (!taken.empty() && taken.back().first + taken.back().second == r.first) {
+      taken.back().second += r.second;
+    } else {
+      taken.push_back(r);
+    }
+  }
+  o.waiting.clear();
   return taken;
 }
 

@@ -124,6 +124,8 @@ json run_record(const std::string& device_option, const std::string& gpu_name, c
                     {"reference", seconds.reference},
                     {"strategies", seconds.strategies}};
   run["seconds"]["first_read"] = seconds.first_read >= 0.0 ? json(seconds.first_read) : json(nullptr);
+  run["seconds"]["gpu_context"] = seconds.gpu_context >= 0.0 ? json(seconds.gpu_context) : json(nullptr);
+  run["seconds"]["gpu_ready"] = seconds.gpu_ready >= 0.0 ? json(seconds.gpu_ready) : json(nullptr);
   run["first_upload_during_read"] =
       seconds.first_upload_during_read >= 0.0 ? json(seconds.first_upload_during_read) : json(nullptr);
   json per_strategy = json::object();
