@@ -430,6 +430,14 @@ scaled_operand_forms scaled_forms(const prepared_operand& operand);
 // model (may be null). Throws input_error for mismatched depths or blocks or an uncovered path.
 void multiply_prepared(const prepared_operand& a, const prepared_operand& b, const accumulation_model& model,
                        output_rounding output, float* out, double* exact_out, gemm_path path);
+// The fp32-block product into `out` (with `output`) and the exact model's product of the same
+// operands into exact_out (fp64) and exact_out32 (fp32, output fp32) from one pass of the integer
+// path's sliced kernel, which forms each block dot once for both; the bits are those of two
+// multiply_prepared calls. False, with nothing computed, where that kernel does not take the
+// operands (prepared for another path, not on its conditions, or another integer-path kernel
+// selected): the caller multiplies twice.
+bool multiply_prepared_both(const prepared_operand& a, const prepared_operand& b, output_rounding output, float* out,
+                            double* exact_out, float* exact_out32);
 
 // The path `automatic` resolves to for these operands.
 gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, const accumulation_model& model);
@@ -544,6 +552,12 @@ struct prepared_pair_cache {
   gemm_path chosen = gemm_path::automatic;     // the path the operands were prepared for
   prepared_operand operands[2];
   bool filled = false;
+  // An exact product of the same operands follows (run_gemm's exact_too): an fp32-block product
+  // that can form both in one pass (multiply_prepared_both) leaves the exact one here for that call,
+  // which takes it (fp32 and fp64 results; dropped where the pair is prepared again).
+  bool exact_follows = false;
+  std::shared_ptr<device_matrix> exact_out32;
+  std::shared_ptr<device_matrix> exact_out;
 };
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
                                output_rounding output = output_rounding::fp32, gemm_path path = gemm_path::automatic,

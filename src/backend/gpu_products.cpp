@@ -270,7 +270,11 @@ prepared_operand prepare(const matrix& tensor, const quantize_options& quantize_
   return out;
 }
 
-std::shared_ptr<product_cache> make_product_cache() { return std::make_shared<product_cache>(); }
+std::shared_ptr<product_cache> make_product_cache() {
+  auto cache = std::make_shared<product_cache>();
+  cache->prepared.exact_follows = true;  // run_gemm makes one for its exact_too product
+  return cache;
+}
 
 std::optional<product_result> product(const quantized_tensor& a, const quantized_tensor& b,
                                       const accumulation_model& model, output_rounding output,

@@ -77,6 +77,8 @@ void prepare_pair(const quantized_tensor& a, const quantized_tensor& b, const ac
   const gemm_path requested = path == gemm_path::automatic ? resolve_gemm_path(views[0], views[1], model) : path;
   if (holds(pair, codes, scales, views, path, requested)) return;
   pair.filled = false;
+  pair.exact_out32.reset();  // an exact product of other operands
+  pair.exact_out.reset();
   gemm_path chosen = requested;
   prepared_operand left = prepare_operand(views[0], chosen);
   prepared_operand right = prepare_operand(views[1], chosen);
@@ -99,6 +101,36 @@ void prepare_pair(const quantized_tensor& a, const quantized_tensor& b, const ac
   pair.filled = true;
 }
 
+// The product of the pair under `model` into out (and exact, for the exact model); an fp32-block
+// product whose exact one follows (pair.exact_follows) leaves that in the pair where one pass forms both.
+void multiply_pair(prepared_pair_cache& pair, const accumulation_model& model, output_rounding output,
+                   device_matrix& out, device_matrix* exact, gemm_path path) {
+  const prepared_operand& left = pair.operands[0];
+  const prepared_operand& right = pair.operands[1];
+  const gemm_path chosen = pair.chosen;
+  if (path == gemm_path::automatic && unit_scaled_plain_product(left, right, model)) {
+    // Every block scale 2^0 (per-tensor operands as unit-scaled MX ones) where only the per-entry
+    // kernel covers the formats (fp8 e5m2 x e4m3: block dots of up to 55 bits): the elements are
+    // plain fp32 operands and the model is the same definition with unit block scales, which the
+    // tiled plain-operand kernel computes (fp64 tensor cores on the K-blocks whose dot is exact
+    // there, the per-product kernel for the rest).
+    const auto& l = left.data();
+    plain_product_on_device(l.elements.as<const float>(), right.data().elements.as<const float>(), l.rows,
+                            right.data().rows, l.depth, l.block, model, output, out.fp32());
+    return;
+  }
+  if (pair.exact_follows && model.kind == accumulation_kind::fp32_block && chosen == gemm_path::integer) {
+    auto exact32 = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp32);
+    auto exact64 = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp64);
+    if (multiply_prepared_both(left, right, output, out.fp32(), exact64->fp64(), exact32->fp32())) {
+      pair.exact_out32 = std::move(exact32);
+      pair.exact_out = std::move(exact64);
+      return;
+    }
+  }
+  multiply_prepared(left, right, model, output, out.fp32(), exact != nullptr ? exact->fp64() : nullptr, chosen);
+}
+
 }  // namespace
 
 product_result emulate_product(const quantized_tensor& a, const quantized_tensor& b, const accumulation_model& model,
@@ -111,25 +143,19 @@ product_result emulate_product(const quantized_tensor& a, const quantized_tensor
   prepared_pair_cache local;
   prepared_pair_cache& pair = kept != nullptr ? *kept : local;
   prepare_pair(a, b, model, path, pair);
-  const gemm_path chosen = pair.chosen;
-  const prepared_operand& left = pair.operands[0];
-  const prepared_operand& right = pair.operands[1];
   product_result result;
   const bool want_exact = model.kind == accumulation_kind::exact;
-  auto out = std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp32);
-  auto exact = want_exact ? std::make_shared<device_matrix>(left.rows(), right.rows(), device_matrix::element::fp64)
-                          : nullptr;
-  if (path == gemm_path::automatic && unit_scaled_plain_product(left, right, model)) {
-    // Every block scale 2^0 (per-tensor operands as unit-scaled MX ones) where only the per-entry
-    // kernel covers the formats (fp8 e5m2 x e4m3: block dots of up to 55 bits): the elements are
-    // plain fp32 operands and the model is the same definition with unit block scales, which the
-    // tiled plain-operand kernel computes (fp64 tensor cores on the K-blocks whose dot is exact
-    // there, the per-product kernel for the rest).
-    const auto& l = left.data();
-    plain_product_on_device(l.elements.as<const float>(), right.data().elements.as<const float>(), l.rows,
-                            right.data().rows, l.depth, l.block, model, output, out->fp32());
+  std::shared_ptr<device_matrix> out, exact;
+  if (want_exact && pair.exact_out && output == output_rounding::fp32) {
+    // Left by the fp32-block product of these operands (multiply_prepared_both).
+    out = std::move(pair.exact_out32);  // the pair no longer holds them
+    exact = std::move(pair.exact_out);
   } else {
-    multiply_prepared(left, right, model, output, out->fp32(), want_exact ? exact->fp64() : nullptr, chosen);
+    const std::int64_t rows = pair.operands[0].rows();
+    const std::int64_t cols = pair.operands[1].rows();
+    out = std::make_shared<device_matrix>(rows, cols, device_matrix::element::fp32);
+    if (want_exact) exact = std::make_shared<device_matrix>(rows, cols, device_matrix::element::fp64);
+    multiply_pair(pair, model, output, *out, exact.get(), path);
   }
   if (keep_on_device) {
     result.device_out = std::move(out);

@@ -254,10 +254,11 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
 }
 
 // The operands in sliced_block_kernel's form, and that kernel's launch: false where a block
-// exponent does not fit (nothing was launched after the preparation).
+// exponent does not fit (nothing was launched after the preparation). With exact_out32 (and not
+// `exact`) its Both form: fp32-block into `out`, the exact model into exact_out, exact_out32, flags.
 bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact,
                       output_rounding output, float* out, double* exact_out, std::uint8_t* flags, int fraction_total,
-                      bool* whole_k) {
+                      bool* whole_k, float* exact_out32 = nullptr) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
   const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
@@ -310,13 +311,14 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
     runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
                     a_form.slices.as<const std::uint8_t>(), a_form.scales.as<const double>(),
                     b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
-                    a.blocks, tiles_m, tiles_n, output, out,
-                    exact_out, flags);
+                    a.blocks, tiles_m, tiles_n, output, out, exact_out, flags, exact_out32);
   };
   if (*whole_k) {
     run(sliced_block_kernel<true, true>);
   } else if (exact) {
     run(sliced_block_kernel<true>);
+  } else if (exact_out32 != nullptr) {
+    run(sliced_block_kernel<false, false, true>);
   } else {
     run(sliced_block_kernel<false>);
   }
@@ -367,17 +369,34 @@ bool run_sliced_wgmma(const prepared_operand::storage& a, const prepared_operand
 // fp32-block or exact on sliced_block_kernel (gemm_sliced-inl.cuh), or with `warpgroup` on
 // sliced_wgmma_kernel (gemm_sliced_wgmma-inl.cuh): true when it ran, false where its conditions do
 // not hold (the integer kernel then takes the product).
-bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact, bool warpgroup,
-                   output_rounding output, float* out, double* exact_out, int fraction_total) {
+// Whether the sliced kernels take these operands (before their block exponents are seen).
+bool sliced_takes(const prepared_operand::storage& a, const prepared_operand::storage& b) {
   if (a.block != 32 || integer_max_of(a.element) >= slc_integer_limit ||
       integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
     return false;
   }
+  const std::int64_t tiles = ((a.rows + slc_tile_m - 1) / slc_tile_m) * ((b.rows + slc_tile_n - 1) / slc_tile_n);
+  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+  return tiles * tcb_group <= int_limit && a.blocks <= int_limit;  // tiles: the most of either kernel
+}
+
+// The exact model's fix-up of the entries whose running sum rounded (block dots <= 53 bits:
+// gemm_path_covers, so the double chain is exact): out and exact_out there, by the per-entry definition.
+void fix_flagged_exact(const prepared_operand::storage& a, const prepared_operand::storage& b, int fraction_total,
+                       output_rounding output, const std::uint8_t* flags, float* out, double* exact_out) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  const std::int64_t tiles = ((m + slc_tile_m - 1) / slc_tile_m) * ((n + slc_tile_n - 1) / slc_tile_n);  // the most
-  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
-  if (tiles * tcb_group > int_limit || a.blocks > int_limit) return false;
+  runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, flag_scan_grid(m * n), threads_per_block, 0,
+                  a.integers.as<const std::int32_t>(), a.exponents.as<const std::int32_t>(),
+                  b.integers.as<const std::int32_t>(), b.exponents.as<const std::int32_t>(), m, n, a.depth, a.block,
+                  a.blocks, 1, fraction_total, output, flags, out, exact_out);
+}
+
+bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::storage& b, bool exact, bool warpgroup,
+                   output_rounding output, float* out, double* exact_out, int fraction_total) {
+  if (!sliced_takes(a, b)) return false;
+  const std::int64_t m = a.rows;
+  const std::int64_t n = b.rows;
   std::optional<scratch_buffer> flagged;
   if (exact) {
     flagged.emplace(static_cast<std::size_t>(std::max<std::int64_t>(m * n, 1)));
@@ -389,15 +408,27 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
                              : run_sliced_block(a, b, exact, output, out, exact_out, flags, fraction_total, &whole_k);
   if (!ran) return false;
   last_run_sliced_whole_k.store(whole_k);
-  if (exact && !whole_k) {
-    // The entries whose running sum rounded, by the per-entry definition (block dots <= 53 bits:
-    // gemm_path_covers, so the double chain is exact).
-    runtime::launch(integer_fixup_kernel<double, integer_mode::exact>, flag_scan_grid(m * n), threads_per_block, 0,
-                    a.integers.as<const std::int32_t>(), a.exponents.as<const std::int32_t>(),
-                    b.integers.as<const std::int32_t>(), b.exponents.as<const std::int32_t>(), m, n, a.depth, a.block,
-                    a.blocks, 1, fraction_total, output, flags, out, exact_out);
-  }
+  if (exact && !whole_k) fix_flagged_exact(a, b, fraction_total, output, flags, out, exact_out);
   release_after_kernels();  // the scratch buffers go back to the pool when this returns
+  return true;
+}
+
+// fp32-block into `out` (with `output`) and the exact model into exact_out and exact_out32 (output
+// fp32) from one pass of sliced_block_kernel: false where it does not take the operands (nothing
+// computed).
+bool launch_sliced_both(const prepared_operand::storage& a, const prepared_operand::storage& b, output_rounding output,
+                        float* out, double* exact_out, float* exact_out32, int fraction_total) {
+  if (!sliced_takes(a, b)) return false;
+  scratch_buffer flagged(static_cast<std::size_t>(std::max<std::int64_t>(a.rows * b.rows, 1)));
+  flagged.fill_bytes(0);
+  bool whole_k = false;
+  if (!run_sliced_block(a, b, false, output, out, exact_out, flagged.as<std::uint8_t>(), fraction_total, &whole_k,
+                        exact_out32)) {
+    return false;
+  }
+  last_run_sliced_whole_k.store(false);
+  fix_flagged_exact(a, b, fraction_total, output_rounding::fp32, flagged.as<std::uint8_t>(), exact_out32, exact_out);
+  release_after_kernels();
   return true;
 }
 #endif
@@ -499,6 +530,27 @@ void select_integer_block_kernel(integer_block_kernel kernel) {
 
 integer_block_kernel last_integer_block_kernel() { return last_run_integer_block_kernel.load(); }
 bool last_integer_product_whole_k() { return last_run_sliced_whole_k.load(); }
+
+bool multiply_prepared_both(const prepared_operand& a_operand, const prepared_operand& b_operand,
+                            output_rounding output, float* out, double* exact_out, float* exact_out32) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  const auto& a = a_operand.data();
+  const auto& b = b_operand.data();
+  accumulation_model block_model;
+  block_model.kind = accumulation_kind::fp32_block;
+  if (a.path != gemm_path::integer || b.path != gemm_path::integer || a.rows == 0 || b.rows == 0) return false;
+  check_prepared(a, b, block_model, gemm_path::integer);
+  const integer_block_kernel chosen = chosen_integer_block_kernel.load();
+  if (chosen != integer_block_kernel::automatic && chosen != integer_block_kernel::sliced) return false;
+  const int fraction_total = fraction_bits_of(a.element) + fraction_bits_of(b.element);
+  if (!launch_sliced_both(a, b, output, out, exact_out, exact_out32, fraction_total)) return false;
+  last_run_integer_block_kernel.store(integer_block_kernel::sliced);
+  return true;
+#else
+  (void)a_operand, (void)b_operand, (void)output, (void)out, (void)exact_out, (void)exact_out32;
+  return false;
+#endif
+}
 
 void multiply_prepared(const prepared_operand& a_operand, const prepared_operand& b_operand,
                        const accumulation_model& model, output_rounding output, float* out, double* exact_out,

@@ -226,19 +226,22 @@ struct slc_loader {
   }
 };
 
-// One body (about 160 lines): the copy pipeline, the nine mma of each tile and K-block and the
+// One body (about 170 lines): the copy pipeline, the nine mma of each tile and K-block and the
 // per-entry step share the stage indices and the accumulators held in registers.
 // Exact: the `exact` model instead, as the integer kernel's exact mode: a running fp64 sum of the
 // scaled block dots per entry, every addition checked (add_product_rounds); an entry whose sum rounded is
 // marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
 // one rounding to fp32). WholeK (with Exact): the levels summed over all of K instead, and one
-// exact step per entry at the end ("Whole K" above); nothing is flagged.
-template <bool Exact, bool WholeK = false>
+// exact step per entry at the end ("Whole K" above); nothing is flagged. Both (without Exact):
+// fp32-block into `out` and, from the same block dots and scales, the exact model's sums as Exact
+// leaves them, into exact_out, exact_out32 (rounded once to fp32) and `flagged` (the replay's
+// exact_too product of the same operands, without a second pass).
+template <bool Exact, bool WholeK = false, bool Both = false>
 __global__ void __launch_bounds__(slc_threads, 2)
     sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
                         std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
-                        float* out, double* exact_out, std::uint8_t* flagged) {
+                        float* out, double* exact_out, std::uint8_t* flagged, float* exact_out32) {
   constexpr int col_tiles = slc_warp_cols / 8;
   constexpr int row_tiles = slc_tile_m / 32;  // m16 tiles per warp
   using stage_type = slc_stage;
@@ -268,8 +271,18 @@ __global__ void __launch_bounds__(slc_threads, 2)
     for (int ni = 0; ni < col_tiles; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
-  [[maybe_unused]] std::uint64_t rounded = 0;  // Exact: bit (mi col_tiles + ni) 4 + e
+  [[maybe_unused]] std::uint64_t rounded = 0;  // Exact, Both: bit (mi col_tiles + ni) 4 + e
   static_assert(!WholeK || Exact);
+  static_assert(!(Both && Exact));
+  [[maybe_unused]] double exact_sums[Both ? row_tiles : 1][Both ? col_tiles : 1][4];  // Both
+  if constexpr (Both) {
+#pragma unroll
+    for (int mi = 0; mi < row_tiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < col_tiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) exact_sums[mi][ni][e] = 0.0;
+  }
   [[maybe_unused]] int whole_levels[row_tiles][col_tiles][5][4];  // WholeK: each level over all of K
   if constexpr (WholeK) {
 #pragma unroll
@@ -350,6 +363,11 @@ __global__ void __launch_bounds__(slc_threads, 2)
             }
           } else {
             accumulators[mi][ni][e] = round_to_odd_step_by_sign(accumulators[mi][ni][e], dot, scale);
+            if constexpr (Both) {
+              if (add_product_rounds(exact_sums[mi][ni][e], dot, scale)) {
+                rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
+              }
+            }
           }
         }
       }
@@ -383,6 +401,15 @@ __global__ void __launch_bounds__(slc_threads, 2)
           }
         } else {
           out[i * n + j] = finish_output(accumulators[mi][ni][e] * 1.0f, output);
+          if constexpr (Both) {
+            if ((rounded >> ((mi * col_tiles + ni) * 4 + e) & 1U) != 0) {
+              flagged[i * n + j] = 1;
+            } else {
+              const double sum = exact_sums[mi][ni][e] + 0.0;
+              exact_out[i * n + j] = sum;
+              exact_out32[i * n + j] = finish_output(static_cast<float>(sum), output_rounding::fp32);
+            }
+          }
         }
       }
     }

@@ -1,5 +1,7 @@
 // GPU test suites: emulated MX products on every path (generic, integer, tensor-core) against the
 // host definition: a sweep of shapes and models, edge cases and integer tiles.
+#include <cstring>
+
 #include "support.hpp"
 #include "gemm_support.hpp"
 
@@ -219,6 +221,48 @@ void gemm_edges(bool small) {
     }
     return std::string();
   });
+  run_case("gemm host api gpu::emulate_product mxfp8 exact product left by the fp32-block one", [&]() -> std::string {
+    // With exact_follows the fp32-block product forms the exact one in the same pass and the pair
+    // keeps it; the exact call takes it (queuing no product kernel) and gives the host definition's
+    // bits; operands prepared again (other codes) drop what was kept.
+    const std::uint64_t e4m3_seed = next_seed();
+    const auto [ea, eb] = make_operands(70, 45, 160, 3, 3, 32, gemm_layouts[2], value_kind::extreme, e4m3_seed);
+    const mxscope::quantized_tensor da = on_device(ea), db = on_device(eb);
+    gpu::prepared_pair_cache kept;
+    kept.exact_follows = true;
+    const auto block_model = model_of(mxscope::accumulation_kind::fp32_block);
+    const auto exact_model = model_of(mxscope::accumulation_kind::exact);
+    const std::string label = "seed " + hex64(e4m3_seed);
+    const mxscope::product_result block = gpu::emulate_product(da, db, block_model, mxscope::output_rounding::bf16,
+                                                               gpu::gemm_path::automatic, false, &kept);
+    if (kept.chosen != gpu::gemm_path::integer) return std::string("not on the integer path");
+    if (!kept.exact_out || !kept.exact_out32) return std::string("the fp32-block product left no exact product");
+    gpu::start_timeline();
+    const mxscope::product_result exact = gpu::emulate_product(da, db, exact_model, mxscope::output_rounding::fp32,
+                                                               gpu::gemm_path::automatic, false, &kept);
+    const auto operations = gpu::finish_timeline();
+    if (kept.exact_out || kept.exact_out32) return std::string("the exact call left its product in the pair");
+    for (const auto& op : operations) {
+      if (op.name.find("kernel") != std::string::npos) return "the exact call queued " + op.name;
+    }
+    std::string problem = check_product_entries(ea, eb, block_model, mxscope::output_rounding::bf16,
+                                                gemm_output{block.out, matrix64()}, {}, "fp32-block, " + label);
+    if (problem.empty()) {
+      problem = check_product_entries(ea, eb, exact_model, mxscope::output_rounding::fp32,
+                                      gemm_output{exact.out, exact.exact}, {}, "exact, " + label);
+    }
+    if (!problem.empty()) return problem;
+    (void)gpu::emulate_product(da, db, block_model, mxscope::output_rounding::fp32, gpu::gemm_path::automatic, false,
+                               &kept);
+    const std::uint64_t other_seed = next_seed();
+    const auto others = make_operands(70, 45, 160, 3, 3, 32, gemm_layouts[2], value_kind::extreme, other_seed);
+    const mxscope::quantized_tensor other = on_device(others.second);
+    const mxscope::product_result again = gpu::emulate_product(da, other, exact_model, mxscope::output_rounding::fp32,
+                                                               gpu::gemm_path::automatic, false, &kept);
+    if (kept.exact_out) return std::string("operands prepared again kept the earlier exact product");
+    return check_product_entries(ea, others.second, exact_model, mxscope::output_rounding::fp32,
+                                 gemm_output{again.out, again.exact}, {}, "other B, seed " + hex64(other_seed));
+  });
   run_case("gemm multiply_prepared e4m3 one operand on both sides", [&]() -> std::string {
     // A A^T from one prepared operand (its two sides need sliced forms of two shifts), twice.
     const std::uint64_t self_seed = next_seed();
@@ -250,6 +294,61 @@ void gemm_edges(bool small) {
     return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {}, "seed " + hex64(seed));
   });
 }
+
+namespace {
+
+// gpu::multiply_prepared_both on operands prepared for the integer path: fp32-block (with `output`)
+// and exact (output fp32) against the host definition in every entry (the extreme values' exact sums
+// round in fp64, so their entries take the fix-up), and the same bits as the two products alone;
+// false, with the products left to the caller, where a NaN block keeps the sliced kernel out or
+// another integer-path kernel is selected.
+std::string check_both_models(const mxscope::quantized_tensor& qa, const mxscope::quantized_tensor& qb,
+                              mxscope::output_rounding output, bool nan_block, const std::string& label) {
+  const device_operand a = upload_operand(qa), b = upload_operand(qb);
+  const gpu::prepared_operand pa = gpu::prepare_operand(a.view, gpu::gemm_path::integer);
+  const gpu::prepared_operand pb = gpu::prepare_operand(b.view, gpu::gemm_path::integer);
+  const std::int64_t m = pa.rows(), n = pb.rows();  // the product's shape (the stored shapes follow the axes)
+  const auto entries = static_cast<std::size_t>(m * n);
+  gpu::device_buffer out(entries * sizeof(float)), exact32(entries * sizeof(float)), exact64(entries * sizeof(double));
+  const auto run_both = [&] {
+    return gpu::multiply_prepared_both(pa, pb, output, out.as<float>(), exact64.as<double>(), exact32.as<float>());
+  };
+  gpu::select_integer_block_kernel(gpu::integer_block_kernel::simt);
+  const bool ran_under_simt = run_both();
+  gpu::select_integer_block_kernel(gpu::integer_block_kernel::automatic);
+  if (ran_under_simt) return "ran with the simt kernel selected, " + label;
+  for (gpu::device_buffer* poisoned : {&out, &exact32, &exact64}) poisoned->fill_bytes(0xFF);  // every entry written
+  if (!run_both()) return nan_block ? std::string() : "did not run, " + label;
+  if (nan_block) return "ran with a NaN block, " + label;
+  if (gpu::last_integer_block_kernel() != gpu::integer_block_kernel::sliced) return "not the sliced kernel, " + label;
+  gemm_output block{matrix(m, n), matrix64()};
+  gemm_output exact{matrix(m, n), matrix64(m, n)};
+  gpu::synchronize();
+  out.download(block.out.data(), out.bytes());
+  exact32.download(exact.out.data(), exact32.bytes());
+  exact64.download(exact.exact.data(), exact64.bytes());
+  const auto block_model = model_of(mxscope::accumulation_kind::fp32_block);
+  const auto exact_model = model_of(mxscope::accumulation_kind::exact);
+  std::string problem = check_product_entries(qa, qb, block_model, output, block, {}, "fp32-block, " + label);
+  if (problem.empty()) {
+    problem = check_product_entries(qa, qb, exact_model, mxscope::output_rounding::fp32, exact, {}, "exact, " + label);
+  }
+  if (!problem.empty()) return problem;
+  const gemm_output alone_block = gpu_product(qa, qb, block_model, output, gpu::gemm_path::integer);
+  const gemm_output alone_exact =
+      gpu_product(qa, qb, exact_model, mxscope::output_rounding::fp32, gpu::gemm_path::integer);
+  const auto same_bits = [](const auto& x, const auto& y) {
+    return x.values.size() == y.values.size() &&
+           std::memcmp(x.values.data(), y.values.data(), x.values.size() * sizeof(x.values[0])) == 0;
+  };
+  if (!same_bits(alone_block.out, block.out) || !same_bits(alone_exact.out, exact.out) ||
+      !same_bits(alone_exact.exact, exact.exact)) {
+    return "other bits than the two products alone, " + label;
+  }
+  return std::string();
+}
+
+}  // namespace
 
 // The integer path over several of its 64 x 64 tiles with tails in M, N and K (K not a multiple of
 // the block): fp8 e4m3 (block dots summed in fp64) and e3m2 x fp4 (in int32), each model, with
@@ -311,6 +410,11 @@ void gemm_integer_tiles(bool small) {
                      ", expected " + std::string(gpu::integer_block_kernel_name(expected));
             }
             return check_product_entries(qa, qb, model, output, got, {}, name + ", seed " + hex64(seed));
+          });
+        }
+        if (model.kind == mxscope::accumulation_kind::fp32_block) {
+          run_case(name + " both models from one pass", [&]() -> std::string {
+            return check_both_models(qa, qb, output, nan_block, name + ", seed " + hex64(seed));
           });
         }
       }
