@@ -53,12 +53,14 @@ class host_target final : public upload_target {
     const std::lock_guard<std::mutex> lock(mutex_);
     for (std::uint64_t i = first; i < first + count; ++i) ++writes[index][i];
     ++copies[index];
+    largest_copy = std::max(largest_copy, count);
   }
 
   std::vector<float> values[2];
   std::vector<int> writes[2];
   int allocations[2] = {0, 0};
   int copies[2] = {0, 0};
+  std::uint64_t largest_copy = 0;  // elements
 
  private:
   std::atomic<int> calls_{0};
@@ -149,6 +151,8 @@ TEST_F(StreamedUpload, ReadyDuringTheReadCopiesWaitingPiecesOnce) {
   const auto during = upload.copied_while_reading();
   EXPECT_GT(during[0], 0U);
   EXPECT_LE(during[0], x_.values.size());
+  // A reading thread copies its piece and at most two that waited (pieces of 2048 elements).
+  EXPECT_LE(target.largest_copy, 3U * 2048U);
   EXPECT_EQ(upload.finish(), (std::array<bool, 2>{true, true}));
   expect_whole_copy(target, 0);
   expect_whole_copy(target, 1);

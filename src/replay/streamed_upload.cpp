@@ -3,11 +3,17 @@
 
 #include <algorithm>
 #include <exception>
+#include <limits>
 
 namespace mxscope::replay_internal {
 
 namespace {
 int operand_index(std::string_view tensor) { return tensor == "x" ? 0 : tensor == "dy" ? 1 : -1; }
+
+// What a reading thread copies when told of a piece: that piece and at most two of those that
+// waited for the device, so that a backlog (the pieces read before the GPU's context existed, most
+// of a cold read on an H100) is shared by the reading threads instead of stalling the first one.
+constexpr std::size_t pieces_per_copy = 3;
 }  // namespace
 
 void streamed_upload::started(std::string_view tensor, const float* values, std::int64_t rows, std::int64_t cols) {
@@ -23,7 +29,7 @@ void streamed_upload::started(std::string_view tensor, const float* values, std:
 
 // Nothing the target throws reaches the read: a failure is the operand's, which the caller then
 // uploads itself.
-std::vector<streamed_upload::range> streamed_upload::take_waiting(operand& o, int index) {
+std::vector<streamed_upload::range> streamed_upload::take_waiting(operand& o, int index, std::size_t most) {
   if (o.failed || o.values == nullptr) return {};
   try {
     if (!target_.ready()) return {};
@@ -35,18 +41,27 @@ std::vector<streamed_upload::range> streamed_upload::take_waiting(operand& o, in
     o.failed = true;
     return {};
   }
+  // The newest piece (the caller's own) and the oldest waiting ones, `most` in all.
+  std::vector<range> pieces;
+  if (o.waiting.size() <= most) {
+    pieces.swap(o.waiting);
+  } else {
+    pieces.assign(o.waiting.begin(), o.waiting.begin() + static_cast<std::ptrdiff_t>(most - 1));
+    pieces.push_back(o.waiting.back());
+    o.waiting.erase(o.waiting.begin(), o.waiting.begin() + static_cast<std::ptrdiff_t>(most - 1));
+    o.waiting.pop_back();
+  }
   // Adjacent pieces as one range: a large copy takes the pinned path (device_buffer::upload),
   // which a copy of every piece alone would miss where the device was ready only at the end.
-  std::sort(o.waiting.begin(), o.waiting.end());
+  std::sort(pieces.begin(), pieces.end());
   std::vector<range> taken;
-  for (const range& r : o.waiting) {
+  for (const range& r : pieces) {
     if (!taken.empty() && taken.back().first + taken.back().second == r.first) {
       taken.back().second += r.second;
     } else {
       taken.push_back(r);
     }
   }
-  o.waiting.clear();
   return taken;
 }
 
@@ -78,7 +93,7 @@ void streamed_upload::piece(std::string_view tensor, std::uint64_t first, std::u
     const std::lock_guard<std::mutex> lock(mutex_);
     operand& o = operands_[static_cast<std::size_t>(index)];
     o.waiting.emplace_back(first, count);
-    ranges = take_waiting(o, index);
+    ranges = take_waiting(o, index, pieces_per_copy);
   }
   copy_ranges(index, ranges, true);
 }
@@ -89,7 +104,7 @@ std::array<bool, 2> streamed_upload::finish() {
     std::vector<range> ranges;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
-      ranges = take_waiting(operands_[static_cast<std::size_t>(index)], index);
+      ranges = take_waiting(operands_[static_cast<std::size_t>(index)], index, std::numeric_limits<std::size_t>::max());
     }
     copy_ranges(index, ranges, false);
     const std::lock_guard<std::mutex> lock(mutex_);

@@ -1,13 +1,13 @@
 // The first step's x and dy copied to the GPU piece by piece while they are read: an
 // io::read_listener given to that read (replay.cpp, start_first_read), so that the step's upload
-// does not start only once the whole capture is in memory. Each reading thread copies the pieces
-// it has just converted, and those that were waiting for the device, from memory its read still
-// holds; the step copies the rest (the pieces read before the device was ready) when the read
-// has returned. A copy that fails leaves its operand to the step's own upload, which reports the
+// does not start only once the whole capture is in memory. Each reading thread copies the piece
+// it has just converted, and up to two that were waiting for the device, from memory its read
+// still holds; the step copies the rest when the read has returned. A copy that fails leaves its operand to the step's own upload, which reports the
 // error.
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -66,9 +66,10 @@ class streamed_upload final : public io::read_listener {
     std::uint64_t copied_while_reading = 0;
   };
 
-  // Under mutex_: the operand's waiting pieces handed to the caller to copy, its room made first
-  // where needed; empty where it failed or the target is not ready.
-  std::vector<range> take_waiting(operand& o, int index);
+  // Under mutex_: at most `most` of the operand's waiting pieces (the newest and the oldest), as
+  // ranges, handed to the caller to copy, its room made first where needed; empty where it failed
+  // or the target is not ready.
+  std::vector<range> take_waiting(operand& o, int index, std::size_t most);
   // Copies `ranges` of operand `index` (outside the lock) and counts them.
   void copy_ranges(int index, const std::vector<range>& ranges, bool reading);
 
