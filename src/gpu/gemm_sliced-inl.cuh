@@ -226,7 +226,18 @@ struct slc_loader {
   }
 };
 
-// One body (about 170 lines): the copy pipeline, the nine mma of each tile and K-block and the
+// Every element of a register array (of any rank) set to zero, by fully unrolled loops.
+template <class T>
+__device__ inline void set_zero(T& value) {
+  value = T(0);
+}
+template <class T, int N>
+__device__ inline void set_zero(T (&values)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) set_zero(values[i]);
+}
+
+// One body (about 150 lines): the copy pipeline, the nine mma of each tile and K-block and the
 // per-entry step share the stage indices and the accumulators held in registers.
 // Exact: the `exact` model instead, as the integer kernel's exact mode: a running fp64 sum of the
 // scaled block dots per entry, every addition checked (add_product_rounds); an entry whose sum rounded is
@@ -265,35 +276,14 @@ __global__ void __launch_bounds__(slc_threads, 2)
   static_assert(row_tiles * col_tiles * 4 <= 64, "one flag bit per entry of the thread");
   using accumulator_type = std::conditional_t<Exact, double, float>;
   accumulator_type accumulators[row_tiles][col_tiles][4];
-#pragma unroll
-  for (int mi = 0; mi < row_tiles; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < col_tiles; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) accumulators[mi][ni][e] = 0;
+  set_zero(accumulators);
   [[maybe_unused]] std::uint64_t rounded = 0;  // Exact, Both: bit (mi col_tiles + ni) 4 + e
   static_assert(!WholeK || Exact);
   static_assert(!(Both && Exact));
   [[maybe_unused]] double exact_sums[Both ? row_tiles : 1][Both ? col_tiles : 1][4];  // Both
-  if constexpr (Both) {
-#pragma unroll
-    for (int mi = 0; mi < row_tiles; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < col_tiles; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) exact_sums[mi][ni][e] = 0.0;
-  }
+  if constexpr (Both) set_zero(exact_sums);
   [[maybe_unused]] int whole_levels[row_tiles][col_tiles][5][4];  // WholeK: each level over all of K
-  if constexpr (WholeK) {
-#pragma unroll
-    for (int mi = 0; mi < row_tiles; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < col_tiles; ++ni)
-#pragma unroll
-        for (int l = 0; l < 5; ++l)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) whole_levels[mi][ni][l][e] = 0;
-  }
+  if constexpr (WholeK) set_zero(whole_levels);
 
   slc_loader loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
   unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(slc_shared);
