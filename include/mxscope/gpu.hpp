@@ -162,6 +162,9 @@ void upload_beside(device_matrix& values, const float* host, std::int64_t first,
 // through them, making them at its first): a background start-up calls it so that the first step
 // does not wait for them. Nothing where they do not apply (HIP, the simulation).
 void prepare_staged_uploads();
+// The slots' host memory (128 MiB of huge pages, faulted in) made now, without a device context, for
+// the first device's slots to pin: a start-up calls it beside the context's creation.
+void reserve_staged_upload_memory();
 
 // Queues a device-to-device copy of `bytes` bytes on the default stream.
 void copy_on_device(void* destination, const void* source, std::size_t bytes);

@@ -44,6 +44,9 @@ std::shared_ptr<device_matrix> allocate_beside(std::int64_t rows, std::int64_t c
 void upload_beside(device_matrix& values, const float* host, std::int64_t first, std::int64_t count);
 // Makes the current GPU's pinned upload slots (gpu::prepare_staged_uploads) ahead of the first upload.
 void prepare_uploads();
+// Their host memory made ahead, without the GPU (gpu::reserve_staged_upload_memory), beside the
+// context's creation.
+void reserve_uploads();
 void download(const device_matrix& values, matrix& out);
 void download(const device_matrix& values, matrix64& out);
 

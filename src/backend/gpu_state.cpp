@@ -27,6 +27,7 @@ void upload_beside(device_matrix& values, const float* host, std::int64_t first,
   gpu::upload_beside(values, host, first, count);
 }
 void prepare_uploads() { gpu::prepare_staged_uploads(); }
+void reserve_uploads() { gpu::reserve_staged_upload_memory(); }
 void download(const device_matrix& values, matrix& out) { out = values.download32(); }
 void download(const device_matrix& values, matrix64& out) { out = values.download64(); }
 

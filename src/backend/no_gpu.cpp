@@ -24,6 +24,7 @@ device_matrix_ptr upload_beside(const matrix&) { unreachable("upload_beside"); }
 std::shared_ptr<device_matrix> allocate_beside(std::int64_t, std::int64_t) { unreachable("allocate_beside"); }
 void upload_beside(device_matrix&, const float*, std::int64_t, std::int64_t) { unreachable("upload_beside"); }
 void prepare_uploads() { unreachable("prepare_uploads"); }
+void reserve_uploads() { unreachable("reserve_uploads"); }
 void download(const device_matrix&, matrix&) { unreachable("download"); }
 void download(const device_matrix&, matrix64&) { unreachable("download"); }
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -61,7 +62,10 @@ class upload_stager {
 // pinned with cudaHostRegister: faster than cudaMallocHost's own pinning of the same bytes, whose
 // wait a warm start-up cannot hide (BENCHMARKS.md, "The step's small kernels and the slots from
 // huge pages"). Null where it cannot be had.
-unsigned char* pinned_block(std::size_t bytes) {
+constexpr std::size_t staged_block_bytes = 2 * staged_upload_threads * staged_upload_piece;
+
+// The block's host memory, faulted in (no device needed).
+unsigned char* host_block(std::size_t bytes) {
   constexpr std::size_t huge_page = std::size_t{2} << 20;
   void* block = std::aligned_alloc(huge_page, bytes);  // bytes: a multiple of the huge page
   if (block == nullptr) return nullptr;
@@ -69,16 +73,32 @@ unsigned char* pinned_block(std::size_t bytes) {
   (void)::madvise(block, bytes, MADV_HUGEPAGE);
 #endif
   std::memset(block, 0, bytes);
+  return static_cast<unsigned char*>(block);
+}
+
+// A host block made ahead by reserve_staged_upload_memory, for the first stager to pin; the mutex
+// is held while it is made, so that a stager made meanwhile waits for it instead of making another.
+std::mutex spare_mutex;
+unsigned char* spare_block = nullptr;
+
+unsigned char* pinned_block(std::size_t bytes) {
+  unsigned char* block = nullptr;
+  {
+    const std::lock_guard<std::mutex> lock(spare_mutex);
+    if (bytes == staged_block_bytes) std::swap(block, spare_block);
+  }
+  if (block == nullptr) block = host_block(bytes);
+  if (block == nullptr) return nullptr;
   if (cudaHostRegister(block, bytes, cudaHostRegisterDefault) != cudaSuccess) {
     std::free(block);
     return nullptr;
   }
-  return static_cast<unsigned char*>(block);
+  return block;
 }
 
 bool upload_stager::make() {
   static_assert(staged_upload_piece % (std::size_t{2} << 20) == 0);
-  unsigned char* block = pinned_block(2 * staged_upload_threads * staged_upload_piece);
+  unsigned char* block = pinned_block(staged_block_bytes);
   if (block == nullptr) return false;
   for (int lane_index = 0; lane_index < staged_upload_threads; ++lane_index) {
     upload_lane& lane = lanes_[lane_index];
@@ -197,11 +217,17 @@ bool staged_upload(void* device, const void* host, std::size_t bytes) {
 
 void prepare_staged_uploads() { (void)upload_stager::of_current_device(); }
 
+void reserve_staged_upload_memory() {
+  const std::lock_guard<std::mutex> lock(spare_mutex);
+  if (spare_block == nullptr) spare_block = host_block(staged_block_bytes);
+}
+
 #else
 
 // HIP and the CPU simulation copy plainly.
 bool staged_upload(void*, const void*, std::size_t) { return false; }
 void prepare_staged_uploads() {}
+void reserve_staged_upload_memory() {}
 
 #endif
 

@@ -169,6 +169,8 @@ void replay_run::start() {
       // The first read's copies may start once the context is made (they do not use the pinned
       // slots, which are made after it).
       gpu_starting_ = std::async(std::launch::async, [this, device = device_, index = gpu_index_] {
+        // The pinned slots' host memory beside the context's creation, which does not need it.
+        auto slots_memory = std::async(std::launch::async, [] { backend::reserve_uploads(); });
         try {
           select_gpu(device, index);
         } catch (...) {
@@ -177,6 +179,7 @@ void replay_run::start() {
         }
         seconds_gpu_context_ = seconds_since(started_);
         gpu_started_promise_.set_value(true);
+        slots_memory.get();
         backend::prepare_uploads();  // the pinned upload slots, beside the first read too
         seconds_gpu_ready_ = seconds_since(started_);
       });
