@@ -515,59 +515,16 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     return core_ns::bits_float(static_cast<std::uint32_t>(min(max(exponent, -126), 127) + 127) << 23);
   };
 
-  // The quarters' mma form one stream, two in flight: quarter q of K-block u goes into dot set
-  // q % 2 once quarter q - 2's dots are added, so K-block u + 1's first two start while u's last
-  // two are added. A stream runs over `stages` full stages (stages * stage_blocks K-blocks), their
-  // full barriers waited for before it starts: ptxas serializes every wgmma (C7514) when one is in
-  // flight across a branch or a loop's back edge, which a barrier's wait is, so the stream drains
-  // only at its end. Each stage's slot is handed back as soon as its last mma has completed.
+  // Within a stage the quarters' mma form one stream, two in flight: quarter q of K-block u goes
+  // into dot set q % 2 once quarter q - 2's dots are added, so K-block u + 1's first two start while
+  // u's last two are added. The stream drains at the end of each stage: ptxas serializes every
+  // wgmma (C7514) when one is in flight across a branch or the loop's back edge.
   const auto scales_of = [&](int slot, int u, float (&scales)[2]) {  // B's first and second 128 rows
     scales[0] = scales[1] = 1.0f;
     if constexpr (Fp8) {
       const int a_base = shared.bases[slot][0][u];
       scales[0] = pair_scale(a_base + shared.bases[slot][1][u]);
       scales[1] = pair_scale(a_base + shared.bases[slot][2][u]);
-    }
-  };
-  const auto stream = [&](auto stages_constant, int first_use) {
-    constexpr int stages = decltype(stages_constant)::value;
-    constexpr int total = stages * stage_blocks;
-    int slots[stages];
-    std::uint64_t stage_units[stages];
-#pragma unroll
-    for (int g = 0; g < stages; ++g) {
-      slots[g] = (first_use + g) % tcs_stages;
-      barrier_wait(&shared.full[slots[g]], static_cast<unsigned>((first_use + g) / tcs_stages) & 1U);
-      stage_units[g] = static_cast<std::uint64_t>(slots[g]) * (sizeof(tcs_stage) / 16);
-    }
-    const auto at = [&](int v, std::uint64_t descriptor) {
-      return descriptor + stage_units[v / stage_blocks] + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * (v % stage_blocks));
-    };
-    issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
-    issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
-#pragma unroll
-    for (int v = 0; v < total; ++v) {
-      float scales[2];
-      scales_of(slots[v / stage_blocks], v % stage_blocks, scales);
-      wgmma_wait<1>();
-      add(accumulators[0], dots[0], scales[0]);
-      issue(dots[0], at(v, a_descriptor), at(v, b_descriptor), 2);
-      wgmma_wait<1>();
-      add(accumulators[1], dots[1], scales[0]);
-      issue(dots[1], at(v, a_descriptor), at(v, b_descriptor), 3);
-      wgmma_wait<1>();
-      add(accumulators[2], dots[0], scales[1]);
-      if (v + 1 < total) {
-        issue(dots[0], at(v + 1, a_descriptor), at(v + 1, b_descriptor), 0);
-        wgmma_wait<1>();  // K-block v's last mma has completed
-        add(accumulators[3], dots[1], scales[1]);
-        if ((v + 1) % stage_blocks == 0) barrier_arrive(&shared.empty[slots[v / stage_blocks]]);
-        issue(dots[1], at(v + 1, a_descriptor), at(v + 1, b_descriptor), 1);
-      } else {
-        wgmma_wait<0>();
-        add(accumulators[3], dots[1], scales[1]);
-        barrier_arrive(&shared.empty[slots[stages - 1]]);
-      }
     }
   };
   const int full_stages = block_count / stage_blocks;
@@ -578,20 +535,48 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     for (int q = 0; q < 4; ++q)
 #pragma unroll
       for (int i = 0; i < 32; ++i) accumulators[q][i] = 0.0f;
-    int s = 0;
 #pragma unroll 1
-    for (; s + 2 <= full_stages; s += 2, use += 2) stream(std::integral_constant<int, 2>{}, use);
-    if (s < full_stages) {
-      stream(std::integral_constant<int, 1>{}, use);
-      ++use;
+    for (int s = 0; s < full_stages; ++s, ++use) {
+      const int slot = use % tcs_stages;
+      barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
+      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+      const auto at = [&](int u, std::uint64_t descriptor) {
+        return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+      };
+      issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
+      issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
+#pragma unroll
+      for (int u = 0; u < stage_blocks; ++u) {
+        float scales[2];
+        scales_of(slot, u, scales);
+        wgmma_wait<1>();
+        add(accumulators[0], dots[0], scales[0]);
+        issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
+        wgmma_wait<1>();
+        add(accumulators[1], dots[1], scales[0]);
+        issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
+        wgmma_wait<1>();
+        add(accumulators[2], dots[0], scales[1]);
+        if (u + 1 < stage_blocks) {
+          issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
+          wgmma_wait<1>();
+          add(accumulators[3], dots[1], scales[1]);
+          issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
+        } else {
+          wgmma_wait<0>();
+          add(accumulators[3], dots[1], scales[1]);
+        }
+      }
+      barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
     }
     // The last stage when it holds fewer K-blocks: one K-block at a time.
     if (full_stages * stage_blocks < block_count) {
+      const int s = full_stages;
       const int slot = use % tcs_stages;
       barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
       const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
 #pragma unroll 1
-      for (int u = 0; stage_blocks * full_stages + u < block_count; ++u) {
+      for (int u = 0; stage_blocks * s + u < block_count; ++u) {
         float scales[2];
         scales_of(slot, u, scales);
         const std::uint64_t block_units = stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
