@@ -58,21 +58,19 @@ class upload_stager {
   upload_lane lanes_[staged_upload_threads];
 };
 
-// The slots' memory: one block of huge pages where the kernel offers them, faulted in and then
-// pinned with cudaHostRegister: faster than cudaMallocHost's own pinning of the same bytes, whose
-// wait a warm start-up cannot hide (BENCHMARKS.md, "The step's small kernels and the slots from
-// huge pages"). Null where it cannot be had.
+// The slots' memory: one block of 2 x staged_upload_threads pieces.
 constexpr std::size_t staged_block_bytes = 2 * staged_upload_threads * staged_upload_piece;
 
-// The block's host memory, faulted in (no device needed).
-unsigned char* host_block(std::size_t bytes) {
+// The block's host memory, huge pages where the kernel offers them, faulted in (no device needed).
+unsigned char* host_block() {
   constexpr std::size_t huge_page = std::size_t{2} << 20;
-  void* block = std::aligned_alloc(huge_page, bytes);  // bytes: a multiple of the huge page
+  static_assert(staged_block_bytes % huge_page == 0);
+  void* block = std::aligned_alloc(huge_page, staged_block_bytes);
   if (block == nullptr) return nullptr;
 #ifdef MADV_HUGEPAGE
-  (void)::madvise(block, bytes, MADV_HUGEPAGE);
+  (void)::madvise(block, staged_block_bytes, MADV_HUGEPAGE);
 #endif
-  std::memset(block, 0, bytes);
+  std::memset(block, 0, staged_block_bytes);
   return static_cast<unsigned char*>(block);
 }
 
@@ -81,15 +79,18 @@ unsigned char* host_block(std::size_t bytes) {
 std::mutex spare_mutex;
 unsigned char* spare_block = nullptr;
 
-unsigned char* pinned_block(std::size_t bytes) {
+// The block pinned with cudaHostRegister: faster than cudaMallocHost's own pinning of the same
+// bytes, whose wait a warm start-up cannot hide (BENCHMARKS.md, "The step's small kernels and the
+// slots from huge pages"). Null where it cannot be had.
+unsigned char* pinned_block() {
   unsigned char* block = nullptr;
   {
     const std::lock_guard<std::mutex> lock(spare_mutex);
-    if (bytes == staged_block_bytes) std::swap(block, spare_block);
+    std::swap(block, spare_block);
   }
-  if (block == nullptr) block = host_block(bytes);
+  if (block == nullptr) block = host_block();
   if (block == nullptr) return nullptr;
-  if (cudaHostRegister(block, bytes, cudaHostRegisterDefault) != cudaSuccess) {
+  if (cudaHostRegister(block, staged_block_bytes, cudaHostRegisterDefault) != cudaSuccess) {
     std::free(block);
     return nullptr;
   }
@@ -98,7 +99,7 @@ unsigned char* pinned_block(std::size_t bytes) {
 
 bool upload_stager::make() {
   static_assert(staged_upload_piece % (std::size_t{2} << 20) == 0);
-  unsigned char* block = pinned_block(staged_block_bytes);
+  unsigned char* block = pinned_block();
   if (block == nullptr) return false;
   for (int lane_index = 0; lane_index < staged_upload_threads; ++lane_index) {
     upload_lane& lane = lanes_[lane_index];
@@ -219,7 +220,7 @@ void prepare_staged_uploads() { (void)upload_stager::of_current_device(); }
 
 void reserve_staged_upload_memory() {
   const std::lock_guard<std::mutex> lock(spare_mutex);
-  if (spare_block == nullptr) spare_block = host_block(staged_block_bytes);
+  if (spare_block == nullptr) spare_block = host_block();
 }
 
 #else
