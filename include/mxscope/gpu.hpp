@@ -91,6 +91,8 @@ class device_buffer {
   void free_memory() noexcept;
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+  std::size_t capacity_ = 0;  // the allocation's size (at least bytes_: it may come from the buffer cache)
+  int device_ = 0;
   bool ordered_ = false;   // allocated in stream order (inside a stream_scope that asks for it)
   void* stream_ = nullptr;  // the stream it was allocated on, where ordered_
 };

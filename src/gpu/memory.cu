@@ -80,16 +80,119 @@ scratch_pool& the_scratch_pool() {
   return *pool;
 }
 
+// Device buffers given back outside stream order are kept for reuse instead of freed: cudaFree
+// waits for the whole device, so a free between two stages left the device idle while the host
+// queued the next stage's work (BENCHMARKS.md, "The device buffers kept for reuse"). A buffer is
+// taken again only by an allocation on the default stream, where all the backend's kernels run:
+// work queued on it before it was given back runs before work queued after it is taken, as for
+// the scratch pool. Allocations on another stream (the uploads beside the work) never take one,
+// since that stream does not wait for the default stream's kernels. The cache keeps the last
+// buffer_cache_entries buffers given back while they total at most 1/8 of the device's memory; it
+// is emptied with the scratch pool (release_scratch_pool) and before an allocation is retried.
+constexpr std::size_t buffer_cache_entries = 64;
+
+struct buffer_cache {
+  struct entry {
+    int device;
+    std::size_t capacity;
+    void* data;
+  };
+  std::mutex mutex;
+  std::vector<entry> entries;  // oldest first
+  std::size_t bytes = 0;
+};
+
+buffer_cache& the_buffer_cache() {
+  static buffer_cache* cache = new buffer_cache;  // never destroyed, as the scratch pool
+  return *cache;
+}
+
+// A kept buffer of `device` of at least `bytes` and at most about twice that (the smallest such),
+// into data and capacity; false where none is kept.
+bool take_cached_buffer(int device, std::size_t bytes, void*& data, std::size_t& capacity) {
+  buffer_cache& cache = the_buffer_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  auto best = cache.entries.end();
+  for (auto it = cache.entries.begin(); it != cache.entries.end(); ++it) {
+    if (it->device == device && it->capacity >= bytes && it->capacity - bytes <= bytes + 65536 &&
+        (best == cache.entries.end() || it->capacity < best->capacity)) {
+      best = it;
+    }
+  }
+  if (best == cache.entries.end()) return false;
+  data = best->data;
+  capacity = best->capacity;
+  cache.bytes -= best->capacity;
+  cache.entries.erase(best);
+  return true;
+}
+
+void free_buffers(const std::vector<buffer_cache::entry>& released) {
+  for (const buffer_cache::entry& e : released) (void)runtime::free(e.data);
+}
+
+// Keeps the buffer for reuse, or frees it where it belongs to another device than the current
+// one or the device's memory cannot be read; drops the oldest kept buffers beyond the limits.
+void give_back_buffer(int device, std::size_t capacity, void* data) {
+  int current = 0;
+  if (runtime::get_device(&current) != runtime::success || current != device) {
+    (void)runtime::last_error();
+    (void)runtime::free(data);
+    return;
+  }
+  std::vector<buffer_cache::entry> dropped;
+  {
+    buffer_cache& cache = the_buffer_cache();
+    const std::lock_guard<std::mutex> lock(cache.mutex);
+    // The devices' memory sizes, read once each (a query per free would cost a driver call).
+    static std::vector<std::size_t> totals;
+    const auto index = static_cast<std::size_t>(device);
+    if (totals.size() <= index) totals.resize(index + 1, 0);
+    if (totals[index] == 0) {
+      std::size_t free_bytes = 0, total_bytes = 0;
+      if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
+        (void)runtime::last_error();
+      } else {
+        totals[index] = total_bytes;
+      }
+    }
+    const std::size_t total_bytes = totals[index];
+    cache.entries.push_back({device, capacity, data});
+    cache.bytes += capacity;
+    while (!cache.entries.empty() &&
+           (cache.entries.size() > buffer_cache_entries || cache.bytes > total_bytes / 8)) {
+      cache.bytes -= cache.entries.front().capacity;
+      dropped.push_back(cache.entries.front());
+      cache.entries.erase(cache.entries.begin());
+    }
+  }
+  free_buffers(dropped);
+}
+
+void release_buffer_cache() {
+  std::vector<buffer_cache::entry> released;
+  {
+    buffer_cache& cache = the_buffer_cache();
+    const std::lock_guard<std::mutex> lock(cache.mutex);
+    released.swap(cache.entries);
+    cache.bytes = 0;
+  }
+  free_buffers(released);
+}
+
 }  // namespace
 
 void release_scratch_pool() {
-  std::vector<scratch_pool::entry> released;
   {
-    scratch_pool& pool = the_scratch_pool();
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    released.swap(pool.entries);
+    std::vector<scratch_pool::entry> released;
+    {
+      scratch_pool& pool = the_scratch_pool();
+      const std::lock_guard<std::mutex> lock(pool.mutex);
+      released.swap(pool.entries);
+    }
+    // given back here, outside the lock
   }
-  // freed here, outside the lock
+  release_buffer_cache();
 }
 
 scratch_buffer::scratch_buffer(std::size_t bytes) {
@@ -151,7 +254,7 @@ int multiprocessor_count() {
   return counts[index];
 }
 
-device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
+device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes), capacity_(bytes) {
   if (bytes == 0) return;
   if (runtime::stream_ordered) {
     ordered_ = true;
@@ -159,8 +262,11 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
     MXSCOPE_GPU_CHECK(runtime::malloc_ordered(&data_, bytes));
     return;
   }
+  MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
+  if (runtime::current_stream == nullptr && take_cached_buffer(device_, bytes, data_, capacity_)) return;
   if (runtime::malloc(&data_, bytes) != runtime::success) {
-    // Out of memory, perhaps because of what the scratch pool keeps: once more without it.
+    // Out of memory, perhaps because of what the scratch pool and the buffer cache keep: once
+    // more without them.
     (void)runtime::last_error();
     data_ = nullptr;
     release_scratch_pool();
@@ -170,16 +276,26 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
 
 void device_buffer::free_memory() noexcept {
   if (data_ == nullptr) return;
-  (void)(ordered_ ? runtime::free_ordered(data_, stream_) : runtime::free(data_));
+  if (ordered_) {
+    (void)runtime::free_ordered(data_, stream_);
+  } else {
+    give_back_buffer(device_, capacity_, data_);
+  }
   data_ = nullptr;
 }
 
 device_buffer::~device_buffer() { free_memory(); }
 
 device_buffer::device_buffer(device_buffer&& other) noexcept
-    : data_(other.data_), bytes_(other.bytes_), ordered_(other.ordered_), stream_(other.stream_) {
+    : data_(other.data_),
+      bytes_(other.bytes_),
+      capacity_(other.capacity_),
+      device_(other.device_),
+      ordered_(other.ordered_),
+      stream_(other.stream_) {
   other.data_ = nullptr;
   other.bytes_ = 0;
+  other.capacity_ = 0;
 }
 
 device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
@@ -187,10 +303,13 @@ device_buffer& device_buffer::operator=(device_buffer&& other) noexcept {
     free_memory();
     data_ = other.data_;
     bytes_ = other.bytes_;
+    capacity_ = other.capacity_;
+    device_ = other.device_;
     ordered_ = other.ordered_;
     stream_ = other.stream_;
     other.data_ = nullptr;
     other.bytes_ = 0;
+    other.capacity_ = 0;
   }
   return *this;
 }

@@ -1,6 +1,8 @@
 // GPU test suite: uploads. Copies of 64 MiB and more go through pinned slots on CUDA (upload.cu;
 // plain copies on HIP and in the CPU simulation); whichever way, the device must hold the host's
 // bytes, on the default stream, after a stream-ordered allocation, and beside the default stream.
+// Also the buffer cache of device_buffer (memory.cu): which allocations take a kept buffer.
+#include <cstdint>
 #include <cstring>
 
 #include "support.hpp"
@@ -56,6 +58,38 @@ void upload_checks(bool small) {
       return same_bits(gpu::upload_beside(values), values);
     });
   }
+  run_case("device buffers kept for reuse on the default stream only", []() -> std::string {
+    // An odd size no other case allocates, so the buffer given back is the only one of its size.
+    constexpr std::size_t bytes = 1234567;
+    void* first = nullptr;
+    {
+      gpu::device_buffer buffer(bytes);
+      first = buffer.get();
+    }
+    {
+      // Three times the size: the kept buffer is too small; a quarter: it is more than twice as large.
+      const gpu::device_buffer larger(3 * bytes);
+      const gpu::device_buffer smaller(bytes / 4);
+      if (larger.get() == first || smaller.get() == first) return "a kept buffer of the wrong size was taken";
+    }
+    {
+      // Another stream current (never used: the allocation is not stream-ordered, so the pointer is
+      // only compared): the stream does not wait for the default stream's work, so no kept buffer.
+      const gpu::stream_scope scope(reinterpret_cast<void*>(std::uintptr_t{16}), false);
+      const gpu::device_buffer beside(bytes);
+      if (beside.get() == first) return "an allocation beside the default stream took a kept buffer";
+    }
+    gpu::device_buffer again(bytes);
+    if (again.get() != first) return "the buffer given back was not taken again on the default stream";
+    if (again.bytes() != bytes) return "the buffer taken again reports " + std::to_string(again.bytes()) + " bytes";
+    // The taken buffer holds what is written to it.
+    const mxscope::matrix values = pattern(1, static_cast<std::int64_t>(bytes / sizeof(float)), next_seed());
+    again.upload(values.data(), values.values.size() * sizeof(float));
+    mxscope::matrix back(1, values.cols);
+    again.download(back.data(), values.values.size() * sizeof(float));
+    if (std::memcmp(back.data(), values.data(), values.values.size() * sizeof(float)) != 0) return "bytes differ";
+    return "";
+  });
   const bool simulated = gpu::describe_device().name.find("simulation") != std::string::npos;
   if (simulated) return;  // the simulation's timeline records kernels only
   run_case("a staged upload is one timed copy of its bytes", [&]() -> std::string {
