@@ -131,6 +131,12 @@ class device_matrix {
 // Waits for all queued device work; throws gpu_error if any of it failed.
 void synchronize();
 
+// Frees the device memory the backend keeps for reuse: the set-up buffers of the scratch pool and
+// the device buffers given back outside stream order (kept so that a free does not wait for the
+// device). For a caller about to hand the memory to other code (another library, a measurement of
+// the free memory); the backend itself calls it before it measures and when an allocation fails.
+void release_cached_memory();
+
 // For the scope of this object the calling thread queues its GPU work on `stream` (a cudaStream_t,
 // e.g. PyTorch's current stream; null is the default stream), and with `stream_ordered` its
 // temporary device buffers are allocated and freed in that stream's order (cudaMallocAsync), so a

@@ -274,6 +274,8 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes), capacity_(bytes
   }
 }
 
+void release_cached_memory() { release_scratch_pool(); }
+
 void device_buffer::free_memory() noexcept {
   if (data_ == nullptr) return;
   if (ordered_) {
