@@ -136,6 +136,8 @@ void synchronize();
 // device). For a caller about to hand the memory to other code (another library, a measurement of
 // the free memory); the backend itself calls it before it measures and when an allocation fails.
 void release_cached_memory();
+// The bytes of device memory (all devices) the scratch pool and the buffer cache keep now.
+std::size_t cached_memory_bytes();
 
 // For the scope of this object the calling thread queues its GPU work on `stream` (a cudaStream_t,
 // e.g. PyTorch's current stream; null is the default stream), and with `stream_ordered` its

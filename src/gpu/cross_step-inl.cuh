@@ -76,14 +76,23 @@ core_ns::adamw_step_constants adamw_constants_of(const optimizer_settings& setti
   return core_ns::make_adamw_step_constants(settings.adamw_beta1, settings.adamw_beta2, settings.adamw_eps, t);
 }
 
-// Throws gpu_error when allocating `bytes` now would leave less than the reserve free.
+// Throws gpu_error when allocating `bytes` now would leave less than the reserve free. What the
+// scratch pool and the buffer cache keep counts as free (the other stages get it back when an
+// allocation fails): they are emptied, and the free memory measured again, only where the first
+// measure falls short, so that a state that fits leaves the kept buffers to the next stages.
 void require_cross_step_room(std::size_t bytes, std::int64_t count, const cross_step_reserve& reserve,
                              const char* what) {
-  release_scratch_pool();  // what the pool keeps is free memory to the other stages
   std::size_t free_bytes = 0, total_bytes = 0;
-  MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
   const std::uint64_t keep = reserve.fixed + reserve.per_element * static_cast<std::uint64_t>(count);
-  if (static_cast<std::uint64_t>(free_bytes) < keep || static_cast<std::uint64_t>(free_bytes) - keep < bytes) {
+  const auto fits = [&] {
+    return static_cast<std::uint64_t>(free_bytes) >= keep && static_cast<std::uint64_t>(free_bytes) - keep >= bytes;
+  };
+  MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
+  if (!fits()) {
+    release_scratch_pool();
+    MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
+  }
+  if (!fits()) {
     throw gpu_error(std::string(what) + ": " + std::to_string(bytes) + " bytes of device memory would leave less than " +
                     std::to_string(keep) + " of the " + std::to_string(free_bytes) + " free");
   }

@@ -276,6 +276,18 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes), capacity_(bytes
 
 void release_cached_memory() { release_scratch_pool(); }
 
+std::size_t cached_memory_bytes() {
+  std::size_t kept = 0;
+  {
+    scratch_pool& pool = the_scratch_pool();
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
+  }
+  buffer_cache& cache = the_buffer_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  return kept + cache.bytes;
+}
+
 void device_buffer::free_memory() noexcept {
   if (data_ == nullptr) return;
   if (ordered_) {

@@ -294,6 +294,29 @@ void cross_step_refusals() {
     if (!refused || unit.steps() != 0) return "a unit state allocated beyond its reserve";
     return "";
   });
+  // A state that fits its reserve leaves the buffers kept for reuse where they are (the next
+  // stages take them again); one that does not empties them before it measures again.
+  run_case("cross-step reserve and the kept buffers", []() -> std::string {
+    const mxscope::optimizer_settings settings;
+    matrix64 g(4, 6);
+    for (std::size_t i = 0; i < g.values.size(); ++i) g.values[i] = static_cast<double>(i) * 0.25;
+    gpu::release_cached_memory();
+    if (gpu::cached_memory_bytes() != 0) return "release_cached_memory left memory kept";
+    constexpr std::size_t bytes = 2345679;
+    { const gpu::device_buffer buffer(bytes); }
+    if (gpu::cached_memory_bytes() < bytes) return "the buffer given back was not kept";
+    gpu::reference_cross_step fitting(gpu::cross_step_reserve{0, 0});
+    fitting.step(g, settings);
+    if (gpu::cached_memory_bytes() < bytes) return "a state with room emptied the buffer cache";
+    gpu::reference_cross_step crowded(gpu::cross_step_reserve{~std::uint64_t{0}, 0});
+    try {
+      crowded.step(g, settings);
+    } catch (const gpu::gpu_error&) {
+      if (gpu::cached_memory_bytes() != 0) return "a state without room kept the buffer cache";
+      return "";
+    }
+    return "a reference state allocated beyond its reserve";
+  });
 }
 
 }  // namespace
