@@ -131,12 +131,13 @@ class device_matrix {
 // Waits for all queued device work; throws gpu_error if any of it failed.
 void synchronize();
 
-// Frees the device memory the backend keeps for reuse: the set-up buffers of the scratch pool and
-// the device buffers given back outside stream order (kept so that a free does not wait for the
-// device). For a caller about to hand the memory to other code (another library, a measurement of
-// the free memory); the backend itself calls it before it measures and when an allocation fails.
+// Frees the device memory the backend keeps for reuse: the device buffers given back outside
+// stream order (kept so that a free does not wait for the device, set-up buffers among them). For
+// a caller about to hand the memory to other code (another library, a measurement of the free
+// memory); the backend itself empties the cache where a cross-step state would not fit beside it
+// and when an allocation fails.
 void release_cached_memory();
-// The bytes of device memory (all devices) the scratch pool and the buffer cache keep now.
+// The bytes of device memory (all devices) the backend keeps for reuse now.
 std::size_t cached_memory_bytes();
 
 // For the scope of this object the calling thread queues its GPU work on `stream` (a cudaStream_t,
@@ -397,7 +398,7 @@ plain_block_kernel last_plain_block_kernel();
 
 // An operand brought to the canonical form of the product ([rows, depth], the reduction
 // contiguous) for one path; reusable across products. The integer path's sliced kernel also keeps
-// the operand's sliced form in it (3 bytes an element and 8 a block, from the scratch pool) for the
+// the operand's sliced form in it (3 bytes an element and 8 a block, set-up buffers) for the
 // next product with the same partner format: a product pays for the slicing once per operand.
 class prepared_operand {
  public:

@@ -381,7 +381,7 @@ struct prepared_operand::storage {
         : shift(shift_bits), padded(padded_rows), slices(slice_bytes), scales(scale_bytes) {}
     int shift;
     std::int64_t padded;
-    scratch_buffer slices;  // from the scratch pool, and back there with the operand
+    scratch_buffer slices;  // kept for reuse once the operand goes
     scratch_buffer scales;
     unsigned flags[2] = {0, 0};
   };

@@ -310,35 +310,17 @@ int multiprocessor_count();
 // Called where temporary buffers must outlive the kernels just queued: waits for the device unless
 // the buffers are freed in stream order (stream_scope), which already orders the free after them.
 void release_after_kernels();
-// Empties the scratch pool (before a cross-step state measures the free memory).
-void release_scratch_pool();
+// Frees the device buffers kept for reuse (memory.cu): where a cross-step state would not fit
+// beside them, and before an allocation is retried.
+void release_kept_buffers();
 // A large host-to-device copy through pinned slots (upload.cu), ordered after the calling thread's
 // stream and complete on return; false, with nothing copied, where it does not apply (small, HIP,
 // the simulation, no pinned memory): the caller then copies plainly.
 bool staged_upload(void* device, const void* host, std::size_t bytes);
 
-// A set-up buffer from the scratch pool of memory.cu (see the pool there): the smallest pooled
-// buffer of the current device that is large enough, else a new one; given back when it goes out
-// of scope.
-class scratch_buffer {
- public:
-  explicit scratch_buffer(std::size_t bytes);
-  ~scratch_buffer();
-  scratch_buffer(scratch_buffer&&) noexcept = default;
-  scratch_buffer& operator=(scratch_buffer&&) = delete;
-  scratch_buffer(const scratch_buffer&) = delete;
-  scratch_buffer& operator=(const scratch_buffer&) = delete;
-
-  template <class T>
-  T* as() const {
-    return buffer_.as<T>();
-  }
-  void fill_bytes(int value) { buffer_.fill_bytes(value); }
-  void download(void* host, std::size_t bytes) const { buffer_.download(host, bytes); }
-
- private:
-  int device_ = 0;
-  device_buffer buffer_;
-};
+// A set-up buffer (a kernel's staging, the rows' descriptions): a device buffer like any other,
+// kept for reuse by memory.cu's cache when it is given back, so that a kernel called once a stage
+// does not allocate its staging from the driver each time.
+using scratch_buffer = device_buffer;
 
 }  // namespace mxscope::gpu

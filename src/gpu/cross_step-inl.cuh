@@ -77,9 +77,9 @@ core_ns::adamw_step_constants adamw_constants_of(const optimizer_settings& setti
 }
 
 // Throws gpu_error when allocating `bytes` now would leave less than the reserve free. What the
-// scratch pool and the buffer cache keep counts as free (the other stages get it back when an
-// allocation fails): they are emptied, and the free memory measured again, only where the first
-// measure falls short, so that a state that fits leaves the kept buffers to the next stages.
+// buffer cache keeps counts as free (the other stages get it back when an allocation fails): it is
+// emptied, and the free memory measured again, only where the first measure falls short, so that
+// a state that fits leaves the kept buffers to the next stages.
 void require_cross_step_room(std::size_t bytes, std::int64_t count, const cross_step_reserve& reserve,
                              const char* what) {
   std::size_t free_bytes = 0, total_bytes = 0;
@@ -89,7 +89,7 @@ void require_cross_step_room(std::size_t bytes, std::int64_t count, const cross_
   };
   MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
   if (!fits()) {
-    release_scratch_pool();
+    release_kept_buffers();
     MXSCOPE_GPU_CHECK(runtime::memory_info(&free_bytes, &total_bytes));
   }
   if (!fits()) {

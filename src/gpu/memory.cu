@@ -1,5 +1,5 @@
-// The GPU backend's devices, device memory (buffers, matrices, the scratch pool, timers) and the
-// quantizers' plans.
+// The GPU backend's devices, device memory (buffers, the cache that keeps them for reuse,
+// matrices, timers) and the quantizers' plans.
 #include "common.cuh"
 
 namespace mxscope::gpu {
@@ -52,43 +52,20 @@ std::optional<runtime::device_properties> current_device_properties() {
   return properties;
 }
 
-// Set-up buffers kept between calls, so that the exact reference's staging (its operands in chunk
-// tiles, 0.6 GB at the benchmark's shape, and the rows' descriptions) is not allocated and freed on
-// every call (BENCHMARKS.md, "Tuning notes"). A scratch_buffer takes the smallest pooled buffer of
-// the current device that is large enough, else allocates one, and gives it back to the pool when
-// it goes out of scope; the pool keeps the last scratch_pool_entries buffers given back, and only
-// while they total at most 1/8 of the device's memory. Reuse is safe without waiting: every kernel
-// runs on the default stream, so work queued on a buffer before it went back runs before work
-// queued after it was taken again. The pool is emptied before a cross-step state measures the free
-// memory (require_cross_step_room) and when an allocation fails (device_buffer's constructor), so
-// what it holds never makes a stage run out of memory.
 namespace {
-
-constexpr std::size_t scratch_pool_entries = 8;
-
-struct scratch_pool {
-  struct entry {
-    int device;
-    device_buffer buffer;
-  };
-  std::mutex mutex;
-  std::vector<entry> entries;  // oldest first
-};
-
-scratch_pool& the_scratch_pool() {
-  static scratch_pool* pool = new scratch_pool;  // never destroyed: no cudaFree after the runtime's teardown
-  return *pool;
-}
 
 // Device buffers given back outside stream order are kept for reuse instead of freed: cudaFree
 // waits for the whole device, so a free between two stages left the device idle while the host
-// queued the next stage's work (BENCHMARKS.md, "The device buffers kept for reuse"). A buffer is
+// queued the next stage's work (BENCHMARKS.md, "The device buffers kept for reuse"), and the set-up
+// buffers (scratch_buffer: the exact reference's operands in chunk tiles, 0.6 GB at the benchmark's
+// shape, the rows' descriptions) are not allocated from the driver on every call. A buffer is
 // taken again only by an allocation on the default stream, where all the backend's kernels run:
-// work queued on it before it was given back runs before work queued after it is taken, as for
-// the scratch pool. Allocations on another stream (the uploads beside the work) never take one,
-// since that stream does not wait for the default stream's kernels. The cache keeps the last
-// buffer_cache_entries buffers given back while they total at most 1/8 of the device's memory; it
-// is emptied with the scratch pool (release_scratch_pool) and before an allocation is retried.
+// work queued on it before it was given back runs before work queued after it is taken.
+// Allocations on another stream (the uploads beside the work) never take one, since that stream
+// does not wait for the default stream's kernels. The cache keeps the last buffer_cache_entries
+// buffers given back while they total at most 1/8 of the device's memory; release_kept_buffers
+// empties it where a cross-step state would not fit beside it (require_cross_step_room) and before
+// an allocation is retried, so what it keeps never makes a stage run out of memory.
 constexpr std::size_t buffer_cache_entries = 64;
 
 struct buffer_cache {
@@ -103,7 +80,7 @@ struct buffer_cache {
 };
 
 buffer_cache& the_buffer_cache() {
-  static buffer_cache* cache = new buffer_cache;  // never destroyed, as the scratch pool
+  static buffer_cache* cache = new buffer_cache;  // never destroyed: no cudaFree after the runtime's teardown
   return *cache;
 }
 
@@ -157,7 +134,12 @@ void give_back_buffer(int device, std::size_t capacity, void* data) {
       }
     }
     const std::size_t total_bytes = totals[index];
-    cache.entries.push_back({device, capacity, data});
+    try {
+      cache.entries.push_back({device, capacity, data});
+    } catch (const std::bad_alloc&) {
+      (void)runtime::free(data);  // called from destructors: no exception leaves
+      return;
+    }
     cache.bytes += capacity;
     while (!cache.entries.empty() &&
            (cache.entries.size() > buffer_cache_entries || cache.bytes > total_bytes / 8)) {
@@ -169,7 +151,9 @@ void give_back_buffer(int device, std::size_t capacity, void* data) {
   free_buffers(dropped);
 }
 
-void release_buffer_cache() {
+}  // namespace
+
+void release_kept_buffers() {
   std::vector<buffer_cache::entry> released;
   {
     buffer_cache& cache = the_buffer_cache();
@@ -178,63 +162,6 @@ void release_buffer_cache() {
     cache.bytes = 0;
   }
   free_buffers(released);
-}
-
-}  // namespace
-
-void release_scratch_pool() {
-  {
-    std::vector<scratch_pool::entry> released;
-    {
-      scratch_pool& pool = the_scratch_pool();
-      const std::lock_guard<std::mutex> lock(pool.mutex);
-      released.swap(pool.entries);
-    }
-    // given back here, outside the lock
-  }
-  release_buffer_cache();
-}
-
-scratch_buffer::scratch_buffer(std::size_t bytes) {
-  MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
-  if (bytes == 0) return;
-  {
-    scratch_pool& pool = the_scratch_pool();
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    auto best = pool.entries.end();
-    for (auto it = pool.entries.begin(); it != pool.entries.end(); ++it) {
-      if (it->device == device_ && it->buffer.bytes() >= bytes &&
-          (best == pool.entries.end() || it->buffer.bytes() < best->buffer.bytes())) {
-        best = it;
-      }
-    }
-    if (best != pool.entries.end()) {
-      buffer_ = std::move(best->buffer);
-      pool.entries.erase(best);
-      return;
-    }
-  }
-  buffer_ = device_buffer(bytes);
-}
-
-scratch_buffer::~scratch_buffer() {
-  if (buffer_.get() == nullptr) return;
-  std::size_t free_bytes = 0, total_bytes = 0;
-  if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
-    (void)runtime::last_error();
-    return;  // freed with buffer_
-  }
-  std::vector<scratch_pool::entry> dropped;
-  scratch_pool& pool = the_scratch_pool();
-  const std::lock_guard<std::mutex> lock(pool.mutex);
-  pool.entries.push_back({device_, std::move(buffer_)});
-  std::size_t kept = 0;
-  for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
-  while (!pool.entries.empty() && (pool.entries.size() > scratch_pool_entries || kept > total_bytes / 8)) {
-    kept -= pool.entries.front().buffer.bytes();
-    dropped.push_back(std::move(pool.entries.front()));
-    pool.entries.erase(pool.entries.begin());
-  }
 }
 
 // Multiprocessors of the current device, queried once per device.
@@ -265,27 +192,20 @@ device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes), capacity_(bytes
   MXSCOPE_GPU_CHECK(runtime::get_device(&device_));
   if (runtime::current_stream == nullptr && take_cached_buffer(device_, bytes, data_, capacity_)) return;
   if (runtime::malloc(&data_, bytes) != runtime::success) {
-    // Out of memory, perhaps because of what the scratch pool and the buffer cache keep: once
-    // more without them.
+    // Out of memory, perhaps because of what the cache keeps: once more without it.
     (void)runtime::last_error();
     data_ = nullptr;
-    release_scratch_pool();
+    release_kept_buffers();
     MXSCOPE_GPU_CHECK(runtime::malloc(&data_, bytes));
   }
 }
 
-void release_cached_memory() { release_scratch_pool(); }
+void release_cached_memory() { release_kept_buffers(); }
 
 std::size_t cached_memory_bytes() {
-  std::size_t kept = 0;
-  {
-    scratch_pool& pool = the_scratch_pool();
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    for (const scratch_pool::entry& e : pool.entries) kept += e.buffer.bytes();
-  }
   buffer_cache& cache = the_buffer_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
-  return kept + cache.bytes;
+  return cache.bytes;
 }
 
 void device_buffer::free_memory() noexcept {
