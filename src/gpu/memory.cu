@@ -124,7 +124,15 @@ void give_back_buffer(int device, std::size_t capacity, void* data) {
     // The devices' memory sizes, read once each (a query per free would cost a driver call).
     static std::vector<std::size_t> totals;
     const auto index = static_cast<std::size_t>(device);
-    if (totals.size() <= index) totals.resize(index + 1, 0);
+    try {
+      // Every allocation first, so that the updates below cannot throw (this runs in destructors).
+      if (totals.size() <= index) totals.resize(index + 1, 0);
+      cache.entries.reserve(cache.entries.size() + 1);
+      dropped.reserve(cache.entries.size() + 1);
+    } catch (const std::bad_alloc&) {
+      (void)runtime::free(data);
+      return;
+    }
     if (totals[index] == 0) {
       std::size_t free_bytes = 0, total_bytes = 0;
       if (runtime::memory_info(&free_bytes, &total_bytes) != runtime::success) {
@@ -134,12 +142,7 @@ void give_back_buffer(int device, std::size_t capacity, void* data) {
       }
     }
     const std::size_t total_bytes = totals[index];
-    try {
-      cache.entries.push_back({device, capacity, data});
-    } catch (const std::bad_alloc&) {
-      (void)runtime::free(data);  // called from destructors: no exception leaves
-      return;
-    }
+    cache.entries.push_back({device, capacity, data});
     cache.bytes += capacity;
     while (!cache.entries.empty() &&
            (cache.entries.size() > buffer_cache_entries || cache.bytes > total_bytes / 8)) {
