@@ -297,10 +297,11 @@ __global__ void integer_fixup_kernel(const std::int32_t* a_values, const std::in
 }
 
 // Per row of an exponent array [blocks, rows]: the largest minus the smallest block exponent along
-// K (1 << 20 with a NaN block), and the largest of them over all rows in *largest. Span 0 in every
-// row is integer_mode::whole's condition; tensor_core_exact_kernel's window test reads the spans.
+// K (1 << 20 with a NaN block), the smallest into lows, and the largest span over all rows in
+// *largest. Span 0 in every row is integer_mode::whole's condition; the exact kernels' window tests
+// read the spans, exact_wgmma_kernel's integer sums the lows.
 __global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_t rows, std::int64_t blocks,
-                                      std::int32_t* spans, unsigned long long* largest) {
+                                      std::int32_t* spans, std::int32_t* lows, unsigned long long* largest) {
   unsigned long long local = 0;
   MXSCOPE_GRID_LOOP(r, rows) {
     std::int32_t low = exponents[r];
@@ -314,6 +315,7 @@ __global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_
     }
     const std::int32_t span = nan_block || blocks == 0 ? (1 << 20) : high - low;
     spans[r] = span;
+    lows[r] = low;
     local = static_cast<unsigned long long>(span) > local ? static_cast<unsigned long long>(span) : local;
   }
   unsigned long long reduced[1] = {local};
@@ -322,19 +324,21 @@ __global__ void exponent_spans_kernel(const std::int32_t* exponents, std::int64_
 }
 
 struct exponent_span_data {
-  device_buffer spans;      // int32 [rows]
+  device_buffer spans;       // int32 [rows]
+  device_buffer lows;        // int32 [rows]: the row's smallest block exponent
   std::int64_t largest = 0;  // the largest span (0 without rows)
 };
 
 exponent_span_data exponent_spans(const prepared_operand::storage& operand) {
   exponent_span_data out;
   out.spans = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(operand.rows, 1)) * sizeof(std::int32_t));
+  out.lows = device_buffer(static_cast<std::size_t>(std::max<std::int64_t>(operand.rows, 1)) * sizeof(std::int32_t));
   if (operand.rows == 0) return out;
   device_buffer largest(sizeof(unsigned long long));
   largest.fill_bytes(0);
   runtime::launch(exponent_spans_kernel, reduction_grid(operand.rows), threads_per_block, 0,
                   operand.exponents.as<const std::int32_t>(), operand.rows, operand.blocks, out.spans.as<std::int32_t>(),
-                  largest.as<unsigned long long>());
+                  out.lows.as<std::int32_t>(), largest.as<unsigned long long>());
   unsigned long long host = 0;
   largest.download(&host, sizeof(host));
   out.largest = static_cast<std::int64_t>(host);

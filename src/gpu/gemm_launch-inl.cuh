@@ -130,7 +130,8 @@ void run_exact_wgmma(const prepared_operand::storage& a, const prepared_operand:
     const std::int64_t padded = tiles * tile_rows;
     runtime::launch(prepare_exact_records_kernel, grid_for(padded * stages * tew_stage_blocks), threads_per_block, 0,
                     x.bytes.as<const std::int8_t>(), x.exponents.as<const std::int32_t>(),
-                    spans.spans.as<const std::int32_t>(), x.rows, padded, x.byte_stride, x.blocks, stages, tile_rows,
+                    spans.spans.as<const std::int32_t>(), spans.lows.as<const std::int32_t>(), x.rows, padded,
+                    x.byte_stride, x.blocks, stages, tile_rows,
                     records.as<std::uint8_t>(), tile_span);
   };
   prepare(a, a_spans, tiles_m, tew_tile_m, a_records, a_tile_spans);
@@ -141,7 +142,8 @@ void run_exact_wgmma(const prepared_operand::storage& a, const prepared_operand:
 #endif
   runtime::launch(exact_wgmma_kernel, static_cast<unsigned>(tiles_m * tiles_n), tew_threads, tew_shared_bytes,
                   a_records.as<const std::uint8_t>(), b_records.as<const std::uint8_t>(),
-                  static_cast<const unsigned*>(a_tile_spans), static_cast<const unsigned*>(b_tile_spans), m, n, stages,
+                  static_cast<const unsigned*>(a_tile_spans), static_cast<const unsigned*>(b_tile_spans),
+                  a_spans.lows.as<const std::int32_t>(), b_spans.lows.as<const std::int32_t>(), m, n, stages,
                   tiles_m, tiles_n, fraction_total, span_budget, output, out, exact_out, flags);
   release_after_kernels();  // the scratch buffers go back to the pool when this returns
 }

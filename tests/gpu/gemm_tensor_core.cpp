@@ -141,13 +141,15 @@ void gemm_tensor_core_tiles(bool small) {
     }
     const gemm_layout_case& layout = gemm_layouts[c.layout];
     for (const char* pattern :
-         {"banded", "mixed", "far", "edges", "edges outside", "window", "window outside", "full blocks"}) {
+         {"banded", "mixed", "far", "edges", "edges outside", "window", "window outside", "full blocks", "spans 30",
+          "spans 31"}) {
       const bool mixed = std::string(pattern) == "mixed";
       const bool far = std::string(pattern) == "far";
       const bool edges = std::string(pattern).rfind("edges", 0) == 0;
       const bool window = std::string(pattern).rfind("window", 0) == 0;
       const bool full = std::string(pattern) == "full blocks";
-      if ((edges || window || full) && (c.a_format != 0 || c.b_format != 0)) continue;
+      const bool spans = std::string(pattern).rfind("spans", 0) == 0;
+      if ((edges || window || full || spans) && (c.a_format != 0 || c.b_format != 0)) continue;
       const std::uint64_t seed = next_seed();
       // Logical A [m, k] and B [n, k], then stored along their layout's axes.
       matrix a = test_inputs::make_matrix(c.m, c.k, value_kind::banded, seed);
@@ -192,6 +194,23 @@ void gemm_tensor_core_tiles(bool small) {
         // the least subnormal up; "window outside" puts A's 29 apart (wgmma_bf16 runs instead).
         pin(a, -20, std::string(pattern) == "window outside" ? 9 : 8);
         pin(b, -5, 23);
+      }
+      if (spans) {
+        // Rows whose block exponents take two values along K, 16 apart in A and 14 or 15 in B (each
+        // row's own base 0 to 2 lower), so that every tile's spans add up to 30 or 31: the exact
+        // model's window tiles at the edge of its integer sums (exact_wgmma_kernel: 30 the
+        // largest shift they take, 31 left to its fp64 sums).
+        const int b_high = std::string(pattern) == "spans 30" ? 14 : 15;
+        const auto spread = [](matrix& x, int high) {
+          for (std::int64_t r = 0; r < x.rows; ++r) {
+            for (std::int64_t q = 0; q < x.cols; ++q) {
+              const int exponent = ((q / 32) % 2 == 1 ? high : 0) - static_cast<int>(r % 3);
+              x(r, q) = std::ldexp(q % 32 == 0 ? 6.0f : std::clamp(x(r, q), -5.9f, 5.9f), exponent);
+            }
+          }
+        };
+        spread(a, 16);
+        spread(b, b_high);
       }
       if (full) {
         // Block dots with the most significant bits: 31 products 6 x 6 and one 0.5 x 0.5 (1116.25,
