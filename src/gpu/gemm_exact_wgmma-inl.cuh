@@ -15,7 +15,7 @@
 // rounded or k is out of range. The block dots come from one
 // wgmma.mma_async m64n64k32 s8 per K-block and warpgroup, both operands in shared memory; the next
 // K-block's MMA runs while this one's dots are stepped (two register sets, drained at the end of
-// each stage: an MMA in flight across a branch or the loop's back edge would be serialized).
+// every two stages: an MMA in flight across a branch or the loop's back edge would be serialized).
 //
 // The pipeline is sliced_wgmma_kernel's (gemm_sliced_wgmma-inl.cuh: init_stage_barriers,
 // copy_stage_records): 128 x 64 entries per thread block, two computing warpgroups of 64 rows (32
@@ -194,32 +194,46 @@ __global__ void __launch_bounds__(tew_threads, 1)
       }
     }
   };
-  const auto run = [&](auto mode_tag) {
-    int dots[2][32];
-    for (int s = 0; s < stage_count; ++s) {
-      const int slot = s % tew_stages;
-      barrier_wait(&shared.full[slot], static_cast<unsigned>(s / tew_stages) & 1U);
-      const tew_stage& stage = shared.stages[slot];
-      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tew_stage) / 16);
-      const auto issue = [&](int (&d)[32], int u) {
-        wgmma_fence();
-        wgmma_s8_m64n64k32(d, a_descriptor + stage_units + 2 * u, b_descriptor + stage_units + 2 * u);
-        wgmma_commit();
-      };
-      issue(dots[0], 0);
+  // Stage s's K-block u: its MMA into d.
+  const auto issue = [&](int (&d)[32], int s, int u) {
+    const std::uint64_t units =
+        static_cast<std::uint64_t>(s % tew_stages) * (sizeof(tew_stage) / 16) + static_cast<std::uint64_t>(2 * u);
+    wgmma_fence();
+    wgmma_s8_m64n64k32(d, a_descriptor + units, b_descriptor + units);
+    wgmma_commit();
+  };
+  // Stages s .. s + Count - 1, all full first, as one run of K-blocks: the next K-block's MMA in
+  // flight while this one's dots are stepped, across the stages of the run too (an MMA in flight
+  // across the loop's back edge would be serialized, so each run starts with one MMA waited for
+  // with nothing to step: once per two stages rather than once per stage).
+  int dots[2][32];
+  const auto run_stages = [&](int s, auto count_tag, auto mode_tag) {
+    constexpr int count = decltype(count_tag)::value;
+    constexpr int blocks = count * tew_stage_blocks;
 #pragma unroll
-      for (int u = 0; u < tew_stage_blocks; ++u) {
-        if (u + 1 < tew_stage_blocks) {
-          issue(dots[(u + 1) % 2], u + 1);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-        tew_registers_written(dots[u % 2]);
-        step(stage, u, dots[u % 2], mode_tag);
-      }
-      barrier_arrive(&shared.empty[slot]);  // this thread's MMA and reads of the stage are done
+    for (int c = 0; c < count; ++c) {
+      barrier_wait(&shared.full[(s + c) % tew_stages], static_cast<unsigned>((s + c) / tew_stages) & 1U);
     }
+    issue(dots[0], s, 0);
+#pragma unroll
+    for (int v = 0; v < blocks; ++v) {
+      if (v + 1 < blocks) {
+        issue(dots[(v + 1) % 2], s + (v + 1) / tew_stage_blocks, (v + 1) % tew_stage_blocks);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      tew_registers_written(dots[v % 2]);
+      const int slot = (s + v / tew_stage_blocks) % tew_stages;
+      step(shared.stages[slot], v % tew_stage_blocks, dots[v % 2], mode_tag);
+      // This thread's MMAs and reads of the stage are done (the one in flight reads the next).
+      if (v % tew_stage_blocks == tew_stage_blocks - 1) barrier_arrive(&shared.empty[slot]);
+    }
+  };
+  const auto run = [&](auto mode_tag) {
+    int s = 0;
+    for (; s + 1 < stage_count; s += 2) run_stages(s, std::integral_constant<int, 2>{}, mode_tag);
+    if (s < stage_count) run_stages(s, std::integral_constant<int, 1>{}, mode_tag);
   };
   const auto entry_row = [&](int i) { return origin.i0 + row0 + 8 * ((i / 2) % 2); };
   const auto entry_col = [&](int i) { return origin.j0 + col0 + 8 * (i / 4) + i % 2; };
