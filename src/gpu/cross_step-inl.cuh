@@ -24,20 +24,49 @@ __device__ inline void cross_step_chunks(std::int64_t count, std::int64_t chunk_
                            partials);
 }
 
+// First: a fresh state's first step. Its values are +0 (what a zeroed matrix holds) without being
+// read, and every one is written, so the state's memory needs no zeroing before.
+template <bool First>
 __global__ void reference_cross_step_kernel(core_ns::reference_state_view state, const double* g, double beta,
                                             core_ns::adamw_step_constants adamw, std::int64_t count,
                                             std::int64_t chunk_count, double* partials) {
   cross_step_chunks<core_ns::reference_sum_count>(count, chunk_count, partials, [&](std::int64_t i, double* acc) {
-    core_ns::reference_element(state, beta, adamw, g[i], i, acc);
+    if constexpr (First) {
+      double v[cross_step_matrices] = {};
+      core_ns::reference_element_of({v[0], v[1], v[2], v[3], v[4], v[5], v[6]}, beta, adamw, g[i], acc);
+      state.sum[i] = v[0];
+      state.sgd_momentum[i] = v[1];
+      state.sgd_displacement[i] = v[2];
+      state.adamw_first[i] = v[3];
+      state.adamw_second[i] = v[4];
+      state.adamw_direction[i] = v[5];
+      state.adamw_displacement[i] = v[6];
+    } else {
+      core_ns::reference_element(state, beta, adamw, g[i], i, acc);
+    }
   });
 }
 
+template <bool First>
 __global__ void unit_cross_step_kernel(core_ns::unit_state_view state, core_ns::reference_optimizer_view reference,
                                        const float* estimate, const double* exact, const double* g, double beta,
                                        core_ns::adamw_step_constants adamw, std::int64_t count,
                                        std::int64_t chunk_count, double* partials) {
   cross_step_chunks<core_ns::unit_sum_count>(count, chunk_count, partials, [&](std::int64_t i, double* acc) {
-    core_ns::unit_element(state, reference, beta, adamw, estimate[i], exact[i], g[i], i, acc);
+    if constexpr (First) {
+      double v[cross_step_matrices] = {};
+      core_ns::unit_element_of({v[0], v[1], v[2], v[3], v[4], v[5], v[6]}, reference, beta, adamw, estimate[i],
+                               exact[i], g[i], i, acc);
+      state.error_sum[i] = v[0];
+      state.previous_error[i] = v[1];
+      state.sgd_momentum[i] = v[2];
+      state.sgd_displacement[i] = v[3];
+      state.adamw_first[i] = v[4];
+      state.adamw_second[i] = v[5];
+      state.adamw_displacement[i] = v[6];
+    } else {
+      core_ns::unit_element(state, reference, beta, adamw, estimate[i], exact[i], g[i], i, acc);
+    }
   });
 }
 
@@ -172,8 +201,7 @@ void prepare_reference_step(reference_cross_step::storage& s, std::int64_t rows,
                             "reference_cross_step");
     device_buffer state(cross_step_matrices * bytes);
     device_buffer gradient(bytes);
-    device_buffer partials(partial_bytes);
-    state.fill_bytes(0);  // +0.0, as a fresh matrix64
+    device_buffer partials(partial_bytes);  // the state is not zeroed: the first step writes it whole
     s.state = std::move(state);
     s.g = std::move(gradient);
     s.partials = std::move(partials);
@@ -191,7 +219,8 @@ reference_step_norms run_reference_step(reference_cross_step::storage& s, const 
   if (count > 0) {
     const core_ns::reference_state_view view{s.matrix_at(0), s.matrix_at(1), s.matrix_at(2), s.matrix_at(3),
                                              s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
-    runtime::launch(reference_cross_step_kernel, grid_for(chunk_count, 1), cross_step_lanes, 0, view,
+    runtime::launch(s.steps == 0 ? reference_cross_step_kernel<true> : reference_cross_step_kernel<false>,
+                    grid_for(chunk_count, 1), cross_step_lanes, 0, view,
                     s.g.as<const double>(),
                     settings.sgd_momentum, adamw_constants_of(settings, t), count, chunk_count,
                     s.partials.as<double>());
@@ -279,8 +308,7 @@ unit_step_norms unit_cross_step::step_on_device(const reference_cross_step& refe
     const std::size_t partial_bytes = static_cast<std::size_t>(core_ns::unit_sum_count * chunk_count) * sizeof(double);
     require_cross_step_room(state_bytes + partial_bytes, count, s.reserve, "unit_cross_step");
     device_buffer state(state_bytes);
-    device_buffer partials(partial_bytes);
-    state.fill_bytes(0);
+    device_buffer partials(partial_bytes);  // the state is not zeroed: the first step writes it whole
     s.state = std::move(state);
     s.partials = std::move(partials);
     s.rows = r.rows;
@@ -294,7 +322,8 @@ unit_step_norms unit_cross_step::step_on_device(const reference_cross_step& refe
                                         s.matrix_at(4), s.matrix_at(5), s.matrix_at(6)};
     const core_ns::reference_optimizer_view reference_view{r.matrix_at(1), r.matrix_at(2), r.matrix_at(5),
                                                            r.matrix_at(6)};
-    runtime::launch(unit_cross_step_kernel, grid_for(chunk_count, 1), cross_step_lanes, 0, view, reference_view,
+    runtime::launch(s.steps == 0 ? unit_cross_step_kernel<true> : unit_cross_step_kernel<false>,
+                    grid_for(chunk_count, 1), cross_step_lanes, 0, view, reference_view,
                     estimate, exact,
                     r.g.as<const double>(), settings.sgd_momentum, adamw_constants_of(settings, t), count,
                     chunk_count, s.partials.as<double>());

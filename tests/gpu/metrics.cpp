@@ -141,9 +141,20 @@ void cross_step_steps(bool small) {
         }
         mxscope::reference_accumulators cpu_reference;
         std::vector<mxscope::unit_accumulators> cpu_units(2);
+        const std::int64_t count = s.rows * s.cols;
+        // The states' memory as a first step may find it: buffers of their size given back earlier
+        // and kept by the buffer cache, full of NaN bits rather than zeros (the first step writes
+        // every state value without reading it).
+        gpu::release_cached_memory();
+        {
+          std::vector<gpu::device_buffer> planted;
+          for (int k = 0; k < 3; ++k) {
+            planted.emplace_back(static_cast<std::size_t>(7 * count) * sizeof(double));
+            planted.back().fill_bytes(0xFF);
+          }
+        }
         gpu::reference_cross_step gpu_reference;
         std::vector<gpu::unit_cross_step> gpu_units(2);
-        const std::int64_t count = s.rows * s.cols;
         for (int t = 1; t <= steps; ++t) {
           matrix64 g(s.rows, s.cols);
           for (std::int64_t i = 0; i < count; ++i) {

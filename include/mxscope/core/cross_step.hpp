@@ -149,13 +149,31 @@ struct reference_state_view {
   double* adamw_displacement;
 };
 
+// One element's reference state values, read and written in place (every one written).
+struct reference_element_values {
+  double& sum;
+  double& sgd_momentum;
+  double& sgd_displacement;
+  double& adamw_first;
+  double& adamw_second;
+  double& adamw_direction;
+  double& adamw_displacement;
+};
+
+MXSCOPE_HD inline void reference_element_of(const reference_element_values& v, double beta,
+                                            const adamw_step_constants& adamw, double g, double* acc) {
+  reference_sum_stage(g, v.sum, acc);
+  reference_sgd_stage(beta, g, v.sgd_momentum, v.sgd_displacement, acc);
+  const double u = adamw_element(adamw, g, v.adamw_first, v.adamw_second, v.adamw_displacement);
+  v.adamw_direction = u;
+  reference_adamw_terms(u, v.adamw_displacement, acc);
+}
+
 MXSCOPE_HD inline void reference_element(const reference_state_view& s, double beta, const adamw_step_constants& adamw,
                                          double g, std::int64_t i, double* acc) {
-  reference_sum_stage(g, s.sum[i], acc);
-  reference_sgd_stage(beta, g, s.sgd_momentum[i], s.sgd_displacement[i], acc);
-  const double u = adamw_element(adamw, g, s.adamw_first[i], s.adamw_second[i], s.adamw_displacement[i]);
-  s.adamw_direction[i] = u;
-  reference_adamw_terms(u, s.adamw_displacement[i], acc);
+  reference_element_of({s.sum[i], s.sgd_momentum[i], s.sgd_displacement[i], s.adamw_first[i], s.adamw_second[i],
+                        s.adamw_direction[i], s.adamw_displacement[i]},
+                       beta, adamw, g, acc);
 }
 
 struct unit_state_view {
@@ -176,16 +194,34 @@ struct reference_optimizer_view {
   const double* adamw_displacement;
 };
 
+// One element's unit state values, read and written in place (every one written).
+struct unit_element_values {
+  double& error_sum;
+  double& previous_error;
+  double& sgd_momentum;
+  double& sgd_displacement;
+  double& adamw_first;
+  double& adamw_second;
+  double& adamw_displacement;
+};
+
+MXSCOPE_HD inline void unit_element_of(const unit_element_values& v, const reference_optimizer_view& r, double beta,
+                                       const adamw_step_constants& adamw, float estimate, double exact, double g,
+                                       std::int64_t i, double* acc) {
+  double widened = 0.0;
+  const double error = unit_error_stage(estimate, exact, g, widened, acc);
+  unit_error_sum_stage(error, v.previous_error, v.error_sum, acc);
+  unit_sgd_stage(beta, widened, v.sgd_momentum, v.sgd_displacement, r.sgd_momentum[i], r.sgd_displacement[i], acc);
+  const double u = adamw_element(adamw, widened, v.adamw_first, v.adamw_second, v.adamw_displacement);
+  unit_adamw_terms(u, v.adamw_displacement, r.adamw_direction[i], r.adamw_displacement[i], acc);
+}
+
 MXSCOPE_HD inline void unit_element(const unit_state_view& s, const reference_optimizer_view& r, double beta,
                                     const adamw_step_constants& adamw, float estimate, double exact, double g,
                                     std::int64_t i, double* acc) {
-  double widened = 0.0;
-  const double error = unit_error_stage(estimate, exact, g, widened, acc);
-  unit_error_sum_stage(error, s.previous_error[i], s.error_sum[i], acc);
-  unit_sgd_stage(beta, widened, s.sgd_momentum[i], s.sgd_displacement[i], r.sgd_momentum[i], r.sgd_displacement[i],
-                 acc);
-  const double u = adamw_element(adamw, widened, s.adamw_first[i], s.adamw_second[i], s.adamw_displacement[i]);
-  unit_adamw_terms(u, s.adamw_displacement[i], r.adamw_direction[i], r.adamw_displacement[i], acc);
+  unit_element_of({s.error_sum[i], s.previous_error[i], s.sgd_momentum[i], s.sgd_displacement[i], s.adamw_first[i],
+                   s.adamw_second[i], s.adamw_displacement[i]},
+                  r, beta, adamw, estimate, exact, g, i, acc);
 }
 
 }  // namespace mxscope::core
