@@ -116,7 +116,7 @@ __device__ inline std::int64_t multiply_add_wide(int x, int y, std::int64_t sum)
 }
 #endif
 
-// One body (about 130 lines): the producer's copies, the barriers' phases, the MMA in flight and
+// One body (about 150 lines): the producer's copies, the barriers' phases, the MMA in flight and
 // the per-entry steps share the stage indices and the registers of the dots and running sums.
 __global__ void __launch_bounds__(tew_threads, 1)
     exact_wgmma_kernel(const std::uint8_t* a_records, const std::uint8_t* b_records, const unsigned* a_tile_spans,
