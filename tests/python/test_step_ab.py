@@ -58,6 +58,24 @@ class StepAbTest(unittest.TestCase):
                 self.assertIn(f"{strategy} gemm_product", lines)
             self.assertIn("wall", lines)
 
+    def test_layers_are_passed_to_the_replay(self):
+        """--layers REGEX reaches every run: the outputs then hold that layer alone."""
+        with tempfile.TemporaryDirectory() as d:
+            keep = f'cp "$out/steps.csv" {d}/$(basename "$0").csv'
+            a, b = wrapper(d, "a", keep), wrapper(d, "b", keep)
+            result = run_tool("--rounds", "1", "--layers", r"layers\.2\..*", f"a={a}", f"b={b}", log_dir=f"{d}/logs")
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            self.assertIn(r"(cpu, layers layers\.2\..*)", result.stdout)
+            for name in ("a", "b"):
+                rows = pathlib.Path(d, f"{name}.csv").read_text().splitlines()
+                header = rows[0].split(",")
+                layers = {row.split(",")[header.index("layer")] for row in rows[1:]}
+                self.assertEqual(layers, {"layers.2.mlp.down_proj"})
+            everything = wrapper(d, "all", keep)
+            self.assertEqual(run_tool("--rounds", "1", f"a={everything}", f"b={b}", log_dir=f"{d}/logs2").returncode, 0)
+            rows = pathlib.Path(d, "all.csv").read_text().splitlines()
+            self.assertGreater(len({row.split(",")[rows[0].split(",").index("layer")] for row in rows[1:]}), 1)
+
     def test_other_bytes_and_failed_runs_are_reported(self):
         with tempfile.TemporaryDirectory() as d:
             plain = wrapper(d, "plain")
