@@ -260,10 +260,12 @@ __device__ inline void ordered_chunk_sums(std::int64_t items, const Item& item, 
         for (int k = 0; k < Sums; ++k) shared_terms[ordered_sum_lanes * d + lane][k] = t[d][k];
       }
       __syncthreads();
+      // All `round` terms, those past the end +0 too: adding +0 changes no partial (one that
+      // starts at +0 is never -0 under round to nearest), and a fixed count lets the loop unroll,
+      // its shared loads issued ahead of the chain of additions.
       if (lane < Sums) {
-        const std::int64_t left = range.length - base;
-        const int present = left < round ? static_cast<int>(left) : round;
-        for (int l = 0; l < present; ++l) partial = partial + shared_terms[l][lane];
+#pragma unroll
+        for (int l = 0; l < round; ++l) partial = partial + shared_terms[l][lane];
       }
       __syncthreads();
     }
