@@ -380,6 +380,10 @@ integer_block_kernel last_integer_block_kernel();
 // Whether that product was an `exact` one that sliced took as one dot over the whole of K: every
 // row of both operands with one block exponent (per-tensor scaling) and K <= 65536 (docs/gpu.md).
 bool last_integer_product_whole_k();
+// Whether the most recent multiply_prepared_both that ran summed its exact model without checking
+// its additions: on sliced, every row of both operands with one block exponent and K <= 65536,
+// where none can round (docs/gpu.md).
+bool last_both_exact_unchecked();
 
 // The kernel behind fp32-block products of unscaled operands with blocks of 32 (the bf16 and fp32
 // baselines; plain_product_on_device), both on the fp64 tensor cores where a chunk's dot is exact

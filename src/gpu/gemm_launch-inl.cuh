@@ -103,8 +103,10 @@ void launch_generic(const prepared_operand::storage& a, const prepared_operand::
   }
 }
 
-// Whether the most recent integer-path product on a sliced kernel took its whole-K dot.
+// Whether the most recent integer-path product on a sliced kernel took its whole-K dot, and whether
+// the most recent one-pass pair (multiply_prepared_both) summed its exact model unchecked.
 std::atomic<bool> last_run_sliced_whole_k{false};
+std::atomic<bool> last_run_sliced_unchecked{false};
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 std::atomic<exact_product_kernel> chosen_exact_product_kernel{exact_product_kernel::automatic};
@@ -315,10 +317,17 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
                     b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
                     a.blocks, tiles_m, tiles_n, output, out, exact_out, flags, exact_out32);
   };
+  // The Both form's exact sums cannot round where the whole-K dot's conditions hold (the block
+  // exponents constant along K): sliced_block_kernel's Unchecked.
+  const bool unchecked = exact_out32 != nullptr && !exact && a_form.flags[1] == 0 && b_form.flags[1] == 0 &&
+                         a.depth <= slc_whole_depth_limit;
+  last_run_sliced_unchecked.store(unchecked);
   if (*whole_k) {
     run(sliced_block_kernel<true, true>);
   } else if (exact) {
     run(sliced_block_kernel<true>);
+  } else if (unchecked) {
+    run(sliced_block_kernel<false, false, true, true>);
   } else if (exact_out32 != nullptr) {
     run(sliced_block_kernel<false, false, true>);
   } else {
@@ -420,6 +429,7 @@ bool launch_sliced(const prepared_operand::storage& a, const prepared_operand::s
 // computed).
 bool launch_sliced_both(const prepared_operand::storage& a, const prepared_operand::storage& b, output_rounding output,
                         float* out, double* exact_out, float* exact_out32, int fraction_total) {
+  last_run_sliced_unchecked.store(false);
   if (!sliced_takes(a, b)) return false;
   scratch_buffer flagged(static_cast<std::size_t>(std::max<std::int64_t>(a.rows * b.rows, 1)));
   flagged.fill_bytes(0);
@@ -532,6 +542,7 @@ void select_integer_block_kernel(integer_block_kernel kernel) {
 
 integer_block_kernel last_integer_block_kernel() { return last_run_integer_block_kernel.load(); }
 bool last_integer_product_whole_k() { return last_run_sliced_whole_k.load(); }
+bool last_both_exact_unchecked() { return last_run_sliced_unchecked.load(); }
 
 bool multiply_prepared_both(const prepared_operand& a_operand, const prepared_operand& b_operand,
                             output_rounding output, float* out, double* exact_out, float* exact_out32) {

@@ -246,8 +246,11 @@ __device__ inline void set_zero(T (&values)[N]) {
 // exact step per entry at the end ("Whole K" above); nothing is flagged. Both (without Exact):
 // fp32-block into `out` and, from the same block dots and scales, the exact model's sums as Exact
 // leaves them, into exact_out, exact_out32 (rounded once to fp32) and `flagged` (the replay's
-// exact_too product of the same operands, without a second pass).
-template <bool Exact, bool WholeK = false, bool Both = false>
+// exact_too product of the same operands, without a second pass). Unchecked (with Both): every row
+// of both operands has one block exponent along K and K <= slc_whole_depth_limit, so each entry's
+// scale 2^k is the same in every K-block and its running exact sum is 2^k times an integer below
+// K / 32 * 32 2^18 2^18 <= 2^52: no addition can round, and each is one fma, unchecked.
+template <bool Exact, bool WholeK = false, bool Both = false, bool Unchecked = false>
 __global__ void __launch_bounds__(slc_threads, 2)
     sliced_block_kernel(const std::uint8_t* a, const double* a_scales, const std::uint8_t* b, const double* b_scales,
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
@@ -280,6 +283,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
   [[maybe_unused]] std::uint64_t rounded = 0;  // Exact, Both: bit (mi col_tiles + ni) 4 + e
   static_assert(!WholeK || Exact);
   static_assert(!(Both && Exact));
+  static_assert(!Unchecked || Both);
   [[maybe_unused]] double exact_sums[Both ? row_tiles : 1][Both ? col_tiles : 1][4];  // Both
   if constexpr (Both) set_zero(exact_sums);
   [[maybe_unused]] int whole_levels[row_tiles][col_tiles][5][4];  // WholeK: each level over all of K
@@ -353,7 +357,9 @@ __global__ void __launch_bounds__(slc_threads, 2)
             }
           } else {
             accumulators[mi][ni][e] = round_to_odd_step_by_sign(accumulators[mi][ni][e], dot, scale);
-            if constexpr (Both) {
+            if constexpr (Unchecked) {
+              exact_sums[mi][ni][e] = fma_exact(dot, scale, exact_sums[mi][ni][e]);
+            } else if constexpr (Both) {
               if (add_product_rounds(exact_sums[mi][ni][e], dot, scale)) {
                 rounded |= std::uint64_t{1} << ((mi * col_tiles + ni) * 4 + e);
               }

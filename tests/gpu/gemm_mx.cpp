@@ -1,6 +1,7 @@
 // GPU test suites: emulated MX products on every path (generic, integer, tensor-core) against the
 // host definition: a sweep of shapes and models, edge cases and integer tiles.
 #include <cstring>
+#include <optional>
 
 #include "support.hpp"
 #include "gemm_support.hpp"
@@ -302,8 +303,11 @@ namespace {
 // round in fp64, so their entries take the fix-up), and the same bits as the two products alone;
 // false, with the products left to the caller, where a NaN block keeps the sliced kernel out or
 // another integer-path kernel is selected.
+// With `unchecked`, also whether the pass summed the exact model unchecked (block exponents
+// constant along K: gpu::last_both_exact_unchecked).
 std::string check_both_models(const mxscope::quantized_tensor& qa, const mxscope::quantized_tensor& qb,
-                              mxscope::output_rounding output, bool nan_block, const std::string& label) {
+                              mxscope::output_rounding output, bool nan_block, const std::string& label,
+                              std::optional<bool> unchecked = std::nullopt) {
   const device_operand a = upload_operand(qa), b = upload_operand(qb);
   const gpu::prepared_operand pa = gpu::prepare_operand(a.view, gpu::gemm_path::integer);
   const gpu::prepared_operand pb = gpu::prepare_operand(b.view, gpu::gemm_path::integer);
@@ -321,6 +325,9 @@ std::string check_both_models(const mxscope::quantized_tensor& qa, const mxscope
   if (!run_both()) return nan_block ? std::string() : "did not run, " + label;
   if (nan_block) return "ran with a NaN block, " + label;
   if (gpu::last_integer_block_kernel() != gpu::integer_block_kernel::sliced) return "not the sliced kernel, " + label;
+  if (unchecked && gpu::last_both_exact_unchecked() != *unchecked) {
+    return std::string("the exact sums ") + (*unchecked ? "checked" : "unchecked") + ", " + label;
+  }
   gemm_output block{matrix(m, n), matrix64()};
   gemm_output exact{matrix(m, n), matrix64(m, n)};
   gpu::synchronize();
@@ -465,6 +472,12 @@ void gemm_integer_tiles(bool small) {
         }
         return check_product_entries(qa, qb, model, mxscope::output_rounding::fp32, got, {},
                                      name + ", seed " + hex64(seed));
+      });
+      // The one-pass pair on the same operands: its exact sums unchecked exactly where the scales
+      // are constant along K (no addition can round there, even for the extreme values).
+      run_case(name + " both models from one pass", [&]() -> std::string {
+        return check_both_models(qa, qb, mxscope::output_rounding::fp32, false, name + ", seed " + hex64(seed),
+                                 !one_differs);
       });
     }
   }
