@@ -85,8 +85,7 @@ __device__ inline double slice_row_block(const std::int32_t* integers, const std
       scale = core_ns::pow2(e + shift);
     }
     const std::int64_t k0 = b * 32;
-    for (int k = 0; k < 32 && k0 + k < depth; ++k) {
-      const std::int32_t q = integers[r * depth + k0 + k];
+    const auto slice = [&](int k, std::int32_t q) {
       const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
 #pragma unroll
       for (int s = 0; s < slc_slices; ++s) {
@@ -94,6 +93,20 @@ __device__ inline double slice_row_block(const std::int32_t* integers, const std
         const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
         words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
       }
+    };
+    const std::int32_t* row = integers + r * depth + k0;
+    if (depth % 4 == 0 && k0 + 32 <= depth) {
+      // A whole K-block of 16-byte-aligned integers (device buffers are): eight 16-byte loads.
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const int4 q = reinterpret_cast<const int4*>(row)[v];
+        slice(4 * v, q.x);
+        slice(4 * v + 1, q.y);
+        slice(4 * v + 2, q.z);
+        slice(4 * v + 3, q.w);
+      }
+    } else {
+      for (int k = 0; k < 32 && k0 + k < depth; ++k) slice(k, row[k]);
     }
   }
   return scale;
