@@ -306,7 +306,10 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   const form& a_form = *a_slot;
   const form& b_form = *b_slot;
   if (a_form.flags[0] != 0 || b_form.flags[0] != 0) return false;
-  *whole_k = exact && a_form.flags[1] == 0 && b_form.flags[1] == 0 && a.depth <= slc_whole_depth_limit;
+  // Every row of both operands has one block exponent along K, and K is within the whole-K dot's
+  // limit: each entry's scale 2^k is then the same in every K-block.
+  const bool constant_scales = a_form.flags[1] == 0 && b_form.flags[1] == 0 && a.depth <= slc_whole_depth_limit;
+  *whole_k = exact && constant_scales;
   const auto run = [&](auto kernel) {
 #if !defined(MXSCOPE_GPU_SIMULATE)
     MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -317,10 +320,8 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
                     b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
                     a.blocks, tiles_m, tiles_n, output, out, exact_out, flags, exact_out32);
   };
-  // The Both form's exact sums cannot round where the whole-K dot's conditions hold (the block
-  // exponents constant along K): sliced_block_kernel's Unchecked.
-  const bool unchecked = exact_out32 != nullptr && !exact && a_form.flags[1] == 0 && b_form.flags[1] == 0 &&
-                         a.depth <= slc_whole_depth_limit;
+  // The Both form's exact sums cannot round under constant scales: sliced_block_kernel's Unchecked.
+  const bool unchecked = exact_out32 != nullptr && !exact && constant_scales;
   last_run_sliced_unchecked.store(unchecked);
   if (*whole_k) {
     run(sliced_block_kernel<true, true>);
