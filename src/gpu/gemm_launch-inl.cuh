@@ -266,9 +266,8 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
   const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
-  const std::int64_t tiles_n = (n + slc_tile_n - 1) / slc_tile_n;
   const std::int64_t padded_m = (m + slc_row_pad - 1) / slc_row_pad * slc_row_pad;
-  const std::int64_t padded_n = tiles_n * slc_tile_n;
+  const std::int64_t padded_n = (n + slc_col_pad - 1) / slc_col_pad * slc_col_pad;
   // Each operand's sliced form, kept in its storage for the next product of that operand with the
   // same shift and padding (an operand on both sides needs two forms: neither is kept); the forms
   // made here share one download of their flags.
@@ -310,12 +309,16 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   // limit: each entry's scale 2^k is then the same in every K-block.
   const bool constant_scales = a_form.flags[1] == 0 && b_form.flags[1] == 0 && a.depth <= slc_whole_depth_limit;
   *whole_k = exact && constant_scales;
-  const auto run = [&](auto kernel) {
+  // The kernel's form and its tiling (slc_tiling_of its Both).
+  const auto run = [&](auto kernel, auto tiling) {
+    constexpr int tile_n = decltype(tiling)::tile_n;
+    constexpr std::size_t shared_bytes = slc_shared_bytes<tile_n>;
+    const std::int64_t tiles_n = (n + tile_n - 1) / tile_n;
 #if !defined(MXSCOPE_GPU_SIMULATE)
     MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(slc_shared_bytes)));
+                                           static_cast<int>(shared_bytes)));
 #endif
-    runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, slc_shared_bytes,
+    runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, shared_bytes,
                     a_form.slices.as<const std::uint8_t>(), a_form.scales.as<const double>(),
                     b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
                     a.blocks, tiles_m, tiles_n, output, out, exact_out, flags, exact_out32);
@@ -324,15 +327,15 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
   const bool unchecked = exact_out32 != nullptr && !exact && constant_scales;
   last_run_sliced_unchecked.store(unchecked);
   if (*whole_k) {
-    run(sliced_block_kernel<true, true>);
+    run(sliced_block_kernel<true, true>, slc_tiling_of<false>{});
   } else if (exact) {
-    run(sliced_block_kernel<true>);
+    run(sliced_block_kernel<true>, slc_tiling_of<false>{});
   } else if (unchecked) {
-    run(sliced_block_kernel<false, false, true, true>);
+    run(sliced_block_kernel<false, false, true, true>, slc_tiling_of<true>{});
   } else if (exact_out32 != nullptr) {
-    run(sliced_block_kernel<false, false, true>);
+    run(sliced_block_kernel<false, false, true>, slc_tiling_of<true>{});
   } else {
-    run(sliced_block_kernel<false>);
+    run(sliced_block_kernel<false>, slc_tiling_of<false>{});
   }
   return true;
 }
@@ -387,7 +390,8 @@ bool sliced_takes(const prepared_operand::storage& a, const prepared_operand::st
       integer_max_of(b.element) >= slc_integer_limit || !tensor_cores_present()) {
     return false;
   }
-  const std::int64_t tiles = ((a.rows + slc_tile_m - 1) / slc_tile_m) * ((b.rows + slc_tile_n - 1) / slc_tile_n);
+  const std::int64_t tiles =
+      ((a.rows + slc_tile_m - 1) / slc_tile_m) * ((b.rows + slc_narrow::tile_n - 1) / slc_narrow::tile_n);
   constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
   return tiles * tcb_group <= int_limit && a.blocks <= int_limit;  // tiles: the most of either kernel
 }

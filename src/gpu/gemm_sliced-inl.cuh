@@ -39,16 +39,19 @@
 //
 // Tiling: 64 x 64 entries per thread block of 8 warps (2 x 4), 32 x 16 per warp (2 x 2 mma tiles,
 // 16 accumulators per thread: 124 registers in fp32-block, 128 with 8 bytes spilled in exact; two
-// thread blocks per multiprocessor). A stage holds one K-block: the three slices of 64 rows of A and 64 of B, 32
-// bytes per row in tcb's swizzle, and the rows' scales; four stages (cp.async), thread blocks in
-// tcb's grouped order.
+// thread blocks per multiprocessor). The Both forms, which hold an fp64 exact sum per entry as well,
+// take 64 x 32 entries per thread block (4 x 2 warps of 16 x 16, 1 x 2 mma tiles: 104 and 106
+// registers, none spilled, against 128 and spills at 32 x 16). A stage holds one K-block: the
+// three slices of 64 rows of A and the block's rows of B, 32 bytes per row in tcb's swizzle, and
+// the rows' scales; four stages (cp.async), thread blocks in tcb's grouped order. The prepared
+// rows of B are padded to 64 for both tilings, so one prepared form serves every form.
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
-constexpr int slc_tile_m = 64;       // rows of A per thread block (32 per warp)
+constexpr int slc_tile_m = 64;       // rows of A per thread block
 constexpr int slc_warp_cols = 16;    // columns per warp
-constexpr int slc_tile_n = 4 * slc_warp_cols;  // columns (rows of B) per thread block
 constexpr int slc_row_pad = 128;     // prepared rows of A padded to a multiple of this
+constexpr int slc_col_pad = 64;      // prepared rows of B padded to a multiple of this
 constexpr int slc_slices = 3;
 constexpr int slc_stages = 4;
 constexpr int slc_threads = 256;
@@ -57,15 +60,32 @@ constexpr std::int64_t slc_integer_limit = std::int64_t{1} << 18;
 constexpr int slc_exponent_limit = 400;
 constexpr std::int64_t slc_whole_depth_limit = std::int64_t{1} << 16;
 
+// A thread block's tiling: 8 warps of WarpRows x slc_warp_cols entries, slc_tile_m rows in all.
+template <int WarpRows>
+struct slc_tiling {
+  static constexpr int warp_rows = WarpRows;
+  static constexpr int warps_m = slc_tile_m / WarpRows;
+  static constexpr int warps_n = slc_threads / 32 / warps_m;
+  static constexpr int tile_n = warps_n * slc_warp_cols;  // columns (rows of B) per thread block
+};
+// The kernel's forms' tilings (see "Tiling" above): warp rows 16 for the Both forms, 32 for the others.
+using slc_wide = slc_tiling<32>;
+using slc_narrow = slc_tiling<16>;
+template <bool Both>
+using slc_tiling_of = std::conditional_t<Both, slc_narrow, slc_wide>;
+
+template <int TileN>
 struct alignas(16) slc_stage {
   std::uint8_t a[slc_slices][slc_tile_m * 32];
-  std::uint8_t b[slc_slices][slc_tile_n * 32];
+  std::uint8_t b[slc_slices][TileN * 32];
   double a_scales[slc_tile_m];
-  double b_scales[slc_tile_n];
+  double b_scales[TileN];
 };
-constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage);
-static_assert(sizeof(slc_stage) % 16 == 0 && 2 * (slc_tile_m + slc_tile_n) == slc_threads &&
-              slc_row_pad % slc_tile_m == 0);
+template <int TileN>
+constexpr std::size_t slc_shared_bytes = slc_stages * sizeof(slc_stage<TileN>);
+static_assert(sizeof(slc_stage<slc_wide::tile_n>) % 16 == 0 && sizeof(slc_stage<slc_narrow::tile_n>) % 16 == 0 &&
+              2 * (slc_tile_m + slc_wide::tile_n) == slc_threads && 2 * (slc_tile_m + slc_narrow::tile_n) <= slc_threads &&
+              slc_row_pad % slc_tile_m == 0 && slc_col_pad % slc_wide::tile_n == 0 && slc_col_pad % slc_narrow::tile_n == 0);
 
 // One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (eight
 // words a slice, four k a word, lowest byte first; the caller zeroes them) and its scale
@@ -189,10 +209,13 @@ __device__ inline void slice_products(int (&level)[5][4], const std::uint32_t (&
 }
 
 // One thread's copies of a K-block. Chunk t of a slice (16 bytes) is half t % 2 of row t / 2 of A
-// for t < 2 slc_tile_m, else of row t / 2 - slc_tile_m of B: thread t copies chunk t of each
-// slice, and threads below slc_tile_m / 2 + slc_tile_n / 2 two scales (A's, then B's).
+// for t < 2 slc_tile_m, else of row t / 2 - slc_tile_m of B: thread t copies chunk t of each slice
+// where there is one (2 (slc_tile_m + TileN) chunks), and thread u two scales for u < slc_tile_m / 2 +
+// TileN / 2, A's, then B's: u = t where the chunks take every thread, else t less the chunks' count.
+template <int TileN>
 struct slc_loader {
-  using stage_type = slc_stage;
+  using stage_type = slc_stage<TileN>;
+  static constexpr int chunks = 2 * (slc_tile_m + TileN);
   const std::uint8_t* source;
   int offset;      // within a stage, slice 0
   int slice_step;  // bytes between slices in the stage
@@ -208,30 +231,37 @@ struct slc_loader {
       source = a + (i0 + t / 2) * blocks * slc_row_block_bytes + (t % 2) * 16;
       offset = static_cast<int>(offsetof(stage_type, a)) + tcb_offset(t / 2, t % 2);
       slice_step = slc_tile_m * 32;
-    } else {
+    } else if (chunks == slc_threads || t < chunks) {
       const int row = t / 2 - slc_tile_m;
       source = b + (j0 + row) * blocks * slc_row_block_bytes + (t % 2) * 16;
       offset = static_cast<int>(offsetof(stage_type, b)) + tcb_offset(row, t % 2);
-      slice_step = slc_tile_n * 32;
+      slice_step = TileN * 32;
+    } else {  // no chunk: load() copies none
+      source = a;
+      offset = 0;
+      slice_step = 0;
     }
     scale_source = nullptr;
     scale_offset = 0;
     scale_step = 0;
-    if (t < slc_tile_m / 2) {
-      scale_source = a_scales + i0 + 2 * t;
-      scale_offset = static_cast<int>(offsetof(stage_type, a_scales)) + 16 * t;
+    const int u = chunks == slc_threads ? t : (t >= chunks ? t - chunks : slc_threads);
+    if (u < slc_tile_m / 2) {
+      scale_source = a_scales + i0 + 2 * u;
+      scale_offset = static_cast<int>(offsetof(stage_type, a_scales)) + 16 * u;
       scale_step = padded_m;
-    } else if (t < slc_tile_m / 2 + slc_tile_n / 2) {
-      scale_source = b_scales + j0 + 2 * (t - slc_tile_m / 2);
-      scale_offset = static_cast<int>(offsetof(stage_type, b_scales)) + 16 * (t - slc_tile_m / 2);
+    } else if (u < slc_tile_m / 2 + TileN / 2) {
+      scale_source = b_scales + j0 + 2 * (u - slc_tile_m / 2);
+      scale_offset = static_cast<int>(offsetof(stage_type, b_scales)) + 16 * (u - slc_tile_m / 2);
       scale_step = padded_n;
     }
   }
 
   __device__ void load(unsigned char* stage) {
+    if (chunks == slc_threads || static_cast<int>(threadIdx.x) < chunks) {
 #pragma unroll
-    for (int s = 0; s < slc_slices; ++s) copy_async_16(stage + offset + s * slice_step, source + 32 * s, true);
-    source += slc_row_block_bytes;
+      for (int s = 0; s < slc_slices; ++s) copy_async_16(stage + offset + s * slice_step, source + 32 * s, true);
+      source += slc_row_block_bytes;
+    }
     if (scale_source != nullptr) {
       copy_async_16(stage + scale_offset, scale_source, true);
       scale_source += scale_step;
@@ -269,24 +299,25 @@ __global__ void __launch_bounds__(slc_threads, 2)
                         std::int64_t m, std::int64_t n, std::int64_t padded_m, std::int64_t padded_n,
                         std::int64_t blocks, std::int64_t tiles_m, std::int64_t tiles_n, output_rounding output,
                         float* out, double* exact_out, std::uint8_t* flagged, float* exact_out32) {
+  using tiling = slc_tiling_of<Both>;
   constexpr int col_tiles = slc_warp_cols / 8;
-  constexpr int row_tiles = slc_tile_m / 32;  // m16 tiles per warp
-  using stage_type = slc_stage;
+  constexpr int row_tiles = tiling::warp_rows / 16;  // m16 tiles per warp
+  using stage_type = slc_stage<tiling::tile_n>;
   MXSCOPE_DYNAMIC_SHARED(uint4, slc_shared);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group_id = lane / 4;
   const int thread_in_group = lane % 4;
-  const int warp_m = warp / 4;  // 0..1: 32 rows each
-  const int warp_n = warp % 4;  // 0..3: slc_warp_cols columns each
+  const int warp_m = warp / tiling::warps_n;  // tiling::warp_rows rows each
+  const int warp_n = warp % tiling::warps_n;  // slc_warp_cols columns each
   const tile_origin origin = grouped_tile_origin(static_cast<int>(blockIdx.x), static_cast<int>(tiles_m),
-                                                 static_cast<int>(tiles_n), slc_tile_m, slc_tile_n);
+                                                 static_cast<int>(tiles_n), slc_tile_m, tiling::tile_n);
   const int block_count = static_cast<int>(blocks);
   // ldmatrix row addresses as in tensor_core_block_kernel, within one slice.
   const int matrix = lane / 8;
-  const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * (slc_tile_m / 2) + (matrix % 2) * 8 + lane % 8, matrix / 2));
+  const int a_matrix_offset = tcb_opaque(tcb_offset(warp_m * tiling::warp_rows + (matrix % 2) * 8 + lane % 8, matrix / 2));
   const int b_matrix_offset = tcb_opaque(tcb_offset(warp_n * slc_warp_cols + (matrix / 2) * 8 + lane % 8, matrix % 2));
-  const int row_base = warp_m * (slc_tile_m / 2) + group_id;
+  const int row_base = warp_m * tiling::warp_rows + group_id;
   const int col_base = warp_n * slc_warp_cols + 2 * thread_in_group;
 
   static_assert(row_tiles * col_tiles * 4 <= 64, "one flag bit per entry of the thread");
@@ -302,7 +333,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
   [[maybe_unused]] int whole_levels[row_tiles][col_tiles][5][4];  // WholeK: each level over all of K
   if constexpr (WholeK) set_zero(whole_levels);
 
-  slc_loader loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
+  slc_loader<tiling::tile_n> loader(a, a_scales, b, b_scales, blocks, padded_m, padded_n, origin.i0, origin.j0);
   unsigned char* const shared_bytes = reinterpret_cast<unsigned char*>(slc_shared);
 #pragma unroll
   for (int s = 0; s < slc_stages - 1; ++s) {

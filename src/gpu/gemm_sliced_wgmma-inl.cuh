@@ -60,8 +60,8 @@ constexpr bool stage_holds_records(std::int64_t a_record, std::int64_t b_record)
 using slw_shared = stage_ring<slw_stage, slw_stages>;
 constexpr std::size_t slw_shared_bytes = sizeof(slw_shared) + 1024;  // + alignment slack
 static_assert(stage_holds_records<slw_stage>(slw_record_bytes(slw_tile_m), slw_record_bytes(slw_tile_n)));
-// The prepared operands' padding (slc_row_pad rows of A, slc_tile_n of B) covers these tiles.
-static_assert(slc_row_pad % slw_tile_m == 0 && slw_tile_n == slc_tile_n);
+// The prepared operands' padding (slc_row_pad rows of A, slc_col_pad of B) covers these tiles.
+static_assert(slc_row_pad % slw_tile_m == 0 && slc_col_pad % slw_tile_n == 0);
 
 // The operand's records: record (tile, stage) of `tile_rows` rows at (tile stages + stage)
 // slw_record_bytes(tile_rows); K-blocks past the end have zero slices and scale 1.
