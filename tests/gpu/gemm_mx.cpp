@@ -488,7 +488,9 @@ void gemm_integer_tiles(bool small) {
 // integer path's fp32-block and exact products over several of their tiles and more K-blocks than
 // their pipelines have stages, with tails in M, N and K: every entry (and fp64 entry) equal to the
 // integer kernel's (simt) and sampled entries to the host definition, for e4m3 x e4m3 (the
-// mxfp8 and per-tensor fp8 products) and fp4 x e4m3, banded and extreme values, fp32 and bf16 output.
+// mxfp8 and per-tensor fp8 products) and fp4 x e4m3, banded and extreme values, fp32 and bf16 output;
+// and the one-pass pair (gpu::multiply_prepared_both) on the e4m3 x e4m3 operands, every entry
+// against the host definition.
 void gemm_sliced_tiles(bool small) {
   struct sliced_case {
     int a, b;
@@ -548,6 +550,30 @@ void gemm_sliced_tiles(bool small) {
       return check_product_entries(qa, qb, model, c.output, sliced, entries, name + ", seed " + hex64(seed));
     });
     }
+    }
+    // The one-pass pair (e4m3 x e4m3: its own, narrower tiles) over the same tiles and K-blocks; its
+    // exact sums are checked unless every row's block scales are constant along K.
+    if (c.a == 3 && c.b == 3) {
+      const auto constant_along_k = [](const mxscope::quantized_tensor& q) {
+        const bool along_rows = q.options.axis == 1;
+        const std::int64_t lines = along_rows ? q.rows : q.cols;
+        const std::int64_t blocks = static_cast<std::int64_t>(q.scales.size()) / lines;
+        for (std::int64_t line = 0; line < lines; ++line) {
+          for (std::int64_t b = 1; b < blocks; ++b) {
+            const std::int64_t at = along_rows ? line * blocks + b : b * lines + line;
+            const std::int64_t first = along_rows ? line * blocks : line;
+            if (q.scales[at] != q.scales[first]) return false;
+          }
+        }
+        return true;
+      };
+      const bool unchecked = constant_along_k(qa) && constant_along_k(qb);
+      const std::string name = std::string("gemm sliced tiles e4m3xe4m3 both models from one pass M") +
+                               std::to_string(c.m) + " N" + std::to_string(c.n) + " K" + std::to_string(c.k) + " " +
+                               std::string(test_inputs::value_kind_name(c.kind));
+      run_case(name, [&]() -> std::string {
+        return check_both_models(qa, qb, c.output, false, name + ", seed " + hex64(seed), unchecked);
+      });
     }
   }
 
