@@ -355,6 +355,31 @@ std::string check_both_models(const mxscope::quantized_tensor& qa, const mxscope
   return std::string();
 }
 
+// Calls f(scale, line, block) for every block scale of q (a reference, const where q is), by line
+// (a row of the product's operand: q's rows when its blocks run along them, else its columns) and
+// block along K.
+template <class Tensor, class F>
+void for_each_block_scale(Tensor& q, F&& f) {
+  const bool along_rows = q.options.axis == 1;
+  const std::int64_t lines = along_rows ? q.rows : q.cols;
+  const std::int64_t blocks = static_cast<std::int64_t>(q.scales.size()) / lines;
+  for (std::int64_t line = 0; line < lines; ++line) {
+    for (std::int64_t b = 0; b < blocks; ++b) f(q.scales[along_rows ? line * blocks + b : b * lines + line], line, b);
+  }
+}
+
+// Whether every line of q has one block scale along K.
+bool scales_constant_along_k(const mxscope::quantized_tensor& q) {
+  std::vector<int> first(static_cast<std::size_t>(q.rows + q.cols), -1);
+  bool constant = true;
+  for_each_block_scale(q, [&](const std::uint8_t& scale, std::int64_t line, std::int64_t) {
+    int& seen = first[static_cast<std::size_t>(line)];
+    if (seen < 0) seen = scale;
+    constant = constant && seen == scale;
+  });
+  return constant;
+}
+
 }  // namespace
 
 // The integer path over several of its 64 x 64 tiles with tails in M, N and K (K not a multiple of
@@ -448,15 +473,9 @@ void gemm_integer_tiles(bool small) {
       const std::int64_t m = 70, n = 133, k = c.k + (one_differs ? 28 : 0);
       auto [qa, qb] = make_operands(m, n, k, 3, 3, 32, layout, c.kind, seed);
       for (auto* q : {&qa, &qb}) {
-        const bool along_rows = q->options.axis == 1;
-        const std::int64_t lines = along_rows ? q->rows : q->cols;
-        const std::int64_t blocks = static_cast<std::int64_t>(q->scales.size()) / lines;
-        for (std::int64_t line = 0; line < lines; ++line) {
-          for (std::int64_t b = 0; b < blocks; ++b) {
-            const std::int64_t at = along_rows ? line * blocks + b : b * lines + line;
-            q->scales[at] = static_cast<std::uint8_t>(120 + (line * 7 + 3) % 15);
-          }
-        }
+        for_each_block_scale(*q, [](std::uint8_t& scale, std::int64_t line, std::int64_t) {
+          scale = static_cast<std::uint8_t>(120 + (line * 7 + 3) % 15);
+        });
       }
       if (one_differs) qb.scales[qb.scales.size() / 2] = static_cast<std::uint8_t>(qb.scales[qb.scales.size() / 2] + 1);
       const auto model = model_of(mxscope::accumulation_kind::exact);
@@ -554,20 +573,7 @@ void gemm_sliced_tiles(bool small) {
     // The one-pass pair (e4m3 x e4m3: its own, narrower tiles) over the same tiles and K-blocks; its
     // exact sums are checked unless every row's block scales are constant along K.
     if (c.a == 3 && c.b == 3) {
-      const auto constant_along_k = [](const mxscope::quantized_tensor& q) {
-        const bool along_rows = q.options.axis == 1;
-        const std::int64_t lines = along_rows ? q.rows : q.cols;
-        const std::int64_t blocks = static_cast<std::int64_t>(q.scales.size()) / lines;
-        for (std::int64_t line = 0; line < lines; ++line) {
-          for (std::int64_t b = 1; b < blocks; ++b) {
-            const std::int64_t at = along_rows ? line * blocks + b : b * lines + line;
-            const std::int64_t first = along_rows ? line * blocks : line;
-            if (q.scales[at] != q.scales[first]) return false;
-          }
-        }
-        return true;
-      };
-      const bool unchecked = constant_along_k(qa) && constant_along_k(qb);
+      const bool unchecked = scales_constant_along_k(qa) && scales_constant_along_k(qb);
       const std::string name = std::string("gemm sliced tiles e4m3xe4m3 both models from one pass M") +
                                std::to_string(c.m) + " N" + std::to_string(c.n) + " K" + std::to_string(c.k) + " " +
                                std::string(test_inputs::value_kind_name(c.kind));
