@@ -138,10 +138,7 @@ void run_exact_wgmma(const prepared_operand::storage& a, const prepared_operand:
   };
   prepare(a, a_spans, tiles_m, tew_tile_m, a_records, a_tile_spans);
   prepare(b, b_spans, tiles_n, tew_tile_n, b_records, b_tile_spans);
-#if !defined(MXSCOPE_GPU_SIMULATE)
-  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(exact_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(tew_shared_bytes)));
-#endif
+  runtime::allow_dynamic_shared(exact_wgmma_kernel, tew_shared_bytes);
   runtime::launch(exact_wgmma_kernel, static_cast<unsigned>(tiles_m * tiles_n), tew_threads, tew_shared_bytes,
                   a_records.as<const std::uint8_t>(), b_records.as<const std::uint8_t>(),
                   static_cast<const unsigned*>(a_tile_spans), static_cast<const unsigned*>(b_tile_spans),
@@ -196,12 +193,7 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
                               output_rounding output, float* out) {
   const std::int64_t m = a.rows;
   const std::int64_t n = b.rows;
-  #if !defined(MXSCOPE_GPU_SIMULATE)
-          // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute
-          // belongs to the current device).
-          MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(tcb_shared_bytes)));
-  #endif
+          runtime::allow_dynamic_shared(tensor_core_block_kernel, tcb_shared_bytes);
           const std::int64_t tiles_m = (m + tcb_tile_m - 1) / tcb_tile_m;
           const std::int64_t tiles_n = (n + tcb_tile_n - 1) / tcb_tile_n;
           constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
@@ -222,8 +214,7 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
   #if !defined(MXSCOPE_GPU_SIMULATE)
             const bool fp8 = kernel == tensor_core_kernel::wgmma_fp8;
             const auto entry = fp8 ? tensor_core_scaled_kernel<true> : tensor_core_scaled_kernel<false>;
-            MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(tcs_shared_bytes)));
+            runtime::allow_dynamic_shared(entry, tcs_shared_bytes);
             // 128 x 256 tiles, as tensor_core_block_kernel's.
             const auto& a_tiles = fp8 ? a.fp8 : a.scaled;
             const auto& b_tiles = fp8 ? b.fp8 : b.scaled;
@@ -243,10 +234,7 @@ void launch_tensor_core_block(const prepared_operand::storage& a, const prepared
                             a.padded_rows, b.padded_rows, a.blocks, tiles_m, tiles_n, output, out);
           } else {
             // 128 x 128 tiles: twice tcb's count, still within the checked bound's factor tcb_group.
-  #if !defined(MXSCOPE_GPU_SIMULATE)
-            MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(tensor_core_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(tcw_shared_bytes)));
-  #endif
+            runtime::allow_dynamic_shared(tensor_core_wgmma_kernel, tcw_shared_bytes);
             const std::int64_t wgmma_tiles_m = (m + tcw_tile - 1) / tcw_tile;
             const std::int64_t wgmma_tiles_n = (n + tcw_tile - 1) / tcw_tile;
             runtime::launch(tensor_core_wgmma_kernel, static_cast<unsigned>(wgmma_tiles_m * wgmma_tiles_n), tcw_threads,
@@ -314,10 +302,7 @@ bool run_sliced_block(const prepared_operand::storage& a, const prepared_operand
     constexpr int tile_n = decltype(tiling)::tile_n;
     constexpr std::size_t shared_bytes = slc_shared_bytes<tile_n>;
     const std::int64_t tiles_n = (n + tile_n - 1) / tile_n;
-#if !defined(MXSCOPE_GPU_SIMULATE)
-    MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared_bytes)));
-#endif
+    runtime::allow_dynamic_shared(kernel, shared_bytes);
     runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, shared_bytes,
                     a_form.slices.as<const std::uint8_t>(), a_form.scales.as<const double>(),
                     b_form.slices.as<const std::uint8_t>(), b_form.scales.as<const double>(), m, n, padded_m, padded_n,
@@ -365,10 +350,7 @@ bool run_sliced_wgmma(const prepared_operand::storage& a, const prepared_operand
   unfit.download(&unfit_host, sizeof(unfit_host));
   if (unfit_host != 0) return false;
   const auto run = [&](auto kernel) {
-#if !defined(MXSCOPE_GPU_SIMULATE)
-    MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(slw_shared_bytes)));
-#endif
+    runtime::allow_dynamic_shared(kernel, slw_shared_bytes);
     runtime::launch(kernel, static_cast<unsigned>(tiles_m * tiles_n), slw_threads, slw_shared_bytes,
                     a_records.as<const std::uint8_t>(), b_records.as<const std::uint8_t>(), m, n, a.blocks, stages,
                     tiles_m, tiles_n, output, out, exact_out, flags);

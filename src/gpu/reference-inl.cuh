@@ -136,14 +136,8 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   }
   const int depth_bits = depth_bits_of(k);
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
-#if !defined(MXSCOPE_GPU_SIMULATE)
-  // More than the default 48 KiB of dynamic shared memory (set on every call: the attribute belongs
-  // to the current device).
-  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(rw_shared_bytes)));
-  MXSCOPE_GPU_CHECK(cudaFuncSetAttribute(reference_warp_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(rw_shared_bytes)));
-#endif
+  runtime::allow_dynamic_shared(reference_warp_kernel<false>, rw_shared_bytes);
+  runtime::allow_dynamic_shared(reference_warp_kernel<true>, rw_shared_bytes);
   const scratch_buffer a_tiles = chunk_tiles(a, m, k);
   const scratch_buffer b_tiles = chunk_tiles(b, n, k);
   runtime::launch(scaling.scaled ? reference_warp_kernel<true> : reference_warp_kernel<false>, plain_grid(m, n),

@@ -71,6 +71,7 @@ using simulation::event_elapsed_ms;
 using simulation::event_record;
 using simulation::event_synchronize;
 using simulation::free;
+using simulation::func_set_max_dynamic_shared;
 using simulation::get_device;
 using simulation::set_device;
 using simulation::last_error;
@@ -93,6 +94,9 @@ inline constexpr error_t success = hipSuccess;
 inline const char* error_string(error_t error) { return hipGetErrorString(error); }
 inline error_t malloc(void** pointer, std::size_t bytes) { return hipMalloc(pointer, bytes); }
 inline error_t free(void* pointer) { return hipFree(pointer); }
+inline error_t func_set_max_dynamic_shared(const void* kernel, std::size_t bytes) {
+  return hipFuncSetAttribute(kernel, hipFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
 inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   return hipMemGetInfo(free_bytes, total_bytes);
 }
@@ -140,6 +144,9 @@ inline constexpr error_t success = cudaSuccess;
 inline const char* error_string(error_t error) { return cudaGetErrorString(error); }
 inline error_t malloc(void** pointer, std::size_t bytes) { return cudaMalloc(pointer, bytes); }
 inline error_t free(void* pointer) { return cudaFree(pointer); }
+inline error_t func_set_max_dynamic_shared(const void* kernel, std::size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
 inline error_t memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes);
 }
@@ -229,6 +236,11 @@ void launch(void (*kernel)(Parameters...), dim3 grid, dim3 block, std::size_t sh
   static_assert(sizeof...(Parameters) == sizeof...(Arguments), "kernel argument count");
   std::tuple<std::decay_t<Parameters>...> values(std::forward<Arguments>(arguments)...);
 #if defined(MXSCOPE_GPU_SIMULATE)
+  if (!simulation::dynamic_shared_allowed(reinterpret_cast<const void*>(kernel), shared_bytes)) {
+    throw gpu_error("launch: " + std::to_string(shared_bytes) +
+                    " bytes of dynamic shared memory, past the default 48 KiB without allow_dynamic_shared "
+                    "(a device fails such a launch with an invalid argument)");
+  }
   const timed_operation timed(reinterpret_cast<const void*>(kernel), nullptr, 0);
   simulation::run(grid, block, shared_bytes, [&] { std::apply(kernel, values); });
 #else
@@ -240,6 +252,13 @@ void launch(void (*kernel)(Parameters...), dim3 grid, dim3 block, std::size_t sh
       },
       values);
 #endif
+}
+
+// Lets `kernel` take up to `bytes` of dynamic shared memory, past the default 48 KiB. Called before
+// every such launch: the attribute belongs to the current device.
+template <class... Parameters>
+void allow_dynamic_shared(void (*kernel)(Parameters...), std::size_t bytes) {
+  MXSCOPE_GPU_CHECK(func_set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), bytes));
 }
 
 }  // namespace mxscope::gpu::runtime

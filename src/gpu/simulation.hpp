@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 // ------------------------------------------------------------------------------------------------
@@ -171,6 +172,38 @@ inline error_t memset(void* pointer, int value, std::size_t bytes) {
   return success;
 }
 inline error_t synchronize() { return success; }
+// A kernel's dynamic shared memory: the default 48 KiB, or what func_set_max_dynamic_shared allowed
+// it, up to a Hopper multiprocessor's opt-in 227 KiB; as on a device, a launch past its allowance
+// fails (runtime::launch), so that a missing cudaFuncSetAttribute fails here too.
+inline constexpr std::size_t default_dynamic_shared = 48 * 1024;
+inline constexpr std::size_t most_dynamic_shared = 227 * 1024;
+struct shared_allowances {
+  std::mutex mutex;
+  std::vector<std::pair<const void*, std::size_t>> kernels;
+  static shared_allowances& instance() {
+    static shared_allowances allowances;
+    return allowances;
+  }
+};
+inline error_t func_set_max_dynamic_shared(const void* kernel, std::size_t bytes) {
+  if (bytes > most_dynamic_shared) return failure;
+  auto& allowances = shared_allowances::instance();
+  const std::lock_guard<std::mutex> lock(allowances.mutex);
+  for (auto& [known, allowed] : allowances.kernels) {
+    if (known == kernel) return allowed = bytes, success;
+  }
+  allowances.kernels.emplace_back(kernel, bytes);
+  return success;
+}
+inline bool dynamic_shared_allowed(const void* kernel, std::size_t bytes) {
+  if (bytes <= default_dynamic_shared) return true;
+  auto& allowances = shared_allowances::instance();
+  const std::lock_guard<std::mutex> lock(allowances.mutex);
+  for (const auto& [known, allowed] : allowances.kernels) {
+    if (known == kernel) return bytes <= allowed;
+  }
+  return false;
+}
 inline error_t last_error() { return success; }
 inline error_t device_count(int* count) {
   *count = 1;
