@@ -11,13 +11,28 @@
 //   checked (chunk_products_exactly); where none rounded that sum is the exact dot and takes the
 //   same step, else they are summed exactly in units of the rows' lowest exponents and added by
 //   add_units_to_float, as plain_tile_kernel does.
+// The per-product path walks its entries by their bits, each accumulator parked in the thread's own
+// shared-memory slot meanwhile: an array of registers cannot be indexed by a variable, and unrolled
+// over the 32 entries that path's calls spilled the kernel's registers.
 // Entries whose rows do not fit plain_fits are left to the per-product kernel, as for
 // plain_tile_kernel. Every computed entry is fl32(acc + exact chunk dot) in ascending chunks: the
 // canonical fp32-block model's bits with blocks of 32 and scale 1.
 
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
 
-constexpr std::size_t bw_shared_bytes = rw_tiles_bytes + rw_stage_bytes;
+// The chunk tiles, the staged next chunk and the parked accumulators (below), one float per entry
+// and thread: 60 KiB, past the 48 KiB default, so the launch opts in (runtime::allow_dynamic_shared).
+constexpr std::size_t bw_parked_bytes = rw_rows * rw_cols * rw_threads * sizeof(float);
+constexpr std::size_t bw_shared_bytes = rw_tiles_bytes + rw_stage_bytes + bw_parked_bytes;
+
+// The index of the lowest set bit of a nonzero mask.
+__device__ inline int lowest_set_bit(unsigned mask) {
+#if defined(__CUDA_ARCH__) || defined(__HIP__)
+  return __ffs(static_cast<int>(mask)) - 1;
+#else
+  return std::countr_zero(mask);
+#endif
+}
 
 __global__ void __launch_bounds__(rw_threads, 2)
     block_warp_kernel(const float* a_tiles, const float* b_tiles, const std::int8_t* a_spreads,
@@ -111,21 +126,39 @@ __global__ void __launch_bounds__(rw_threads, 2)
     }
     per_product &= active;
     if (per_product != 0) {
+      // Every accumulator is parked, none live across the calls (whose ABI would spill them): slot e
+      // of this thread is parked[e rw_threads + threadIdx.x] (a warp's slots are consecutive).
+      float* const parked = reinterpret_cast<float*>(bw_shared + (rw_tiles_bytes + rw_stage_bytes) / sizeof(double));
 #pragma unroll
       for (int r = 0; r < rw_rows; ++r) {
 #pragma unroll
         for (int c = 0; c < rw_cols; ++c) {
-          if ((per_product & (1U << (r * rw_cols + c))) == 0) continue;
-          const double* const a_column = a_tile + rw_row(r) * dot_stride;
-          const double* const b_column = b_tile + rw_col(c) * dot_stride;
-          double dot = 0.0;
-          if (chunk_products_exactly(a_column, b_column, dot)) {
-            accumulators[r][c] = round_to_odd_step(accumulators[r][c], dot, 1.0);
-          } else {
-            const int base = a_low_tile[rw_row(r)] + b_low_tile[rw_col(c)];
-            const core_ns::int128 products = chunk_products_by_halves(a_column, b_column, base);
-            accumulators[r][c] = add_units_to_float(accumulators[r][c], products, base);
-          }
+          const int e = r * rw_cols + c;
+          parked[e * rw_threads + threadIdx.x] = accumulators[r][c];
+        }
+      }
+      for (unsigned left = per_product; left != 0; left &= left - 1) {
+        const int e = lowest_set_bit(left);
+        const int r = e / rw_cols;
+        const int c = e % rw_cols;
+        float& accumulator = parked[e * rw_threads + threadIdx.x];
+        const double* const a_column = a_tile + rw_row(r) * dot_stride;
+        const double* const b_column = b_tile + rw_col(c) * dot_stride;
+        double dot = 0.0;
+        if (chunk_products_exactly(a_column, b_column, dot)) {
+          accumulator = round_to_odd_step(accumulator, dot, 1.0);
+        } else {
+          const int base = a_low_tile[rw_row(r)] + b_low_tile[rw_col(c)];
+          const core_ns::int128 products = chunk_products_by_halves(a_column, b_column, base);
+          accumulator = add_units_to_float(accumulator, products, base);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < rw_rows; ++r) {
+#pragma unroll
+        for (int c = 0; c < rw_cols; ++c) {
+          const int e = r * rw_cols + c;
+          accumulators[r][c] = parked[e * rw_threads + threadIdx.x];
         }
       }
     }

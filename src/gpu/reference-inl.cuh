@@ -185,6 +185,7 @@ bool launch_block_warp(const float* a, const float* b, const plain_rows_data& a_
   if (chosen_plain_block_kernel.load() == plain_block_kernel::tile || !tensor_cores_present()) return false;
   const scratch_buffer a_tiles = chunk_tiles(a, m, depth);
   const scratch_buffer b_tiles = chunk_tiles(b, n, depth);
+  runtime::allow_dynamic_shared(block_warp_kernel, bw_shared_bytes);
   runtime::launch(block_warp_kernel, plain_grid(m, n), rw_threads, bw_shared_bytes, a_tiles.as<const float>(),
                   b_tiles.as<const float>(), a_rows.spreads.as<const std::int8_t>(),
                   b_rows.spreads.as<const std::int8_t>(), a_rows.view(), b_rows.view(), m, n, depth, depth_bits, output,
