@@ -11,9 +11,9 @@
 //   checked (chunk_products_exactly); where none rounded that sum is the exact dot and takes the
 //   same step, else they are summed exactly in units of the rows' lowest exponents and added by
 //   add_units_to_float, as plain_tile_kernel does.
-// The per-product path walks its entries by their bits, each accumulator parked in the thread's own
-// shared-memory slot meanwhile: an array of registers cannot be indexed by a variable, and unrolled
-// over the 32 entries that path's calls spilled the kernel's registers.
+// The per-product path walks its entries by their bits, with every accumulator of the thread parked
+// in its own shared-memory slot meanwhile: an array of registers cannot be indexed by a variable,
+// and unrolled over the 32 entries that path's calls spilled the kernel's registers.
 // Entries whose rows do not fit plain_fits are left to the per-product kernel, as for
 // plain_tile_kernel. Every computed entry is fl32(acc + exact chunk dot) in ascending chunks: the
 // canonical fp32-block model's bits with blocks of 32 and scale 1.
