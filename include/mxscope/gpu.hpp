@@ -466,6 +466,18 @@ gemm_path resolve_gemm_path(const mx_operand_view& a, const mx_operand_view& b, 
 void reference_on_device(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k, double* out64,
                          float* out32);
 
+// The order of K in which the exact reference's tiled kernels take the products (the sums are
+// exact, so the order changes no bit; it changes how many entries keep their fp64 dot across a
+// super-chunk). keys[k]: the largest leading exponent of column k of the operand + 256, 0 for a
+// column without nonzero finite values. The positions sorted stably by (A's key, B's key) or by
+// (B's key, A's key), whichever spans fewer exponents over the groups of 256 and of 128
+// positions (per group and operand the largest key less the smallest nonzero one), where that
+// saves at least two exponents a group against K as it is; otherwise empty (K as it is).
+// Keys of different lengths throw input_error.
+std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys, const std::vector<unsigned>& b_keys);
+// Whether the most recent exact reference of fp32 operands on the device took K reordered.
+bool last_reference_reordered();
+
 // The product of unscaled fp32 A [m x k] and B [n x k] (row-major, device; bf16 operands as their
 // fp32 values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every
 // block scale 1, into out [m x n]: the device part of emulate_plain_product. Returns when done.

@@ -109,14 +109,158 @@ __global__ void row_summary_kernel(plain_rows_view view, std::int64_t rows, unsi
   if (largest != 0) atomicMax(out + 1, largest);
 }
 
+// ---- The order of K for the tiled kernels. The exact sums do not depend on the order of the
+// products, but how often an entry keeps its fp64 dot across a super-chunk does: the spread budget
+// counts each row's exponent range over the super-chunk's K. Where the operands carry a scale per
+// position along K (per token, in captured activations and gradients), K as captured mixes tokens
+// of every scale into each chunk; sorted by the tokens' scales, a chunk holds tokens of like scale.
+// A position's key is the largest leading exponent of its column + token_key_offset (0 where the
+// column holds no nonzero finite value).
+constexpr unsigned token_key_offset = 256;
+
+__global__ void token_keys_kernel(const float* x, std::int64_t rows, std::int64_t depth, unsigned* keys) {
+  const std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= depth) return;
+  unsigned key = 0;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const std::uint32_t bits = core_ns::float_bits(x[r * depth + k]);
+    const int field = static_cast<int>((bits >> 23) & 0xffU);
+    const std::uint32_t fraction = bits & 0x7fffffU;
+    if (field == 0xff || (field == 0 && fraction == 0)) continue;
+    const int leading = field != 0 ? field - 127 : -149 + 31 - __builtin_clz(fraction);
+    const unsigned candidate = static_cast<unsigned>(leading + static_cast<int>(token_key_offset));
+    key = candidate > key ? candidate : key;
+  }
+  if (key != 0) atomicMax(keys + k, key);
+}
+
+std::vector<unsigned> token_keys(const float* x, std::int64_t rows, std::int64_t depth) {
+  std::vector<unsigned> keys(static_cast<std::size_t>(depth), 0U);
+  if (rows == 0 || depth == 0) return keys;
+  scratch_buffer device_keys(keys.size() * sizeof(unsigned));
+  device_keys.fill_bytes(0);
+  const dim3 grid(static_cast<unsigned>((depth + threads_per_block - 1) / threads_per_block),
+                  static_cast<unsigned>(std::min<std::int64_t>(rows, 64)));
+  runtime::launch(token_keys_kernel, grid, threads_per_block, 0, x, rows, depth, device_keys.as<unsigned>());
+  device_keys.download(keys.data(), keys.size() * sizeof(unsigned));
+  return keys;
+}
+
+// out [rows, depth] = x with its columns in `order` (out(r, k) = x(r, order[k])): rows along y,
+// positions along x, so that no thread divides by depth.
+__global__ void permute_columns_kernel(const float* x, std::int64_t rows, std::int64_t depth,
+                                       const std::int32_t* order, float* out) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (std::int64_t k = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < depth; k += stride) {
+      out[r * depth + k] = x[r * depth + order[k]];
+    }
+  }
+}
+
+scratch_buffer permuted_columns(const float* x, std::int64_t rows, std::int64_t depth, const scratch_buffer& order) {
+  scratch_buffer out(static_cast<std::size_t>(std::max<std::int64_t>(rows * depth, 1)) * sizeof(float));
+  if (rows * depth > 0) {
+    const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((depth + threads_per_block - 1) / threads_per_block, 64)),
+                    static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
+    runtime::launch(permute_columns_kernel, grid, threads_per_block, 0, x, rows, depth, order.as<const std::int32_t>(),
+                    out.as<float>());
+  }
+  return out;
+}
+
+std::atomic<bool> last_reference_was_reordered{false};
+
+}  // namespace
+
+namespace {
+
+// The exponents a candidate order's groups of `length` positions span: per group and operand the
+// largest key less the smallest nonzero one (0 for a group without), summed.
+std::int64_t spanned_exponents(const std::vector<std::int32_t>& order, const std::vector<unsigned>& keys,
+                               std::size_t length) {
+  std::int64_t total = 0;
+  for (std::size_t first = 0; first < order.size(); first += length) {
+    unsigned low = std::numeric_limits<unsigned>::max(), high = 0;
+    for (std::size_t p = first; p < std::min(order.size(), first + length); ++p) {
+      const unsigned key = keys[static_cast<std::size_t>(order[p])];
+      if (key == 0) continue;
+      low = std::min(low, key);
+      high = std::max(high, key);
+    }
+    if (high != 0) total += static_cast<std::int64_t>(high - low);
+  }
+  return total;
+}
+
+}  // namespace
+
+std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys, const std::vector<unsigned>& b_keys) {
+  if (a_keys.size() != b_keys.size()) {
+    throw input_error("reference_token_order: A has " + std::to_string(a_keys.size()) + " keys, B " +
+                      std::to_string(b_keys.size()));
+  }
+  if (a_keys.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) return {};
+  const auto cost = [&](const std::vector<std::int32_t>& order) {
+    std::int64_t total = 0;
+    for (const std::size_t length : {std::size_t{plain_super_chunks * plain_chunk}, std::size_t{plain_half_chunks * plain_chunk}}) {
+      total += spanned_exponents(order, a_keys, length) + spanned_exponents(order, b_keys, length);
+    }
+    return total;
+  };
+  std::vector<std::int32_t> identity(a_keys.size());
+  for (std::size_t p = 0; p < identity.size(); ++p) identity[p] = static_cast<std::int32_t>(p);
+  const auto sorted_by = [&](const std::vector<unsigned>& first, const std::vector<unsigned>& second) {
+    std::vector<std::int32_t> order = identity;
+    std::stable_sort(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
+      const auto i = static_cast<std::size_t>(x), j = static_cast<std::size_t>(y);
+      return first[i] != first[j] ? first[i] < first[j] : second[i] < second[j];
+    });
+    return order;
+  };
+  std::vector<std::int32_t> best = sorted_by(a_keys, b_keys);
+  std::int64_t best_cost = cost(best);
+  std::vector<std::int32_t> other = sorted_by(b_keys, a_keys);
+  if (const std::int64_t other_cost = cost(other); other_cost < best_cost) {
+    best = std::move(other);
+    best_cost = other_cost;
+  }
+  // A reordered K costs a copy of both operands; it is taken where it saves at least two
+  // exponents a group (of 256 and of 128 positions) on average.
+  const std::size_t groups = (identity.size() + 255) / 256 + (identity.size() + 127) / 128;
+  if (cost(identity) - best_cost < 2 * static_cast<std::int64_t>(groups)) return {};
+  return best;
+}
+
+bool last_reference_reordered() { return last_reference_was_reordered.load(); }
+
+namespace {
+
 // reference_on_device, and where nonfinite_rows is given, the number of rows of A and of B that
 // hold inf or NaN (from the row descriptions the kernels use) into nonfinite_rows[0] and [1].
 void reference_on_device_counting(const float* a, const float* b, std::int64_t m, std::int64_t n, std::int64_t k,
                                   double* out64, float* out32, std::int64_t* nonfinite_rows,
                                   const reference_scaling& scaling = {}) {
   if (m == 0 || n == 0) return;
-  const plain_rows_data a_rows = describe_plain_rows(a, m, k);
-  const plain_rows_data b_rows = describe_plain_rows(b, n, k);
+  // The tiled kernels take K in reference_token_order (a and b reordered into copies), the
+  // per-product kernel below K as it is: a and b themselves (the rows' lowest and leading
+  // exponents, all reference_kernel reads of the row descriptions, are the same in any order).
+  const std::vector<std::int32_t> order = reference_token_order(token_keys(a, m, k), token_keys(b, n, k));
+  last_reference_was_reordered.store(!order.empty());
+  scratch_buffer a_reordered, b_reordered;
+  const float* tiled_a = a;
+  const float* tiled_b = b;
+  if (!order.empty()) {
+    scratch_buffer device_order(order.size() * sizeof(std::int32_t));
+    device_order.upload(order.data(), device_order.bytes());
+    a_reordered = permuted_columns(a, m, k, device_order);
+    b_reordered = permuted_columns(b, n, k, device_order);
+    tiled_a = a_reordered.as<const float>();
+    tiled_b = b_reordered.as<const float>();
+    synchronize();  // device_order must outlive the kernels
+  }
+  const plain_rows_data a_rows = describe_plain_rows(tiled_a, m, k);
+  const plain_rows_data b_rows = describe_plain_rows(tiled_b, n, k);
   // Per operand the nonfinite rows and the largest span: reference_kernel runs only where some
   // entry does not fit the tiled kernel's window (on the benchmark's operands none), so that it is
   // not launched, with every tile checking its entries, for nothing.
@@ -138,8 +282,8 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
   runtime::allow_dynamic_shared(reference_warp_kernel<false>, rw_shared_bytes);
   runtime::allow_dynamic_shared(reference_warp_kernel<true>, rw_shared_bytes);
-  const scratch_buffer a_tiles = chunk_tiles(a, m, k);
-  const scratch_buffer b_tiles = chunk_tiles(b, n, k);
+  const scratch_buffer a_tiles = chunk_tiles(tiled_a, m, k);
+  const scratch_buffer b_tiles = chunk_tiles(tiled_b, n, k);
   runtime::launch(scaling.scaled ? reference_warp_kernel<true> : reference_warp_kernel<false>, plain_grid(m, n),
                   rw_threads, rw_shared_bytes, a_tiles.as<const float>(), b_tiles.as<const float>(),
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
@@ -148,7 +292,7 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
                   b_rows.view(), m, n, k, depth_bits, out32, out64, scaling.scale);
 #else
   runtime::launch(scaling.scaled ? plain_tile_kernel<plain_mode::exact, true> : plain_tile_kernel<plain_mode::exact, false>,
-                  plain_grid(m, n), 256, 0, a, b,
+                  plain_grid(m, n), 256, 0, tiled_a, tiled_b,
                   a_rows.spreads.as<const std::int8_t>(), b_rows.spreads.as<const std::int8_t>(),
                   a_rows.super_spreads.as<const std::int8_t>(), b_rows.super_spreads.as<const std::int8_t>(), a_rows.view(),
                   b_rows.view(), m, n, k, depth_bits, std::int64_t{1}, output_rounding::fp32, out32, out64, scaling.scale);

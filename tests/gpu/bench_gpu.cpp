@@ -603,8 +603,8 @@ void bench_plain_products(bool per_token) {
       gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
                                out32.as<float>());
     });
-    std::printf("reference exact, %s, n_out %" PRId64 " n_in %" PRId64 " K %" PRId64 ": %.3f ms, %.2f TFLOP/s\n", set,
-                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12);
+    std::printf("reference exact, %s, n_out %" PRId64 " n_in %" PRId64 " K %" PRId64 ": %.3f ms, %.2f TFLOP/s%s\n", set,
+                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12, gpu::last_reference_reordered() ? " (K reordered)" : "");
     std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
     std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
     out64.download(got64.data(), out64.bytes());

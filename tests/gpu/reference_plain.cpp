@@ -100,7 +100,158 @@ std::string check_reference(const matrix& a, const matrix& b, const std::string&
   return "";
 }
 
+// ---- The order of K in the tiled kernels (gpu::reference_token_order): the definition checked
+// on keys, and the device reference on operands with a scale per position along K.
+
+namespace {
+
+// The exponents spanned by the groups of `length` positions of `order` (per group the largest key
+// less the smallest nonzero one), as the header defines the choice.
+std::int64_t spanned(const std::vector<std::int32_t>& order, const std::vector<unsigned>& keys, std::size_t length) {
+  std::int64_t total = 0;
+  for (std::size_t first = 0; first < order.size(); first += length) {
+    std::vector<unsigned> present;
+    for (std::size_t p = first; p < std::min(order.size(), first + length); ++p) {
+      if (keys[static_cast<std::size_t>(order[p])] != 0) present.push_back(keys[static_cast<std::size_t>(order[p])]);
+    }
+    if (!present.empty()) total += *std::max_element(present.begin(), present.end()) - *std::min_element(present.begin(), present.end());
+  }
+  return total;
+}
+
+std::string check_token_order(const std::vector<unsigned>& a_keys, const std::vector<unsigned>& b_keys,
+                              bool want_reordered, const std::string& what) {
+  const std::vector<std::int32_t> order = gpu::reference_token_order(a_keys, b_keys);
+  const std::size_t count = a_keys.size();
+  std::vector<std::int32_t> identity(count);
+  for (std::size_t p = 0; p < count; ++p) identity[p] = static_cast<std::int32_t>(p);
+  const auto cost = [&](const std::vector<std::int32_t>& o) {
+    return spanned(o, a_keys, 256) + spanned(o, b_keys, 256) + spanned(o, a_keys, 128) + spanned(o, b_keys, 128);
+  };
+  const auto groups = static_cast<std::int64_t>((count + 255) / 256 + (count + 127) / 128);
+  if (order.empty()) {
+    if (want_reordered) return what + ": K kept as it is";
+    return "";
+  }
+  if (!want_reordered) return what + ": K reordered";
+  if (order.size() != count) return what + ": the order has " + std::to_string(order.size()) + " positions";
+  std::vector<std::int32_t> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted != identity) return what + ": not a permutation";
+  // Sorted stably by one of the two key pairs.
+  const auto sorted_by = [&](const std::vector<unsigned>& first, const std::vector<unsigned>& second) {
+    for (std::size_t p = 1; p < count; ++p) {
+      const auto x = static_cast<std::size_t>(order[p - 1]), y = static_cast<std::size_t>(order[p]);
+      if (std::tuple(first[x], second[x], x) >= std::tuple(first[y], second[y], y)) return false;
+    }
+    return true;
+  };
+  if (!sorted_by(a_keys, b_keys) && !sorted_by(b_keys, a_keys)) return what + ": not sorted by either key pair";
+  if (cost(identity) - cost(order) < 2 * groups) {
+    return what + ": reordered for a saving of " + std::to_string(cost(identity) - cost(order)) + " exponents";
+  }
+  return "";
+}
+
+// A [rows, k] of Gaussian values times scale[k], rounded to bf16.
+matrix token_scaled(std::int64_t rows, const std::vector<double>& scale, std::mt19937_64& source) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  matrix out(rows, static_cast<std::int64_t>(scale.size()));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < scale.size(); ++c) {
+      const auto value = static_cast<float>(normal(source) * scale[c]);
+      out(r, static_cast<std::int64_t>(c)) = test_inputs::from_bf16_bits(test_inputs::to_bf16_bits(value));
+    }
+  }
+  return out;
+}
+
+void reference_order_checks() {
+  run_case("reference K order: the choice on keys", []() -> std::string {
+    try {
+      (void)gpu::reference_token_order({1, 2}, {1});
+      return std::string("keys of different lengths accepted");
+    } catch (const mxscope::input_error&) {
+    }
+    const std::uint64_t seed = next_seed();
+    std::mt19937_64 source(seed);
+    const std::string replay = "; seed " + hex64(seed);
+    for (const std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{300}, std::size_t{2048}}) {
+      const std::vector<unsigned> flat(count, 300U);
+      if (std::string r = check_token_order(flat, flat, false, "constant keys, K " + std::to_string(count)); !r.empty()) {
+        return r + replay;
+      }
+    }
+    // Keys that follow a per-token scale, one operand's wider than the other's; some columns empty.
+    std::vector<unsigned> a_keys(2048), b_keys(2048);
+    for (std::size_t k = 0; k < a_keys.size(); ++k) {
+      a_keys[k] = 280U + static_cast<unsigned>(source() % 12);
+      b_keys[k] = 250U + static_cast<unsigned>(source() % 5);
+      if (k % 97 == 5) a_keys[k] = 0;
+    }
+    if (std::string r = check_token_order(a_keys, b_keys, true, "per-token keys"); !r.empty()) return r + replay;
+    // One key apart at random, as values without a scale per token give: no reordering pays.
+    for (std::size_t k = 0; k < a_keys.size(); ++k) {
+      a_keys[k] = 280U + static_cast<unsigned>(source() % 2);
+      b_keys[k] = 250U;
+    }
+    if (std::string r = check_token_order(a_keys, b_keys, false, "keys one apart"); !r.empty()) return r + replay;
+    return std::string();
+  });
+  // The device reference on operands with a scale per token: exp(N(0,1)) shared by A and B, or one
+  // for each; in the second, a row of A with inf and a row of B beyond the 128-bit window take the
+  // per-product kernel, which sums in K as it is.
+  for (const bool shared : {true, false}) {
+    const std::int64_t m = shared ? 70 : 64, n = shared ? 90 : 72, k = shared ? 1536 : 2048;
+    run_case("reference K order: " + std::string(shared ? "one token scale" : "a token scale each") + " M" +
+                 std::to_string(m) + " N" + std::to_string(n) + " K" + std::to_string(k),
+             [&]() -> std::string {
+               const std::uint64_t seed = next_seed();
+               std::mt19937_64 source(seed);
+               std::normal_distribution<double> normal(0.0, 1.0);
+               std::vector<double> a_scale(static_cast<std::size_t>(k)), b_scale(static_cast<std::size_t>(k));
+               for (std::size_t c = 0; c < a_scale.size(); ++c) {
+                 a_scale[c] = std::exp(normal(source));
+                 b_scale[c] = shared ? a_scale[c] : std::exp(normal(source));
+               }
+               matrix a = token_scaled(m, a_scale, source);
+               matrix b = token_scaled(n, b_scale, source);
+               if (!shared) {
+                 a(3, 100) = std::numeric_limits<float>::infinity();
+                 b(5, 7) = 0x1p100f;
+                 b(5, 9) = 0x1p-100f;
+               }
+               const std::string result = check_reference(a, b, "seed " + hex64(seed));
+               if (!result.empty()) return result;
+               if (!gpu::last_reference_reordered()) return "K was not reordered; seed " + hex64(seed);
+               return std::string();
+             });
+  }
+  // Every column's largest value 1 (row 0): the keys are equal and K stays as it is.
+  run_case("reference K order: equal keys M33 N40 K700", []() -> std::string {
+    const std::uint64_t seed = next_seed();
+    std::mt19937_64 source(seed);
+    std::vector<double> scale(700);
+    for (std::size_t c = 0; c < scale.size(); ++c) scale[c] = std::ldexp(0.25, -static_cast<int>(source() % 9));
+    matrix a = token_scaled(33, scale, source);
+    matrix b = token_scaled(40, scale, source);
+    for (std::int64_t c = 0; c < 700; ++c) {
+      for (std::int64_t r = 0; r < a.rows; ++r) a(r, c) = std::clamp(a(r, c), -0.9375f, 0.9375f);
+      for (std::int64_t r = 0; r < b.rows; ++r) b(r, c) = std::clamp(b(r, c), -0.9375f, 0.9375f);
+      a(0, c) = 1.0f;
+      b(0, c) = -1.0f;
+    }
+    const std::string result = check_reference(a, b, "seed " + hex64(seed));
+    if (!result.empty()) return result;
+    if (gpu::last_reference_reordered()) return "K was reordered; seed " + hex64(seed);
+    return std::string();
+  });
+}
+
+}  // namespace
+
 void reference_checks(bool small) {
+  reference_order_checks();
   struct shape {
     std::int64_t m, n, k;
   };
