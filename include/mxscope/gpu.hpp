@@ -474,7 +474,8 @@ void reference_on_device(const float* a, const float* b, std::int64_t m, std::in
 // positions (per group and operand the largest key less the smallest nonzero one), where that
 // saves at least two exponents a group against K as it is; otherwise empty (K as it is).
 // Keys of different lengths throw input_error.
-std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys, const std::vector<unsigned>& b_keys);
+std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys,
+                                                const std::vector<unsigned>& b_keys);
 // Whether the most recent exact reference of fp32 operands on the device took K reordered.
 bool last_reference_reordered();
 

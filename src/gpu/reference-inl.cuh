@@ -161,7 +161,8 @@ __global__ void permute_columns_kernel(const float* x, std::int64_t rows, std::i
 scratch_buffer permuted_columns(const float* x, std::int64_t rows, std::int64_t depth, const scratch_buffer& order) {
   scratch_buffer out(static_cast<std::size_t>(std::max<std::int64_t>(rows * depth, 1)) * sizeof(float));
   if (rows * depth > 0) {
-    const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((depth + threads_per_block - 1) / threads_per_block, 64)),
+    const std::int64_t blocks = (depth + threads_per_block - 1) / threads_per_block;
+    const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>(blocks, 64)),
                     static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)));
     runtime::launch(permute_columns_kernel, grid, threads_per_block, 0, x, rows, depth, order.as<const std::int32_t>(),
                     out.as<float>());
@@ -195,7 +196,8 @@ std::int64_t spanned_exponents(const std::vector<std::int32_t>& order, const std
 
 }  // namespace
 
-std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys, const std::vector<unsigned>& b_keys) {
+std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys,
+                                                const std::vector<unsigned>& b_keys) {
   if (a_keys.size() != b_keys.size()) {
     throw input_error("reference_token_order: A has " + std::to_string(a_keys.size()) + " keys, B " +
                       std::to_string(b_keys.size()));
@@ -203,13 +205,21 @@ std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_k
   if (a_keys.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) return {};
   const auto cost = [&](const std::vector<std::int32_t>& order) {
     std::int64_t total = 0;
-    for (const std::size_t length : {std::size_t{plain_super_chunks * plain_chunk}, std::size_t{plain_half_chunks * plain_chunk}}) {
+    for (const std::size_t length :
+         {std::size_t{plain_super_chunks * plain_chunk}, std::size_t{plain_half_chunks * plain_chunk}}) {
       total += spanned_exponents(order, a_keys, length) + spanned_exponents(order, b_keys, length);
     }
     return total;
   };
   std::vector<std::int32_t> identity(a_keys.size());
   for (std::size_t p = 0; p < identity.size(); ++p) identity[p] = static_cast<std::int32_t>(p);
+  // A reordered K costs a copy of both operands; it is taken where it saves at least two
+  // exponents a group (of 256 and of 128 positions) on average. No order saves more than K as it
+  // is spans, so below that no sort is needed.
+  const std::size_t groups = (identity.size() + 255) / 256 + (identity.size() + 127) / 128;
+  const std::int64_t threshold = 2 * static_cast<std::int64_t>(groups);
+  const std::int64_t identity_cost = cost(identity);
+  if (identity_cost < threshold) return {};
   const auto sorted_by = [&](const std::vector<unsigned>& first, const std::vector<unsigned>& second) {
     std::vector<std::int32_t> order = identity;
     std::stable_sort(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
@@ -225,10 +235,7 @@ std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_k
     best = std::move(other);
     best_cost = other_cost;
   }
-  // A reordered K costs a copy of both operands; it is taken where it saves at least two
-  // exponents a group (of 256 and of 128 positions) on average.
-  const std::size_t groups = (identity.size() + 255) / 256 + (identity.size() + 127) / 128;
-  if (cost(identity) - best_cost < 2 * static_cast<std::int64_t>(groups)) return {};
+  if (identity_cost - best_cost < threshold) return {};
   return best;
 }
 
