@@ -172,10 +172,6 @@ scratch_buffer permuted_columns(const float* x, std::int64_t rows, std::int64_t 
 
 std::atomic<bool> last_reference_was_reordered{false};
 
-}  // namespace
-
-namespace {
-
 // The exponents a candidate order's groups of `length` positions span: per group and operand the
 // largest key less the smallest nonzero one (0 for a group without), summed.
 std::int64_t spanned_exponents(const std::vector<std::int32_t>& order, const std::vector<unsigned>& keys,
