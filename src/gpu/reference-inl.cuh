@@ -190,6 +190,21 @@ std::int64_t spanned_exponents(const std::vector<std::int32_t>& order, const std
   return total;
 }
 
+// `order` stably sorted by keys[order[p]]: a least-significant-digit radix sort, one byte of the
+// key a pass, where a pass whose byte is the same in every key is skipped (the keys of
+// token_keys differ in their low two bytes only), so that the sort is linear in K.
+void stable_sort_by_key(std::vector<std::int32_t>& order, const std::vector<unsigned>& keys) {
+  std::vector<std::int32_t> sorted(order.size());
+  for (int shift = 0; shift < 32; shift += 8) {
+    std::array<std::size_t, 257> start{};
+    for (const std::int32_t p : order) ++start[((keys[static_cast<std::size_t>(p)] >> shift) & 0xffU) + 1];
+    if (std::find(start.begin(), start.end(), order.size()) != start.end()) continue;
+    for (std::size_t digit = 1; digit < start.size(); ++digit) start[digit] += start[digit - 1];
+    for (const std::int32_t p : order) sorted[start[(keys[static_cast<std::size_t>(p)] >> shift) & 0xffU]++] = p;
+    order.swap(sorted);
+  }
+}
+
 }  // namespace
 
 std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_keys,
@@ -216,12 +231,11 @@ std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_k
   const std::int64_t threshold = 2 * static_cast<std::int64_t>(groups);
   const std::int64_t identity_cost = cost(identity);
   if (identity_cost < threshold) return {};
+  // Stable by (first, second): by the second key, then stably by the first.
   const auto sorted_by = [&](const std::vector<unsigned>& first, const std::vector<unsigned>& second) {
     std::vector<std::int32_t> order = identity;
-    std::stable_sort(order.begin(), order.end(), [&](std::int32_t x, std::int32_t y) {
-      const auto i = static_cast<std::size_t>(x), j = static_cast<std::size_t>(y);
-      return first[i] != first[j] ? first[i] < first[j] : second[i] < second[j];
-    });
+    stable_sort_by_key(order, second);
+    stable_sort_by_key(order, first);
     return order;
   };
   std::vector<std::int32_t> best = sorted_by(a_keys, b_keys);
