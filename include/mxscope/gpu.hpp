@@ -479,6 +479,22 @@ std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_k
 // Whether the most recent exact reference of fp32 operands on the device took K reordered.
 bool last_reference_reordered();
 
+// The exact reference's kernels (the same bits from each). `tiles`: the fp64 tensor-core tiles, K
+// in reference_token_order, and the per-product kernel for the entries beyond their window; any
+// operands. `sliced`: int8 slices, where every row of A and of B is an integer below 2^18 times a
+// power of two (at most 18 bits from its leading to its lowest set bit), no row holds inf or NaN,
+// 0 < K <= 65536 and the sum is not scaled: each value's integer cut into three signed slices of
+// 7, 7 and 4 bits, the nine slice pairs' dots summed exactly in int32 over the whole of K on the
+// int8 tensor cores, then one exact fp64 step per entry; other operands take `tiles`. `automatic`
+// is `sliced` (CUDA sm_80+ and the CPU simulation; else `tiles`). Selecting one the build or
+// device lacks throws input_error.
+enum class reference_kernel : std::uint8_t { automatic, tiles, sliced };
+std::string_view reference_kernel_name(reference_kernel kernel);
+bool reference_kernel_available(reference_kernel kernel);
+void select_reference_kernel(reference_kernel kernel);
+// Which kernel (tiles or sliced) took the most recent exact reference of fp32 operands.
+reference_kernel last_reference_kernel();
+
 // The product of unscaled fp32 A [m x k] and B [n x k] (row-major, device; bf16 operands as their
 // fp32 values) under fp32-block, fp32-group:G or fp32-seq, cut into K-blocks of `block` with every
 // block scale 1, into out [m x n]: the device part of emulate_plain_product. Returns when done.

@@ -184,7 +184,7 @@ __global__ void generic_product_kernel(const float* a_elements, const std::int32
 // the core's rounding functions on that exact value: add_exact_value with d for an fp32-block step
 // of one chunk, core::add_exactly_to_float for a group (or a chunk that took the per-product
 // path), core::round_scaled_integer for the reference. Entries whose rows do not fit, or hold inf
-// or NaN, are left to the per-product kernels (generic_product_kernel, reference_kernel), which
+// or NaN, are left to the per-product kernels (generic_product_kernel, reference_entry_kernel), which
 // skip every other entry.
 
 // The tiles of the two fp64-tensor-core kernels (plain-operand, integer path; see tile_dots).

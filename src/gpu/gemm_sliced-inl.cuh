@@ -87,8 +87,21 @@ static_assert(sizeof(slc_stage<slc_wide::tile_n>) % 16 == 0 && sizeof(slc_stage<
               2 * (slc_tile_m + slc_wide::tile_n) == slc_threads && 2 * (slc_tile_m + slc_narrow::tile_n) <= slc_threads &&
               slc_row_pad % slc_tile_m == 0 && slc_col_pad % slc_wide::tile_n == 0 && slc_col_pad % slc_narrow::tile_n == 0);
 
-// One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (eight
-// words a slice, four k a word, lowest byte first; the caller zeroes them) and its scale
+// The element integer q (|q| < 2^18) at position k of a K-block, cut into its three signed slices:
+// byte k of each slice's 32 in `words` (eight words a slice, four k a word, lowest byte first; the
+// caller zeroes them).
+__device__ inline void slice_integer(std::uint32_t (&words)[slc_slices][8], int k, std::int32_t q) {
+  const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
+#pragma unroll
+  for (int s = 0; s < slc_slices; ++s) {
+    const std::int32_t digit = static_cast<std::int32_t>((magnitude >> (7 * s)) & 127U);
+    const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
+    words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
+  }
+}
+
+// One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (as
+// slice_integer; the caller zeroes them) and its scale
 // 2^(e + shift), returned; a row past the end (r >= rows) keeps zero slices and has scale 1. A
 // block exponent that is NaN's marker or outside +-slc_exponent_limit sets flags[0] (unfit); one
 // that differs from the row's first K-block's sets flags[1] (no whole-K dot).
@@ -105,15 +118,7 @@ __device__ inline double slice_row_block(const std::int32_t* integers, const std
       scale = core_ns::pow2(e + shift);
     }
     const std::int64_t k0 = b * 32;
-    const auto slice = [&](int k, std::int32_t q) {
-      const std::uint32_t magnitude = static_cast<std::uint32_t>(q < 0 ? -q : q);
-#pragma unroll
-      for (int s = 0; s < slc_slices; ++s) {
-        const std::int32_t digit = static_cast<std::int32_t>((magnitude >> (7 * s)) & 127U);
-        const auto byte = static_cast<std::uint8_t>(static_cast<std::int8_t>(q < 0 ? -digit : digit));
-        words[s][k / 4] |= static_cast<std::uint32_t>(byte) << (8 * (k % 4));
-      }
-    };
+    const auto slice = [&](int k, std::int32_t q) { slice_integer(words, k, q); };
     const std::int32_t* row = integers + r * depth + k0;
     if (depth % 4 == 0 && k0 + 32 <= depth) {
       // A whole K-block of 16-byte-aligned integers (device buffers are): eight 16-byte loads.
@@ -286,7 +291,8 @@ __device__ inline void set_zero(T (&values)[N]) {
 // scaled block dots per entry, every addition checked (add_product_rounds); an entry whose sum rounded is
 // marked in `flagged` for integer_fixup_kernel, the others' sums are exact (the fp64 result, and
 // one rounding to fp32). WholeK (with Exact): the levels summed over all of K instead, and one
-// exact step per entry at the end ("Whole K" above); nothing is flagged. Both (without Exact):
+// exact step per entry at the end ("Whole K" above); nothing is flagged, and either output may be
+// null (the exact reference of fp32 operands, reference-inl.cuh, may ask for one). Both (without Exact):
 // fp32-block into `out` and, from the same block dots and scales, the exact model's sums as Exact
 // leaves them, into exact_out, exact_out32 (rounded once to fp32) and `flagged` (the replay's
 // exact_too product of the same operands, without a second pass). Unchecked (with Both): every row
@@ -429,7 +435,7 @@ __global__ void __launch_bounds__(slc_threads, 2)
                                  whole_levels[mi][ni][3][e], whole_levels[mi][ni][4][e]};
           // Every K-block's scale is the first one's (prepare_sliced_kernel's flags[1]).
           const double sum = sliced_levels_dot(levels) * (a_scales[i] * b_scales[j]) + 0.0;
-          out[i * n + j] = finish_output(static_cast<float>(sum), output);
+          if (out != nullptr) out[i * n + j] = finish_output(static_cast<float>(sum), output);
           if (exact_out != nullptr) exact_out[i * n + j] = sum;
         } else if constexpr (Exact) {
           if ((rounded >> ((mi * col_tiles + ni) * 4 + e) & 1U) != 0) {

@@ -3,7 +3,7 @@
 // ================================================================================================
 // Exact reference of fp32 operands (NUMERICS.md section 8): the exact sum of the products rounded
 // once to fp64 and to fp32. plain_tile_kernel (exact mode) computes every entry whose rows fit its
-// 128-bit window; reference_kernel the others: one thread per entry adds every product (exact in
+// 128-bit window; reference_entry_kernel the others: one thread per entry adds every product (exact in
 // fp64) to a long accumulator, or, where a row holds inf or NaN, forms the IEEE fp64 sum in
 // ascending k, as src/reference.cpp defines.
 
@@ -12,7 +12,7 @@ namespace {
 constexpr int reference_tile = 16;
 constexpr int reference_chunk = 32;
 
-__global__ void reference_kernel(const float* a, const float* b, plain_rows_view a_rows, plain_rows_view b_rows,
+__global__ void reference_entry_kernel(const float* a, const float* b, plain_rows_view a_rows, plain_rows_view b_rows,
                                  std::int64_t m, std::int64_t n, std::int64_t depth, int depth_bits, double* out64,
                                  float* out32, reference_scaling scaling) {
   __shared__ float a_tile[reference_tile][reference_chunk + 1];
@@ -92,7 +92,7 @@ scratch_buffer chunk_tiles(const float* x, std::int64_t rows, std::int64_t depth
 // or NaN, out[1] = max(out[1], the largest high - low over the rows + plain_span_offset). An entry
 // (i, j) fits the tiled kernel's window exactly when span(i) + span(j) + 2 + depth_bits <=
 // plain_window_bits (plain_fits), so the largest spans of the two operands say whether any entry is
-// left to reference_kernel. The offset keeps the spans of empty rows (high plain_empty_high, low 0)
+// left to reference_entry_kernel. The offset keeps the spans of empty rows (high plain_empty_high, low 0)
 // nonnegative; the nonfinite marker's span is the largest.
 constexpr std::int64_t plain_span_offset = -plain_empty_high;
 
@@ -251,6 +251,153 @@ std::vector<std::int32_t> reference_token_order(const std::vector<unsigned>& a_k
 
 bool last_reference_reordered() { return last_reference_was_reordered.load(); }
 
+// ---- The reference on int8 slices (reference_kernel::sliced): where every row of an operand is an
+// integer below 2^18 times 2^(its lowest set bit), the operands are in the form of the sliced
+// kernel's whole-K dot (gemm_sliced-inl.cuh, "Whole K"): one scale per row along K, element
+// integers below 2^18. Its levels summed in int32 over K <= 2^16 and combined in fp64 give each
+// entry's exact sum as an integer below 2^52 times 2^(low_i + low_j) >= 2^-298, a normal double:
+// the fp64 result itself, and one rounding to fp32, as the definition asks.
+
+namespace {
+
+std::atomic<reference_kernel> chosen_reference_kernel{reference_kernel::automatic};
+std::atomic<reference_kernel> last_run_reference_kernel{reference_kernel::automatic};
+
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+constexpr std::int64_t sliced_reference_span = 17;  // leading less lowest exponent of a row: integers below 2^18
+
+// prepare_sliced_kernel's form of an fp32 operand whose row r is an integer below 2^18 times
+// 2^lows[r] (the row descriptions' lowest set-bit exponents, 0 for a row of zeros): slices
+// [padded rows][blocks][3][32] and scales [blocks][padded rows] = 2^lows[r]; rows past the end
+// zero with scale 1.
+__global__ void prepare_sliced_plain_kernel(const float* values, const std::int32_t* lows, std::int64_t rows,
+                                            std::int64_t padded_rows, std::int64_t depth, std::int64_t blocks,
+                                            std::uint8_t* slices, double* scales) {
+  MXSCOPE_GRID_LOOP(index, padded_rows * blocks) {
+    const std::int64_t r = index / blocks;
+    const std::int64_t b = index % blocks;
+    std::uint32_t words[slc_slices][8] = {};
+    double scale = 1.0;
+    if (r < rows) {
+      const int low = lows[r];
+      scale = core_ns::pow2(low);
+      const auto slice = [&](int k, float value) {
+        const std::uint32_t bits = core_ns::float_bits(value);
+        const int field = static_cast<int>((bits >> 23) & 0xffU);
+        const std::uint32_t significand = field == 0 ? (bits & 0x7fffffU) : ((bits & 0x7fffffU) | 0x800000U);
+        if (significand == 0) return;
+        const int trailing = 31 - __builtin_clz(significand & (0U - significand));
+        const int lowest = (field == 0 ? -149 : field - 150) + trailing;  // >= low, within 17 bits of it
+        const auto magnitude = static_cast<std::int32_t>((significand >> trailing) << (lowest - low));
+        slice_integer(words, k, (bits >> 31) != 0U ? -magnitude : magnitude);
+      };
+      const std::int64_t k0 = b * 32;
+      const float* row = values + r * depth + k0;
+      if (depth % 4 == 0 && k0 + 32 <= depth && reinterpret_cast<std::uintptr_t>(values) % 16 == 0) {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          const float4 q = reinterpret_cast<const float4*>(row)[v];
+          slice(4 * v, q.x);
+          slice(4 * v + 1, q.y);
+          slice(4 * v + 2, q.z);
+          slice(4 * v + 3, q.w);
+        }
+      } else {
+        for (int k = 0; k < 32 && k0 + k < depth; ++k) slice(k, row[k]);
+      }
+    }
+    auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
+#pragma unroll
+    for (int s = 0; s < slc_slices; ++s) {
+      out[2 * s] = make_uint4(words[s][0], words[s][1], words[s][2], words[s][3]);
+      out[2 * s + 1] = make_uint4(words[s][4], words[s][5], words[s][6], words[s][7]);
+    }
+    scales[b * padded_rows + r] = scale;
+  }
+}
+
+// The reference of A [m, k] and B [n, k] on sliced_block_kernel's whole-K dot, the operands meeting
+// the conditions above (sliced_reference_applies). Returns when the kernels have run.
+void reference_on_slices(const float* a, const float* b, const plain_rows_data& a_rows, const plain_rows_data& b_rows,
+                         std::int64_t m, std::int64_t n, std::int64_t k, double* out64, float* out32) {
+  using tiling = slc_tiling_of<false>;
+  const std::int64_t blocks = (k + 31) / 32;
+  const std::int64_t padded_m = (m + slc_row_pad - 1) / slc_row_pad * slc_row_pad;
+  const std::int64_t padded_n = (n + slc_col_pad - 1) / slc_col_pad * slc_col_pad;
+  const auto prepare = [&](const float* x, const plain_rows_data& rows, std::int64_t count, std::int64_t padded) {
+    std::pair<scratch_buffer, scratch_buffer> form{
+        scratch_buffer(static_cast<std::size_t>(padded * blocks * slc_row_block_bytes)),
+        scratch_buffer(static_cast<std::size_t>(padded * blocks) * sizeof(double))};
+    runtime::launch(prepare_sliced_plain_kernel, grid_for(padded * blocks), threads_per_block, 0, x,
+                    rows.lows.as<const std::int32_t>(), count, padded, k, blocks, form.first.as<std::uint8_t>(),
+                    form.second.as<double>());
+    return form;
+  };
+  const auto a_form = prepare(a, a_rows, m, padded_m);
+  const auto b_form = prepare(b, b_rows, n, padded_n);
+  const std::int64_t tiles_m = (m + slc_tile_m - 1) / slc_tile_m;
+  const std::int64_t tiles_n = (n + tiling::tile_n - 1) / tiling::tile_n;
+  constexpr std::size_t shared_bytes = slc_shared_bytes<tiling::tile_n>;
+  runtime::allow_dynamic_shared(sliced_block_kernel<true, true>, shared_bytes);
+  runtime::launch(sliced_block_kernel<true, true>, static_cast<unsigned>(tiles_m * tiles_n), slc_threads, shared_bytes,
+                  a_form.first.as<const std::uint8_t>(), a_form.second.as<const double>(),
+                  b_form.first.as<const std::uint8_t>(), b_form.second.as<const double>(), m, n, padded_m, padded_n,
+                  blocks, tiles_m, tiles_n, output_rounding::fp32, out32, out64, static_cast<std::uint8_t*>(nullptr),
+                  static_cast<float*>(nullptr));
+  synchronize();  // the prepared forms must outlive the kernel
+}
+#endif
+
+// Whether the sliced reference takes these operands, from the row summaries (row_summary_kernel's
+// pairs for A and B) and the shape.
+bool sliced_reference_applies(const unsigned long long (&summary)[4], std::int64_t m, std::int64_t n, std::int64_t k,
+                              const reference_scaling& scaling) {
+  if (chosen_reference_kernel.load() == reference_kernel::tiles || !reference_kernel_available(reference_kernel::sliced)) {
+    return false;
+  }
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  const auto fits = [](unsigned long long largest) {
+    return static_cast<std::int64_t>(largest) - plain_span_offset <= sliced_reference_span;
+  };
+  const std::int64_t tiles = ((m + slc_tile_m - 1) / slc_tile_m) * ((n + slc_wide::tile_n - 1) / slc_wide::tile_n);
+  constexpr std::int64_t int_limit = std::numeric_limits<int>::max() / 2;
+  return !scaling.scaled && summary[0] == 0 && summary[2] == 0 && fits(summary[1]) && fits(summary[3]) && k > 0 &&
+         k <= slc_whole_depth_limit && tiles * tcb_group <= int_limit;
+#else
+  (void)summary, (void)m, (void)n, (void)k, (void)scaling;
+  return false;
+#endif
+}
+
+}  // namespace
+
+std::string_view reference_kernel_name(reference_kernel kernel) {
+  switch (kernel) {
+    case reference_kernel::automatic:
+      return "automatic";
+    case reference_kernel::tiles:
+      return "tiles";
+    case reference_kernel::sliced:
+      return "sliced";
+  }
+  return "?";
+}
+
+bool reference_kernel_available(reference_kernel kernel) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+  return kernel != reference_kernel::sliced || tensor_cores_present();
+#else
+  return kernel != reference_kernel::sliced;
+#endif
+}
+
+void select_reference_kernel(reference_kernel kernel) {
+  require_kernel_available(reference_kernel_available(kernel), "exact-reference", reference_kernel_name(kernel));
+  chosen_reference_kernel.store(kernel);
+}
+
+reference_kernel last_reference_kernel() { return last_run_reference_kernel.load(); }
+
 namespace {
 
 // reference_on_device, and where nonfinite_rows is given, the number of rows of A and of B that
@@ -259,9 +406,37 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
                                   double* out64, float* out32, std::int64_t* nonfinite_rows,
                                   const reference_scaling& scaling = {}) {
   if (m == 0 || n == 0) return;
-  // The tiled kernels take K in reference_token_order (a and b reordered into copies), the
-  // per-product kernel below K as it is: a and b themselves (the rows' lowest and leading
-  // exponents, all reference_kernel reads of the row descriptions, are the same in any order).
+  // Per operand the nonfinite rows and the largest span (the same in any order of K): whether the
+  // sliced kernel takes the operands, and below whether reference_entry_kernel runs.
+  std::optional<plain_rows_data> a_described(describe_plain_rows(a, m, k));
+  std::optional<plain_rows_data> b_described(describe_plain_rows(b, n, k));
+  unsigned long long summary[4] = {};
+  {
+    scratch_buffer counts(sizeof(summary));
+    counts.fill_bytes(0);
+    runtime::launch(row_summary_kernel, grid_for(m), threads_per_block, 0, a_described->view(), m,
+                    counts.as<unsigned long long>());
+    runtime::launch(row_summary_kernel, grid_for(n), threads_per_block, 0, b_described->view(), n,
+                    counts.as<unsigned long long>() + 2);
+    counts.download(summary, sizeof(summary));
+  }
+  if (nonfinite_rows != nullptr) {
+    nonfinite_rows[0] = static_cast<std::int64_t>(summary[0]);
+    nonfinite_rows[1] = static_cast<std::int64_t>(summary[2]);
+  }
+  if (sliced_reference_applies(summary, m, n, k, scaling)) {
+#if defined(MXSCOPE_CUDA_TENSOR_CORES)
+    last_run_reference_kernel.store(reference_kernel::sliced);
+    last_reference_was_reordered.store(false);
+    reference_on_slices(a, b, *a_described, *b_described, m, n, k, out64, out32);
+    return;
+#endif
+  }
+  last_run_reference_kernel.store(reference_kernel::tiles);
+  // The tiled kernels take K in reference_token_order (a and b reordered into copies, their rows
+  // described again: the chunks' spreads depend on the order), the per-product kernel below K as
+  // it is: a and b themselves (the rows' lowest and leading exponents, all it reads of the row
+  // descriptions, are the same in any order).
   const std::vector<std::int32_t> order = reference_token_order(token_keys(a, m, k), token_keys(b, n, k));
   last_reference_was_reordered.store(!order.empty());
   scratch_buffer a_reordered, b_reordered;
@@ -274,27 +449,12 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
     b_reordered = permuted_columns(b, n, k, device_order);
     tiled_a = a_reordered.as<const float>();
     tiled_b = b_reordered.as<const float>();
-    synchronize();  // device_order must outlive the kernels
+    synchronize();  // device_order must outlive the kernels, the rows' first descriptions the summary
+    a_described.emplace(describe_plain_rows(tiled_a, m, k));
+    b_described.emplace(describe_plain_rows(tiled_b, n, k));
   }
-  const plain_rows_data a_rows = describe_plain_rows(tiled_a, m, k);
-  const plain_rows_data b_rows = describe_plain_rows(tiled_b, n, k);
-  // Per operand the nonfinite rows and the largest span: reference_kernel runs only where some
-  // entry does not fit the tiled kernel's window (on the benchmark's operands none), so that it is
-  // not launched, with every tile checking its entries, for nothing.
-  unsigned long long summary[4] = {};
-  {
-    scratch_buffer counts(sizeof(summary));
-    counts.fill_bytes(0);
-    runtime::launch(row_summary_kernel, grid_for(m), threads_per_block, 0, a_rows.view(), m,
-                    counts.as<unsigned long long>());
-    runtime::launch(row_summary_kernel, grid_for(n), threads_per_block, 0, b_rows.view(), n,
-                    counts.as<unsigned long long>() + 2);
-    counts.download(summary, sizeof(summary));
-  }
-  if (nonfinite_rows != nullptr) {
-    nonfinite_rows[0] = static_cast<std::int64_t>(summary[0]);
-    nonfinite_rows[1] = static_cast<std::int64_t>(summary[2]);
-  }
+  const plain_rows_data& a_rows = *a_described;
+  const plain_rows_data& b_rows = *b_described;
   const int depth_bits = depth_bits_of(k);
 #if defined(MXSCOPE_CUDA_TENSOR_CORES)
   runtime::allow_dynamic_shared(reference_warp_kernel<false>, rw_shared_bytes);
@@ -319,7 +479,7 @@ void reference_on_device_counting(const float* a, const float* b, std::int64_t m
   if (widest > plain_window_bits) {
     const dim3 grid(static_cast<unsigned>((n + reference_tile - 1) / reference_tile),
                     static_cast<unsigned>((m + reference_tile - 1) / reference_tile));
-    runtime::launch(reference_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m,
+    runtime::launch(reference_entry_kernel, grid, reference_tile * reference_tile, 0, a, b, a_rows.view(), b_rows.view(), m,
                     n, k, depth_bits, out64, out32, scaling);
   }
   synchronize();  // the row metadata must outlive the kernels

@@ -596,27 +596,43 @@ void bench_plain_products(bool per_token) {
   for (int s = 0; s < 32; ++s) {
     samples.emplace_back(static_cast<std::int64_t>(random() % n_out), static_cast<std::int64_t>(random() % n_in));
   }
-  {
-    out64.fill_bytes(0xFF);
-    out32.fill_bytes(0xFF);
-    const double ms = quick_median_ms([&] {
-      gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
-                               out32.as<float>());
-    });
-    std::printf("reference exact, %s, n_out %" PRId64 " n_in %" PRId64 " K %" PRId64 ": %.3f ms, %.2f TFLOP/s%s\n", set,
-                n_out, n_in, k, ms, flops / (ms * 1e-3) / 1e12, gpu::last_reference_reordered() ? " (K reordered)" : "");
-    std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
-    std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
-    out64.download(got64.data(), out64.bytes());
-    out32.download(got32.data(), out32.bytes());
-    int bad = 0;
-    for (const auto& [i, j] : samples) {
-      const host_reference::reference_value want = host_reference::reference_entry(a, b, i, j);
-      const auto at = static_cast<std::size_t>(i * n_in + j);
-      if (std::memcmp(&want.fp64, &got64[at], 8) != 0 || std::memcmp(&want.fp32, &got32[at], 4) != 0) ++bad;
+  // The reference as chosen (automatic), and where that took the int8 slices, on the fp64 tiles as
+  // well: two rounds, alternating. Each run's sampled entries are checked against the definition.
+  std::vector<gpu::reference_kernel> choices = {gpu::reference_kernel::automatic};
+  for (int round = 0; round < 2; ++round) {
+    for (const gpu::reference_kernel choice : std::vector<gpu::reference_kernel>(choices)) {
+      gpu::select_reference_kernel(choice);
+      out64.fill_bytes(0xFF);
+      out32.fill_bytes(0xFF);
+      const double ms = quick_median_ms([&] {
+        gpu::reference_on_device(left.as<const float>(), right.as<const float>(), n_out, n_in, k, out64.as<double>(),
+                                 out32.as<float>());
+      });
+      const gpu::reference_kernel took = gpu::last_reference_kernel();
+      gpu::select_reference_kernel(gpu::reference_kernel::automatic);
+      std::printf("reference exact, %s, %s kernel (%s, round %d), n_out %" PRId64 " n_in %" PRId64 " K %" PRId64
+                  ": %.3f ms, %.2f TFLOP/s%s\n",
+                  set, std::string(gpu::reference_kernel_name(took)).c_str(),
+                  std::string(gpu::reference_kernel_name(choice)).c_str(), round + 1, n_out, n_in, k, ms,
+                  flops / (ms * 1e-3) / 1e12, gpu::last_reference_reordered() ? " (K reordered)" : "");
+      if (round == 0 && choice == gpu::reference_kernel::automatic && took == gpu::reference_kernel::sliced) {
+        choices.push_back(gpu::reference_kernel::tiles);
+      }
+      std::vector<double> got64(static_cast<std::size_t>(n_out * n_in));
+      std::vector<float> got32(static_cast<std::size_t>(n_out * n_in));
+      out64.download(got64.data(), out64.bytes());
+      out32.download(got32.data(), out32.bytes());
+      int bad = 0;
+      for (const auto& [i, j] : samples) {
+        const host_reference::reference_value want = host_reference::reference_entry(a, b, i, j);
+        const auto at = static_cast<std::size_t>(i * n_in + j);
+        if (std::memcmp(&want.fp64, &got64[at], 8) != 0 || std::memcmp(&want.fp32, &got32[at], 4) != 0) ++bad;
+      }
+      verdict(bad == 0,
+              std::string("bench reference, ") + set + ", " + std::string(gpu::reference_kernel_name(took)) +
+                  " kernel: 32 sampled entries == host definition",
+              bad == 0 ? "" : std::to_string(bad) + " differ");
     }
-    verdict(bad == 0, std::string("bench reference, ") + set + ": 32 sampled entries == host definition",
-            bad == 0 ? "" : std::to_string(bad) + " differ");
   }
   mxscope::accumulation_model model;
   model.kind = mxscope::accumulation_kind::fp32_block;

@@ -257,10 +257,128 @@ void reference_order_checks() {
   });
 }
 
+// ---- The reference on int8 slices (gpu::reference_kernel::sliced): taken where every row is an
+// integer below 2^18 times a power of two, checked against the definition and against the tiles.
+
+// A [rows, k]: row r holds integers below 2^bits (random signs, about one in eight zero) times
+// 2^lows[r % lows.size()], its first value the largest, 2^bits - 1 (the row spans exactly `bits`).
+matrix narrow_rows(std::int64_t rows, std::int64_t k, int bits, const std::vector<int>& lows, std::mt19937_64& source) {
+  matrix out(rows, k);
+  const std::uint64_t top = (std::uint64_t{1} << bits) - 1U;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const int low = lows[static_cast<std::size_t>(r) % lows.size()];
+    for (std::int64_t c = 0; c < k; ++c) {
+      const std::uint64_t draw = source();
+      const std::uint64_t magnitude = c == 0 ? top : (draw % 8U == 0U ? 0U : (draw >> 8) % (top + 1U));
+      const double value = std::ldexp(static_cast<double>(magnitude), low);
+      out(r, c) = static_cast<float>((draw >> 4) % 2U == 0U ? value : -value);
+    }
+  }
+  return out;
+}
+
+// The reference of A and B under `choice`: check_reference, and the kernel that took it.
+std::string check_reference_on(const matrix& a, const matrix& b, gpu::reference_kernel choice,
+                               gpu::reference_kernel expected, const std::string& replay) {
+  gpu::select_reference_kernel(choice);
+  std::string result = check_reference(a, b, replay);
+  const gpu::reference_kernel took = gpu::last_reference_kernel();
+  gpu::select_reference_kernel(gpu::reference_kernel::automatic);
+  if (!result.empty()) return result;
+  if (took != expected) {
+    return "selected " + std::string(gpu::reference_kernel_name(choice)) + ": " +
+           std::string(gpu::reference_kernel_name(took)) + " ran, expected " +
+           std::string(gpu::reference_kernel_name(expected)) + "; " + replay;
+  }
+  return "";
+}
+
+void reference_sliced_checks(bool small) {
+  run_case("reference sliced: the kernels' names and availability", []() -> std::string {
+    for (const auto kernel : {gpu::reference_kernel::automatic, gpu::reference_kernel::tiles}) {
+      if (!gpu::reference_kernel_available(kernel)) return std::string(gpu::reference_kernel_name(kernel)) + " unavailable";
+    }
+    if (gpu::reference_kernel_name(gpu::reference_kernel::sliced) != "sliced" ||
+        gpu::reference_kernel_name(gpu::reference_kernel::tiles) != "tiles") {
+      return std::string("names differ from the header's");
+    }
+    return std::string();
+  });
+  if (!gpu::reference_kernel_available(gpu::reference_kernel::sliced)) {
+    run_case("reference sliced: unavailable here, selecting it throws", []() -> std::string {
+      try {
+        gpu::select_reference_kernel(gpu::reference_kernel::sliced);
+      } catch (const mxscope::input_error&) {
+        return std::string();
+      }
+      gpu::select_reference_kernel(gpu::reference_kernel::automatic);
+      return std::string("no error");
+    });
+    return;
+  }
+  using gpu::reference_kernel;
+  struct narrow_case {
+    const char* what;
+    std::int64_t m, n, k;
+    int a_bits, b_bits;
+    std::vector<int> a_lows, b_lows;
+    reference_kernel automatic;  // the kernel automatic picks
+  };
+  const std::vector<narrow_case> cases = {
+      // Tiles and K-blocks cut short, rows of like scale: the benchmark's kind of operands.
+      {"18-bit rows M70 N90 K1000", 70, 90, 1000, 18, 18, {-20, -18, -25}, {-17, -30}, reference_kernel::sliced},
+      // One operand narrow, rows of every scale: the fp32 results overflow to inf (2^109 2^109)
+      // and underflow to zero and to subnormals, the fp64 ones stay exact.
+      {"extreme exponents M33 N40 K100", 33, 40, 100, 12, 18, {-149, -140, 0, 60, 109}, {-149, -120, 2, 109},
+       reference_kernel::sliced},
+      // The last row of B spans 19 bits (below): the tiles take every entry.
+      {"a 19-bit row M20 N24 K64", 20, 24, 64, 18, 18, {-10}, {-12}, reference_kernel::tiles},
+  };
+  for (const narrow_case& c : cases) {
+    run_case("reference sliced: " + std::string(c.what), [&]() -> std::string {
+      const std::uint64_t seed = next_seed();
+      std::mt19937_64 source(seed);
+      matrix a = narrow_rows(c.m, c.k, c.a_bits, c.a_lows, source);
+      matrix b = narrow_rows(c.n, c.k, c.b_bits, c.b_lows, source);
+      if (c.automatic == reference_kernel::tiles) b(c.n - 1, 0) = std::ldexp(static_cast<float>((1 << 19) - 1), -12);
+      // A row of zeros, and entry (1, 1) an exact cancellation: +0 in both results.
+      for (std::int64_t kk = 0; kk < c.k; ++kk) a(2, kk) = 0.0f;
+      for (std::int64_t kk = 0; kk + 1 < c.k; kk += 2) {
+        a(1, kk + 1) = a(1, kk);
+        b(1, kk + 1) = -b(1, kk);
+      }
+      if (c.k % 2 == 1) a(1, c.k - 1) = 0.0f;
+      const std::string replay = "seed " + hex64(seed);
+      for (const reference_kernel choice : {reference_kernel::automatic, reference_kernel::sliced}) {
+        if (std::string r = check_reference_on(a, b, choice, c.automatic, replay); !r.empty()) return r;
+      }
+      return check_reference_on(a, b, reference_kernel::tiles, reference_kernel::tiles, replay);
+    });
+  }
+  // The int32 level sums at their limit: K = 2^16 products of (2^18 - 1)^2 of one sign, sum
+  // 2^16 (2^18 - 1)^2 < 2^52; one more position and the tiles take the product.
+  for (const std::int64_t k : {std::int64_t{65536}, std::int64_t{65537}}) {
+    if (small) continue;
+    run_case("reference sliced: the largest K, M3 N2 K" + std::to_string(k), [&]() -> std::string {
+      const std::uint64_t seed = next_seed();
+      std::mt19937_64 source(seed);
+      matrix a(3, k), b(2, k);
+      const float top = static_cast<float>((1 << 18) - 1);
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        for (std::int64_t r = 0; r < 3; ++r) a(r, kk) = r == 0 ? top : (source() % 2U == 0U ? top : -top);
+        for (std::int64_t r = 0; r < 2; ++r) b(r, kk) = r == 0 ? -top : static_cast<float>(source() % (1U << 18));
+      }
+      const reference_kernel expected = k <= 65536 ? reference_kernel::sliced : reference_kernel::tiles;
+      return check_reference_on(a, b, reference_kernel::automatic, expected, "seed " + hex64(seed));
+    });
+  }
+}
+
 }  // namespace
 
 void reference_checks(bool small) {
   reference_order_checks();
+  reference_sliced_checks(small);
   struct shape {
     std::int64_t m, n, k;
   };
