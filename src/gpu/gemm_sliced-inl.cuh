@@ -100,6 +100,37 @@ __device__ inline void slice_integer(std::uint32_t (&words)[slc_slices][8], int 
   }
 }
 
+// fn(k, row[k]) for the k < 32 of a K-block at row[0] (k0 + k < depth): where the block is whole,
+// depth a multiple of 4 and the rows 16-byte aligned (device buffers are), by eight 16-byte loads.
+template <class T, class Fn>
+__device__ inline void for_each_in_block(const T* row, std::int64_t k0, std::int64_t depth, bool aligned, Fn&& fn) {
+  using vector = std::conditional_t<std::is_same_v<T, float>, float4, int4>;
+  if (aligned && depth % 4 == 0 && k0 + 32 <= depth) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const vector q = reinterpret_cast<const vector*>(row)[v];
+      fn(4 * v, q.x);
+      fn(4 * v + 1, q.y);
+      fn(4 * v + 2, q.z);
+      fn(4 * v + 3, q.w);
+    }
+  } else {
+    for (int k = 0; k < 32 && k0 + k < depth; ++k) fn(k, row[k]);
+  }
+}
+
+// The three slices' words of one row's K-block (slice_integer) stored at their place in the
+// prepared form: [padded rows][blocks][3][32] bytes, `index` = row * blocks + block.
+__device__ inline void store_sliced_block(std::uint8_t* slices, std::int64_t index,
+                                          const std::uint32_t (&words)[slc_slices][8]) {
+  auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
+#pragma unroll
+  for (int s = 0; s < slc_slices; ++s) {
+    out[2 * s] = make_uint4(words[s][0], words[s][1], words[s][2], words[s][3]);
+    out[2 * s + 1] = make_uint4(words[s][4], words[s][5], words[s][6], words[s][7]);
+  }
+}
+
 // One row's K-block in the prepared form: its three slices' 32 bytes each into `words` (as
 // slice_integer; the caller zeroes them) and its scale
 // 2^(e + shift), returned; a row past the end (r >= rows) keeps zero slices and has scale 1. A
@@ -118,21 +149,8 @@ __device__ inline double slice_row_block(const std::int32_t* integers, const std
       scale = core_ns::pow2(e + shift);
     }
     const std::int64_t k0 = b * 32;
-    const auto slice = [&](int k, std::int32_t q) { slice_integer(words, k, q); };
-    const std::int32_t* row = integers + r * depth + k0;
-    if (depth % 4 == 0 && k0 + 32 <= depth) {
-      // A whole K-block of 16-byte-aligned integers (device buffers are): eight 16-byte loads.
-#pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        const int4 q = reinterpret_cast<const int4*>(row)[v];
-        slice(4 * v, q.x);
-        slice(4 * v + 1, q.y);
-        slice(4 * v + 2, q.z);
-        slice(4 * v + 3, q.w);
-      }
-    } else {
-      for (int k = 0; k < 32 && k0 + k < depth; ++k) slice(k, row[k]);
-    }
+    for_each_in_block(integers + r * depth + k0, k0, depth, true,
+                      [&](int k, std::int32_t q) { slice_integer(words, k, q); });
   }
   return scale;
 }
@@ -148,12 +166,7 @@ __global__ void prepare_sliced_kernel(const std::int32_t* integers, const std::i
     const std::int64_t b = index % blocks;
     std::uint32_t words[slc_slices][8] = {};
     const double scale = slice_row_block(integers, exponents, rows, depth, shift, r, b, flags, words);
-    auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
-#pragma unroll
-    for (int s = 0; s < slc_slices; ++s) {
-      out[2 * s] = make_uint4(words[s][0], words[s][1], words[s][2], words[s][3]);
-      out[2 * s + 1] = make_uint4(words[s][4], words[s][5], words[s][6], words[s][7]);
-    }
+    store_sliced_block(slices, index, words);
     scales[b * padded_rows + r] = scale;
   }
 }

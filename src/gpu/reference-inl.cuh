@@ -292,26 +292,9 @@ __global__ void prepare_sliced_plain_kernel(const float* values, const std::int3
         slice_integer(words, k, (bits >> 31) != 0U ? -magnitude : magnitude);
       };
       const std::int64_t k0 = b * 32;
-      const float* row = values + r * depth + k0;
-      if (depth % 4 == 0 && k0 + 32 <= depth && reinterpret_cast<std::uintptr_t>(values) % 16 == 0) {
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          const float4 q = reinterpret_cast<const float4*>(row)[v];
-          slice(4 * v, q.x);
-          slice(4 * v + 1, q.y);
-          slice(4 * v + 2, q.z);
-          slice(4 * v + 3, q.w);
-        }
-      } else {
-        for (int k = 0; k < 32 && k0 + k < depth; ++k) slice(k, row[k]);
-      }
+      for_each_in_block(values + r * depth + k0, k0, depth, reinterpret_cast<std::uintptr_t>(values) % 16 == 0, slice);
     }
-    auto* out = reinterpret_cast<uint4*>(slices + index * slc_row_block_bytes);
-#pragma unroll
-    for (int s = 0; s < slc_slices; ++s) {
-      out[2 * s] = make_uint4(words[s][0], words[s][1], words[s][2], words[s][3]);
-      out[2 * s + 1] = make_uint4(words[s][4], words[s][5], words[s][6], words[s][7]);
-    }
+    store_sliced_block(slices, index, words);
     scales[b * padded_rows + r] = scale;
   }
 }
