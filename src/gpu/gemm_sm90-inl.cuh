@@ -321,17 +321,17 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // K-blocks of bf16 or four of fp8, and for fp8 the three tiles' bases) with bulk asynchronous
 // copies that complete on the stage's "full" barrier, after the stage's "empty" barrier says both
 // consumers are done with its previous contents. Each of the other two computes 64 rows: 128 fp32
-// accumulators per thread and two sets of 32 dot registers for the four column quarters of a
-// K-block (the mma of one quarter runs while the previous one is added). The consumers wait on
-// barriers, not on each other, so one adds while the other's mma run. setmaxnreg moves registers
-// from the loader to them.
+// accumulators per thread and three sets of 32 dot registers for the four column quarters of a
+// K-block (the mma of two quarters run while a third is added). The consumers wait on barriers,
+// not on each other, so one adds while the other's mma run. setmaxnreg moves registers from the
+// loader (24, the least it may keep) to them (240: 128 accumulators, 96 dots and the rest).
 constexpr int tcs_tile_m = 128;
 constexpr int tcs_tile_n = 256;
 constexpr int tcs_threads = 384;
 constexpr int tcs_stages = 4;
 constexpr int tcs_consumer_threads = 256;
-constexpr int tcs_producer_registers = 40;   // setmaxnreg counts: the loader warpgroup,
-constexpr int tcs_consumer_registers = 232;  // and the two that compute
+constexpr int tcs_producer_registers = 24;   // setmaxnreg counts: the loader warpgroup,
+constexpr int tcs_consumer_registers = 240;  // and the two that compute
 static_assert(register_split_fits(tcs_threads, tcs_producer_registers, tcs_consumer_registers));
 
 struct alignas(1024) tcs_stage {
@@ -482,9 +482,9 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   const int warp = (t / 32) % 4;
   const int lane = t % 32;
   float accumulators[4][32];  // [column quarter][dot register]
-  float dots[2][32];          // quarters 0, 2 and 1, 3
+  float dots[3][32];          // a stage's quarters 0, 3, 6, ..., then 1, 4, 7, ..., then 2, 5, 8, ...
 #pragma unroll
-  for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
+  for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = dots[2][i] = 0.0f;
 
   // Descriptors of stage 0's A rows of this consumer and B's first quarter; a stage is
   // sizeof(tcs_stage) further, K-block u of a stage 64 u bytes (bf16; its second k16 32 bytes) or
@@ -515,10 +515,9 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     return core_ns::bits_float(static_cast<std::uint32_t>(min(max(exponent, -126), 127) + 127) << 23);
   };
 
-  // Within a stage the quarters' mma form one stream, two in flight: quarter q of K-block u goes
-  // into dot set q % 2 once quarter q - 2's dots are added, so K-block u + 1's first two start while
-  // u's last two are added. The stream drains at the end of each stage: ptxas serializes every
-  // wgmma (C7514) when one is in flight across a branch or the loop's back edge.
+  // Within a stage the quarters' mma form one stream (below). It drains at the end of each stage:
+  // ptxas serializes every wgmma (C7514) when one is in flight across a branch or the loop's back
+  // edge.
   const auto scales_of = [&](int slot, int u, float (&scales)[2]) {  // B's first and second 128 rows
     scales[0] = scales[1] = 1.0f;
     if constexpr (Fp8) {
@@ -543,28 +542,30 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       const auto at = [&](int u, std::uint64_t descriptor) {
         return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
       };
-      issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
-      issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
+      // The stage's 4 stage_blocks quarters as one stream, three in flight: quarter i (K-block
+      // i / 4, column quarter i % 4) goes into dot set i % 3 once quarter i - 3 is added, so the
+      // next K-block's first quarters start while this one's last are added.
+      constexpr int quarters = 4 * stage_blocks;
+      // K-block u's two pair scales in scales[u % 2], read from shared memory a K-block ahead of
+      // their use, so that no addition waits on the load.
+      float scales[2][2];
+      scales_of(slot, 0, scales[0]);
 #pragma unroll
-      for (int u = 0; u < stage_blocks; ++u) {
-        float scales[2];
-        scales_of(slot, u, scales);
-        wgmma_wait<1>();
-        add(accumulators[0], dots[0], scales[0]);
-        issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
-        wgmma_wait<1>();
-        add(accumulators[1], dots[1], scales[0]);
-        issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
-        wgmma_wait<1>();
-        add(accumulators[2], dots[0], scales[1]);
-        if (u + 1 < stage_blocks) {
-          issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
+      for (int i = 0; i < 3; ++i) issue(dots[i], at(i / 4, a_descriptor), at(i / 4, b_descriptor), i % 4);
+#pragma unroll
+      for (int i = 0; i < quarters; ++i) {
+        if (i % 4 == 0 && i / 4 + 1 < stage_blocks) scales_of(slot, i / 4 + 1, scales[(i / 4 + 1) % 2]);
+        const int in_flight = min(3, quarters - i);  // quarters i .. i + in_flight - 1
+        if (in_flight == 3) {
+          wgmma_wait<2>();
+        } else if (in_flight == 2) {
           wgmma_wait<1>();
-          add(accumulators[3], dots[1], scales[1]);
-          issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
         } else {
           wgmma_wait<0>();
-          add(accumulators[3], dots[1], scales[1]);
+        }
+        add(accumulators[i % 4], dots[i % 3], scales[(i / 4) % 2][(i % 4) / 2]);
+        if (i + 3 < quarters) {
+          issue(dots[i % 3], at((i + 3) / 4, a_descriptor), at((i + 3) / 4, b_descriptor), (i + 3) % 4);
         }
       }
       barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
