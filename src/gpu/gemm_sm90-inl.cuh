@@ -321,10 +321,11 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // K-blocks of bf16 or four of fp8, and for fp8 the three tiles' bases) with bulk asynchronous
 // copies that complete on the stage's "full" barrier, after the stage's "empty" barrier says both
 // consumers are done with its previous contents. Each of the other two computes 64 rows: 128 fp32
-// accumulators per thread and three sets of 32 dot registers for the four column quarters of a
-// K-block (the mma of two quarters run while a third is added). The consumers wait on barriers,
-// not on each other, so one adds while the other's mma run. setmaxnreg moves registers from the
-// loader (24, the least it may keep) to them (240: 128 accumulators, 96 dots and the rest).
+// accumulators per thread and two sets of 32 dot registers for the four column quarters of a
+// K-block (the mma of one quarter runs while the previous one is added). The consumers wait on
+// barriers, not on each other, so one adds while the other's mma run. setmaxnreg moves registers
+// from the loader (24, the least it may keep) to them (240). Each consumer warp stores its entries
+// through shared memory with bulk copies, so that the next tile's mma start while they are written.
 constexpr int tcs_tile_m = 128;
 constexpr int tcs_tile_n = 256;
 constexpr int tcs_threads = 384;
@@ -338,13 +339,20 @@ struct alignas(1024) tcs_stage {
   unsigned char a[tcs_tile_m * 128];  // 128 rows x 128 bytes, in prepare_scaled_kernel's or prepare_fp8_kernel's layout
   unsigned char b[tcs_tile_n * 128];  // two such tiles
 };
+// The epilogue's staging: per consumer 64 rows x 32 columns of fp32 entries, rows 40 floats apart
+// (160 bytes: 16-byte aligned for the bulk copies, and a warp's eight rows of a store fall in
+// different banks but for pairs).
+constexpr int tcs_staging_columns = 32;
+constexpr int tcs_staging_stride = 40;
 struct tcs_shared {
   tcs_stage stages[tcs_stages];
+  float staging[2][64 * tcs_staging_stride];
   std::int32_t bases[tcs_stages][3][4];  // fp8: per stage the A tile's, then B's two tiles' bases
   std::uint64_t full[tcs_stages];
   std::uint64_t empty[tcs_stages];
 };
 constexpr std::size_t tcs_shared_bytes = sizeof(tcs_shared) + 1024;  // + alignment slack
+static_assert(tcs_shared_bytes <= 227 * 1024, "the sm_90 limit of dynamic shared memory per block");
 static_assert(scaled_tile_rows == 128 && tcs_tile_n % scaled_tile_rows == 0 && scaled_row_pad % tcs_tile_n == 0 &&
               scaled_row_pad % tcs_tile_m == 0);
 
@@ -361,14 +369,15 @@ __device__ inline void wgmma_bf16_m64n64k16(float (&d)[32], std::uint64_t a_desc
       : "l"(a_descriptor), "l"(b_descriptor), "n"(Accumulate ? 1 : 0));
 }
 
-// d = A B^T for the 64 x 32 e5m2 A and B tiles of the descriptors, fp32 (scale-d 0).
+// d = A B^T for the 64 x 32 e5m2 A and B tiles of the descriptors, fp32 (scale-d 0: d is only
+// written, so that the compiler does not keep the dots' values live from one tile to the next).
 __device__ inline void wgmma_e5m2_m64n64k32(float (&d)[32], std::uint64_t a_descriptor, std::uint64_t b_descriptor) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e5m2.e5m2 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
       : "l"(a_descriptor), "l"(b_descriptor));
 }
 
@@ -407,6 +416,26 @@ __device__ inline void bulk_copy(void* shared_destination, const void* global_so
           static_cast<unsigned>(__cvta_generic_to_shared(shared_destination))),
       "l"(global_source), "r"(bytes), "r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier)))
       : "memory");
+}
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A bulk asynchronous copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from shared to
+// global memory, in this thread's bulk group.
+__device__ inline void bulk_store(void* global_destination, const void* shared_source, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global_destination),
+               "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared_source))), "r"(bytes)
+               : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Returns once this thread's bulk copies have read their sources (Read) or completed.
+template <bool Read>
+__device__ inline void bulk_wait_all() {
+  if constexpr (Read) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
 }
 #endif
 
@@ -482,15 +511,18 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   const int warp = (t / 32) % 4;
   const int lane = t % 32;
   float accumulators[4][32];  // [column quarter][dot register]
-  float dots[3][32];          // a stage's quarters 0, 3, 6, ..., then 1, 4, 7, ..., then 2, 5, 8, ...
+  float dots[2][32];          // quarters 0, 2 and 1, 3
 #pragma unroll
-  for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = dots[2][i] = 0.0f;
+  for (int i = 0; i < 32; ++i) dots[0][i] = dots[1][i] = 0.0f;
 
   // Descriptors of stage 0's A rows of this consumer and B's first quarter; a stage is
   // sizeof(tcs_stage) further, K-block u of a stage 64 u bytes (bf16; its second k16 32 bytes) or
   // 32 u bytes (fp8), quarter q of B 64 q rows (8192 q bytes); descriptors count 16-byte units.
-  const std::uint64_t a_descriptor = tcw_descriptor(shared.stages[0].a + consumer * 64 * 128);
-  const std::uint64_t b_descriptor = tcw_descriptor(shared.stages[0].b);
+  // Held as their low words (the start address; the high word, stride and swizzle, is the same
+  // constant for all), which saves the K loop registers.
+  const auto a_descriptor = static_cast<std::uint32_t>(tcw_descriptor(shared.stages[0].a + consumer * 64 * 128));
+  const auto b_descriptor = static_cast<std::uint32_t>(tcw_descriptor(shared.stages[0].b));
+  constexpr std::uint64_t descriptor_high = ((1024ULL >> 4) << 32) | (1ULL << 62);
   const auto issue = [&](float (&d)[32], std::uint64_t a_at, std::uint64_t b_at, int quarter) {
     const std::uint64_t b_quarter = b_at + static_cast<std::uint64_t>(quarter * 8192 / 16);
     wgmma_fence();
@@ -515,9 +547,10 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     return core_ns::bits_float(static_cast<std::uint32_t>(min(max(exponent, -126), 127) + 127) << 23);
   };
 
-  // Within a stage the quarters' mma form one stream (below). It drains at the end of each stage:
-  // ptxas serializes every wgmma (C7514) when one is in flight across a branch or the loop's back
-  // edge.
+  // Within a stage the quarters' mma form one stream, two in flight: quarter q of K-block u goes
+  // into dot set q % 2 once quarter q - 2's dots are added, so K-block u + 1's first two start while
+  // u's last two are added. The stream drains at the end of each stage: ptxas serializes every
+  // wgmma (C7514) when one is in flight across a branch or the loop's back edge.
   const auto scales_of = [&](int slot, int u, float (&scales)[2]) {  // B's first and second 128 rows
     scales[0] = scales[1] = 1.0f;
     if constexpr (Fp8) {
@@ -538,34 +571,32 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     for (int s = 0; s < full_stages; ++s, ++use) {
       const int slot = use % tcs_stages;
       barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
-      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
-      const auto at = [&](int u, std::uint64_t descriptor) {
-        return descriptor + stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
+      const auto stage_units = static_cast<std::uint32_t>(slot * (sizeof(tcs_stage) / 16));
+      const auto at = [&](int u, std::uint32_t descriptor) {
+        return descriptor_high | (descriptor + stage_units + static_cast<std::uint32_t>((Fp8 ? 2 : 4) * u));
       };
-      // The stage's 4 stage_blocks quarters as one stream, three in flight: quarter i (K-block
-      // i / 4, column quarter i % 4) goes into dot set i % 3 once quarter i - 3 is added, so the
-      // next K-block's first quarters start while this one's last are added.
-      constexpr int quarters = 4 * stage_blocks;
-      // K-block u's two pair scales in scales[u % 2], read from shared memory a K-block ahead of
-      // their use, so that no addition waits on the load.
-      float scales[2][2];
-      scales_of(slot, 0, scales[0]);
+      issue(dots[0], at(0, a_descriptor), at(0, b_descriptor), 0);
+      issue(dots[1], at(0, a_descriptor), at(0, b_descriptor), 1);
 #pragma unroll
-      for (int i = 0; i < 3; ++i) issue(dots[i], at(i / 4, a_descriptor), at(i / 4, b_descriptor), i % 4);
-#pragma unroll
-      for (int i = 0; i < quarters; ++i) {
-        if (i % 4 == 0 && i / 4 + 1 < stage_blocks) scales_of(slot, i / 4 + 1, scales[(i / 4 + 1) % 2]);
-        const int in_flight = min(3, quarters - i);  // quarters i .. i + in_flight - 1
-        if (in_flight == 3) {
-          wgmma_wait<2>();
-        } else if (in_flight == 2) {
+      for (int u = 0; u < stage_blocks; ++u) {
+        float scales[2];
+        scales_of(slot, u, scales);
+        wgmma_wait<1>();
+        add(accumulators[0], dots[0], scales[0]);
+        issue(dots[0], at(u, a_descriptor), at(u, b_descriptor), 2);
+        wgmma_wait<1>();
+        add(accumulators[1], dots[1], scales[0]);
+        issue(dots[1], at(u, a_descriptor), at(u, b_descriptor), 3);
+        wgmma_wait<1>();
+        add(accumulators[2], dots[0], scales[1]);
+        if (u + 1 < stage_blocks) {
+          issue(dots[0], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 0);
           wgmma_wait<1>();
+          add(accumulators[3], dots[1], scales[1]);
+          issue(dots[1], at(u + 1, a_descriptor), at(u + 1, b_descriptor), 1);
         } else {
           wgmma_wait<0>();
-        }
-        add(accumulators[i % 4], dots[i % 3], scales[(i / 4) % 2][(i % 4) / 2]);
-        if (i + 3 < quarters) {
-          issue(dots[i % 3], at((i + 3) / 4, a_descriptor), at((i + 3) / 4, b_descriptor), (i + 3) % 4);
+          add(accumulators[3], dots[1], scales[1]);
         }
       }
       barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
@@ -575,14 +606,14 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       const int s = full_stages;
       const int slot = use % tcs_stages;
       barrier_wait(&shared.full[slot], static_cast<unsigned>(use / tcs_stages) & 1U);
-      const std::uint64_t stage_units = static_cast<std::uint64_t>(slot) * (sizeof(tcs_stage) / 16);
+      const auto stage_units = static_cast<std::uint32_t>(slot * (sizeof(tcs_stage) / 16));
 #pragma unroll 1
       for (int u = 0; stage_blocks * s + u < block_count; ++u) {
         float scales[2];
         scales_of(slot, u, scales);
-        const std::uint64_t block_units = stage_units + static_cast<std::uint64_t>((Fp8 ? 2 : 4) * u);
-        const std::uint64_t a_at = a_descriptor + block_units;
-        const std::uint64_t b_at = b_descriptor + block_units;
+        const auto block_units = stage_units + static_cast<std::uint32_t>((Fp8 ? 2 : 4) * u);
+        const std::uint64_t a_at = descriptor_high | (a_descriptor + block_units);
+        const std::uint64_t b_at = descriptor_high | (b_descriptor + block_units);
         issue(dots[0], a_at, b_at, 0);
         issue(dots[1], a_at, b_at, 1);
         wgmma_wait<1>();
@@ -600,19 +631,48 @@ __global__ void __launch_bounds__(tcs_threads, 1)
       ++use;
     }
 
-    // d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column 64 q + 8 j + 2 (lane % 4) + e.
-    const std::int64_t row0 = origin.i0 + consumer * 64 + warp * 16 + lane / 4;
-    const std::int64_t col0 = origin.j0 + 2 * (lane % 4);
+    // The entries go out through shared memory, each warp's 16 rows x 32 columns at a time, each
+    // row by a bulk copy of one of the warp's first 16 lanes, which the warp does not wait for: it
+    // goes on to the next chunk and tile and waits only before it writes the staging again (a row
+    // whose global address or length is not a multiple of 16 bytes is stored by that lane itself).
+    // Entry d[4 j + 2 r + e] of quarter q: row 16 warp + lane / 4 + 8 r, column
+    // 64 q + 8 j + 2 (lane % 4) + e. The tile's origin comes again from an index the compiler
+    // cannot see through, so that none of this address arithmetic is hoisted above the K loop.
+    int stored_tile = tile;
+    asm volatile("" : "+r"(stored_tile));
+    const tile_origin stored = origin_of(stored_tile);
+    float* const staging = shared.staging[consumer] + warp * 16 * tcs_staging_stride;
+    const std::int64_t copy_row = stored.i0 + consumer * 64 + warp * 16 + lane;  // lanes 0 .. 15
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
+    for (int h = 0; h < 8; ++h) {  // column chunk h: quarter h / 2, dots 16 (h % 2) .. + 15
+      if (lane < 16) bulk_wait_all<true>();
+      __syncwarp();  // the staging's previous rows have been read
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const std::int64_t row = row0 + 8 * ((i / 2) % 2);
-        const std::int64_t col = col0 + 64 * q + 8 * (i / 4) + i % 2;
-        if (row < m && col < n) out[row * n + col] = finish_output(accumulators[q][i] * 1.0f, output);
+      for (int i = 16 * (h % 2); i < 16 * (h % 2) + 16; i += 2) {
+        const int column = 8 * ((i / 4) % 4) + 2 * (lane % 4);
+        const int row = lane / 4 + 8 * ((i / 2) % 2);
+        *reinterpret_cast<float2*>(staging + row * tcs_staging_stride + column) =
+            make_float2(finish_output(accumulators[h / 2][i] * 1.0f, output),
+                        finish_output(accumulators[h / 2][i + 1] * 1.0f, output));
       }
+      proxy_fence_shared();  // the generic-proxy writes, before the bulk copies read them
+      __syncwarp();
+      const std::int64_t col = stored.j0 + tcs_staging_columns * h;
+      const std::int64_t columns = min(static_cast<std::int64_t>(tcs_staging_columns), n - col);
+      if (lane < 16 && copy_row < m && columns > 0) {
+        float* const destination = out + copy_row * n + col;
+        const float* const source = staging + lane * tcs_staging_stride;
+        const auto bytes = static_cast<unsigned>(columns * 4);
+        if (bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(destination) % 16 == 0) {
+          bulk_store(destination, source, bytes);
+        } else {
+          for (int c = 0; c < columns; ++c) destination[c] = source[c];
+        }
+      }
+      if (lane < 16) bulk_commit();
     }
   }  // tiles
+  if (lane < 16) bulk_wait_all<false>();  // the last tile's rows are written
 #else
   // Built without sm_90a: wgmma_present() reports false and the host never launches this.
   (void)a, (void)b, (void)a_bases, (void)b_bases, (void)m, (void)n, (void)blocks, (void)tiles_m, (void)tiles_n;
