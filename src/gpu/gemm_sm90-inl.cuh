@@ -439,8 +439,9 @@ __device__ inline void bulk_wait_all() {
 }
 #endif
 
-// One body (about 200 lines): the persistent loop's bulk copies, barriers, warpgroup MMAs and
-// scale-add epilogue share the stage indices, barrier phases and accumulators held in registers.
+// One body (about 235 lines): the persistent loop's bulk copies, barriers, warpgroup MMAs,
+// scale-adds and the staged stores share the stage indices, barrier phases and the accumulators
+// held in registers.
 template <bool Fp8>
 __global__ void __launch_bounds__(tcs_threads, 1)
     tensor_core_scaled_kernel(const unsigned char* a, const unsigned char* b, const std::int32_t* a_bases,
