@@ -80,16 +80,32 @@ __device__ inline void wgmma_n128(float (&d)[64], std::uint64_t a, std::uint64_t
 #endif
 }
 
+// The 1024-byte aligned tiles in `raw`, filled by the block: e5m2 ones, every eighth word zero.
+__device__ inline unsigned char* filled_tiles(unsigned char* raw) {
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(raw));
+  unsigned char* const tiles = raw + ((1024U - (base & 1023U)) & 1023U);
+  for (int i = threadIdx.x; i < tile_bytes / 4; i += threads) {
+    reinterpret_cast<unsigned*>(tiles)[i] = (i & 7) != 0 ? 0x3c3c3c3cU : 0U;
+  }
+  __syncthreads();
+  return tiles;
+}
+
+// The accumulators' sum (so that no mma is left out) and the block's cycle count.
+template <int Pieces, int Registers>
+__device__ inline void report(const float (&acc)[Pieces][Registers], long long elapsed, float* out, long long* cycles) {
+  float sum = 0.0f;
+  for (int p = 0; p < Pieces; ++p)
+    for (int i = 0; i < Registers; ++i) sum += acc[p][i];
+  out[blockIdx.x * threads + threadIdx.x] = sum;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = elapsed;
+}
+
 // Chain: every K-block of the 64 x 256 warpgroup tile as 256 / N wgmma adding to accumulators.
 template <int N>
 __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long* cycles) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(raw));
-  unsigned char* const tiles = raw + ((1024U - (base & 1023U)) & 1023U);
-  for (int i = threadIdx.x; i < tile_bytes / 4; i += threads) {
-    reinterpret_cast<unsigned*>(tiles)[i] = (i & 7) != 0 ? 0x3c3c3c3cU : 0U;  // ones, every eighth word zero
-  }
-  __syncthreads();
+  unsigned char* const tiles = filled_tiles(raw);
   const std::uint64_t a = descriptor(tiles + (threadIdx.x / 128) * 64 * 128);
   const std::uint64_t b = descriptor(tiles + 128 * 128);
   constexpr int pieces = 256 / N;
@@ -108,12 +124,7 @@ __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long
     }
   }
   wait<0>();
-  const long long stop = clock64();
-  float sum = 0.0f;
-  for (int p = 0; p < pieces; ++p)
-    for (int i = 0; i < N / 2; ++i) sum += acc[p][i];
-  out[blockIdx.x * threads + threadIdx.x] = sum;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = stop - start;
+  report(acc, clock64() - start, out, cycles);
 }
 
 // Fresh dots: the 16 quarters (64 x 64) of four K-blocks as one stream in Sets dot sets, each
@@ -121,12 +132,7 @@ __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long
 template <int Sets>
 __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long* cycles) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(raw));
-  unsigned char* const tiles = raw + ((1024U - (base & 1023U)) & 1023U);
-  for (int i = threadIdx.x; i < tile_bytes / 4; i += threads) {
-    reinterpret_cast<unsigned*>(tiles)[i] = (i & 7) != 0 ? 0x3c3c3c3cU : 0U;  // ones, every eighth word zero
-  }
-  __syncthreads();
+  unsigned char* const tiles = filled_tiles(raw);
   const std::uint64_t a = descriptor(tiles + (threadIdx.x / 128) * 64 * 128);
   const std::uint64_t b = descriptor(tiles + 128 * 128);
   float dots[Sets][32] = {};
@@ -156,12 +162,7 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
       for (int i = 0; i < 32; ++i) acc[q % 4][i] = __fmaf_rn(dots[q % Sets][i], 0.5f, acc[q % 4][i]);
     }
   }
-  const long long stop = clock64();
-  float sum = 0.0f;
-  for (int p = 0; p < 4; ++p)
-    for (int i = 0; i < 32; ++i) sum += acc[p][i];
-  out[blockIdx.x * threads + threadIdx.x] = sum;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = stop - start;
+  report(acc, clock64() - start, out, cycles);
 }
 
 template <class Kernel>
