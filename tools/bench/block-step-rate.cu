@@ -7,7 +7,9 @@
 //   chain n64, n128   every wgmma adds to its column piece's accumulators (scale-d 1);
 //   fresh n64, S sets every wgmma starts from zero into one of S dot sets (a quarter goes into its
 //                     set once the quarter S before is added), each dot then added by one fma,
-//                     as in the MXFP4 kernel (two sets).
+//                     as in the MXFP4 kernel (two sets), the stream drained every B K-blocks
+//                     (4 unless named; the kernel drains once per stage of 4); "add" adds each
+//                     dot by an fadd instead (the bf16 form's step).
 // Prints TFLOP/s over the grid and cycles per 128 x 256 x 32 K-block of one multiprocessor
 // (256 at the H100's dense fp8 peak). Built as mxscope_block_step_rate with the GPU tests
 // (tests/gpu/CMakeLists.txt; tools/gpu-test runs it), or:
@@ -127,9 +129,9 @@ __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long
   report(acc, clock64() - start, out, cycles);
 }
 
-// Fresh dots: the 16 quarters (64 x 64) of four K-blocks as one stream in Sets dot sets, each
-// quarter's dot added to its accumulators by one fma (by 0.5, as a scale would be).
-template <int Sets>
+// Fresh dots: the 4 Blocks quarters (64 x 64) of Blocks K-blocks as one stream in Sets dot sets,
+// each quarter's dot added to its accumulators by one fma (by 0.5, as a scale would be) or fadd.
+template <int Sets, int Blocks = 4, bool Fma = true>
 __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long* cycles) {
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char* const tiles = filled_tiles(raw);
@@ -137,14 +139,14 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
   const std::uint64_t b = descriptor(tiles + 128 * 128);
   float dots[Sets][32] = {};
   float acc[4][32] = {};
-  constexpr int quarters = 16;
-  const auto issue = [&](int q) {
+  constexpr int quarters = 4 * Blocks;
+  const auto issue = [&](int q) {  // K-block q / 4 of the stream reads the tiles' K-block (q / 4) % 4
     fence();
-    wgmma_n64<0>(dots[q % Sets], a + 2 * (q / 4), b + 2 * (q / 4) + (q % 4) * 64 * 128 / 16);
+    wgmma_n64<0>(dots[q % Sets], a + 2 * ((q / 4) % 4), b + 2 * ((q / 4) % 4) + (q % 4) * 64 * 128 / 16);
     commit();
   };
   const long long start = clock64();
-  for (int it = 0; it < iterations; ++it) {
+  for (int it = 0; it < iterations * 4 / Blocks; ++it) {
 #pragma unroll
     for (int q = 0; q < Sets - 1; ++q) issue(q);
 #pragma unroll
@@ -159,7 +161,9 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
         wait<0>();
       }
 #pragma unroll
-      for (int i = 0; i < 32; ++i) acc[q % 4][i] = __fmaf_rn(dots[q % Sets][i], 0.5f, acc[q % 4][i]);
+      for (int i = 0; i < 32; ++i) {
+        acc[q % 4][i] = Fma ? __fmaf_rn(dots[q % Sets][i], 0.5f, acc[q % 4][i]) : __fadd_rn(acc[q % 4][i], dots[q % Sets][i]);
+      }
     }
   }
   report(acc, clock64() - start, out, cycles);
@@ -184,7 +188,7 @@ void run(const char* name, Kernel kernel, int blocks, float* out, long long* cyc
   CHECK(cudaMemcpy(&first, cycles, sizeof first, cudaMemcpyDeviceToHost));
   const double k_blocks = 4.0 * iterations;  // per multiprocessor, 128 x 256 x 32 each
   const double flops = 2.0 * 128 * 256 * 32 * k_blocks * blocks;
-  std::printf("block-step rate %-24s %8.3f ms  %7.1f TFLOP/s  %6.1f cycles per 128 x 256 x 32 K-block\n", name, ms,
+  std::printf("block-step rate %-32s %8.3f ms  %7.1f TFLOP/s  %6.1f cycles per 128 x 256 x 32 K-block\n", name, ms,
               flops / (ms * 1e-3) / 1e12, static_cast<double>(first) / k_blocks);
   CHECK(cudaEventDestroy(begin));
   CHECK(cudaEventDestroy(end));
@@ -208,6 +212,10 @@ int main() {
   run("chain n128", chain_kernel<128>, blocks, out, cycles);
   run("fresh n64, 2 sets, fma", fresh_kernel<2>, blocks, out, cycles);
   run("fresh n64, 3 sets, fma", fresh_kernel<3>, blocks, out, cycles);
+  run("fresh n64, 2 sets, B 8, fma", fresh_kernel<2, 8>, blocks, out, cycles);
+  run("fresh n64, 2 sets, B 16, fma", fresh_kernel<2, 16>, blocks, out, cycles);
+  run("fresh n64, 3 sets, B 16, fma", fresh_kernel<3, 16>, blocks, out, cycles);
+  run("fresh n64, 2 sets, add", fresh_kernel<2, 4, false>, blocks, out, cycles);
   CHECK(cudaFree(out));
   CHECK(cudaFree(cycles));
   return 0;
