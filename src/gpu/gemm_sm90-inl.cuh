@@ -339,11 +339,13 @@ struct alignas(1024) tcs_stage {
   unsigned char a[tcs_tile_m * 128];  // 128 rows x 128 bytes, in prepare_scaled_kernel's or prepare_fp8_kernel's layout
   unsigned char b[tcs_tile_n * 128];  // two such tiles
 };
-// The epilogue's staging: per consumer 64 rows x 32 columns of fp32 entries, rows 40 floats apart
-// (160 bytes: 16-byte aligned for the bulk copies, and a warp's eight rows of a store fall in
-// different banks but for pairs).
+// The epilogue's staging: per consumer 64 rows x 32 columns of fp32 entries (a chunk; a warp
+// waits for the bulk copies' reads of its previous chunk before it writes the next), rows 40
+// floats apart (160 bytes: 16-byte aligned for the bulk copies, and a warp's eight rows of a store
+// fall in different banks but for pairs).
 constexpr int tcs_staging_columns = 32;
 constexpr int tcs_staging_stride = 40;
+static_assert(tcs_staging_columns % 32 == 0 && tcs_tile_n % tcs_staging_columns == 0 && tcs_staging_stride % 4 == 0);
 struct tcs_shared {
   tcs_stage stages[tcs_stages];
   float staging[2][64 * tcs_staging_stride];
@@ -644,17 +646,22 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     const tile_origin stored = origin_of(stored_tile);
     float* const staging = shared.staging[consumer] + warp * 16 * tcs_staging_stride;
     const std::int64_t copy_row = stored.i0 + consumer * 64 + warp * 16 + lane;  // lanes 0 .. 15
+    constexpr int groups = tcs_staging_columns / 32;  // 32-column groups a chunk
 #pragma unroll
-    for (int h = 0; h < 8; ++h) {  // column chunk h: quarter h / 2, dots 16 (h % 2) .. + 15
+    for (int h = 0; h < tcs_tile_n / tcs_staging_columns; ++h) {
       if (lane < 16) bulk_wait_all<true>();
       __syncwarp();  // the staging's previous rows have been read
 #pragma unroll
-      for (int i = 16 * (h % 2); i < 16 * (h % 2) + 16; i += 2) {
-        const int column = 8 * ((i / 4) % 4) + 2 * (lane % 4);
-        const int row = lane / 4 + 8 * ((i / 2) % 2);
-        *reinterpret_cast<float2*>(staging + row * tcs_staging_stride + column) =
-            make_float2(finish_output(accumulators[h / 2][i] * 1.0f, output),
-                        finish_output(accumulators[h / 2][i + 1] * 1.0f, output));
+      for (int g = 0; g < groups; ++g) {  // column group h groups + g: quarter / 2, dots 16 (% 2) .. + 15
+        const int group = h * groups + g;
+#pragma unroll
+        for (int i = 16 * (group % 2); i < 16 * (group % 2) + 16; i += 2) {
+          const int column = 32 * g + 8 * ((i / 4) % 4) + 2 * (lane % 4);
+          const int row = lane / 4 + 8 * ((i / 2) % 2);
+          *reinterpret_cast<float2*>(staging + row * tcs_staging_stride + column) =
+              make_float2(finish_output(accumulators[group / 2][i] * 1.0f, output),
+                          finish_output(accumulators[group / 2][i + 1] * 1.0f, output));
+        }
       }
       proxy_fence_shared();  // the generic-proxy writes, before the bulk copies read them
       __syncwarp();
