@@ -9,7 +9,9 @@
 //                     set once the quarter S before is added), each dot then added by one fma,
 //                     as in the MXFP4 kernel (two sets), the stream drained every B K-blocks
 //                     (4 unless named; the kernel drains once per stage of 4); "add" adds each
-//                     dot by an fadd instead (the bf16 form's step).
+//                     dot by an fadd instead (the bf16 form's step); "fma register" multiplies
+//                     by a scale held in a register, "fma shared" by the K-block's two scales
+//                     read from shared memory, as the kernel does.
 // Prints TFLOP/s over the grid and cycles per 128 x 256 x 32 K-block of one multiprocessor
 // (256 at the H100's dense fp8 peak). Built as mxscope_block_step_rate with the GPU tests
 // (tests/gpu/CMakeLists.txt; tools/gpu-test runs it), or:
@@ -130,11 +132,20 @@ __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long
 }
 
 // Fresh dots: the 4 Blocks quarters (64 x 64) of Blocks K-blocks as one stream in Sets dot sets,
-// each quarter's dot added to its accumulators by one fma (by 0.5, as a scale would be) or fadd.
-template <int Sets, int Blocks = 4, bool Fma = true>
+// each quarter's dot added to its accumulators as Step says: by an fma with the immediate 0.5, by
+// an fadd, by an fma with a scale held in a register for the whole run, or by an fma with one of
+// the K-block's two scales read from shared memory at each K-block (the MXFP4 kernel's form: one
+// for B's first 128 rows, one for its second).
+enum class step { fma_immediate, fadd, fma_register, fma_shared };
+
+template <int Sets, int Blocks = 4, step Step = step::fma_immediate>
 __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long* cycles) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char* const tiles = filled_tiles(raw);
+  __shared__ float scale_table[4][2];
+  if (threadIdx.x < 8) scale_table[threadIdx.x / 2][threadIdx.x % 2] = 0.5f;
+  unsigned char* const tiles = filled_tiles(raw);  // (its barrier also publishes the table)
+  float held = scale_table[0][0];
+  asm volatile("" : "+f"(held));  // not a constant to the compiler
   const std::uint64_t a = descriptor(tiles + (threadIdx.x / 128) * 64 * 128);
   const std::uint64_t b = descriptor(tiles + 128 * 128);
   float dots[Sets][32] = {};
@@ -149,8 +160,14 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
   for (int it = 0; it < iterations * 4 / Blocks; ++it) {
 #pragma unroll
     for (int q = 0; q < Sets - 1; ++q) issue(q);
+    float scales[2] = {held, held};
 #pragma unroll
     for (int q = 0; q < quarters; ++q) {
+      if (Step == step::fma_shared && q % 4 == 0) {
+        // volatile: read at every K-block, as the kernel reads each stage's bases
+        scales[0] = *static_cast<volatile float*>(&scale_table[(q / 4) % 4][0]);
+        scales[1] = *static_cast<volatile float*>(&scale_table[(q / 4) % 4][1]);
+      }
       if (q + Sets - 1 < quarters) issue(q + Sets - 1);
       const int later = (q + Sets < quarters ? q + Sets : quarters) - q - 1;  // issued after q
       if (later >= 2) {
@@ -162,7 +179,11 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
       }
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
-        acc[q % 4][i] = Fma ? __fmaf_rn(dots[q % Sets][i], 0.5f, acc[q % 4][i]) : __fadd_rn(acc[q % 4][i], dots[q % Sets][i]);
+        float& sum = acc[q % 4][i];
+        const float dot = dots[q % Sets][i];
+        if constexpr (Step == step::fma_immediate) sum = __fmaf_rn(dot, 0.5f, sum);
+        if constexpr (Step == step::fadd) sum = __fadd_rn(sum, dot);
+        if constexpr (Step == step::fma_register || Step == step::fma_shared) sum = __fmaf_rn(dot, scales[(q % 4) / 2], sum);
       }
     }
   }
@@ -215,7 +236,10 @@ int main() {
   run("fresh n64, 2 sets, B 8, fma", fresh_kernel<2, 8>, blocks, out, cycles);
   run("fresh n64, 2 sets, B 16, fma", fresh_kernel<2, 16>, blocks, out, cycles);
   run("fresh n64, 3 sets, B 16, fma", fresh_kernel<3, 16>, blocks, out, cycles);
-  run("fresh n64, 2 sets, add", fresh_kernel<2, 4, false>, blocks, out, cycles);
+  run("fresh n64, 2 sets, add", fresh_kernel<2, 4, step::fadd>, blocks, out, cycles);
+  run("fresh n64, 2 sets, fma register", fresh_kernel<2, 4, step::fma_register>, blocks, out, cycles);
+  run("fresh n64, 2 sets, fma shared", fresh_kernel<2, 4, step::fma_shared>, blocks, out, cycles);
+  run("fresh n64, 3 sets, fma shared", fresh_kernel<3, 4, step::fma_shared>, blocks, out, cycles);
   CHECK(cudaFree(out));
   CHECK(cudaFree(cycles));
   return 0;
