@@ -651,8 +651,9 @@ __global__ void __launch_bounds__(tcs_threads, 1)
     for (int h = 0; h < tcs_tile_n / tcs_staging_columns; ++h) {
       if (lane < 16) bulk_wait_all<true>();
       __syncwarp();  // the staging's previous rows have been read
+      // 32-column group `group` of the tile: quarter group / 2, dots 16 (group % 2) .. + 15.
 #pragma unroll
-      for (int g = 0; g < groups; ++g) {  // column group h groups + g: quarter / 2, dots 16 (% 2) .. + 15
+      for (int g = 0; g < groups; ++g) {
         const int group = h * groups + g;
 #pragma unroll
         for (int i = 16 * (group % 2); i < 16 * (group % 2) + 16; i += 2) {
