@@ -12,8 +12,9 @@
 //                     dot by an fadd instead (the bf16 form's step); "fma register" multiplies
 //                     by a scale held in a register, "fma shared" by the K-block's two scales
 //                     read from shared memory, as the kernel does.
-// Prints TFLOP/s over the grid and cycles per 128 x 256 x 32 K-block of one multiprocessor
-// (256 at the H100's dense fp8 peak). Built as mxscope_block_step_rate with the GPU tests
+// "random data" rows fill the tiles as MX operands would (fill::random), the others with ones.
+// Prints TFLOP/s over the grid, cycles per 128 x 256 x 32 K-block of one multiprocessor (256 at
+// the H100's dense fp8 peak) and the clock those imply (block 0's cycles over the kernel's time). Built as mxscope_block_step_rate with the GPU tests
 // (tests/gpu/CMakeLists.txt; tools/gpu-test runs it), or:
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o block-step-rate tools/bench/block-step-rate.cu
@@ -84,12 +85,35 @@ __device__ inline void wgmma_n128(float (&d)[64], std::uint64_t a, std::uint64_t
 #endif
 }
 
-// The 1024-byte aligned tiles in `raw`, filled by the block: e5m2 ones, every eighth word zero.
-__device__ inline unsigned char* filled_tiles(unsigned char* raw) {
+// How the tiles are filled: e5m2 ones with every eighth word zero (few bits toggle), or random
+// e5m2 numbers as MX operands give the kernel (random sign, exponent field 1..28, the low mantissa
+// bit zero as for e2m1 codes, one byte in eight zero), which draw more power per mma.
+enum class fill : int { ones, random };
+
+// A 32-bit mix of i (the finaliser of MurmurHash3): the random fill's bytes.
+__device__ inline unsigned mixed(unsigned i) {
+  i ^= i >> 16;
+  i *= 0x85EBCA6BU;
+  i ^= i >> 13;
+  i *= 0xC2B2AE35U;
+  return i ^ (i >> 16);
+}
+
+// The 1024-byte aligned tiles in `raw`, filled by the block as `pattern` says.
+__device__ inline unsigned char* filled_tiles(unsigned char* raw, fill pattern) {
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(raw));
   unsigned char* const tiles = raw + ((1024U - (base & 1023U)) & 1023U);
   for (int i = threadIdx.x; i < tile_bytes / 4; i += threads) {
-    reinterpret_cast<unsigned*>(tiles)[i] = (i & 7) != 0 ? 0x3c3c3c3cU : 0U;
+    unsigned word = (i & 7) != 0 ? 0x3c3c3c3cU : 0U;
+    if (pattern == fill::random) {
+      word = 0;
+      for (int byte = 0; byte < 4; ++byte) {
+        const unsigned r = mixed(static_cast<unsigned>(4 * i + byte) * 2654435761U + blockIdx.x);
+        const unsigned code = (r & 7) == 0 ? 0U : (r & 0x80U) | ((1U + (r >> 8) % 28U) << 2) | ((r >> 16) & 2U);
+        word |= code << (8 * byte);
+      }
+    }
+    reinterpret_cast<unsigned*>(tiles)[i] = word;
   }
   __syncthreads();
   return tiles;
@@ -107,9 +131,9 @@ __device__ inline void report(const float (&acc)[Pieces][Registers], long long e
 
 // Chain: every K-block of the 64 x 256 warpgroup tile as 256 / N wgmma adding to accumulators.
 template <int N>
-__global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long* cycles) {
+__global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long* cycles, fill pattern) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char* const tiles = filled_tiles(raw);
+  unsigned char* const tiles = filled_tiles(raw, pattern);
   const std::uint64_t a = descriptor(tiles + (threadIdx.x / 128) * 64 * 128);
   const std::uint64_t b = descriptor(tiles + 128 * 128);
   constexpr int pieces = 256 / N;
@@ -139,11 +163,11 @@ __global__ void __launch_bounds__(threads, 1) chain_kernel(float* out, long long
 enum class step { fma_immediate, fadd, fma_register, fma_shared };
 
 template <int Sets, int Blocks = 4, step Step = step::fma_immediate>
-__global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long* cycles) {
+__global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long* cycles, fill pattern) {
   extern __shared__ __align__(1024) unsigned char raw[];
   __shared__ float scale_table[4][2];
   if (threadIdx.x < 8) scale_table[threadIdx.x / 2][threadIdx.x % 2] = 0.5f;
-  unsigned char* const tiles = filled_tiles(raw);  // (its barrier also publishes the table)
+  unsigned char* const tiles = filled_tiles(raw, pattern);  // (its barrier also publishes the table)
   float held = scale_table[0][0];
   asm volatile("" : "+f"(held));  // not a constant to the compiler
   const std::uint64_t a = descriptor(tiles + (threadIdx.x / 128) * 64 * 128);
@@ -191,16 +215,16 @@ __global__ void __launch_bounds__(threads, 1) fresh_kernel(float* out, long long
 }
 
 template <class Kernel>
-void run(const char* name, Kernel kernel, int blocks, float* out, long long* cycles) {
+void run(const char* name, Kernel kernel, int blocks, float* out, long long* cycles, fill pattern = fill::ones) {
   const int shared_bytes = tile_bytes + 1024;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-  kernel<<<blocks, threads, shared_bytes>>>(out, cycles);  // warm-up
+  kernel<<<blocks, threads, shared_bytes>>>(out, cycles, pattern);  // warm-up
   CHECK(cudaGetLastError());
   cudaEvent_t begin, end;
   CHECK(cudaEventCreate(&begin));
   CHECK(cudaEventCreate(&end));
   CHECK(cudaEventRecord(begin));
-  kernel<<<blocks, threads, shared_bytes>>>(out, cycles);
+  kernel<<<blocks, threads, shared_bytes>>>(out, cycles, pattern);
   CHECK(cudaEventRecord(end));
   CHECK(cudaEventSynchronize(end));
   float ms = 0.0f;
@@ -209,8 +233,9 @@ void run(const char* name, Kernel kernel, int blocks, float* out, long long* cyc
   CHECK(cudaMemcpy(&first, cycles, sizeof first, cudaMemcpyDeviceToHost));
   const double k_blocks = 4.0 * iterations;  // per multiprocessor, 128 x 256 x 32 each
   const double flops = 2.0 * 128 * 256 * 32 * k_blocks * blocks;
-  std::printf("block-step rate %-32s %8.3f ms  %7.1f TFLOP/s  %6.1f cycles per 128 x 256 x 32 K-block\n", name, ms,
-              flops / (ms * 1e-3) / 1e12, static_cast<double>(first) / k_blocks);
+  std::printf("block-step rate %-40s %8.3f ms  %7.1f TFLOP/s  %6.1f cycles per 128 x 256 x 32 K-block, %.2f GHz\n",
+              name, ms, flops / (ms * 1e-3) / 1e12, static_cast<double>(first) / k_blocks,
+              static_cast<double>(first) / (ms * 1e6));
   CHECK(cudaEventDestroy(begin));
   CHECK(cudaEventDestroy(end));
 }
@@ -240,6 +265,10 @@ int main() {
   run("fresh n64, 2 sets, fma register", fresh_kernel<2, 4, step::fma_register>, blocks, out, cycles);
   run("fresh n64, 2 sets, fma shared", fresh_kernel<2, 4, step::fma_shared>, blocks, out, cycles);
   run("fresh n64, 3 sets, fma shared", fresh_kernel<3, 4, step::fma_shared>, blocks, out, cycles);
+  run("chain n128, random data", chain_kernel<128>, blocks, out, cycles, fill::random);
+  run("fresh n64, 2 sets, fma shared, random data", fresh_kernel<2, 4, step::fma_shared>, blocks, out, cycles,
+      fill::random);
+  run("fresh n64, 3 sets, B 16, fma, random data", fresh_kernel<3, 16>, blocks, out, cycles, fill::random);
   CHECK(cudaFree(out));
   CHECK(cudaFree(cycles));
   return 0;
