@@ -6,12 +6,17 @@
 // for unscaled bf16-valued operands, the exact reference and the fp32-block product in
 // TFLOP/s (2 M N K / time, to set beside the fp64 peak: their chunk sums are fp64 FMAs).
 // Times come from device events; every number is the median of the repeats after warm-up runs.
+// With --sustain=S every row with warm-up runs first repeats its work back to back for S seconds,
+// so that it times the card's sustained rate (its clock held under the power limit) rather than a
+// burst's; tools/bench/gpu-baselines.py --sustain S does the same for the baselines.
 // The GEMM result of the tensor-core path is checked against the integer path in every entry and
 // against the host definition in sampled entries (PASS/FAIL lines; exit code 1 on a mismatch).
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -28,9 +33,18 @@ namespace {
 namespace core = mxscope::core;
 namespace gpu = mxscope::gpu;
 
+double sustain_seconds = 0.0;  // --sustain=S
+
 double median_ms(int warmup, int repeats, const std::function<void()>& work) {
   for (int i = 0; i < warmup; ++i) work();
   gpu::synchronize();
+  if (warmup > 0 && sustain_seconds > 0.0) {
+    const auto begin = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() < sustain_seconds) {
+      for (int i = 0; i < 4; ++i) work();
+      gpu::synchronize();
+    }
+  }
   std::vector<double> times;
   gpu::device_timer timer;
   for (int i = 0; i < repeats; ++i) {
@@ -684,7 +698,24 @@ int main(int argc, char** argv) {
   // --quantize-only: the copy baseline and the quantizer rows, without the GEMMs.
   // --gemm-only: the copy baseline and the MXFP4 GEMM rows (for profilers).
   // --reference-only: the copy baseline, the exact reference and the plain-operand product rows.
-  const std::string mode = argc > 1 ? argv[1] : "";
+  // --sustain=S (with any of them): each row's work runs back to back for S seconds before it is timed.
+  std::string mode;
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument.rfind("--sustain=", 0) == 0) {
+      char* end = nullptr;
+      sustain_seconds = std::strtod(argument.c_str() + 10, &end);
+      if (end == argument.c_str() + 10 || *end != '\0' || !(sustain_seconds >= 0.0 && sustain_seconds <= 600.0)) {
+        std::fprintf(stderr, "mxscope_gpu_bench: --sustain wants seconds in [0, 600], got '%s'\n", argument.c_str());
+        return 2;
+      }
+    } else if (mode.empty()) {
+      mode = argument;
+    } else {
+      std::fprintf(stderr, "mxscope_gpu_bench: unexpected argument '%s'\n", argument.c_str());
+      return 2;
+    }
+  }
   const bool quantize_only = mode == "--quantize-only";
   const bool gemm_only = mode == "--gemm-only";
   const bool reference_only = mode == "--reference-only";
