@@ -14,8 +14,9 @@
 //                     read from shared memory, as the kernel does.
 // "random data" rows fill the tiles as MX operands would (fill::random), the others with ones.
 // Prints TFLOP/s over the grid, cycles per 128 x 256 x 32 K-block of one multiprocessor (256 at
-// the H100's dense fp8 peak) and the clock those imply (block 0's cycles over the kernel's time). Built as mxscope_block_step_rate with the GPU tests
-// (tests/gpu/CMakeLists.txt; tools/gpu-test runs it), or:
+// the H100's dense fp8 peak) and the clock those imply (block 0's cycles over the kernel's time).
+// Built as mxscope_block_step_rate with the GPU tests (tests/gpu/CMakeLists.txt; tools/gpu-test
+// runs it), or:
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o block-step-rate tools/bench/block-step-rate.cu
 #include <cuda_runtime.h>
