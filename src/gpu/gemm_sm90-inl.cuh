@@ -320,8 +320,9 @@ __global__ void __launch_bounds__(tcw_threads, 1)
 // moves each stage (a 16 KiB tile of A and two of B, already in the shared-memory layout: two
 // K-blocks of bf16 or four of fp8, and for fp8 the three tiles' bases) with bulk asynchronous
 // copies that complete on the stage's "full" barrier, after the stage's "empty" barrier says both
-// consumers are done with its previous contents. Each of the other two computes 64 rows: 128 fp32
-// accumulators per thread and two sets of 32 dot registers for the four column quarters of a
+// consumers are done with its previous contents (one arrival per consumer warp, by its first lane
+// once the warp's mma on the stage have completed). Each of the other two computes 64 rows: 128
+// fp32 accumulators per thread and two sets of 32 dot registers for the four column quarters of a
 // K-block (the mma of one quarter runs while the previous one is added). The consumers wait on
 // barriers, not on each other, so one adds while the other's mma run. setmaxnreg moves registers
 // from the loader (24, the least it may keep) to them (240). Each consumer warp stores its entries
@@ -468,7 +469,7 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   if (t == 0) {
     for (int s = 0; s < tcs_stages; ++s) {
       barrier_init(&shared.full[s], 1);
-      barrier_init(&shared.empty[s], tcs_consumer_threads);
+      barrier_init(&shared.empty[s], tcs_consumer_threads / 32);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -602,7 +603,9 @@ __global__ void __launch_bounds__(tcs_threads, 1)
           add(accumulators[3], dots[1], scales[1]);
         }
       }
-      barrier_arrive(&shared.empty[slot]);  // every mma reading this stage has completed
+      // The warp's mma on the stage have completed, and every lane has passed the warp-aligned
+      // wgmma_wait after using its scale loads: one arrival stands for the warp.
+      if (lane == 0) barrier_arrive(&shared.empty[slot]);
     }
     // The last stage when it holds fewer K-blocks: one K-block at a time.
     if (full_stages * stage_blocks < block_count) {
@@ -630,7 +633,7 @@ __global__ void __launch_bounds__(tcs_threads, 1)
         wgmma_wait<0>();
         add(accumulators[3], dots[1], scales[1]);
       }
-      barrier_arrive(&shared.empty[slot]);
+      if (lane == 0) barrier_arrive(&shared.empty[slot]);
       ++use;
     }
 
