@@ -42,15 +42,21 @@ class GpuAbTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             old = fake_bench(d, "old", counter_body(d, "old", [24.0, 25.0, 23.0]))
             new = fake_bench(d, "new", counter_body(d, "new", [18.0, 12.0, 19.0]))
-            result = run_tool("--rounds", "3", "--args=--gemm-only", f"main={old}", f"step={new}", log_dir=f"{d}/logs")
+            mixed = fake_bench(d, "mixed", counter_body(d, "mixed", [24.5, 24.0, 23.5]))
+            result = run_tool("--rounds", "3", "--args=--gemm-only", f"main={old}", f"step={new}", f"mixed={mixed}",
+                              log_dir=f"{d}/logs")
             self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
             order = pathlib.Path(d, "order.txt").read_text().split("\n")[:-1]
-            self.assertEqual(order, ["old --gemm-only", "new --gemm-only"] * 3)
+            self.assertEqual(order, ["old --gemm-only", "new --gemm-only", "mixed --gemm-only"] * 3)
             lines = result.stdout.splitlines()
             label = "gemm mxfp8_e4m3 fp32-block integer sliced n_out 4096 n_in 14336 K 8192"
             at = lines.index(label)
             self.assertRegex(lines[at + 1], r"^  main +24\.000 ms  \(23\.000 \.\. 25\.000, 3 samples\)  1\.000x main$")
-            self.assertRegex(lines[at + 2], r"^  step +18\.000 ms  \(12\.000 \.\. 19\.000, 3 samples\)  0\.750x main$")
+            self.assertRegex(lines[at + 2],
+                             r"^  step +18\.000 ms  \(12\.000 \.\. 19\.000, 3 samples\)  0\.750x main  lower in 3 of 3 paired$")
+            # Paired by round: 24.5 > 24, 24 < 25, 23.5 > 23; the medians are equal.
+            self.assertRegex(lines[at + 3],
+                             r"^  mixed +24\.000 ms  \(23\.500 \.\. 24\.500, 3 samples\)  1\.000x main  lower in 1 of 3 paired$")
             # The benchmark's own rounds merge into one row: 3 runs x (2 and 4 ms), median 3.
             at = lines.index("gemm fp32-block, bf16 values, warp kernel, n_out 4096 n_in 14336 K 8192")
             self.assertIn("3.000 ms  (2.000 .. 4.000, 6 samples)", lines[at + 1])

@@ -1,5 +1,8 @@
 """The report table of tools/bench/gpu-ab and tools/bench/step-ab: per label, each variant's
-median, range and number of samples, and the ratio of its median to the first variant's."""
+median, range and number of samples, the ratio of its median to the first variant's, and in how
+many runs it was lower than the first variant's run of the same round (samples paired in the
+order they were taken, where both have as many): a small difference that holds in most rounds
+shows there even when the ranges overlap."""
 import os
 import statistics
 
@@ -25,8 +28,12 @@ def median_table(names, samples, unit, digits, label_filter=""):
                 continue
             median = statistics.median(values)
             ratio = f"{median / base_median:.3f}x {base}" if base_median else "-"
+            paired = ""
+            if name != base and base_values and len(values) == len(base_values):
+                lower = sum(value < base_value for value, base_value in zip(values, base_values))
+                paired = f"  lower in {lower} of {len(values)} paired"
             lines.append(f"  {name:<16} {median:10.{digits}f} {unit}  ({min(values):.{digits}f} .. {max(values):.{digits}f}, "
-                         f"{len(values)} samples)  {ratio}")
+                         f"{len(values)} samples)  {ratio}{paired}")
     return lines
 
 
