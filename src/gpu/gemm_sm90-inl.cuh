@@ -455,7 +455,11 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   const unsigned raw_address = static_cast<unsigned>(__cvta_generic_to_shared(tcs_raw));
   tcs_shared& shared = *reinterpret_cast<tcs_shared*>(tcs_raw + ((1024U - (raw_address & 1023U)) & 1023U));
   const int t = threadIdx.x;
-  const int warpgroup = t / 128;
+  // The bf16 form takes its warpgroup and warp indices from lane 0, so that the compiler knows them
+  // to be the same in all lanes and keeps the descriptors derived from them in uniform registers
+  // (the fp8 form ran slower so: BENCHMARKS.md, "The MXFP4 GEMM's epilogue and indices").
+  const auto warp_uniform = [](int value) { return Fp8 ? value : __shfl_sync(0xffffffffU, value, 0); };
+  const int warpgroup = warp_uniform(t / 128);
   // Persistent: thread block p computes tiles p, p + grid, ... in the grouped order, so that the
   // loader fills the next tile's stages while the consumers store this one's entries. Both roles
   // count stages over all their tiles (use), which gives each barrier's slot and parity.
@@ -512,7 +516,7 @@ __global__ void __launch_bounds__(tcs_threads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(tcs_consumer_registers) : "memory");
 
   const int consumer = warpgroup - 1;  // rows 64 consumer ..
-  const int warp = (t / 32) % 4;
+  const int warp = warp_uniform((t / 32) % 4);
   const int lane = t % 32;
   float accumulators[4][32];  // [column quarter][dot register]
   float dots[2][32];          // quarters 0, 2 and 1, 3
