@@ -38,7 +38,7 @@ def run_tool(*arguments, log_dir):
 
 
 class GpuAbTest(unittest.TestCase):
-    def test_medians_ranges_ratios_and_alternating_order(self):
+    def test_medians_ranges_ratios_and_rotated_order(self):
         with tempfile.TemporaryDirectory() as d:
             old = fake_bench(d, "old", counter_body(d, "old", [24.0, 25.0, 23.0]))
             new = fake_bench(d, "new", counter_body(d, "new", [18.0, 12.0, 19.0]))
@@ -47,7 +47,10 @@ class GpuAbTest(unittest.TestCase):
                               log_dir=f"{d}/logs")
             self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
             order = pathlib.Path(d, "order.txt").read_text().split("\n")[:-1]
-            self.assertEqual(order, ["old --gemm-only", "new --gemm-only", "mixed --gemm-only"] * 3)
+            # Rotated a place each round, so that each variant runs first once.
+            self.assertEqual(order, ["old --gemm-only", "new --gemm-only", "mixed --gemm-only",
+                                     "new --gemm-only", "mixed --gemm-only", "old --gemm-only",
+                                     "mixed --gemm-only", "old --gemm-only", "new --gemm-only"])
             lines = result.stdout.splitlines()
             label = "gemm mxfp8_e4m3 fp32-block integer sliced n_out 4096 n_in 14336 K 8192"
             at = lines.index(label)
@@ -63,6 +66,25 @@ class GpuAbTest(unittest.TestCase):
             # A line whose first figure after the colon is not a time is not a row.
             self.assertNotIn("gemm mxfp8_e4m3 fp32-block integer", lines)
             self.assertTrue(pathlib.Path(d, "logs", "step-3.log").read_text().startswith("device:"))
+
+    def test_fixed_order_and_pairing_by_round(self):
+        # Each bench prints the same time in every round but the second; with --fixed-order the runs
+        # go a b, a b, a b, and the rotated default pairs samples by round all the same.
+        for fixed in (True, False):
+            with tempfile.TemporaryDirectory() as d:
+                a = fake_bench(d, "a", counter_body(d, "a", [10.0, 30.0, 10.0]))
+                b = fake_bench(d, "b", counter_body(d, "b", [11.0, 20.0, 11.0]))
+                flags = ["--fixed-order"] if fixed else []
+                result = run_tool("--rounds", "3", *flags, f"a={a}", f"b={b}", log_dir=f"{d}/logs")
+                self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+                order = pathlib.Path(d, "order.txt").read_text().split()
+                self.assertEqual(order, ["a", "b", "a", "b", "a", "b"] if fixed else ["a", "b", "b", "a", "a", "b"])
+                self.assertEqual(pathlib.Path(d, "logs", "b-2.log").read_text().count("20.0 ms"), 1)
+                lines = result.stdout.splitlines()
+                at = lines.index("gemm mxfp8_e4m3 fp32-block integer sliced n_out 4096 n_in 14336 K 8192")
+                # b is lower than a only in round 2 (20 < 30), whatever order the round ran in.
+                self.assertRegex(lines[at + 2], r"^  b +11\.000 ms  \(11\.000 \.\. 20\.000, 3 samples\)  1\.100x a  "
+                                                r"lower in 1 of 3 paired$")
 
     def test_failures_are_reported_with_the_table(self):
         with tempfile.TemporaryDirectory() as d:

@@ -7,6 +7,17 @@ import os
 import statistics
 
 
+def round_order(variants, round_index, fixed=False):
+    """The variants in the order round round_index (from 1) runs them: rotated by one place a
+    round (A B C, B C A, C A B, ...), so that each holds each place in turn and a cost of the
+    place (the first run after the previous round's last, or after start-up) falls on all of them;
+    with fixed, A B C every round."""
+    if fixed or not variants:
+        return list(variants)
+    shift = (round_index - 1) % len(variants)
+    return list(variants[shift:]) + list(variants[:shift])
+
+
 def median_table(names, samples, unit, digits, label_filter=""):
     """Lines of the table. names: the variants in order, the first the baseline; samples:
     {name: {label: [value, ...]}}; labels in the order they first appear."""
