@@ -2,7 +2,8 @@
 kernels pass; a spill, a serialized-wgmma note (which names its function at the end of the line)
 or no matching kernel fail; bad arguments exit 2. The real compile is the ctest
 gpu_wgmma_kernels_ptxas, where nvcc is installed."""
-import os
+import importlib.machinery
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -66,6 +67,20 @@ class CheckPtxasTest(unittest.TestCase):
         self.assertIn("FAIL no kernel's name matches", result.stdout)
         result = self.check_log(entry(SCALED), "--kernels", "no_such_kernel")
         self.assertEqual(result.returncode, 1)
+
+    def test_its_flags_are_the_librarys(self):
+        # The code-changing flags the tool compiles with are those of mxscope_gpu's CUDA compile
+        # options, so that it checks the code the library runs.
+        loader = importlib.machinery.SourceFileLoader("check_ptxas", str(TOOL))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("check_ptxas", loader))
+        loader.exec_module(module)
+        cmake = (ROOT / "src" / "gpu" / "CMakeLists.txt").read_text()
+        options = next(line for line in cmake.splitlines() if "COMPILE_LANGUAGE:CUDA>:-std=" in line)
+        for flag in ("-std=c++20", "--expt-relaxed-constexpr", "--fmad=false"):
+            self.assertIn(flag, module.FLAGS)
+            self.assertIn(flag, options.split(">:", 1)[1].split())
+        self.assertIn("-DMXSCOPE_HAVE_CUDA=1", module.FLAGS)
+        self.assertIn("MXSCOPE_HAVE_CUDA=1", cmake)
 
     def test_bad_arguments_exit_2(self):
         self.assertEqual(self.check_log(entry(SCALED), "--kernels", "(").returncode, 2)
