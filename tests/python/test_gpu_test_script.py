@@ -2,6 +2,7 @@
 build, so that the verdicts, the exit codes and the usage errors can be checked without a GPU."""
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 import unittest
@@ -66,6 +67,18 @@ class GpuTestScriptTest(unittest.TestCase):
         result = run_tool("--no-such-option", out="/nonexistent")
         self.assertEqual(result.returncode, 2)
         self.assertIn("usage: tools/gpu-test", result.stderr)
+
+    def test_the_nvcc_fallback_compiles_the_test_sources_cmake_does(self):
+        # Where CMake's CUDA support fails, tools/gpu-test compiles the test with plain nvcc
+        # commands; a source file missing there fails only at that link, on a GPU machine.
+        cmake = (ROOT / "tests" / "gpu" / "CMakeLists.txt").read_text()
+        listed = re.search(r"set\(MXSCOPE_GPU_TEST_SOURCES(.*?)\)", cmake, re.S).group(1)
+        cmake_sources = sorted(re.findall(r"\$\{CMAKE_CURRENT_SOURCE_DIR\}/(\S+\.cpp)", listed))
+        script = TOOL.read_text()
+        loop = re.search(r"for source in (tests/gpu/.*?); do", script, re.S).group(1)
+        script_sources = sorted(path.removeprefix("tests/gpu/") for path in re.findall(r"tests/gpu/\S+\.cpp", loop))
+        self.assertGreater(len(cmake_sources), 5)
+        self.assertEqual(script_sources, cmake_sources)
 
 
 if __name__ == "__main__":
