@@ -1,5 +1,6 @@
-"""tools/gpu-test --prebuilt against stand-in binaries: shell scripts in place of a tests/gpu
-build, so that the verdicts, the exit codes and the usage errors can be checked without a GPU."""
+"""tools/gpu-test without a GPU: --prebuilt against stand-in binaries (shell scripts in place of a
+tests/gpu build), so that the verdicts, the exit codes and the usage errors can be checked; and its
+nvcc fallback's list of test sources against tests/gpu/CMakeLists.txt's."""
 import os
 import pathlib
 import re
